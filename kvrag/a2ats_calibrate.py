@@ -1,0 +1,597 @@
+"""A²ATS codebooks: query-aware vector quantization of position-free keys, fitted once per model.
+
+A²ATS (He et al., 2025) approximates the attention score of every cached key from a small
+integer code, so a decode step can rank all keys without reading them and then read only the
+top-K exactly. Two ideas make one *shared* codebook per (layer, KV head) work:
+
+* **Windowed RoPE** (eq. 11-12): a key more than ``w`` positions behind the query is scored as
+  if it were exactly ``b`` positions behind, ``u ≈ q R_b · k``, with ``k`` the *pre-RoPE* key.
+  So the keys being quantized carry no position at all (kvrag stores them that way anyway),
+  and the query is rotated once per step by the fixed offset ``b``.
+* **Query-aware VQ** (eq. 13-21): the score error of a quantized key is
+  ``(k - c) H (k - c)^T`` with ``H = E[q~^T q~]`` the second moment of the (``R_b``-rotated)
+  queries. With the Cholesky factor ``H = L L^T`` this is plain squared distance between
+  ``z = k L`` and ``c L``, so ordinary k-means++ on ``z`` fits the codebook ``C^z`` and
+  ``C = C^z L^{-1}`` is the codebook the scores use.
+
+This module fits codebooks (``fit_codebooks``/``calibrate``), assigns codes
+(``Codebooks.codes``), stores codebooks as safetensors named by the model fingerprint
+(``$KVRAG_HOME/a2ats/<fingerprint>.safetensors``) and finds the one belonging to a loaded
+model (``find_codebooks``).
+
+Shapes: ``L`` layers, ``H`` query heads, ``Hkv`` KV heads, ``G = H / Hkv`` query heads per KV
+head, ``D`` head dim, ``C`` codewords, ``T`` tokens, ``N`` calibration keys per head.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import random
+import uuid
+import weakref
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from kvrag.errors import KVRagError
+
+log = logging.getLogger("kvrag")
+
+FORMAT = "kvrag-a2ats-codebooks/1"
+DEFAULT_CODES = 512          # paper: 4096 (fitted on 80K tokens of an 8B model, on GPUs)
+DEFAULT_TOKENS = 8192        # paper: 64K web text + 16K random uuids
+DEFAULT_ITERS = 8
+DEFAULT_SEQ_LEN = 512
+DEFAULT_UUID_FRACTION = 0.2  # the paper's 16K uuid tokens of 80K
+DEFAULT_ROPE_OFFSET = 2048   # the paper's b
+MAX_CODES = 32767            # codes are stored as int16
+# Tokens of the probe sequence whose keys identify a model (see ``model_probe``).
+_PROBE_TOKENS = 16
+
+
+class CodebookError(KVRagError):
+    """No usable A²ATS codebook: none fitted for this model, or the file is broken/foreign."""
+
+
+# ---- k-means++ ---------------------------------------------------------------------------
+def _nearest(x: torch.Tensor, centers: torch.Tensor, block: int = 4096) -> torch.Tensor:
+    """Index of the nearest center for each point: x [B, N, D], centers [B, C, D] -> [B, N].
+
+    ``||x - c||^2 = ||x||^2 - 2 x.c + ||c||^2`` and the first term does not change the argmin;
+    computed in blocks of points so [B, block, C] distance tiles stay small."""
+    c2 = (centers * centers).sum(-1)  # [B, C]
+    out = []
+    for s in range(0, x.shape[1], block):
+        xs = x[:, s:s + block]
+        d = c2[:, None, :] - 2 * torch.matmul(xs, centers.transpose(1, 2))
+        out.append(d.argmin(-1))
+    return torch.cat(out, dim=1)
+
+
+def kmeans(x: torch.Tensor, k: int, iters: int = DEFAULT_ITERS, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Batched k-means++ (seeding + ``iters`` Lloyd steps) of B independent point sets.
+
+    x [B, N, D] -> centers [B, k, D] (same dtype). A cluster that ends up empty keeps its
+    previous center (with k-means++ seeding that is rare and harmless)."""
+    if x.dim() != 3:
+        raise ValueError(f"kmeans expects points [B, N, D], got shape {tuple(x.shape)}")
+    b, n, d = x.shape
+    if not 1 <= k <= n:
+        raise ValueError(f"kmeans: need 1 <= k <= number of points, got k={k}, points={n}")
+    ar = torch.arange(b)
+    centers = torch.empty(b, k, d, dtype=x.dtype)
+    first = torch.randint(n, (b,), generator=generator)
+    centers[:, 0] = x[ar, first]
+    d2 = ((x - centers[:, :1]) ** 2).sum(-1)  # [B, N] squared distance to the nearest center
+    for i in range(1, k):
+        # D^2 sampling: a point is picked with probability proportional to its squared
+        # distance from the centers chosen so far (Arthur & Vassilvitskii 2007).
+        w = d2.clamp_min(0).double()
+        tot = w.sum(-1, keepdim=True)
+        # All points coincide with centers (duplicates): any point will do.
+        w = torch.where(tot > 0, w, torch.ones_like(w))
+        pick = torch.multinomial(w, 1, generator=generator).squeeze(1)
+        centers[:, i] = x[ar, pick]
+        d2 = torch.minimum(d2, ((x - centers[:, i:i + 1]) ** 2).sum(-1))
+    for _ in range(iters):
+        assign = _nearest(x, centers)  # [B, N]
+        sums = torch.zeros_like(centers).scatter_add_(1, assign[..., None].expand(-1, -1, d), x)
+        counts = torch.zeros(b, k, dtype=x.dtype).scatter_add_(1, assign, torch.ones(b, n, dtype=x.dtype))
+        nonempty = counts > 0
+        centers = torch.where(nonempty[..., None], sums / counts.clamp_min(1)[..., None], centers)
+    return centers
+
+
+def query_cholesky(h: torch.Tensor, jitter: float = 1e-6) -> torch.Tensor:
+    """Lower Cholesky factor of second-moment matrices: h [..., D, D] -> L [..., D, D],
+    ``h + eps I = L L^T``. The small ridge (``jitter`` x mean eigenvalue) keeps a rank-deficient
+    H (a query direction never used) factorizable without changing the objective noticeably."""
+    h = h.double()
+    h = 0.5 * (h + h.transpose(-1, -2))
+    d = h.shape[-1]
+    scale = torch.diagonal(h, dim1=-2, dim2=-1).mean(-1).clamp_min(1e-12)
+    eye = torch.eye(d, dtype=h.dtype)
+    return torch.linalg.cholesky(h + (jitter * scale)[..., None, None] * eye)
+
+
+def fit_codebook(
+    keys: torch.Tensor, h: torch.Tensor, n_codes: int, *, iters: int = DEFAULT_ITERS,
+    generator: torch.Generator | None = None, query_aware: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Query-aware VQ codebooks for B independent (layer, head) problems.
+
+    keys [B, N, D] (position-free keys), h [B, D, D] (query second moments) ->
+    (codebook C [B, C, D] float32 — the codewords scores use —, chol L [B, D, D] float64 with
+    ``C L`` the codewords codes are assigned against). ``query_aware=False`` fits conventional
+    VQ (L = I): the paper's ablation baseline, kept for tests and comparisons."""
+    if keys.dim() != 3 or h.dim() != 3 or h.shape[0] != keys.shape[0] or h.shape[1:] != (keys.shape[2], keys.shape[2]):
+        raise ValueError(f"fit_codebook: keys [B, N, D] and h [B, D, D] do not match: {tuple(keys.shape)}, {tuple(h.shape)}")
+    if query_aware:
+        chol = query_cholesky(h)
+    else:
+        chol = torch.eye(keys.shape[2], dtype=torch.float64).expand(keys.shape[0], -1, -1).clone()
+    z = torch.matmul(keys.double(), chol).float()  # eq. 15: z = k L
+    cz = kmeans(z, n_codes, iters, generator).double()  # C^z, eq. 16-18
+    # eq. 19: C = C^z L^{-1}, i.e. solve C L = C^z.
+    codebook = torch.linalg.solve_triangular(chol, cz, upper=False, left=False)
+    return codebook.float(), chol
+
+
+# ---- codebooks -------------------------------------------------------------------------
+@dataclass
+class Codebooks:
+    """Fitted A²ATS codebooks of one model.
+
+    codebook [L, Hkv, C, D] float32 (``C``: scores use ``q R_b · codebook[code]``);
+    chol [L, Hkv, D, D] float64 (lower Cholesky factor of the query second moment; codes are
+    ``argmin_c ||k L - C_c L||``); probe [L, Hkv, P, D] float32 (pre-RoPE keys of a fixed
+    token sequence: identifies the model the codebook belongs to); meta: JSON-able facts
+    (fingerprint, model_type, rope_offset, n_tokens, ...)."""
+
+    codebook: torch.Tensor
+    chol: torch.Tensor
+    probe: torch.Tensor
+    meta: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        cb, ch, pr = self.codebook, self.chol, self.probe
+        if cb.dim() != 4 or ch.dim() != 4 or pr.dim() != 4:
+            raise CodebookError(
+                f"codebook tensors have the wrong rank: codebook {tuple(cb.shape)}, chol {tuple(ch.shape)}, probe {tuple(pr.shape)}"
+            )
+        l, hkv, c, d = cb.shape
+        if tuple(ch.shape) != (l, hkv, d, d) or tuple(pr.shape[:2]) != (l, hkv) or pr.shape[3] != d:
+            raise CodebookError(f"inconsistent codebook shapes: codebook {tuple(cb.shape)}, chol {tuple(ch.shape)}, probe {tuple(pr.shape)}")
+        if not 1 <= c <= MAX_CODES:
+            raise CodebookError(f"codebook has {c} codewords; codes are int16, so 1..{MAX_CODES} are supported")
+        self.codebook = cb.float().contiguous()
+        self.chol = ch.double().contiguous()
+        self.probe = pr.float().contiguous()
+        # Codewords in z-space (C L), float64 so that code assignment is not sensitive to
+        # how a batch of keys happens to be blocked by the matmul (ties are then ~1e-16).
+        self._cz = torch.matmul(self.codebook.double(), self.chol)
+        self._cz2 = (self._cz * self._cz).sum(-1)  # [L, Hkv, C]
+        h = hashlib.sha256()
+        for t in (self.codebook, self.chol):
+            h.update(t.numpy().tobytes())
+        self.digest = h.digest()[:16]
+
+    @property
+    def n_layers(self) -> int:
+        return self.codebook.shape[0]
+
+    @property
+    def n_kv_heads(self) -> int:
+        return self.codebook.shape[1]
+
+    @property
+    def n_codes(self) -> int:
+        return self.codebook.shape[2]
+
+    @property
+    def head_dim(self) -> int:
+        return self.codebook.shape[3]
+
+    @property
+    def rope_offset(self) -> int:
+        return int(self.meta.get("rope_offset", DEFAULT_ROPE_OFFSET))
+
+    def digest_tensor(self) -> torch.Tensor:
+        """The codebook identity as a uint8 [16] tensor (stored beside chunk codes, so codes made
+        with another codebook are recognised and recomputed)."""
+        return torch.tensor(list(self.digest), dtype=torch.uint8)
+
+    def check_model(self, n_layers: int, n_kv_heads: int, head_dim: int) -> None:
+        if (self.n_layers, self.n_kv_heads, self.head_dim) != (n_layers, n_kv_heads, head_dim):
+            raise CodebookError(
+                f"codebook is for {self.n_layers} layers x {self.n_kv_heads} KV heads x {self.head_dim} dims, "
+                f"the model has {n_layers} x {n_kv_heads} x {head_dim}"
+            )
+
+    def codes_layer(self, layer: int, keys: torch.Tensor, block: int = 2048) -> torch.Tensor:
+        """Codes of pre-RoPE keys at one layer: keys [Hkv, T, D] -> int16 [Hkv, T] (eq. 20)."""
+        if keys.dim() != 3 or keys.shape[0] != self.n_kv_heads or keys.shape[2] != self.head_dim:
+            raise ValueError(f"codes_layer: keys must be [{self.n_kv_heads}, T, {self.head_dim}], got {tuple(keys.shape)}")
+        chol, cz, cz2 = self.chol[layer], self._cz[layer], self._cz2[layer]
+        k = keys.detach().to("cpu", torch.float64)
+        out = []
+        for s in range(0, k.shape[1], block):
+            z = torch.matmul(k[:, s:s + block], chol)  # [Hkv, t, D]
+            d = cz2[:, None, :] - 2 * torch.matmul(z, cz.transpose(1, 2))
+            out.append(d.argmin(-1))
+        if not out:
+            return torch.empty(self.n_kv_heads, 0, dtype=torch.int16)
+        return torch.cat(out, dim=1).to(torch.int16)
+
+    def codes(self, keys: torch.Tensor) -> torch.Tensor:
+        """Codes of a chunk's pre-RoPE keys: keys [L, Hkv, T, D] -> int16 [L, Hkv, T]."""
+        if keys.dim() != 4 or keys.shape[0] != self.n_layers:
+            raise ValueError(f"codes: keys must be [{self.n_layers}, Hkv, T, D], got {tuple(keys.shape)}")
+        return torch.stack([self.codes_layer(layer, keys[layer]) for layer in range(self.n_layers)])
+
+    # -- files --------------------------------------------------------------------------
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write a safetensors file (atomically: a reader never sees half a file)."""
+        from safetensors.torch import save_file
+
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        meta = {"format": FORMAT, **{k: json.dumps(v) for k, v in self.meta.items()}}
+        tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+        try:
+            save_file({"codebook": self.codebook, "chol": self.chol, "probe": self.probe}, str(tmp), metadata=meta)
+            os.replace(tmp, path)
+        finally:
+            if tmp.exists():
+                tmp.unlink()
+        return path
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "Codebooks":
+        from safetensors import safe_open
+
+        path = Path(path)
+        if not path.is_file():
+            raise CodebookError(f"A2ATS codebook file {str(path)!r} does not exist")
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                raw = f.metadata() or {}
+                if raw.get("format") != FORMAT:
+                    raise CodebookError(f"{str(path)!r} is not a kvrag A2ATS codebook file (format {raw.get('format')!r})")
+                tensors = {k: f.get_tensor(k) for k in ("codebook", "chol", "probe")}
+        except CodebookError:
+            raise
+        except Exception as e:  # safetensors raises assorted errors on truncated/garbage files
+            raise CodebookError(f"cannot read A2ATS codebook {str(path)!r}: {e}") from e
+        meta = {k: json.loads(v) for k, v in raw.items() if k != "format"}
+        return cls(tensors["codebook"], tensors["chol"], tensors["probe"], meta)
+
+
+# ---- model identity ----------------------------------------------------------------------
+def probe_ids(vocab_size: int) -> list[int]:
+    """A fixed, arbitrary token sequence spread over the vocabulary."""
+    return [(i * 7919 + 11) % vocab_size for i in range(1, _PROBE_TOKENS + 1)]
+
+
+_PROBES: "weakref.WeakKeyDictionary[torch.nn.Module, torch.Tensor]" = weakref.WeakKeyDictionary()
+
+
+def model_probe(arch) -> torch.Tensor:
+    """Pre-RoPE keys [L, Hkv, P, D] (float32, CPU) of the probe sequence under ``arch``'s model.
+
+    Policies only see the model object, not the ``ModelHandle`` that knows the fingerprint,
+    so a codebook carries the probe keys of the model it was fitted on: equal probe keys mean
+    the same weights (a different model gives unrelated keys), at the cost of a 16-token
+    forward once per process and model."""
+    from kvrag.chunk import compute_chunk_kv
+
+    probe = _PROBES.get(arch.model)
+    if probe is None:
+        keys, _ = compute_chunk_kv(arch, [probe_ids(arch.config.vocab_size)])[0]
+        probe = keys.detach().float().cpu()
+        _PROBES[arch.model] = probe
+    return probe
+
+
+def probe_matches(stored: torch.Tensor, probe: torch.Tensor, rtol: float = 1e-3) -> bool:
+    """Same model? Relative L2 distance of the probe keys below ``rtol`` (fp32 vs itself is ~1e-7;
+    another model is ~1)."""
+    if stored.shape != probe.shape:
+        return False
+    return float((stored - probe).norm()) <= rtol * float(probe.norm()) + 1e-12
+
+
+def codebook_dir() -> Path:
+    """Where fitted codebooks live: ``$KVRAG_HOME/a2ats`` (default ``~/.cache/kvrag/a2ats``)."""
+    from kvrag.model import default_home
+
+    return default_home() / "a2ats"
+
+
+def codebook_path(fingerprint: str, directory: str | os.PathLike | None = None) -> Path:
+    """Default file of a model's codebooks: ``<directory or codebook_dir()>/<fingerprint>.safetensors``."""
+    return (Path(directory) if directory is not None else codebook_dir()) / f"{fingerprint}.safetensors"
+
+
+_LOADED: dict[tuple, Codebooks] = {}
+
+
+def load_cached(path: str | os.PathLike) -> Codebooks:
+    """``Codebooks.load`` memoized by (path, mtime, size): a query must not re-read and
+    re-hash megabytes of codebook on every call, but a recalibrated file is picked up."""
+    p = Path(path).resolve()
+    try:
+        st = p.stat()
+    except OSError:
+        raise CodebookError(f"A2ATS codebook file {str(path)!r} does not exist") from None
+    key = (str(p), st.st_mtime_ns, st.st_size)
+    cb = _LOADED.get(key)
+    if cb is None:
+        cb = Codebooks.load(p)
+        if len(_LOADED) > 8:
+            _LOADED.clear()
+        _LOADED[key] = cb
+    return cb
+
+
+def _header_meta(path: Path) -> dict | None:
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            raw = f.metadata() or {}
+            if raw.get("format") != FORMAT:
+                return None
+            shape = f.get_slice("codebook").get_shape()
+        return {"shape": list(shape), **{k: json.loads(v) for k, v in raw.items() if k != "format"}}
+    except Exception:
+        return None
+
+
+def find_codebooks(arch, directory: str | os.PathLike | None = None) -> Codebooks | None:
+    """The codebook fitted for ``arch``'s model in ``directory`` (default ``codebook_dir()``),
+    or None. Files whose header shapes do not fit are skipped without loading; among those
+    whose probe keys match the model, the newest wins."""
+    d = Path(directory) if directory is not None else codebook_dir()
+    if not d.is_dir():
+        return None
+    want = (arch.n_layers, arch.n_kv_heads, arch.head_dim)
+    cands = []
+    for p in d.glob("*.safetensors"):
+        meta = _header_meta(p)
+        if meta is None:
+            continue
+        s = meta["shape"]
+        if (s[0], s[1], s[3]) != want or meta.get("model_type") != arch.config.model_type:
+            continue
+        cands.append((p.stat().st_mtime_ns, p))
+    if not cands:
+        return None
+    probe = model_probe(arch)
+    for _, p in sorted(cands, reverse=True):
+        try:
+            cb = load_cached(p)
+        except CodebookError as e:
+            log.warning("skipping A2ATS codebook %s: %s", p, e)
+            continue
+        if probe_matches(cb.probe, probe):
+            return cb
+    return None
+
+
+def verify_for_model(cb: Codebooks, arch, source: str) -> Codebooks:
+    """Raise CodebookError unless ``cb`` was fitted on ``arch``'s model."""
+    cb.check_model(arch.n_layers, arch.n_kv_heads, arch.head_dim)
+    if not probe_matches(cb.probe, model_probe(arch)):
+        raise CodebookError(
+            f"A2ATS codebook {source} was fitted for a different model "
+            f"(fingerprint {cb.meta.get('fingerprint', '?')}); run `kvrag calibrate a2ats` for this model"
+        )
+    return cb
+
+
+# ---- calibration text ----------------------------------------------------------------------
+def uuid_text(n_chars: int, seed: int = 0) -> str:
+    """Random uuid strings (the paper mixes 16K tokens of them into its calibration set: they
+    exercise the key-retrieval heads that needle-style lookups rely on)."""
+    rng = random.Random(seed)
+    parts, total = [], 0
+    while total < n_chars:
+        u = str(uuid.UUID(int=rng.getrandbits(128), version=4))
+        parts.append(u)
+        total += len(u) + 1
+    return "\n".join(parts)
+
+
+def _strings(obj) -> Iterable[str]:
+    if isinstance(obj, str):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _strings(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _strings(v)
+
+
+def read_texts(paths: Sequence[str | os.PathLike]) -> list[str]:
+    """Calibration texts from files: ``.json`` -> every string in it (e.g. a dataset's
+    passages), ``.jsonl`` -> every string of every line, anything else -> the file's text."""
+    out: list[str] = []
+    for p in paths:
+        p = Path(p)
+        if not p.is_file():
+            raise CodebookError(f"calibration text file {str(p)!r} does not exist")
+        raw = p.read_text(encoding="utf-8", errors="replace")
+        try:
+            if p.suffix.lower() == ".json":
+                out.extend(s for s in _strings(json.loads(raw)) if len(s.strip()) > 32)
+            elif p.suffix.lower() == ".jsonl":
+                for line in raw.splitlines():
+                    if line.strip():
+                        out.extend(s for s in _strings(json.loads(line)) if len(s.strip()) > 32)
+            else:
+                out.append(raw)
+        except json.JSONDecodeError as e:
+            raise CodebookError(f"calibration text file {str(p)!r} is not valid JSON: {e}") from e
+    return out
+
+
+def builtin_texts() -> list[str]:
+    """Generic English text that ships with kvrag and Python, so calibration needs no network:
+    kvrag's demo corpus and the Python documentation topics (``pydoc_data``, ~100K tokens of
+    technical prose). In-domain text (``--text your_documents``) is a better choice."""
+    import importlib.resources
+
+    out: list[str] = []
+    try:
+        demo = json.loads(importlib.resources.files("kvrag.data").joinpath("demo_corpus.json").read_text("utf-8"))
+        out.extend(s for s in _strings(demo) if len(s) > 32)
+    except (FileNotFoundError, ModuleNotFoundError, json.JSONDecodeError):
+        pass
+    try:
+        from pydoc_data.topics import topics
+
+        out.extend(topics[k] for k in sorted(topics))
+    except ImportError:  # some distributions strip pydoc_data
+        pass
+    if not out:
+        raise CodebookError("no built-in calibration text found; pass --text FILE")
+    return out
+
+
+def calibration_sequences(
+    encode: Callable[[str], list[int]], texts: Sequence[str], n_tokens: int, *, seq_len: int = DEFAULT_SEQ_LEN,
+    uuid_fraction: float = DEFAULT_UUID_FRACTION, seed: int = 0, prefix: Sequence[int] = (),
+) -> list[list[int]]:
+    """Token sequences of at most ``seq_len`` tokens, ~``n_tokens`` in all: ``1 - uuid_fraction``
+    of them from ``texts`` (joined by blank lines), the rest random uuids. Each sequence starts
+    with ``prefix`` (the BOS the model sees at the start of a prompt). Fewer tokens come back
+    when the texts run out (a warning says so)."""
+    if n_tokens < 1 or seq_len < 2:
+        raise ValueError(f"need n_tokens >= 1 and seq_len >= 2, got {n_tokens}, {seq_len}")
+    if not 0.0 <= uuid_fraction <= 1.0:
+        raise ValueError(f"uuid_fraction must be in [0, 1], got {uuid_fraction}")
+    body = seq_len - len(prefix)
+    if body < 1:
+        raise ValueError(f"seq_len {seq_len} leaves no room after the {len(prefix)}-token prefix")
+    n_uuid = int(round(n_tokens * uuid_fraction))
+    n_text = n_tokens - n_uuid
+
+    def cut(ids: list[int], budget: int) -> list[list[int]]:
+        seqs = []
+        for s in range(0, min(len(ids), budget), body):
+            piece = ids[s:min(s + body, budget)]
+            if len(piece) >= 2:
+                seqs.append(list(prefix) + piece)
+        return seqs
+
+    seqs: list[list[int]] = []
+    if n_text:
+        ids: list[int] = []
+        for t in texts:
+            ids.extend(encode(t + "\n\n"))
+            if len(ids) >= n_text:
+                break
+        if len(ids) < n_text:
+            log.warning("calibration text has only %d tokens (asked for %d)", len(ids), n_text)
+        seqs += cut(ids, n_text)
+    if n_uuid:
+        # ~2.3 characters per token for uuid hex: generate generously, then cut.
+        seqs += cut(encode(uuid_text(n_uuid * 3, seed)), n_uuid)
+    if not seqs:
+        raise CodebookError("calibration produced no token sequences (empty text?)")
+    return seqs
+
+
+# ---- fitting ---------------------------------------------------------------------------
+@torch.no_grad()
+def collect_statistics(arch, sequences: Sequence[Sequence[int]], rope_offset: int = DEFAULT_ROPE_OFFSET, progress=None):
+    """Run the model over ``sequences`` (each alone, positions from 0).
+
+    Returns (h [L, Hkv, D, D] float64 — mean of ``q~^T q~`` over every token and every query
+    head of the group, with ``q~ = q_pre R_b`` (eq. 12) —, keys [L, Hkv, N, D] float32
+    pre-RoPE keys, N = total tokens)."""
+    L, hkv, d, H = arch.n_layers, arch.n_kv_heads, arch.head_dim, arch.n_heads
+    g = H // hkv
+    hsum = torch.zeros(L, hkv, d, d, dtype=torch.float64)
+    count = 0
+    keys: list[list[torch.Tensor]] = [[] for _ in range(L)]
+    dev = arch.device
+    for seq in sequences:
+        t = len(seq)
+        pos = torch.arange(t, device=dev)
+        cs = arch.cos_sin(pos)
+        # Rotating q (already at position p) by b - p gives q_pre R_b: WRoPE's query.
+        cs_b = arch.cos_sin(rope_offset - pos)
+        mask = pos[:, None] >= pos[None, :]
+        hidden = arch.embed(torch.tensor(list(seq), dtype=torch.long))
+        for layer in range(L):
+            q, k, v, k_pre = arch.qkv(layer, hidden, cs)
+            qb = arch.rotate(q, None, cs_b).double().reshape(hkv, g * t, d)
+            hsum[layer] += torch.matmul(qb.transpose(1, 2), qb)
+            keys[layer].append(k_pre.float().cpu())
+            if layer < L - 1:
+                hidden = arch.attend(layer, hidden, q, k, v, mask)
+        count += g * t
+        if progress is not None:
+            progress(t)
+    return hsum / count, torch.stack([torch.cat(k, dim=1) for k in keys])
+
+
+def fit_codebooks(
+    arch, sequences: Sequence[Sequence[int]], *, n_codes: int = DEFAULT_CODES, iters: int = DEFAULT_ITERS,
+    rope_offset: int = DEFAULT_ROPE_OFFSET, seed: int = 0, max_keys: int | None = None,
+    meta: dict | None = None, progress=None,
+) -> Codebooks:
+    """Fit one query-aware codebook per (layer, KV head) of ``arch``'s model on ``sequences``.
+
+    ``max_keys`` caps the keys per head k-means sees (a random subset; None = all)."""
+    if not 1 <= n_codes <= MAX_CODES:
+        raise ValueError(f"n_codes must be in 1..{MAX_CODES}, got {n_codes}")
+    if iters < 0:
+        raise ValueError(f"iters must be >= 0, got {iters}")
+    h, keys = collect_statistics(arch, sequences, rope_offset, progress=progress)
+    n = keys.shape[2]
+    if n < n_codes:
+        raise ValueError(f"{n} calibration tokens cannot fit {n_codes} codewords; use more tokens or fewer codes")
+    gen = torch.Generator().manual_seed(seed)
+    if max_keys is not None and n > max_keys:
+        keys = keys[:, :, torch.randperm(n, generator=gen)[:max_keys]]
+    books, chols = [], []
+    for layer in range(arch.n_layers):  # the KV heads of a layer are fitted as one batch
+        cb, ch = fit_codebook(keys[layer], h[layer], n_codes, iters=iters, generator=gen)
+        books.append(cb)
+        chols.append(ch)
+    info = {
+        "model_type": arch.config.model_type, "n_layers": arch.n_layers, "n_kv_heads": arch.n_kv_heads,
+        "n_heads": arch.n_heads, "head_dim": arch.head_dim, "n_codes": n_codes, "n_tokens": int(n),
+        "iters": iters, "rope_offset": rope_offset, "seed": seed, **(meta or {}),
+    }
+    return Codebooks(torch.stack(books), torch.stack(chols), model_probe(arch), info)
+
+
+def calibrate(
+    handle, *, texts: Sequence[str] | None = None, n_tokens: int = DEFAULT_TOKENS, n_codes: int = DEFAULT_CODES,
+    iters: int = DEFAULT_ITERS, seq_len: int = DEFAULT_SEQ_LEN, uuid_fraction: float = DEFAULT_UUID_FRACTION,
+    rope_offset: int = DEFAULT_ROPE_OFFSET, seed: int = 0, out: str | os.PathLike | None = None, progress=None,
+) -> tuple[Codebooks, Path]:
+    """Fit codebooks for a ``ModelHandle`` and save them to ``out`` (default
+    ``$KVRAG_HOME/a2ats/<fingerprint>.safetensors``). ``texts`` None = ``builtin_texts()``."""
+    texts = builtin_texts() if texts is None else list(texts)
+    seqs = calibration_sequences(
+        handle.encode, texts, n_tokens, seq_len=seq_len, uuid_fraction=uuid_fraction, seed=seed,
+        prefix=handle.prefix_ids(),
+    )
+    cb = fit_codebooks(
+        handle.arch, seqs, n_codes=n_codes, iters=iters, rope_offset=rope_offset, seed=seed,
+        meta={"fingerprint": handle.fingerprint, "uuid_fraction": uuid_fraction, "seq_len": seq_len},
+        progress=progress,
+    )
+    path = Path(out) if out is not None else codebook_path(handle.fingerprint)
+    cb.save(path)
+    return cb, path

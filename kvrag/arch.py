@@ -1,0 +1,144 @@
+"""Architecture adapter: where the pieces of a Llama-family decoder live, and one layer step.
+
+kvrag runs the decoder layer by layer itself (instead of calling ``model.forward``) because
+fusion needs to compute only *some* tokens at a layer while they attend to a K/V that mixes
+cached and freshly computed rows. The step reuses the model's own modules (projections,
+norms, MLP, rotary embedding), so any HF Llama, Mistral, Qwen2 or Qwen3 checkpoint works
+without re-implementing its maths.
+
+Shapes: ``A`` active tokens at a layer, ``N`` tokens in the K/V, ``H`` query heads, ``Hkv``
+KV heads, ``D`` head dim, ``E`` hidden size.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm3")
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """HF's RoPE convention (all supported families use it): ``[-x2, x1]`` on the last dim."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+@dataclass
+class Arch:
+    """Handles on the modules of a Llama-family causal LM."""
+
+    model: torch.nn.Module
+
+    def __post_init__(self) -> None:
+        cfg = self.model.config
+        mt = getattr(cfg, "model_type", "")
+        if mt not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"model_type {mt!r} is not supported by kvrag's fusion engine "
+                f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+            )
+        self.config = cfg
+        self.body = self.model.model
+        self.layers = self.body.layers
+        self.n_layers = len(self.layers)
+        attn = self.layers[0].self_attn
+        self.head_dim = attn.head_dim
+        self.n_heads = cfg.num_attention_heads
+        self.n_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.n_heads
+        self.hidden_size = cfg.hidden_size
+        self.scaling = attn.scaling
+
+    @property
+    def device(self) -> torch.device:
+        return self.body.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.body.embed_tokens.weight.dtype
+
+    # ---- positions -------------------------------------------------------------------
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE tables for ``positions`` [P] -> cos, sin [P, D] (model's own rotary module,
+        so rope scaling variants such as Llama-3's are honoured)."""
+        dummy = torch.empty(1, device=self.device, dtype=self.dtype)
+        cos, sin = self.body.rotary_emb(dummy, positions.to(self.device).view(1, -1))
+        return cos[0], sin[0]
+
+    def rotate(self, x: torch.Tensor, positions: torch.Tensor, cos_sin=None) -> torch.Tensor:
+        """Rotate pre-RoPE vectors ``x`` [..., P, D] to ``positions`` [P].
+
+        RoPE is a rotation per frequency pair, so rotating a position-free key by ``p`` gives
+        exactly the key the model computes at position ``p``; rotating by ``-p`` undoes it."""
+        cos, sin = cos_sin if cos_sin is not None else self.cos_sin(positions)
+        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+        return x * cos + rotate_half(x) * sin
+
+    # ---- embedding / head ------------------------------------------------------------
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """token ids [P] -> hidden states [P, E]."""
+        return self.body.embed_tokens(token_ids.to(self.device))
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """last-layer hidden states [P, E] -> logits [P, V] (final norm + LM head)."""
+        return self.model.lm_head(self.body.norm(hidden)).float()
+
+    # ---- one decoder layer -----------------------------------------------------------
+    def qkv(self, layer: int, hidden: torch.Tensor, cos_sin) -> tuple[torch.Tensor, ...]:
+        """hidden [A, E] -> q [H, A, D], k [Hkv, A, D] (both rotated), v [Hkv, A, D],
+        k_pre [Hkv, A, D] (the key before rotation: what the store keeps)."""
+        block = self.layers[layer]
+        attn = block.self_attn
+        x = block.input_layernorm(hidden)
+        a = x.shape[0]
+        q = attn.q_proj(x).view(a, -1, self.head_dim)
+        k = attn.k_proj(x).view(a, -1, self.head_dim)
+        v = attn.v_proj(x).view(a, -1, self.head_dim)
+        # Qwen3 normalises q/k per head before RoPE.
+        if getattr(attn, "q_norm", None) is not None:
+            q = attn.q_norm(q)
+            k = attn.k_norm(k)
+        q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+        cos, sin = cos_sin
+        q_rot = self.rotate(q, None, (cos, sin))
+        k_rot = self.rotate(k, None, (cos, sin))
+        return q_rot, k_rot, v, k
+
+    def attend(
+        self,
+        layer: int,
+        hidden: torch.Tensor,
+        q: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Finish a layer for the active tokens.
+
+        hidden [A, E] (residual input), q [H, A, D], keys/values [Hkv, N, D],
+        mask bool [A, N] (True = may attend) -> new hidden [A, E]."""
+        block = self.layers[layer]
+        out = F.scaled_dot_product_attention(
+            q.unsqueeze(0),
+            keys.unsqueeze(0).to(q.dtype),
+            values.unsqueeze(0).to(q.dtype),
+            attn_mask=None if mask is None else mask.unsqueeze(0).unsqueeze(0),
+            scale=self.scaling,
+            enable_gqa=self.n_heads != self.n_kv_heads,
+        )[0]
+        out = out.transpose(0, 1).reshape(hidden.shape[0], -1)
+        hidden = hidden + block.self_attn.o_proj(out)
+        return hidden + block.mlp(block.post_attention_layernorm(hidden))
+
+    def attention_probs(self, q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """Softmax attention weights, q [H, A, D], keys [Hkv, N, D] -> [H, A, N] (GQA aware).
+
+        Policies that score tokens by attention (A3, SamKV) use this explicitly, since the
+        fused SDPA kernel does not return weights."""
+        group = self.n_heads // self.n_kv_heads
+        k = keys.to(q.dtype).repeat_interleave(group, dim=0)
+        scores = torch.matmul(q, k.transpose(-1, -2)) * self.scaling
+        if mask is not None:
+            scores = scores.masked_fill(~mask.unsqueeze(0), float("-inf"))
+        return torch.softmax(scores.float(), dim=-1)

@@ -1,0 +1,185 @@
+"""Decoding after a prefill: sampling, stop conditions, streaming.
+
+Two back-ends continue from a prefilled cache:
+* ``HFStepper`` hands the fused K/V to a transformers ``DynamicCache`` and calls the model's
+  own forward one token at a time (exactly what ``generate`` does, so ``full_prefill`` equals
+  plain greedy generation token for token);
+* ``FusedStepper`` runs kvrag's own layer step and asks the policy, per layer, which cache
+  slots each new token attends to (A2ATS' top-k retrieval).
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache
+
+from kvrag.arch import Arch
+
+
+@dataclass
+class Sampling:
+    """Decoding options. temperature 0 = greedy."""
+
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    stop: Sequence[str] = field(default_factory=tuple)
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if isinstance(self.stop, str):
+            self.stop = (self.stop,)
+
+
+def sample(logits: torch.Tensor, s: Sampling, gen: torch.Generator | None) -> int:
+    """Pick the next token from logits [V]."""
+    if s.temperature == 0:
+        return int(torch.argmax(logits))
+    logits = logits.float() / s.temperature
+    if s.top_k:
+        kth = torch.topk(logits, min(s.top_k, logits.numel())).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if s.top_p < 1:
+        sp, si = probs.sort(descending=True)
+        cut = sp.cumsum(0) - sp > s.top_p
+        sp[cut] = 0
+        probs = torch.zeros_like(probs).scatter(0, si, sp)
+    return int(torch.multinomial(probs / probs.sum(), 1, generator=gen))
+
+
+class HFStepper:
+    """Continue with the model's own forward over a DynamicCache.
+
+    K/V: per layer [Hkv, M, D] (keys rotated), ``next_position``: position of the next token."""
+
+    def __init__(self, model, K=None, V=None, next_position: int = 0, cache: DynamicCache | None = None):
+        self.model = model
+        if cache is None:
+            cache = DynamicCache()
+            for layer, (k, v) in enumerate(zip(K, V)):
+                cache.update(k.unsqueeze(0), v.unsqueeze(0), layer)
+        self.cache = cache
+        self.pos = next_position
+
+    @torch.no_grad()
+    def step(self, token_ids: Sequence[int], last_only: bool = False) -> torch.Tensor:
+        """Feed tokens [T]; logits [T, V] for the token after each ([1, V] if last_only:
+        a long prefill must not materialise T x V logits)."""
+        ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self.model.device)
+        t = ids.shape[1]
+        pos = torch.arange(self.pos, self.pos + t, device=ids.device).unsqueeze(0)
+        past = self.cache.get_seq_length()
+        out = self.model(
+            input_ids=ids, position_ids=pos, past_key_values=self.cache, use_cache=True,
+            cache_position=torch.arange(past, past + t, device=ids.device),
+            logits_to_keep=1 if last_only else 0,
+        )
+        self.cache = out.past_key_values
+        self.pos += t
+        return out.logits[0].float()
+
+
+class FusedStepper:
+    """Continue with kvrag's layer step; ``policy.decode_select`` picks the slots to read."""
+
+    def __init__(self, arch: Arch, K, V, next_position: int, policy, state):
+        self.arch, self.policy, self.state = arch, policy, state
+        self.K, self.V = list(K), list(V)
+        self.pos = next_position
+
+    @torch.no_grad()
+    def step(self, token_ids: Sequence[int], last_only: bool = False) -> torch.Tensor:
+        rows = []
+        for tok in token_ids:
+            pos = torch.tensor([self.pos], device=self.arch.device)
+            cs = self.arch.cos_sin(pos)
+            hidden = self.arch.embed(torch.tensor([tok]))
+            for layer in range(self.arch.n_layers):
+                q, k, v, _ = self.arch.qkv(layer, hidden, cs)
+                self.K[layer] = torch.cat([self.K[layer], k], dim=1)
+                self.V[layer] = torch.cat([self.V[layer], v], dim=1)
+                idx = self.policy.decode_select(layer, q, self)
+                keys, vals = self.K[layer], self.V[layer]
+                if idx is not None:
+                    keys, vals = keys[:, idx], vals[:, idx]
+                hidden = self.arch.attend(layer, hidden, q, keys, vals, None)
+            rows.append(self.arch.logits(hidden)[0])
+            self.pos += 1
+        return torch.stack(rows)
+
+
+class TextStream:
+    """Incremental detokenisation with stop strings: ``push(token) -> new text`` (may be '')."""
+
+    def __init__(self, tokenizer, stop: Sequence[str] = ()):
+        self.tok = tokenizer
+        self.stop = [s for s in stop if s]
+        self.ids: list[int] = []
+        self.emitted = ""
+        self.stopped = False
+
+    def push(self, token: int) -> str:
+        self.ids.append(token)
+        text = self.tok.decode(self.ids, skip_special_tokens=True)
+        for s in self.stop:
+            cut = text.find(s)
+            if cut >= 0:
+                text, self.stopped = text[:cut], True
+        # Hold back a partial multi-byte character and any tail that could start a stop string.
+        hold = 0
+        if not self.stopped:
+            if text.endswith("\ufffd"):
+                return ""
+            for s in self.stop:
+                for j in range(min(len(s) - 1, len(text)), 0, -1):
+                    if text.endswith(s[:j]):
+                        hold = max(hold, j)
+                        break
+        visible = text[: len(text) - hold]
+        delta = visible[len(self.emitted):] if visible.startswith(self.emitted) else ""
+        self.emitted = visible if visible.startswith(self.emitted) else self.emitted
+        return delta
+
+    def flush(self) -> str:
+        text = self.tok.decode(self.ids, skip_special_tokens=True)
+        for s in self.stop:
+            cut = text.find(s)
+            if cut >= 0:
+                text = text[:cut]
+        delta = text[len(self.emitted):] if text.startswith(self.emitted) else ""
+        self.emitted += delta
+        return delta
+
+
+def eos_ids(model, tokenizer) -> set[int]:
+    ids = set()
+    gc = getattr(model, "generation_config", None)
+    for src in (getattr(gc, "eos_token_id", None), tokenizer.eos_token_id):
+        if src is None:
+            continue
+        ids.update(src if isinstance(src, (list, tuple)) else [src])
+    return ids
+
+
+def generate_tokens(first_logits: torch.Tensor, stepper, sampling: Sampling, eos: set[int]) -> Iterator[int]:
+    """Yield token ids: the first from ``first_logits`` [V], then one stepper call each."""
+    gen = None
+    if sampling.seed is not None:
+        gen = torch.Generator().manual_seed(sampling.seed)
+    logits = first_logits
+    for i in range(sampling.max_new_tokens):
+        tok = sample(logits.cpu(), sampling, gen)
+        yield tok
+        if tok in eos or i == sampling.max_new_tokens - 1:
+            return
+        logits = stepper.step([tok])[-1]

@@ -1,0 +1,314 @@
+"""``KVRag``: the facade that ties model, store, segmenter, fusion and decoding together.
+
+Integrations (LlamaIndex, LangChain) and the CLI talk to this class only::
+
+    rag = KVRag(cache_dir=".kvrag", policy="cacheblend", recompute_ratio=0.15)
+    rag.precompute(chunk_texts)
+    out = rag.generate(prompt)          # finds the chunk texts inside the prompt
+    print(out.text, out.stats.ttft_s)
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from kvrag.arch import Arch
+from kvrag.chunk import compute_chunk_kv, pack
+from kvrag.decode import FusedStepper, HFStepper, Sampling, TextStream, eos_ids, generate_tokens
+from kvrag.errors import ChunkError
+from kvrag.fusion import CACHED, PLAIN, FusionEngine, FusionResult, FusionStats, Layout, Piece
+from kvrag.model import ModelHandle
+from kvrag.policies import Policy, get_policy
+from kvrag.segment import Segmenter, render_messages
+from kvrag.store import ChunkEntry, KVStore
+
+log = logging.getLogger("kvrag")
+
+STORAGE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def default_home() -> Path:
+    return Path(os.environ.get("KVRAG_HOME", Path.home() / ".cache" / "kvrag"))
+
+
+@dataclass
+class Generation:
+    """A finished generation: text, generated token ids, and what the prefill did."""
+
+    text: str
+    token_ids: list[int]
+    stats: FusionStats
+    prompt_ids: list[int] = field(default_factory=list)
+
+
+class Stream:
+    """Iterator of text deltas; ``.stats``/``.text``/``.token_ids`` are complete once exhausted."""
+
+    def __init__(self, gen: Iterator[str]):
+        self._gen = gen
+        self.text = ""
+        self.token_ids: list[int] = []
+        self.stats: FusionStats | None = None
+        self.prompt_ids: list[int] = []
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> str:
+        return next(self._gen)
+
+
+class KVRag:
+    """Precompute chunk KV caches, then answer prompts by fusing them under a policy.
+
+    model: a ``ModelHandle``, a local HF model directory or ``.gguf`` path, or None for the
+    default SmolLM2-135M-Instruct. cache_dir: where the KV store lives. policy/policy_params:
+    the default reuse policy (overridable per call). storage_dtype: dtype of stored K/V.
+    ingest_policies: policies whose per-chunk extras are computed at precompute time."""
+
+    def __init__(
+        self,
+        model: ModelHandle | str | None = None,
+        *,
+        cache_dir: str | os.PathLike | None = None,
+        policy: str | Policy = "cacheblend",
+        storage_dtype: str = "float16",
+        size_limit: int = 16 * 2**30,
+        dtype: str = "float32",
+        device: str = "cpu",
+        ingest_policies: Sequence[str | Policy] = (),
+        query_tokens: int | None = None,
+        refresh_s: float = 2.0,
+        **policy_params,
+    ) -> None:
+        self.handle = model if isinstance(model, ModelHandle) else ModelHandle.load(model, dtype=dtype, device=device)
+        self.arch = Arch(self.handle.model)
+        self.tokenizer = self.handle.tokenizer
+        self.fingerprint = self.handle.fingerprint
+        cache_dir = Path(cache_dir) if cache_dir is not None else default_home() / "store"
+        self.store = KVStore(cache_dir, size_limit=size_limit)
+        if storage_dtype not in STORAGE_DTYPES:
+            raise ValueError(f"storage_dtype must be one of {sorted(STORAGE_DTYPES)}, got {storage_dtype!r}")
+        self.storage_dtype = STORAGE_DTYPES[storage_dtype]
+        self.policy = get_policy(policy, **policy_params)
+        self.ingest_policies = [get_policy(p) for p in ingest_policies]
+        self.engine = FusionEngine(self.arch)
+        self.segmenter = Segmenter()
+        self.query_tokens = query_tokens
+        self.eos = eos_ids(self.handle.model, self.tokenizer)
+        self._refresh_s = refresh_s
+        self._last_refresh = -1e9
+        self._lock = threading.Lock()
+
+    # ---- chunks ----------------------------------------------------------------------
+    def chunk_ids(self, text: str) -> list[int]:
+        """Token ids of a chunk, tokenized alone — exactly how a prompt's segment is."""
+        if not isinstance(text, str):
+            raise ChunkError(f"chunk must be a str, got {type(text).__name__}")
+        if not text.strip():
+            raise ChunkError("empty chunk: a chunk must contain non-whitespace text")
+        ids = self.handle.encode(text)
+        if len(ids) > self.handle.max_context:
+            raise ChunkError(
+                f"chunk of {len(ids)} tokens exceeds the model context ({self.handle.max_context} tokens); "
+                "split the document into smaller chunks"
+            )
+        return ids
+
+    def chunk_key(self, text: str) -> str:
+        return KVStore.make_key(self.fingerprint, self.chunk_ids(text))
+
+    def is_cached(self, text: str) -> bool:
+        return self.chunk_key(text) in self.store
+
+    def precompute(self, texts: Iterable[str], *, batch_tokens: int = 2048, progress: bool = False) -> list[str]:
+        """Compute and store the KV of every text not cached yet; returns their keys.
+
+        Chunks are packed ``batch_tokens`` at a time (one pass per pack)."""
+        texts = list(texts)
+        ids = [self.chunk_ids(t) for t in texts]
+        keys = [KVStore.make_key(self.fingerprint, i) for i in ids]
+        todo, seen = [], set()
+        for j, k in enumerate(keys):
+            if k not in seen and k not in self.store:
+                todo.append(j)
+            elif k in self.store:
+                self.segmenter.add(k, texts[j])
+            seen.add(k)
+        packs = list(pack([len(ids[j]) for j in todo], batch_tokens))
+        bar = None
+        if progress and todo:
+            from tqdm import tqdm
+
+            bar = tqdm(total=sum(len(ids[j]) for j in todo), unit="tok", desc="precompute")
+        for group in packs:
+            members = [todo[g] for g in group]
+            kvs = compute_chunk_kv(self.arch, [ids[j] for j in members])
+            for j, (k, v) in zip(members, kvs):
+                self._put(keys[j], texts[j], ids[j], k, v)
+                if bar:
+                    bar.update(len(ids[j]))
+        if bar:
+            bar.close()
+        return keys
+
+    def _put(self, key, text, ids, k, v) -> None:
+        extras = {}
+        for p in self.ingest_policies:
+            extras.update(p.chunk_extras(self.arch, k, v))
+        entry = ChunkEntry(
+            fingerprint=self.fingerprint, text=text, token_ids=torch.tensor(ids, dtype=torch.long),
+            keys=k.to(self.storage_dtype).cpu(), values=v.to(self.storage_dtype).cpu(), extras=extras,
+        )
+        self.store.put(key, entry)
+        self.segmenter.add(key, text)
+
+    # ---- prompts ---------------------------------------------------------------------
+    def render(self, prompt: str | Sequence[dict]) -> str:
+        """A prompt string, or chat messages rendered with the tokenizer's chat template."""
+        if isinstance(prompt, str):
+            return prompt
+        return render_messages(self.tokenizer, list(prompt))
+
+    def _refresh_segmenter(self) -> None:
+        # Other processes (or an earlier session) may have added chunks: re-read the store's
+        # text index now and then, not on every query (it is a disk read).
+        now = time.monotonic()
+        if now - self._last_refresh >= self._refresh_s:
+            self.segmenter.update(self.store.texts(self.fingerprint))
+            self._last_refresh = now
+
+    def pieces(self, prompt: str, use_cache: bool = True) -> tuple[list[Piece], FusionStats]:
+        """Segment ``prompt`` and load the cached chunks: ([Piece], stats with hits/misses)."""
+        stats = FusionStats()
+        pieces: list[Piece] = []
+        prefix = self.handle.prefix_ids()
+        bos = self.tokenizer.bos_token
+        if prefix and not (bos and prompt.startswith(bos)):
+            pieces.append(Piece(torch.tensor(prefix, dtype=torch.long)))
+        # Every policy, full_prefill included, tokenizes segment by segment, so all policies
+        # see the same token ids (a cached chunk's ids are its ids when tokenized alone).
+        self._refresh_segmenter()
+        for seg in self.segmenter.split(prompt):
+            text = seg.text
+            entry = None
+            if use_cache and seg.key is not None:
+                entry = self.store.get(seg.key, self.fingerprint)
+                if entry is None:
+                    stats.chunks_missed += 1  # evicted/corrupt: fall back to computing it
+                else:
+                    stats.bytes_loaded += entry.nbytes
+            ids = entry.token_ids if entry is not None else torch.tensor(self.handle.encode(text), dtype=torch.long)
+            if ids.numel() == 0:
+                continue
+            pieces.append(Piece(ids, CACHED if entry is not None else PLAIN, entry=entry, key=seg.key))
+        total = sum(int(p.token_ids.numel()) for p in pieces)
+        if total == 0:
+            raise ValueError("empty prompt: it tokenizes to no tokens")
+        if total > self.handle.max_context:
+            raise ValueError(f"prompt of {total} tokens exceeds the model context ({self.handle.max_context})")
+        return pieces, stats
+
+    def prefill(self, prompt: str | Sequence[dict], policy: str | Policy | None = None, **policy_params):
+        """Fused prefill of a prompt. Returns (FusionResult or HF output wrapper, stepper, stats)."""
+        t0 = time.perf_counter()
+        pol = get_policy(policy if policy is not None else self.policy, **policy_params)
+        text = self.render(prompt)
+        pieces, seg_stats = self.pieces(text, use_cache=pol.uses_cache)
+        t_load = time.perf_counter()
+        has_cached = any(p.kind == CACHED for p in pieces)
+        if not pol.uses_cache or not has_cached:
+            # Invariant: a prompt with no cached chunk takes the exact full-prefill path.
+            ids = torch.cat([p.token_ids for p in pieces])
+            stepper = HFStepper(self.handle.model, cache=None, K=[], V=[], next_position=0)
+            logits = stepper.step(ids.tolist(), last_only=True)[-1]
+            n = int(ids.numel())
+            stats = FusionStats(prompt_tokens=n, computed_tokens=n, kept_tokens=n, policy=pol.name)
+            prompt_ids = ids.tolist()
+        else:
+            layout = self.engine.apply_insertions(pieces, pol, self.query_tokens)
+            res: FusionResult = self.engine.prefill(layout, pol, keep_state=pol.decode_select is not None)
+            stats, logits = res.stats, res.logits
+            if pol.decode_select is not None:
+                stepper = FusedStepper(self.arch, res.K, res.V, res.next_position, pol, res.state)
+            else:
+                stepper = HFStepper(self.handle.model, res.K, res.V, res.next_position)
+            prompt_ids = layout.token_ids.tolist()
+        stats.chunks_hit = sum(p.kind == CACHED for p in pieces)
+        stats.chunks_missed = seg_stats.chunks_missed
+        stats.bytes_loaded = seg_stats.bytes_loaded
+        stats.load_s = t_load - t0
+        stats.prefill_s = time.perf_counter() - t_load
+        return logits, stepper, stats, prompt_ids, t0
+
+    def stream(
+        self,
+        prompt: str | Sequence[dict],
+        *,
+        policy: str | Policy | None = None,
+        max_new_tokens: int = 128,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        stop: Sequence[str] = (),
+        seed: int | None = None,
+        **policy_params,
+    ) -> Stream:
+        """Generate token by token; iterate for text deltas. TTFT is measured from the call
+        to the first sampled token (segmentation, loading and prefill included)."""
+        sampling = Sampling(max_new_tokens, temperature, top_p, top_k, stop, seed)
+        holder: Stream
+
+        def run() -> Iterator[str]:
+            logits, stepper, stats, prompt_ids, t0 = self.prefill(prompt, policy, **policy_params)
+            text = TextStream(self.tokenizer, sampling.stop)
+            t_first = None
+            for tok in generate_tokens(logits, stepper, sampling, self.eos):
+                if t_first is None:
+                    t_first = time.perf_counter()
+                    stats.ttft_s = t_first - t0
+                holder.token_ids.append(tok)
+                delta = text.push(tok)
+                if delta:
+                    holder.text += delta
+                    yield delta
+                if text.stopped:
+                    break
+            tail = text.flush() if not text.stopped else ""
+            if tail:
+                holder.text += tail
+                yield tail
+            stats.new_tokens = len(holder.token_ids)
+            stats.decode_s = time.perf_counter() - (t_first or t0)
+            holder.stats = stats
+            holder.prompt_ids = prompt_ids
+
+        holder = Stream(run())
+        return holder
+
+    def generate(self, prompt: str | Sequence[dict], **kwargs) -> Generation:
+        """Generate a whole answer (see ``stream`` for the options)."""
+        s = self.stream(prompt, **kwargs)
+        for _ in s:
+            pass
+        return Generation(s.text, s.token_ids, s.stats, getattr(s, "prompt_ids", []))
+
+    @torch.no_grad()
+    def continuation_logits(
+        self, prompt: str | Sequence[dict], continuation_ids: Sequence[int], *, policy=None, **policy_params
+    ) -> tuple[torch.Tensor, FusionStats]:
+        """Teacher-forced logits: row 0 predicts ``continuation_ids[0]`` after the prompt,
+        row t predicts ``continuation_ids[t]``; shape [1 + T, V] (last row follows the whole
+        continuation)."""
+        logits, stepper, stats, _, _ = self.prefill(prompt, policy, **policy_params)
+        rows = [logits.unsqueeze(0)]
+        if len(continuation_ids):
+            rows.append(stepper.step(list(continuation_ids)))
+        return torch.cat(rows).float(), stats

@@ -1,0 +1,310 @@
+"""The fusion engine: a layer-by-layer prefill over plain and cached segments.
+
+Cached chunks' keys (stored pre-RoPE) are rotated to their global positions; plain segments
+(template, question) and policy-inserted tokens are computed; at every layer the policy may
+narrow the set of tokens that are computed ("active"). Active tokens' fresh K/V overwrite the
+cached rows, and attend to the whole fused K/V with a causal mask in *global* positions.
+The engine names no policy: it only calls the hooks of ``kvrag.policies.base.Policy``.
+
+Shapes: ``N`` tokens in the fused prompt, ``A`` active tokens, ``L`` layers, ``Hkv`` KV heads,
+``D`` head dim, ``E`` hidden size, ``V`` vocabulary.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kvrag.arch import Arch
+from kvrag.policies.base import Policy
+
+PLAIN, CACHED, INSERTED = 0, 1, 2
+
+
+@dataclass
+class Piece:
+    """One segment of the prompt as the engine sees it.
+
+    token_ids [T]; ``entry`` is the loaded ``ChunkEntry`` for a cached chunk, else None;
+    ``embeds`` [T, E] for inserted tokens (policy-made), else None."""
+
+    token_ids: torch.Tensor
+    kind: int = PLAIN
+    entry: Any = None
+    embeds: torch.Tensor | None = None
+    key: str | None = None
+
+
+@dataclass
+class Layout:
+    """Token layout of one fused prompt.
+
+    token_ids [N] (0 for inserted tokens), kind [N] (PLAIN/CACHED/INSERTED), segment [N]
+    (index into ``pieces``), positions [N] (global RoPE positions), query [Q] (indices of the
+    question tokens: the trailing plain tokens after the last cached chunk by default)."""
+
+    pieces: list[Piece]
+    token_ids: torch.Tensor
+    kind: torch.Tensor
+    segment: torch.Tensor
+    positions: torch.Tensor
+    query: torch.Tensor
+
+    @property
+    def n(self) -> int:
+        return int(self.token_ids.numel())
+
+    @property
+    def cached(self) -> torch.Tensor:
+        """bool [N]: token comes from a cached chunk."""
+        return self.kind == CACHED
+
+    def spans(self, kind: int | None = None) -> list[tuple[int, int, int]]:
+        """(segment index, start, end) token spans of the pieces (of one kind)."""
+        out, start = [], 0
+        for i, p in enumerate(self.pieces):
+            end = start + int(p.token_ids.numel())
+            if kind is None or p.kind == kind:
+                out.append((i, start, end))
+            start = end
+        return out
+
+    @classmethod
+    def build(cls, pieces: list[Piece], query_tokens: int | None = None) -> "Layout":
+        ids, kinds, segs = [], [], []
+        for i, p in enumerate(pieces):
+            t = int(p.token_ids.numel())
+            ids.append(p.token_ids.long().cpu())
+            kinds.append(torch.full((t,), p.kind, dtype=torch.long))
+            segs.append(torch.full((t,), i, dtype=torch.long))
+        token_ids = torch.cat(ids) if ids else torch.empty(0, dtype=torch.long)
+        kind = torch.cat(kinds) if kinds else torch.empty(0, dtype=torch.long)
+        n = token_ids.numel()
+        if n == 0:
+            raise ValueError("empty prompt: nothing to prefill")
+        if query_tokens is None:
+            # The question is what follows the last cached chunk (RAG prompts put it last).
+            cached_idx = (kind == CACHED).nonzero()
+            start = int(cached_idx[-1]) + 1 if cached_idx.numel() else 0
+        else:
+            start = max(0, n - int(query_tokens))
+        query = torch.arange(start, n)
+        if query.numel() == 0:
+            query = torch.tensor([n - 1])
+        return cls(pieces, token_ids, kind, torch.cat(segs), torch.arange(n), query)
+
+
+@dataclass
+class FusionStats:
+    """What a fused prefill did. ``recomputed_tokens``: cached tokens still computed at the
+    last layer; ``recompute_fraction``: computed (token, layer) pairs of cached tokens over all
+    cached (token, layer) pairs — the real compute share."""
+
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    computed_tokens: int = 0
+    inserted_tokens: int = 0
+    recomputed_tokens: int = 0
+    recompute_fraction: float = 0.0
+    kept_tokens: int = 0
+    chunks_hit: int = 0
+    chunks_missed: int = 0
+    bytes_loaded: int = 0
+    ttft_s: float = 0.0
+    prefill_s: float = 0.0
+    load_s: float = 0.0
+    decode_s: float = 0.0
+    new_tokens: int = 0
+    policy: str = ""
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+@dataclass
+class FusionState:
+    """Mutable state of one fused prefill, shared with the policy hooks.
+
+    K, V: per layer [Hkv, N, D] (keys rotated to global positions); keep bool [N] (tokens
+    kept in attention and in the final cache); active LongTensor [A]; cos/sin [N, D]."""
+
+    arch: Arch
+    layout: Layout
+    policy: Policy
+    K: list[torch.Tensor]
+    V: list[torch.Tensor]
+    keep: torch.Tensor
+    active: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    layer_counts: torch.Tensor
+    scratch: dict = field(default_factory=dict)
+    # Pre-RoPE cached keys per layer [Hkv, N, D] only for cached rows; policies that need the
+    # position-free key (A2ATS codes) read it here; rows of computed tokens are zeros.
+    entries: dict[int, Any] = field(default_factory=dict)
+    # Per-layer, per-KV-head eviction (A3's SnapKV-style extension keeps different tokens in
+    # each head): set by ``after_prefill`` to one LongTensor [Hkv, M] of token indices per
+    # layer (same M everywhere, so the decoder's cache stays rectangular). None: every layer
+    # and head keeps the ``keep`` tokens.
+    kv_index: list[torch.Tensor] | None = None
+
+    @property
+    def required(self) -> torch.Tensor:
+        """bool [N]: tokens that must be computed at every layer (non-cached + last)."""
+        req = ~self.layout.cached
+        req[-1] = True
+        return req
+
+
+@dataclass
+class FusionResult:
+    """logits [V] of the last prompt token; K/V per layer [Hkv, M, D] of the kept tokens
+    (M = kept), positions [M] — or [L, Hkv, M] when the policy evicted per layer and head
+    (``FusionState.kv_index``); ``next_position`` is where decoding continues."""
+
+    logits: torch.Tensor
+    K: list[torch.Tensor]
+    V: list[torch.Tensor]
+    positions: torch.Tensor
+    next_position: int
+    stats: FusionStats
+    state: FusionState | None = None
+
+
+def gather_slots(K, V, kv_index, positions):
+    """Per-layer, per-head slot selection. K/V: per layer [Hkv, N, D]; kv_index: per layer
+    LongTensor [Hkv, M] -> (K, V per layer [Hkv, M, D], positions [L, Hkv, M])."""
+    Kout, Vout, pos = [], [], []
+    for k, v, idx in zip(K, V, kv_index):
+        idx = idx.to(k.device)
+        g = idx.unsqueeze(-1).expand(-1, -1, k.shape[-1])
+        Kout.append(k.gather(1, g))
+        Vout.append(v.gather(1, g))
+        pos.append(positions[idx])
+    return Kout, Vout, torch.stack(pos)
+
+
+class FusionEngine:
+    """Runs a policy-driven fused prefill over a ``Layout``."""
+
+    def __init__(self, arch: Arch) -> None:
+        self.arch = arch
+
+    def apply_insertions(self, pieces: list[Piece], policy: Policy, query_tokens=None) -> Layout:
+        layout = Layout.build(pieces, query_tokens)
+        inserts = policy.insertions(layout, self.arch)
+        if not inserts:
+            return layout
+        out: list[Piece] = []
+        for i, p in enumerate(pieces):
+            out.append(p)
+            if i in inserts:
+                emb = inserts[i]
+                out.append(Piece(torch.zeros(emb.shape[0], dtype=torch.long), INSERTED, embeds=emb))
+        return Layout.build(out, query_tokens)
+
+    @torch.no_grad()
+    def prefill(self, layout: Layout, policy: Policy, keep_state: bool = False) -> FusionResult:
+        arch = self.arch
+        n, dev, dt = layout.n, arch.device, arch.dtype
+        L, hkv, d = arch.n_layers, arch.n_kv_heads, arch.head_dim
+        positions = layout.positions.to(dev)
+        cos, sin = arch.cos_sin(positions)
+
+        # Fused K/V start as the cached rows rotated to their global positions.
+        K = torch.zeros(L, hkv, n, d, dtype=dt, device=dev)
+        V = torch.zeros(L, hkv, n, d, dtype=dt, device=dev)
+        entries = {}
+        for si, start, end in layout.spans(CACHED):
+            e = layout.pieces[si].entry
+            entries[si] = e
+            k = e.keys.to(device=dev, dtype=dt)
+            K[:, :, start:end] = arch.rotate(k, None, (cos[start:end], sin[start:end]))
+            V[:, :, start:end] = e.values.to(device=dev, dtype=dt)
+
+        state = FusionState(
+            arch=arch, layout=layout, policy=policy, K=list(K.unbind(0)), V=list(V.unbind(0)),
+            keep=torch.ones(n, dtype=torch.bool, device=dev), active=torch.empty(0, dtype=torch.long),
+            cos=cos, sin=sin, layer_counts=torch.zeros(n, dtype=torch.long), entries=entries,
+        )
+        del K, V
+        policy.prepare(state)
+        required = state.required.to(dev)
+        active_mask = policy.initial_active(state).to(dev) | required
+        active = active_mask.nonzero().squeeze(1)
+        state.active = active
+
+        # Input embeddings of the active tokens (inserted tokens bring their own).
+        hidden = arch.embed(layout.token_ids[active.cpu()])
+        ins = layout.kind.to(dev)[active] == INSERTED
+        if ins.any():
+            emb_all = torch.zeros(n, arch.hidden_size, dtype=dt, device=dev)
+            for si, start, end in layout.spans(INSERTED):
+                emb_all[start:end] = layout.pieces[si].embeds.to(device=dev, dtype=dt)
+            hidden[ins] = emb_all[active[ins]]
+
+        for layer in range(L):
+            q, k, v, _ = arch.qkv(layer, hidden, (cos[active], sin[active]))
+            # Counted before narrowing: every active token's K/V is computed at this layer.
+            state.layer_counts[active.cpu()] += 1
+            sel = policy.select(layer, state, q, k, v)
+            state.K[layer][:, active] = k
+            state.V[layer][:, active] = v
+            if sel is not None:
+                # The engine, not the policy, guarantees the question/template/last token
+                # stay computed: without them there are no logits and no fresh query rows.
+                keep_rows = torch.zeros(active.numel(), dtype=torch.bool, device=dev)
+                keep_rows[sel.to(dev)] = True
+                keep_rows |= required[active]
+                sel = keep_rows.nonzero().squeeze(1)
+                active, q, hidden = active[sel], q[:, sel], hidden[sel]
+                state.active = active
+            # Policies may drop tokens (SamKV) at any layer: attend only to kept rows.
+            all_kept = bool(state.keep.all())
+            if not all_kept:
+                keep_idx = state.keep.nonzero().squeeze(1)
+            pos_q = positions[active]
+            if all_kept:
+                mask = pos_q[:, None] >= positions[None, :]
+                keys, vals = state.K[layer], state.V[layer]
+            else:
+                mask = pos_q[:, None] >= positions[keep_idx][None, :]
+                keys, vals = state.K[layer][:, keep_idx], state.V[layer][:, keep_idx]
+            extra = policy.extra_mask(state, active)
+            if extra is not None:
+                mask = mask & (extra if all_kept else extra[:, keep_idx])
+            hidden = arch.attend(layer, hidden, q, keys, vals, mask)
+
+        last = (active == n - 1).nonzero()
+        logits = arch.logits(hidden[int(last[0, 0])].unsqueeze(0))[0]
+        policy.after_prefill(state)
+
+        keep_idx = state.keep.nonzero().squeeze(1)
+        if state.kv_index is not None:
+            Kout, Vout, out_pos = gather_slots(state.K, state.V, state.kv_index, positions)
+        elif bool(state.keep.all()):
+            Kout, Vout, out_pos = state.K, state.V, positions
+        else:
+            Kout = [k[:, keep_idx] for k in state.K]
+            Vout = [v[:, keep_idx] for v in state.V]
+            out_pos = positions[keep_idx]
+        cached = layout.cached
+        n_cached = int(cached.sum())
+        counts = state.layer_counts[cached]
+        stats = FusionStats(
+            prompt_tokens=n,
+            cached_tokens=n_cached,
+            computed_tokens=n - n_cached,
+            inserted_tokens=int((layout.kind == INSERTED).sum()),
+            recomputed_tokens=int((counts == L).sum()) if n_cached else 0,
+            recompute_fraction=float(counts.sum()) / (n_cached * L) if n_cached else 0.0,
+            kept_tokens=int(Kout[0].shape[1]) if Kout else int(keep_idx.numel()),
+            chunks_hit=len(entries),
+            policy=policy.name,
+        )
+        return FusionResult(
+            logits=logits, K=Kout, V=Vout, positions=out_pos,
+            next_position=int(positions[-1]) + 1, stats=stats,
+            state=state if keep_state else None,
+        )

@@ -1,0 +1,128 @@
+"""The reuse-policy interface.
+
+A policy is one algorithm (CacheBlend, A3, EPIC, KVLink, SamKV, A2ATS, ...) behind a handful
+of hooks the fusion engine calls in a fixed order. The engine never names a policy: it only
+calls these hooks, so adding a policy means adding one small class and registering it.
+
+Query-time call order (see ``kvrag.fusion.FusionEngine.prefill``):
+
+1. ``insertions(layout, arch)``  extra tokens after segments (KVLink link tokens)
+2. ``prepare(state)``            anything before layer 0 (SamKV's query vector, keep masks)
+3. ``initial_active(state)``     tokens computed at layer 0
+4. per layer ``select(layer, state, q, k, v)``  narrow the set of computed tokens
+5. per layer ``extra_mask(state, rows)``        extra attention restrictions
+6. ``after_prefill(state)``      eviction, decode-time indices
+7. per decode step ``decode_select(layer, q, state)`` (only if the policy overrides it)
+
+Ingestion time: ``chunk_extras(arch, keys, values)`` adds per-chunk tensors stored beside the
+chunk's K/V (A2ATS codes).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+
+if TYPE_CHECKING:  # pragma: no cover
+    from kvrag.arch import Arch
+    from kvrag.fusion import FusionState, Layout
+
+
+@dataclass
+class NoParams:
+    """A policy without hyper-parameters."""
+
+
+def param(default, help: str, **kw):
+    """A documented hyper-parameter (``kvrag policies`` prints the help)."""
+    return dataclasses.field(default=default, metadata={"help": help, **kw})
+
+
+class Policy:
+    """Base class: the defaults are exactly ``naive_reuse`` (compute only non-cached tokens,
+    keep everything, no inserted tokens, exact attention at decode time)."""
+
+    name: ClassVar[str] = ""
+    summary: ClassVar[str] = ""
+    Params: ClassVar[type] = NoParams
+    #: False: the engine skips fusion and runs the model's own forward on all tokens.
+    uses_cache: ClassVar[bool] = True
+
+    def __init__(self, **params) -> None:
+        names = {f.name for f in dataclasses.fields(self.Params)}
+        unknown = sorted(set(params) - names)
+        if unknown:
+            raise ValueError(
+                f"policy {self.name!r} has no parameter(s) {unknown}; "
+                f"its parameters are {sorted(names) or 'none'}"
+            )
+        self.params = self.Params(**params)
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ValueError on out-of-range hyper-parameters."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.params})"
+
+    # ---- ingestion -------------------------------------------------------------------
+    def chunk_extras(self, arch: "Arch", keys: torch.Tensor, values: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Extra per-chunk tensors to store with the chunk. keys/values: [L, Hkv, T, D]
+        (keys pre-RoPE). Names must be prefixed with the policy name ("a2ats.codes")."""
+        return {}
+
+    # ---- query time ------------------------------------------------------------------
+    def insertions(self, layout: "Layout", arch: "Arch") -> dict[int, torch.Tensor]:
+        """Tokens to insert: {segment index: embeddings [m, E]} placed right after that
+        segment, computed at query time like plain tokens."""
+        return {}
+
+    def prepare(self, state: "FusionState") -> None:
+        """Called once before layer 0; may set ``state.keep`` or stash data in ``state.scratch``."""
+
+    def initial_active(self, state: "FusionState") -> torch.Tensor:
+        """bool [N]: tokens whose hidden states are computed from layer 0 on. The engine adds
+        every non-cached token and the last token (its logits are the first output)."""
+        return ~state.layout.cached
+
+    def select(self, layer: int, state: "FusionState", q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        """Narrow the computed set at ``layer``.
+
+        q [H, A, D], k/v [Hkv, A, D] are the active tokens' fresh (rotated) projections;
+        ``state.K[layer]``/``state.V[layer]`` [Hkv, N, D] still hold the *old* rows, so a policy
+        can measure deviation. Return a LongTensor of positions into ``state.active`` that
+        keep being computed (their outputs at this layer and all later layers), or None.
+        All active K/V rows are written back whatever is returned."""
+        return None
+
+    def extra_mask(self, state: "FusionState", rows: torch.Tensor) -> torch.Tensor | None:
+        """bool [A, N] AND-ed with the causal/keep mask for the active query ``rows`` [A]."""
+        return None
+
+    def after_prefill(self, state: "FusionState") -> None:
+        """Called after the last layer, before the cache is handed to the decoder."""
+
+    #: Set to a method ``decode_select(layer, q, state) -> LongTensor | None`` (q [H, 1, D];
+    #: returns cache slots to attend to) to get a decode loop that calls it at every layer.
+    decode_select = None
+
+
+@dataclass
+class RecomputeParams:
+    """Shared by the recompute-selection policies."""
+
+    recompute_ratio: float = param(0.15, "fraction of cached tokens recomputed (0..1)")
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= float(self.recompute_ratio) <= 1.0:
+            raise ValueError(f"recompute_ratio must be in [0, 1], got {self.recompute_ratio}")
+
+
+def top_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the ``k`` largest ``scores`` [M], sorted ascending (positions order)."""
+    k = max(0, min(int(k), scores.numel()))
+    if k == 0:
+        return torch.empty(0, dtype=torch.long, device=scores.device)
+    return torch.topk(scores.float(), k).indices.sort().values

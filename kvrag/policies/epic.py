@@ -1,0 +1,58 @@
+"""``epic``: recompute the first (and optionally last) tokens of every cached chunk (EPIC's
+LegoLink; Hu et al., "EPIC: Efficient Position-Independent Context Caching for Serving Large
+Language Models", arXiv 2410.15332).
+
+Every chunk was prefilled alone from position 0, so its first tokens became attention sinks
+that soak up attention in the fused prompt. LegoLink recomputes those few tokens at every
+layer (a static choice: no check layer, no scoring), together with the non-cached tokens
+(template, question), and reuses everything else. A3's paper describes LegoLink as
+recomputing "a few initial and final tokens within each text chunk", hence ``k_tail``.
+
+Cost: recompute fraction = (k_head + k_tail) x chunks / cached tokens (fewer when a chunk is
+shorter than k_head + k_tail), the same at every layer.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvrag.policies.base import Policy, param
+from kvrag.policies.registry import register
+
+
+@dataclass
+class EpicParams:
+    k_head: int = param(32, "tokens recomputed at the start of every cached chunk (EPIC: tens suffice)")
+    k_tail: int = param(0, "tokens recomputed at the end of every cached chunk")
+
+    def __post_init__(self) -> None:
+        for name in ("k_head", "k_tail"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or int(v) != v or v < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {v!r}")
+            setattr(self, name, int(v))
+
+
+@register
+class Epic(Policy):
+    name = "epic"
+    summary = "recompute the first k_head (and last k_tail) tokens of every cached chunk at every layer"
+    Params = EpicParams
+
+    def recompute_mask(self, layout) -> torch.Tensor:
+        """bool [N]: the head/tail tokens of each cached chunk."""
+        # Imported here: kvrag.fusion imports the policies package (circular at load time).
+        from kvrag.fusion import CACHED
+
+        m = torch.zeros(layout.n, dtype=torch.bool)
+        for _, start, end in layout.spans(CACHED):
+            m[start: min(end, start + self.params.k_head)] = True
+            if self.params.k_tail:
+                m[max(start, end - self.params.k_tail): end] = True
+        return m
+
+    def initial_active(self, state):
+        # The engine adds the non-cached tokens; nothing is narrowed later (select -> None),
+        # so these tokens are computed at every layer.
+        return self.recompute_mask(state.layout)

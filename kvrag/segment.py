@@ -1,0 +1,281 @@
+"""Find cached chunk texts, verbatim, inside a final prompt string.
+
+A RAG framework hands kvrag the *rendered* prompt (template + retrieved chunks + question). The
+``Segmenter`` splits it into ordered segments, plain text | cached chunk, by an exact multi-pattern
+search (Aho-Corasick, ``pyahocorasick``) over every registered chunk text. Only exact matches
+count: a chunk is reused only if its text appears character for character (no normalisation),
+because its stored K/V belong to exactly those tokens.
+
+Matching rule: non-overlapping, leftmost-first, and at one start the longest registered text.
+
+Why not ``Automaton.iter_long``: in pyahocorasick 2.3.1 it drops matches (e.g. patterns
+``{"b", "abb"}`` on ``"xab"`` find nothing: it follows the ``ab…`` path, hits the end, and never
+falls back to ``b``), so we take every occurrence from ``iter()`` and pick leftmost-longest
+ourselves — linear in the prompt plus the number of occurrences.
+
+Memory/speed at 100k chunks: only each text's first ``anchor_chars`` characters go into the
+automaton (a trie of whole chunks would cost ~40 bytes per character: gigabytes for 100k
+paragraphs); an anchor hit is then confirmed with an exact ``str.startswith`` of the full text.
+A prefix of a match is always found, so this is still exact. Texts added after the last build go
+into a small *delta* automaton, so a background precompute worker that adds a chunk between
+every two queries does not force a full rebuild per query; the main automaton is rebuilt once
+the delta (or the set of removed-but-still-indexed texts) grows past a size that amortises it.
+"""
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import ahocorasick
+
+__all__ = ["Segment", "Segmenter", "render_messages"]
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One piece of a prompt: ``key`` is the store key of a cached chunk, None for plain text."""
+
+    text: str
+    key: str | None = None
+
+    @property
+    def cached(self) -> bool:
+        return self.key is not None
+
+
+class _Index:
+    """An immutable Aho-Corasick automaton over the anchors of a fixed set of texts.
+
+    ``groups[i] = (anchor_len, texts)``: the texts sharing anchor ``i``, longest first. Never
+    mutated after construction (pyahocorasick invalidates running iterators on mutation)."""
+
+    __slots__ = ("automaton", "groups", "texts")
+
+    def __init__(self, texts, anchor_chars: int):
+        self.texts = frozenset(texts)
+        by_anchor: dict[str, list[str]] = {}
+        for t in self.texts:
+            by_anchor.setdefault(t[:anchor_chars], []).append(t)
+        self.groups: list[tuple[int, tuple[str, ...]]] = []
+        self.automaton = None
+        if not by_anchor:
+            return
+        # STORE_INTS keeps one machine int per word instead of a Python object.
+        a = ahocorasick.Automaton(ahocorasick.STORE_INTS)
+        for anchor, members in by_anchor.items():
+            members.sort(key=len, reverse=True)
+            a.add_word(anchor, len(self.groups))
+            self.groups.append((len(anchor), tuple(members)))
+        a.make_automaton()
+        self.automaton = a
+
+    def __len__(self) -> int:
+        return len(self.texts)
+
+    def candidates(self, prompt: str, out: dict[int, list[tuple[str, ...]]]) -> None:
+        """Append, per start offset in ``prompt``, the text groups whose anchor occurs there."""
+        if self.automaton is None:
+            return
+        groups = self.groups
+        for end, gi in self.automaton.iter(prompt):
+            anchor_len, members = groups[gi]
+            out.setdefault(end - anchor_len + 1, []).append(members)
+
+
+def _check_text(key, text) -> None:
+    if not isinstance(key, str) or not key:
+        raise ValueError(f"chunk key must be a non-empty str, got {key!r}")
+    if not isinstance(text, str):
+        raise TypeError(f"chunk text for key {key!r} must be a str, got {type(text).__name__}")
+    if not text.strip():
+        # An empty or whitespace-only "chunk" would match between/inside every word of every
+        # prompt and shred it into bogus cached segments.
+        raise ValueError(
+            f"chunk text for key {key!r} is {'empty' if not text else 'whitespace-only'}: "
+            "only texts with non-whitespace characters can be registered"
+        )
+
+
+class Segmenter:
+    """Multi-pattern exact search over the registered chunk texts (pyahocorasick automaton).
+
+    ``texts`` maps store key -> chunk text. Several keys may share one text; the most recently
+    added key wins, and removing it falls back to the previous one still registered.
+    Thread-safe: ``split`` may run in several threads while another ``add``s; the automaton is
+    (re)built lazily, under the lock, by the first ``split`` after a change."""
+
+    # The delta automaton is rebuilt on each split after a change, the main one only when the
+    # delta passes ~DELTA_FACTOR*sqrt(N) texts: that balances the per-query delta rebuild
+    # (O(delta)) against the amortised full rebuild (O(N) every delta-cap additions).
+    DELTA_MIN = 256
+    DELTA_FACTOR = 4
+
+    def __init__(self, texts: Mapping[str, str] | None = None, *, anchor_chars: int = 32):
+        if not isinstance(anchor_chars, int) or anchor_chars < 1:
+            raise ValueError(f"anchor_chars must be an int >= 1, got {anchor_chars!r}")
+        self.anchor_chars = anchor_chars
+        self._lock = threading.Lock()
+        self._key_text: dict[str, str] = {}
+        # text -> its keys in add order (dict as an ordered set); the last one is the winner.
+        self._text_keys: dict[str, dict[str, None]] = {}
+        self._main = _Index((), anchor_chars)
+        self._delta = _Index((), anchor_chars)
+        self._delta_texts: set[str] = set()   # live texts not in the main index
+        self._stale = 0                       # texts in the main index that are no longer live
+        self._delta_dirty = False
+        if texts:
+            self.update(texts)
+
+    # ---- registration ----------------------------------------------------------------
+    def add(self, key: str, text: str) -> None:
+        """Register ``text`` under ``key`` (re-adding moves the key to "most recent")."""
+        _check_text(key, text)
+        with self._lock:
+            self._add(key, text)
+
+    def remove(self, key: str) -> None:
+        """Forget ``key``; an unknown key is a no-op (the store may have evicted it already)."""
+        with self._lock:
+            self._remove(key)
+
+    def update(self, texts: Mapping[str, str]) -> None:
+        """Make the registered mapping exactly ``texts``: add new/changed keys, drop missing ones.
+
+        Unchanged keys keep their order, and nothing is rebuilt when nothing changed."""
+        if not isinstance(texts, Mapping):
+            raise TypeError(f"update() takes a Mapping key -> text, got {type(texts).__name__}")
+        # Validate everything first so a bad entry leaves the segmenter untouched.
+        for k, t in texts.items():
+            _check_text(k, t)
+        with self._lock:
+            for k in [k for k in self._key_text if k not in texts]:
+                self._remove(k)
+            for k, t in texts.items():
+                if self._key_text.get(k) != t:
+                    self._add(k, t)
+
+    def __len__(self) -> int:
+        """Number of registered keys."""
+        with self._lock:
+            return len(self._key_text)
+
+    def _add(self, key: str, text: str) -> None:
+        old = self._key_text.get(key)
+        if old == text:
+            keys = self._text_keys[text]
+            del keys[key]
+            keys[key] = None  # move to last: the later add wins; the indexed texts are unchanged
+            return
+        if old is not None:
+            self._remove(key)
+        self._key_text[key] = text
+        keys = self._text_keys.get(text)
+        if keys is None:
+            self._text_keys[text] = {key: None}
+            self._text_became_live(text)
+        else:
+            keys[key] = None  # appended last: this key now wins for the text
+
+    def _remove(self, key: str) -> None:
+        text = self._key_text.pop(key, None)
+        if text is None:
+            return
+        keys = self._text_keys[text]
+        del keys[key]
+        if not keys:
+            del self._text_keys[text]
+            self._text_died(text)
+
+    def _text_became_live(self, text: str) -> None:
+        if text in self._main.texts:
+            self._stale -= 1  # still indexed from before its removal: nothing to rebuild
+        else:
+            self._delta_texts.add(text)
+            self._delta_dirty = True
+
+    def _text_died(self, text: str) -> None:
+        if text in self._delta_texts:
+            self._delta_texts.discard(text)
+            self._delta_dirty = True
+        else:
+            # Left in the main automaton: its hits are filtered out at verification until the
+            # next full rebuild.
+            self._stale += 1
+
+    def _refresh(self) -> None:
+        """Bring the automata up to date with the registered texts (caller holds the lock)."""
+        n = len(self._main)
+        cap = max(self.DELTA_MIN, self.DELTA_FACTOR * math.isqrt(n))
+        if len(self._delta_texts) > cap or self._stale > max(self.DELTA_MIN, n // 2):
+            self._main = _Index(self._text_keys.keys(), self.anchor_chars)
+            self._delta = _Index((), self.anchor_chars)
+            self._delta_texts.clear()
+            self._stale = 0
+            self._delta_dirty = False
+        elif self._delta_dirty:
+            self._delta = _Index(self._delta_texts, self.anchor_chars)
+            self._delta_dirty = False
+
+    # ---- search ----------------------------------------------------------------------
+    def split(self, prompt: str) -> list[Segment]:
+        """Split ``prompt`` into plain and cached segments whose texts concatenate to it.
+
+        Cached segments are the registered texts found verbatim, non-overlapping,
+        leftmost-first and longest at one start; plain text between them is one segment; no
+        segment is empty (an empty prompt gives ``[]``)."""
+        if not isinstance(prompt, str):
+            raise TypeError(f"prompt must be a str, got {type(prompt).__name__}")
+        with self._lock:
+            self._refresh()
+            cands: dict[int, list[tuple[str, ...]]] = {}
+            self._main.candidates(prompt, cands)
+            self._delta.candidates(prompt, cands)
+            live = self._text_keys
+            out: list[Segment] = []
+            pos = 0
+            for start in sorted(cands):
+                if start < pos:
+                    continue  # inside the match just taken: matches never overlap
+                best = None
+                for members in cands[start]:
+                    for t in members:  # longest first: the first exact hit is this group's best
+                        if best is not None and len(t) <= len(best):
+                            break
+                        # `in live` drops texts removed since the main automaton was built.
+                        if t in live and prompt.startswith(t, start):
+                            best = t
+                            break
+                if best is None:
+                    continue
+                if start > pos:
+                    out.append(Segment(prompt[pos:start]))
+                out.append(Segment(best, next(reversed(live[best]))))
+                pos = start + len(best)
+            if pos < len(prompt):
+                out.append(Segment(prompt[pos:]))
+            return out
+
+
+def render_messages(tokenizer, messages: Sequence[Mapping]) -> str:
+    """Render chat ``messages`` to the prompt string the model will see (generation prompt added).
+
+    Segmentation then runs on this string, so chunk texts must appear in it exactly as they were
+    registered (a template that strips or escapes message content changes them)."""
+    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
+        raise TypeError(f"messages must be a list of dicts, got {type(messages).__name__}")
+    if not messages:
+        raise ValueError("messages is empty: nothing to render")
+    for i, m in enumerate(messages):
+        if not isinstance(m, Mapping) or "role" not in m:
+            raise ValueError(f"message {i} must be a dict with a 'role' key, got {m!r}")
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(
+            f"tokenizer {type(tokenizer).__name__} has no chat template, so chat messages cannot be "
+            "rendered; pass the prompt as a string instead, or set tokenizer.chat_template"
+        )
+    text = tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+    if not isinstance(text, str):
+        raise TypeError(f"apply_chat_template returned {type(text).__name__}, expected the rendered str")
+    return text

@@ -1,0 +1,498 @@
+"""``KVStore``: the on-disk store of per-chunk KV caches.
+
+Layout under ``directory``::
+
+    blobs/   a ``diskcache.Cache`` (SQLite index + one file per value)
+             key   = KVStore.make_key(fingerprint, token_ids)  (sha256 hex)
+             value = safetensors bytes of one ``ChunkEntry`` (see below)
+             tag   = sha256 hex of those bytes (the checksum verified on every load)
+             eviction: least-recently-used, enforced by KVStore itself to ``size_limit``
+    index/   a second ``diskcache.Cache`` without eviction: the text index
+             key   = the same key
+             value = JSON string {"text", "fingerprint", "n_tokens"}
+             so the segmenter can list every chunk text without loading a blob.
+
+A blob is a safetensors file holding the tensors ``token_ids`` [T] int64, ``keys`` and
+``values`` [L, Hkv, T, D] (storage dtype) and ``extras.<name>`` (any shape/dtype), with string
+metadata ``kvrag_format`` (= ``CACHE_FORMAT_VERSION``), ``fingerprint``, ``text`` and
+``n_tokens``: a blob describes itself, the text index is only a fast listing of it.
+
+Only ``bytes`` and ``str`` values reach diskcache, so nothing is ever pickled (diskcache
+pickles any other value type).
+
+Integrity: diskcache writes each value to a fresh file and then points the SQLite row at it
+(the old file is removed afterwards), so a write is atomic and two processes writing the same
+key leave one of the two complete values. Every ``get`` hashes the bytes and compares them with
+the tag, then checks the format version and the tensors' shapes; a blob failing any check is
+logged, deleted and counted, and ``get`` returns None so the caller recomputes the chunk.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import logging
+import os
+import sqlite3
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import diskcache
+import diskcache.core
+import safetensors.torch
+import torch
+
+__all__ = ["CACHE_FORMAT_VERSION", "ChunkEntry", "KVStore"]
+
+# Bumped whenever the blob layout or the meaning of the stored tensors changes. The model
+# fingerprint includes it (kvrag/model.py), so a new version never even looks up old keys.
+CACHE_FORMAT_VERSION = 1
+
+log = logging.getLogger(__name__)
+
+_EXTRA_PREFIX = "extras."
+_EVICTION_POLICY = "least-recently-used"
+
+
+@dataclass
+class ChunkEntry:
+    """The precomputed KV cache of one chunk.
+
+    token_ids [T] int64; keys/values [L, Hkv, T, D] in the storage dtype (fp32/fp16/bf16),
+    keys taken *before* RoPE (position-free); extras: per-policy tensors of any shape, e.g.
+    ``"a2ats.codes"`` [L, Hkv, T] int16."""
+
+    fingerprint: str
+    text: str
+    token_ids: torch.Tensor
+    keys: torch.Tensor
+    values: torch.Tensor
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the tensors (ids, keys, values, extras)."""
+        tensors = [self.token_ids, self.keys, self.values, *self.extras.values()]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+
+class _Corrupt(Exception):
+    """A blob that failed verification (message = the problem)."""
+
+
+def _validate_entry(entry: ChunkEntry) -> torch.Tensor:
+    """Check an entry before storing it; returns its token ids as int64 [T]."""
+    if not isinstance(entry, ChunkEntry):
+        raise TypeError(f"put() needs a ChunkEntry, got {type(entry).__name__}")
+    if not isinstance(entry.fingerprint, str) or not entry.fingerprint:
+        raise ValueError("ChunkEntry.fingerprint must be a non-empty string")
+    if not isinstance(entry.text, str):
+        raise ValueError(f"ChunkEntry.text must be a str, got {type(entry.text).__name__}")
+    for name in ("token_ids", "keys", "values"):
+        if not isinstance(getattr(entry, name), torch.Tensor):
+            raise ValueError(f"ChunkEntry.{name} must be a torch.Tensor, got {type(getattr(entry, name)).__name__}")
+    ids = entry.token_ids
+    if ids.dim() != 1:
+        raise ValueError(f"ChunkEntry.token_ids must be 1-D [T], got shape {tuple(ids.shape)}")
+    if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+        raise ValueError(f"ChunkEntry.token_ids must be integers, got {ids.dtype}")
+    if ids.numel() == 0:
+        raise ValueError("empty ChunkEntry: token_ids has T == 0 tokens")
+    k, v = entry.keys, entry.values
+    if k.dim() != 4:
+        raise ValueError(f"ChunkEntry.keys must be [L, Hkv, T, D], got shape {tuple(k.shape)}")
+    if k.shape != v.shape:
+        raise ValueError(f"ChunkEntry keys/values shape mismatch: keys {tuple(k.shape)} vs values {tuple(v.shape)}")
+    if k.dtype != v.dtype or not k.dtype.is_floating_point:
+        raise ValueError(f"ChunkEntry keys/values must share one floating dtype, got {k.dtype} / {v.dtype}")
+    if k.shape[2] != ids.numel():
+        raise ValueError(f"ChunkEntry has {ids.numel()} token ids but keys/values hold T={k.shape[2]} tokens")
+    if k.numel() == 0:
+        raise ValueError(f"empty ChunkEntry: keys have shape {tuple(k.shape)}")
+    for name, t in entry.extras.items():
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"ChunkEntry.extras names must be non-empty strings, got {name!r}")
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"ChunkEntry.extras[{name!r}] must be a torch.Tensor, got {type(t).__name__}")
+    return ids.to(torch.int64)
+
+
+def _serialize(entry: ChunkEntry, ids: torch.Tensor) -> bytes:
+    def cpu(t: torch.Tensor) -> torch.Tensor:
+        return t.detach().to("cpu").contiguous()
+
+    tensors = {"token_ids": cpu(ids), "keys": cpu(entry.keys), "values": cpu(entry.values)}
+    for name, t in entry.extras.items():
+        tensors[_EXTRA_PREFIX + name] = cpu(t)
+    metadata = {
+        "kvrag_format": str(CACHE_FORMAT_VERSION),
+        "fingerprint": entry.fingerprint,
+        "text": entry.text,
+        "n_tokens": str(int(ids.numel())),
+    }
+    return safetensors.torch.save(tensors, metadata=metadata)
+
+
+def _read_metadata(data: bytes) -> dict[str, str]:
+    """The ``__metadata__`` of a safetensors buffer (safetensors' loaders do not return it
+    for in-memory bytes). Format: u64 little-endian header length, then a JSON header."""
+    if len(data) < 8:
+        raise _Corrupt(f"blob too short ({len(data)} bytes)")
+    n = int.from_bytes(data[:8], "little")
+    if n <= 0 or 8 + n > len(data):
+        raise _Corrupt(f"bad safetensors header length {n} for a {len(data)}-byte blob")
+    try:
+        header = json.loads(data[8 : 8 + n])
+        meta = header["__metadata__"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise _Corrupt(f"unreadable safetensors header: {e}") from None
+    if not isinstance(meta, dict):
+        raise _Corrupt("safetensors metadata is not a mapping")
+    return meta
+
+
+def _deserialize(data: bytes, meta: dict[str, str]) -> ChunkEntry:
+    try:
+        tensors = safetensors.torch.load(data)
+    except Exception as e:  # safetensors raises its own error types for malformed buffers
+        raise _Corrupt(f"safetensors load failed: {e}") from None
+    try:
+        ids, k, v = tensors.pop("token_ids"), tensors.pop("keys"), tensors.pop("values")
+        fingerprint, text, n_tokens = meta["fingerprint"], meta["text"], int(meta["n_tokens"])
+    except (KeyError, ValueError) as e:
+        raise _Corrupt(f"missing or bad field {e}") from None
+    if ids.dim() != 1 or ids.dtype != torch.int64:
+        raise _Corrupt(f"token_ids has shape {tuple(ids.shape)} dtype {ids.dtype}, expected [T] int64")
+    if k.dim() != 4 or k.shape != v.shape or k.dtype != v.dtype:
+        raise _Corrupt(f"keys {tuple(k.shape)} {k.dtype} / values {tuple(v.shape)} {v.dtype} are inconsistent")
+    if k.shape[2] != ids.numel() or n_tokens != ids.numel():
+        raise _Corrupt(f"token count mismatch: {ids.numel()} ids, T={k.shape[2]}, n_tokens={n_tokens}")
+    unknown = [n for n in tensors if not n.startswith(_EXTRA_PREFIX)]
+    if unknown:
+        raise _Corrupt(f"unexpected tensors {unknown}")
+    extras = {n[len(_EXTRA_PREFIX) :]: t for n, t in tensors.items()}
+    return ChunkEntry(fingerprint=fingerprint, text=text, token_ids=ids, keys=k, values=v, extras=extras)
+
+
+class KVStore:
+    """Per-chunk KV caches on disk, safe to share between threads and processes.
+
+    size_limit: bytes for the blob cache (SQLite file + blob files), kept by evicting the
+    least recently used entries after each ``put``. Hit/miss/corrupt counters are per
+    process (per ``KVStore`` object)."""
+
+    def __init__(self, directory, *, size_limit: int = 16 * 2**30):
+        if isinstance(size_limit, bool) or not isinstance(size_limit, int) or size_limit <= 0:
+            raise ValueError(f"size_limit must be a positive number of bytes, got {size_limit!r}")
+        self.directory = Path(directory).expanduser()
+        self.size_limit = size_limit
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise type(e)(e.errno, f"cannot create KVStore directory {self.directory}: {e.strerror}",
+                          str(self.directory)) from e
+        if not os.access(self.directory, os.W_OK | os.X_OK):
+            raise PermissionError(errno.EACCES, f"KVStore directory {self.directory} is not writable",
+                                  str(self.directory))
+        try:
+            # cull_limit=0: diskcache's own culling drops up to `cull_limit` LRU items at once
+            # (the new one included when the cache is small); KVStore evicts one at a time.
+            # disk_min_file_size=0: every blob lives in its own file, written then renamed in.
+            self._blobs = diskcache.Cache(
+                str(self.directory / "blobs"), eviction_policy=_EVICTION_POLICY,
+                size_limit=size_limit, cull_limit=0, disk_min_file_size=0,
+            )
+            self._index = diskcache.Cache(
+                str(self.directory / "index"), eviction_policy="none", cull_limit=0,
+            )
+        except (OSError, sqlite3.Error) as e:
+            raise OSError(f"cannot open the KVStore in {self.directory}: {e}") from e
+        self._lock = threading.Lock()
+        self._counts = {"hits": 0, "misses": 0, "corrupt": 0, "wrong_model": 0, "evictions": 0}
+
+    # ---- keys ----------------------------------------------------------------------
+    @staticmethod
+    def make_key(fingerprint: str, token_ids) -> str:
+        """sha256 hex of the model fingerprint and the token ids (as little-endian int64)."""
+        if not isinstance(fingerprint, str) or not fingerprint:
+            raise ValueError("make_key needs a non-empty fingerprint string")
+        ids = torch.as_tensor(token_ids)
+        if ids.dim() != 1 or ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+            raise ValueError(f"token_ids must be a 1-D sequence of ints, got shape {tuple(ids.shape)} dtype {ids.dtype}")
+        h = hashlib.sha256()
+        fp = fingerprint.encode("utf-8")
+        # Length prefix: no (fingerprint, ids) pair can produce another pair's byte string.
+        h.update(len(fp).to_bytes(8, "little") + fp)
+        h.update(ids.to(torch.int64).cpu().numpy().astype("<i8", copy=False).tobytes())
+        return h.hexdigest()
+
+    # ---- write ---------------------------------------------------------------------
+    def put(self, key: str, entry: ChunkEntry) -> None:
+        """Store ``entry`` under ``key`` (replacing any entry there), then evict LRU entries
+        until the store fits its size limit. Raises ValueError for an empty or inconsistent
+        entry."""
+        if not isinstance(key, str) or not key:
+            raise ValueError(f"key must be a non-empty string, got {key!r}")
+        ids = _validate_entry(entry)
+        data = _serialize(entry, ids)
+        tag = hashlib.sha256(data).hexdigest()
+        self._blobs.set(key, data, tag=tag, retry=True)
+        index_value = json.dumps({"text": entry.text, "fingerprint": entry.fingerprint, "n_tokens": int(ids.numel())})
+        # Write the index entry only if our blob is still the one stored: when two processes
+        # put the same key at once, the text index then matches the blob that won. Lock order
+        # is always blobs -> index (everywhere in this class), so this cannot deadlock.
+        with self._blobs.transact(retry=True):
+            if self._current_tag(key) == tag:
+                self._index.set(key, index_value, retry=True)
+        if self._enforce_limit() and key not in self._blobs:
+            log.warning("KVStore: entry %s (%d bytes) is larger than the size limit %d and was evicted",
+                        key, len(data), self.size_limit)
+
+    # ---- read ----------------------------------------------------------------------
+    def get(self, key: str, fingerprint: str) -> ChunkEntry | None:
+        """The verified entry for ``key``, or None on a miss, a corrupt blob (deleted) or an
+        entry of another model (``fingerprint`` differs; kept, counted as wrong_model)."""
+        found = self._read(key)
+        if found is None:
+            # A row whose file cannot be read is a broken entry, unless a concurrent writer
+            # just replaced the file under us: read once more before calling it corrupt.
+            if key in self._blobs:
+                found = self._read(key)
+                if found is None and key in self._blobs:
+                    self._drop_corrupt(key, None, "blob file missing or unreadable")
+                    return self._miss()
+            if found is None:
+                return self._miss()
+        data, tag, name = found
+        try:
+            if not isinstance(data, bytes):
+                raise _Corrupt(f"stored value is {type(data).__name__}, not bytes")
+            digest = hashlib.sha256(data).hexdigest()
+            if digest != tag:
+                raise _Corrupt(f"checksum mismatch (stored {tag}, computed {digest}, {len(data)} bytes)")
+            meta = _read_metadata(data)
+            if meta.get("kvrag_format") != str(CACHE_FORMAT_VERSION):
+                raise _Corrupt(f"format version {meta.get('kvrag_format')!r}, expected {CACHE_FORMAT_VERSION}")
+            if meta.get("fingerprint") != fingerprint:
+                # The checksum holds, so this is a sound entry of another model asked for
+                # with the wrong fingerprint (a caller error): leave it for its owner.
+                log.warning("KVStore: entry %s belongs to model %s, not %s; not used",
+                            key, meta.get("fingerprint"), fingerprint)
+                with self._lock:
+                    self._counts["wrong_model"] += 1
+                return self._miss()
+            entry = _deserialize(data, meta)
+        except _Corrupt as e:
+            self._drop_corrupt(key, name, str(e))
+            return self._miss()
+        with self._lock:
+            self._counts["hits"] += 1
+        return entry
+
+    def __contains__(self, key) -> bool:
+        return key in self._blobs
+
+    def texts(self, fingerprint: str) -> dict[str, str]:
+        """key -> chunk text for every stored entry of ``fingerprint`` (from the text index,
+        no blob loaded; index entries whose blob was evicted or deleted are left out)."""
+        out = {}
+        for key in list(self._index.iterkeys()):
+            raw = self._index.get(key, retry=True)
+            if raw is None:
+                continue
+            try:
+                rec = json.loads(raw)
+                text, fp = rec["text"], rec["fingerprint"]
+            except (ValueError, KeyError, TypeError):
+                log.warning("KVStore: unreadable text-index entry %s; gc() will rebuild it", key)
+                continue
+            if fp == fingerprint and key in self._blobs:
+                out[key] = text
+        return out
+
+    # ---- maintenance ---------------------------------------------------------------
+    def delete(self, key) -> bool:
+        """Remove ``key``; True if a blob was stored under it."""
+        with self._blobs.transact(retry=True):
+            existed = self._blobs.delete(key, retry=True)
+            self._index.delete(key, retry=True)
+        return bool(existed)
+
+    def clear(self) -> None:
+        """Remove every entry (all models)."""
+        with self._blobs.transact(retry=True):
+            self._blobs.clear(retry=True)
+            self._index.clear(retry=True)
+
+    def stats(self) -> dict[str, Any]:
+        """entries, bytes (blob cache on disk, what size_limit bounds), size_limit, and this
+        process's hits, misses, hit_rate, corrupt, wrong_model, evictions."""
+        with self._lock:
+            c = dict(self._counts)
+        lookups = c["hits"] + c["misses"]
+        return {
+            "directory": str(self.directory),
+            "entries": len(self._blobs),
+            "bytes": self._blobs.volume(),
+            "size_limit": self.size_limit,
+            **c,
+            "hit_rate": c["hits"] / lookups if lookups else 0.0,
+        }
+
+    def gc(self, *, verify: bool = False) -> dict[str, int]:
+        """Evict to the size limit, drop text-index entries whose blob is gone, re-index
+        blobs missing from the text index; with ``verify``, also load and check every blob
+        (corrupt ones are deleted) and run diskcache's consistency check (files without
+        rows and rows without files). Returns the counts."""
+        evicted = self._enforce_limit()
+        dropped = 0
+        for key in list(self._index.iterkeys()):
+            with self._blobs.transact(retry=True):
+                if key not in self._blobs and self._index.delete(key, retry=True):
+                    dropped += 1
+        reindexed = corrupt = 0
+        for key in list(self._blobs.iterkeys()):
+            if verify and self._verify_one(key):
+                corrupt += 1
+                continue
+            if self._reindex(key):
+                reindexed += 1
+        check_warnings = 0
+        if verify:
+            check_warnings = len(self._blobs.check(fix=True, retry=True))
+            self._index.check(fix=True, retry=True)
+        return {"evicted": evicted, "index_dropped": dropped, "reindexed": reindexed,
+                "corrupt": corrupt, "check_warnings": check_warnings, "entries": len(self._blobs)}
+
+    def close(self) -> None:
+        self._blobs.close()
+        self._index.close()
+
+    def __enter__(self) -> "KVStore":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"KVStore({str(self.directory)!r}, size_limit={self.size_limit})"
+
+    # ---- internals -----------------------------------------------------------------
+    def _miss(self) -> None:
+        with self._lock:
+            self._counts["misses"] += 1
+        return None
+
+    def _read(self, key: str) -> tuple[Any, str | None, str | None] | None:
+        """(bytes, tag, file name) of the stored value, or None if absent/unreadable. The file
+        name identifies this exact version: diskcache never reuses a name."""
+        handle, tag = self._blobs.get(key, default=None, read=True, tag=True, retry=True)
+        if handle is None:
+            return None
+        try:
+            with handle:
+                return handle.read(), tag, getattr(handle, "name", None)
+        except OSError:
+            return None
+
+    def _current_tag(self, key: str) -> str | None:
+        handle, tag = self._blobs.get(key, default=None, read=True, tag=True, retry=True)
+        if handle is not None:
+            handle.close()
+        return tag
+
+    def _current_name(self, key: str) -> str | None:
+        handle = self._blobs.get(key, default=None, read=True, retry=True)
+        if handle is None:
+            return None
+        handle.close()
+        return getattr(handle, "name", None)
+
+    def _drop_corrupt(self, key: str, name: str | None, problem: str) -> None:
+        """Log, count and delete a blob that failed verification. Deletes only the version
+        that was read (same file name), so a good entry another process just wrote survives."""
+        log.warning("KVStore: corrupt entry %s in %s: %s; deleted, it will be recomputed",
+                    key, self.directory, problem)
+        with self._lock:
+            self._counts["corrupt"] += 1
+        with self._blobs.transact(retry=True):
+            if key in self._blobs and (name is None or self._current_name(key) == name):
+                self._blobs.delete(key, retry=True)
+            if key not in self._blobs:
+                self._index.delete(key, retry=True)
+
+    def _enforce_limit(self) -> int:
+        """Evict least-recently-used blobs, one per transaction, until the blob cache fits
+        ``size_limit``; returns how many were evicted."""
+        # diskcache has no public "evict one LRU item" call (Cache.cull removes ten at a time),
+        # so run its own policy query on its connection, inside its transaction.
+        select = diskcache.core.EVICTION_POLICY[_EVICTION_POLICY]["cull"].format(fields="key", now=0)
+        evicted = 0
+        while self._blobs.volume() > self.size_limit:
+            with self._blobs.transact(retry=True):
+                if self._blobs.volume() <= self.size_limit:
+                    break
+                rows = self._blobs._sql(select, (1,)).fetchall()
+                if not rows:
+                    break
+                (victim,) = rows[0]
+                self._blobs.delete(victim, retry=True)
+                self._index.delete(victim, retry=True)
+            evicted += 1
+            log.debug("KVStore: evicted %s (size limit %d)", victim, self.size_limit)
+        if evicted:
+            with self._lock:
+                self._counts["evictions"] += evicted
+        return evicted
+
+    def _verify_one(self, key: str) -> bool:
+        """Fully check one blob (for gc(verify=True)); True if it was corrupt and dropped."""
+        found = self._read(key)
+        if found is None:
+            return False
+        data, tag, name = found
+        try:
+            if not isinstance(data, bytes) or hashlib.sha256(data).hexdigest() != tag:
+                raise _Corrupt("checksum mismatch")
+            meta = _read_metadata(data)
+            if meta.get("kvrag_format") != str(CACHE_FORMAT_VERSION):
+                raise _Corrupt(f"format version {meta.get('kvrag_format')!r}, expected {CACHE_FORMAT_VERSION}")
+            _deserialize(data, meta)
+        except _Corrupt as e:
+            self._drop_corrupt(key, name, str(e))
+            return True
+        return False
+
+    def _reindex(self, key: str) -> bool:
+        """Recreate a missing or unreadable text-index entry from the blob's own metadata
+        (a writer that died between the blob and the index write leaves one)."""
+        raw = self._index.get(key, retry=True)
+        if raw is not None:
+            try:
+                json.loads(raw)["text"]
+                return False
+            except (ValueError, KeyError, TypeError):
+                pass
+        handle, tag = self._blobs.get(key, default=None, read=True, tag=True, retry=True)
+        if handle is None:
+            return False
+        with handle:
+            # Only the header is needed; the checksum is verified when the blob is loaded.
+            head = handle.read(8)
+            n = int.from_bytes(head, "little") if len(head) == 8 else 0
+            try:
+                meta = _read_metadata(head + handle.read(n)) if 0 < n < 2**27 else None
+            except _Corrupt:
+                meta = None
+        if not meta or "text" not in meta or "fingerprint" not in meta:
+            return False
+        value = json.dumps({"text": meta["text"], "fingerprint": meta["fingerprint"],
+                            "n_tokens": int(meta.get("n_tokens", 0))})
+        with self._blobs.transact(retry=True):
+            if self._current_tag(key) != tag:
+                return False
+            self._index.set(key, value, retry=True)
+        return True

@@ -1,0 +1,82 @@
+"""Helpers for tests: tiny random-weight causal LMs with a real tokenizer.
+
+Tiny models keep the test suite fast on a 2-core CPU while still exercising every supported
+architecture (Llama, Mistral, Qwen2 with q/k/v biases, Qwen3 with q/k norms) through the real
+transformers modules. They use SmolLM2's tokenizer so that text-level code (segmentation,
+chunk keys, stop strings) runs on real token ids.
+"""
+from __future__ import annotations
+
+import copy
+import functools
+
+import torch
+
+from kvrag.model import ModelHandle, default_tokenizer, resolve_dtype
+
+TINY_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+@functools.lru_cache(maxsize=1)
+def _smollm2_tokenizer():
+    return default_tokenizer()
+
+
+def smollm2_tokenizer():
+    """A private copy of the SmolLM2 tokenizer (loaded once per process; copied so a test
+    that changes it, e.g. adds tokens, cannot leak into another)."""
+    return copy.deepcopy(_smollm2_tokenizer())
+
+
+def _config_class(model_type: str):
+    import transformers
+
+    classes = {
+        "llama": transformers.LlamaConfig,
+        "mistral": transformers.MistralConfig,
+        "qwen2": transformers.Qwen2Config,
+        "qwen3": transformers.Qwen3Config,
+    }
+    if model_type not in classes:
+        raise ValueError(f"tiny_llama: model_type must be one of {', '.join(TINY_MODEL_TYPES)}, got {model_type!r}")
+    return classes[model_type]
+
+
+def tiny_llama(seed: int = 0, model_type: str = "llama", *, tokenizer=None, logit_scale: float = 4.0, **overrides) -> ModelHandle:
+    """A tiny random-weight causal LM of ``model_type`` wrapped in a :class:`ModelHandle`.
+
+    Defaults: 4 layers, hidden 64, 4 query heads, 2 KV heads (GQA), head_dim 16, vocab =
+    ``len(tokenizer)`` (SmolLM2's 49,152), context 4096. ``overrides`` go to the config
+    (``dtype=`` is taken as the model dtype). Deterministic for a given ``seed``.
+
+    Weights are drawn with std 0.2 (not HF's 0.02) so attention is not uniform, and the LM
+    head is scaled by ``logit_scale``: with ~49k near-equal logits, greedy decoding would hit
+    near-ties that fp rounding flips, making "same tokens" tests flaky."""
+    dtype = resolve_dtype(overrides.pop("dtype", torch.float32))
+    tok = smollm2_tokenizer() if tokenizer is None else tokenizer
+    cfg_kwargs = dict(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=4096,
+        initializer_range=0.2,
+        tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
+    cfg_kwargs.update(overrides)
+    config = _config_class(model_type)(**cfg_kwargs)
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(logit_scale)
+    model.to(dtype)
+    return ModelHandle.from_objects(model, tok)

@@ -1,0 +1,141 @@
+"""KVRag facade end to end on a tiny random-weight model with the real SmolLM2 tokenizer."""
+import pytest
+import torch
+
+from kvrag.engine import KVRag
+from kvrag.errors import ChunkError
+from kvrag.testing import tiny_llama
+
+DOCS = [
+    "The red fox lives in the northern forest and hunts small rodents at dawn.",
+    "Mount Kelvar is the tallest peak of the Arden range, at 4,210 metres.",
+    "The river Lenne flows from the Varn Mountains to the eastern sea.",
+]
+
+
+def prompt_for(docs, question="Where does the red fox live?"):
+    return "Answer from the passages.\n\n" + "\n\n".join(docs) + f"\n\nQuestion: {question}\nAnswer:"
+
+
+@pytest.fixture(scope="module")
+def handle():
+    return tiny_llama(seed=0)
+
+
+@pytest.fixture
+def rag(handle, tmp_path):
+    return KVRag(handle, cache_dir=tmp_path / "kv", policy="cacheblend")
+
+
+def hf_greedy(handle, ids, n):
+    with torch.no_grad():
+        out = handle.model.generate(
+            torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            max_new_tokens=n, do_sample=False, pad_token_id=0,
+        )
+    return out[0, len(ids):].tolist()
+
+
+def test_full_prefill_equals_transformers_generate(rag, handle):
+    rag.precompute(DOCS)
+    out = rag.generate(prompt_for(DOCS), policy="full_prefill", max_new_tokens=12)
+    assert out.stats.cached_tokens == 0 and out.stats.prompt_tokens == len(out.prompt_ids)
+    assert out.token_ids == hf_greedy(handle, out.prompt_ids, len(out.token_ids))
+
+
+def test_policy_ratio_one_equals_full_prefill(rag):
+    rag.precompute(DOCS)
+    prompt = prompt_for(DOCS)
+    full = rag.generate(prompt, policy="full_prefill", max_new_tokens=10)
+    blend = rag.generate(prompt, policy="cacheblend", recompute_ratio=1.0, max_new_tokens=10)
+    assert blend.stats.chunks_hit == 3 and blend.stats.cached_tokens > 0
+    assert blend.prompt_ids == full.prompt_ids
+    assert blend.token_ids == full.token_ids
+    cont = full.token_ids[:6]
+    lf, _ = rag.continuation_logits(prompt, cont, policy="full_prefill")
+    lb, _ = rag.continuation_logits(prompt, cont, policy="cacheblend", recompute_ratio=1.0)
+    torch.testing.assert_close(lb, lf, atol=1e-3, rtol=1e-3)
+
+
+def test_no_cached_chunk_takes_full_prefill_path(rag):
+    prompt = prompt_for(DOCS)  # nothing precomputed
+    full = rag.generate(prompt, policy="full_prefill", max_new_tokens=8)
+    naive = rag.generate(prompt, policy="naive_reuse", max_new_tokens=8)
+    assert naive.stats.chunks_hit == 0 and naive.stats.cached_tokens == 0
+    assert naive.token_ids == full.token_ids
+
+
+def test_naive_reuse_uses_cache_and_counts(rag):
+    rag.precompute(DOCS[:2])
+    out = rag.generate(prompt_for(DOCS), policy="naive_reuse", max_new_tokens=4)
+    s = out.stats
+    assert s.chunks_hit == 2 and s.recompute_fraction == 0.0
+    assert s.cached_tokens == sum(len(rag.chunk_ids(d)) for d in DOCS[:2])
+    assert s.computed_tokens == s.prompt_tokens - s.cached_tokens
+    assert s.bytes_loaded > 0 and s.ttft_s > 0
+
+
+def test_continuation_logits_match_model(rag, handle):
+    rag.precompute(DOCS)
+    prompt = prompt_for(DOCS)
+    full = rag.generate(prompt, policy="full_prefill", max_new_tokens=5)
+    logits, _ = rag.continuation_logits(prompt, full.token_ids, policy="full_prefill")
+    with torch.no_grad():
+        ref = handle.model(torch.tensor([full.prompt_ids + full.token_ids])).logits[0, len(full.prompt_ids) - 1:]
+    torch.testing.assert_close(logits, ref.float(), atol=1e-4, rtol=1e-4)
+
+
+def test_stream_matches_generate_and_stops(rag):
+    rag.precompute(DOCS)
+    prompt = prompt_for(DOCS)
+    ref = rag.generate(prompt, policy="naive_reuse", max_new_tokens=16)
+    s = rag.stream(prompt, policy="naive_reuse", max_new_tokens=16)
+    pieces = list(s)
+    assert "".join(pieces) == ref.text == s.text
+    assert s.stats.ttft_s > 0 and s.stats.new_tokens == len(ref.token_ids)
+    if len(ref.text.strip()) > 3:
+        stop = ref.text.strip()[1:3]
+        cut = rag.generate(prompt, policy="naive_reuse", max_new_tokens=16, stop=[stop])
+        assert stop not in cut.text and ref.text.startswith(cut.text)
+
+
+def test_bad_chunks_rejected(rag, handle):
+    with pytest.raises(ChunkError, match="empty"):
+        rag.precompute(["   \n"])
+    with pytest.raises(ChunkError, match="exceeds the model context"):
+        rag.precompute(["word " * (handle.max_context + 10)])
+    assert rag.store.stats()["entries"] == 0
+
+
+def test_corrupt_blob_falls_back_to_recompute(rag, tmp_path):
+    rag.precompute(DOCS)
+    prompt = prompt_for(DOCS)
+    ref = rag.generate(prompt, policy="naive_reuse", max_new_tokens=6)
+    # Damage every blob file on disk: loads must be refused and the chunks computed instead.
+    blobs = [p for p in (tmp_path / "kv").rglob("*") if p.is_file() and p.stat().st_size > 4096]
+    assert blobs
+    for p in blobs:
+        data = bytearray(p.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        p.write_bytes(bytes(data))
+    out = rag.generate(prompt, policy="naive_reuse", max_new_tokens=6)
+    full = rag.generate(prompt, policy="full_prefill", max_new_tokens=6)
+    assert out.stats.chunks_hit == 0 and out.stats.chunks_missed == 3
+    assert out.token_ids == full.token_ids
+    assert ref.stats.chunks_hit == 3
+
+
+def test_other_model_never_hits(handle, tmp_path):
+    a = KVRag(handle, cache_dir=tmp_path / "kv")
+    a.precompute(DOCS)
+    b = KVRag(tiny_llama(seed=1), cache_dir=tmp_path / "kv")
+    assert b.fingerprint != a.fingerprint
+    out = b.generate(prompt_for(DOCS), policy="naive_reuse", max_new_tokens=3)
+    assert out.stats.chunks_hit == 0 and out.stats.cached_tokens == 0
+
+
+def test_chat_messages_are_rendered(rag):
+    rag.precompute(DOCS)
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": prompt_for(DOCS)}]
+    out = rag.generate(msgs, policy="naive_reuse", max_new_tokens=3)
+    assert out.stats.chunks_hit == 3

@@ -1,0 +1,142 @@
+"""Fusion-engine invariants on tiny random-weight models of every supported family."""
+import pytest
+import torch
+
+from fusion_helpers import CONFIGS, hf_logits, pieces_for, rand_ids, tiny
+from kvrag.arch import Arch
+from kvrag.chunk import compute_chunk_kv
+from kvrag.fusion import FusionEngine, Layout
+from kvrag.policies import get_policy
+
+
+@pytest.mark.parametrize("model_type", list(CONFIGS))
+def test_rerotated_key_equals_key_at_position(model_type):
+    model = tiny(model_type)
+    arch = Arch(model)
+    g = torch.Generator().manual_seed(1)
+    ids = rand_ids(12, g)
+    # The same chunk computed after a 7-token prefix vs alone: layer-0 keys depend only on the
+    # token, so re-rotating the position-free key by 7 must give the key at position 7+i.
+    prefix = rand_ids(7, g)
+    with torch.no_grad():
+        out = model(torch.tensor([prefix + ids]), use_cache=True)
+    k_true = out.past_key_values.layers[0].keys[0][:, 7:]  # [Hkv, T, D]
+    k_pre, _ = compute_chunk_kv(arch, [ids])[0]
+    k_rot = arch.rotate(k_pre[0], torch.arange(7, 19))
+    torch.testing.assert_close(k_rot, k_true, atol=1e-5, rtol=1e-5)
+    # Rotating back by the negative position recovers the position-free key.
+    torch.testing.assert_close(arch.rotate(k_rot, -torch.arange(7, 19)), k_pre[0], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("model_type", list(CONFIGS))
+def test_chunk_prefill_matches_model(model_type):
+    model = tiny(model_type)
+    arch = Arch(model)
+    g = torch.Generator().manual_seed(2)
+    a, b = rand_ids(9, g), rand_ids(14, g)
+    packed = compute_chunk_kv(arch, [a, b])
+    for ids, (k_pre, v) in zip([a, b], packed):
+        with torch.no_grad():
+            cache = model(torch.tensor([ids]), use_cache=True).past_key_values
+        for layer in range(arch.n_layers):
+            torch.testing.assert_close(v[layer], cache.layers[layer].values[0], atol=1e-5, rtol=1e-4)
+            k_rot = arch.rotate(k_pre[layer], torch.arange(len(ids)))
+            torch.testing.assert_close(k_rot, cache.layers[layer].keys[0], atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("model_type", list(CONFIGS))
+@pytest.mark.parametrize("policy", ["cacheblend"])
+def test_ratio_one_equals_full_prefill(model_type, policy):
+    model = tiny(model_type)
+    arch = Arch(model)
+    g = torch.Generator().manual_seed(3)
+    segs = [(rand_ids(5, g), False), (rand_ids(20, g), True), (rand_ids(17, g), True), (rand_ids(6, g), False)]
+    all_ids = [t for s, _ in segs for t in s]
+    layout = Layout.build(pieces_for(arch, segs))
+    res = FusionEngine(arch).prefill(layout, get_policy(policy, recompute_ratio=1.0))
+    torch.testing.assert_close(res.logits, hf_logits(model, all_ids), atol=1e-4, rtol=1e-4)
+    assert res.stats.recompute_fraction == 1.0
+    assert res.stats.recomputed_tokens == 37
+    # The fused cache equals the model's own cache at every layer.
+    with torch.no_grad():
+        cache = model(torch.tensor([all_ids]), use_cache=True).past_key_values
+    for layer in range(arch.n_layers):
+        torch.testing.assert_close(res.K[layer], cache.layers[layer].keys[0], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(res.V[layer], cache.layers[layer].values[0], atol=1e-4, rtol=1e-4)
+
+
+def test_naive_reuse_is_exact_for_a_single_leading_chunk():
+    # A chunk at the very start is encoded exactly as in the full prompt (nothing precedes it),
+    # so naive reuse must equal full prefill there — and differ once a chunk follows another.
+    model = tiny("llama")
+    arch = Arch(model)
+    g = torch.Generator().manual_seed(4)
+    c1, c2, q = rand_ids(16, g), rand_ids(16, g), rand_ids(5, g)
+    eng, naive = FusionEngine(arch), get_policy("naive_reuse")
+    res = eng.prefill(Layout.build(pieces_for(arch, [(c1, True), (q, False)])), naive)
+    torch.testing.assert_close(res.logits, hf_logits(model, c1 + q), atol=1e-4, rtol=1e-4)
+    assert res.stats.recomputed_tokens == 0 and res.stats.computed_tokens == 5
+    res2 = eng.prefill(Layout.build(pieces_for(arch, [(c1, True), (c2, True), (q, False)])), naive)
+    assert not torch.allclose(res2.logits, hf_logits(model, c1 + c2 + q), atol=1e-3)
+
+
+def test_cacheblend_selects_highest_value_deviation():
+    model = tiny("llama")
+    arch = Arch(model)
+    g = torch.Generator().manual_seed(5)
+    segs = [(rand_ids(4, g), False), (rand_ids(30, g), True), (rand_ids(30, g), True), (rand_ids(5, g), False)]
+    layout = Layout.build(pieces_for(arch, segs))
+    pol = get_policy("cacheblend", recompute_ratio=0.2)
+    captured = {}
+    orig = pol.select
+
+    def spy(layer, state, q, k, v):
+        out = orig(layer, state, q, k, v)
+        if layer == 1:
+            dev = ((v - state.V[1][:, state.active]) ** 2).sum(dim=(0, 2))
+            captured["dev"], captured["active"], captured["sel"] = dev, state.active.clone(), out
+        return out
+
+    pol.select = spy
+    res = FusionEngine(arch).prefill(layout, pol)
+    cached = layout.cached[captured["active"]]
+    chosen = captured["active"][captured["sel"]]
+    chosen_cached = chosen[layout.cached[chosen]]
+    assert chosen_cached.numel() == int(60 * 0.2)
+    # Every chosen cached token deviates at least as much as every cached token left out.
+    dev = captured["dev"]
+    in_sel = torch.zeros_like(cached)
+    in_sel[captured["sel"]] = True
+    assert dev[cached & in_sel].min() >= dev[cached & ~in_sel].max()
+    assert res.stats.recomputed_tokens == 12
+    # Layers 0-1 compute all 60 cached tokens, layers 2-3 only 12: (2*60 + 2*12) / (4*60).
+    assert res.stats.recompute_fraction == pytest.approx((2 * 60 + 2 * 12) / 240)
+
+
+def test_cacheblend_gradual_filtering_shrinks():
+    model = tiny("llama")
+    arch = Arch(model)
+    g = torch.Generator().manual_seed(6)
+    segs = [(rand_ids(40, g), True), (rand_ids(40, g), True), (rand_ids(5, g), False)]
+    layout = Layout.build(pieces_for(arch, segs))
+    pol = get_policy("cacheblend", recompute_ratio=0.1, check_layers=(1, 2), layer_ratios=(0.3, 0.1))
+    sizes = {}
+    orig = pol.select
+
+    def spy(layer, state, q, k, v):
+        out = orig(layer, state, q, k, v)
+        sizes[layer] = int(layout.cached[state.active[out] if out is not None else state.active].sum())
+        return out
+
+    pol.select = spy
+    FusionEngine(arch).prefill(layout, pol)
+    assert sizes[1] == 24 and sizes[2] == 8 and sizes[3] == 8
+
+
+def test_bad_policy_params():
+    with pytest.raises(ValueError, match="recompute_ratio"):
+        get_policy("cacheblend", recompute_ratio=1.5)
+    with pytest.raises(ValueError, match="no parameter"):
+        get_policy("naive_reuse", recompute_ratio=0.1)
+    with pytest.raises(ValueError, match="unknown policy"):
+        get_policy("nope")

@@ -1,0 +1,373 @@
+"""KVStore: bit-exact round trips, integrity checks on every load, LRU eviction, the text
+index, stats, several processes at once, and clear errors for bad input."""
+
+import logging
+import multiprocessing as mp
+import os
+from pathlib import Path
+
+import diskcache
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import kvrag.store as store_mod  # noqa: E402
+from kvrag.store import CACHE_FORMAT_VERSION, ChunkEntry, KVStore  # noqa: E402
+
+FP_A = "fingerprint-model-a"
+FP_B = "fingerprint-model-b"
+
+
+def make_entry(fp=FP_A, text="some chunk text", T=5, L=2, H=2, D=8, dtype=torch.float32, seed=0, extras=None):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 50_000, (T,), generator=g)
+    k = torch.randn(L, H, T, D, generator=g).to(dtype)
+    v = torch.randn(L, H, T, D, generator=g).to(dtype)
+    return ChunkEntry(fingerprint=fp, text=text, token_ids=ids, keys=k, values=v, extras=extras or {})
+
+
+def put(store, entry):
+    key = KVStore.make_key(entry.fingerprint, entry.token_ids)
+    store.put(key, entry)
+    return key
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """Same-width integer view: compares NaN payloads and -0.0 exactly."""
+    if t.dtype.is_floating_point:
+        return t.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+    return t
+
+
+def assert_same(a: ChunkEntry, b: ChunkEntry):
+    assert (a.fingerprint, a.text) == (b.fingerprint, b.text)
+    for x, y in [(a.token_ids, b.token_ids), (a.keys, b.keys), (a.values, b.values)]:
+        assert x.dtype == y.dtype and x.shape == y.shape
+        assert torch.equal(bits(x), bits(y))
+    assert a.extras.keys() == b.extras.keys()
+    for n in a.extras:
+        assert a.extras[n].dtype == b.extras[n].dtype
+        assert torch.equal(bits(a.extras[n]), bits(b.extras[n]))
+
+
+def blob_files(directory: Path) -> list[Path]:
+    # diskcache writes each value to <directory>/blobs/xx/yy/<random>.val
+    return sorted((directory / "blobs").rglob("*.val"))
+
+
+@pytest.fixture
+def store(tmp_path):
+    s = KVStore(tmp_path)
+    yield s
+    s.close()
+
+
+# ---- round trip ------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_round_trip_is_bit_exact(store, dtype):
+    e = make_entry(dtype=dtype, T=7, text="héllo ✓ chunk\nwith lines")
+    # Values whose bits a lossy path would change.
+    e.keys[0, 0, 0, :4] = torch.tensor([float("nan"), float("inf"), -0.0, 1e-30]).to(dtype)
+    L, H, T, _ = e.keys.shape
+    e.extras = {
+        "a2ats.codes": torch.randint(-32768, 32767, (L, H, T), dtype=torch.int16),
+        "other.idx": torch.arange(T, dtype=torch.int64) * 3,
+        "scale": torch.randn(L, H).to(dtype),
+    }
+    key = put(store, e)
+    assert key in store
+    got = store.get(key, FP_A)
+    assert got is not None
+    assert_same(e, got)
+    assert got.nbytes == e.nbytes > 0
+
+
+def test_round_trip_from_a_new_store_object(tmp_path):
+    e = make_entry(dtype=torch.bfloat16)
+    with KVStore(tmp_path) as s1:
+        key = put(s1, e)
+    with KVStore(tmp_path) as s2:
+        assert_same(e, s2.get(key, FP_A))
+
+
+def test_make_key_depends_on_fingerprint_and_ids():
+    k = KVStore.make_key(FP_A, [1, 2, 3])
+    assert k == KVStore.make_key(FP_A, torch.tensor([1, 2, 3]))
+    assert k == KVStore.make_key(FP_A, torch.tensor([1, 2, 3], dtype=torch.int32))
+    assert len(k) == 64 and int(k, 16) >= 0
+    assert k != KVStore.make_key(FP_B, [1, 2, 3])
+    assert k != KVStore.make_key(FP_A, [1, 2, 4])
+    assert k != KVStore.make_key(FP_A, [1, 2])
+    with pytest.raises(ValueError, match="ints"):
+        KVStore.make_key(FP_A, [1.5, 2.0])
+    with pytest.raises(ValueError, match="fingerprint"):
+        KVStore.make_key("", [1])
+
+
+# ---- misses and wrong model ------------------------------------------------------------
+def test_miss_returns_none(store):
+    assert store.get(KVStore.make_key(FP_A, [1, 2]), FP_A) is None
+    assert KVStore.make_key(FP_A, [1, 2]) not in store
+    s = store.stats()
+    assert (s["hits"], s["misses"], s["corrupt"]) == (0, 1, 0)
+
+
+def test_wrong_fingerprint_returns_none_and_keeps_entry(store):
+    e = make_entry(fp=FP_A)
+    key = put(store, e)
+    assert store.get(key, FP_B) is None
+    assert store.stats()["wrong_model"] == 1
+    assert key in store  # a sound entry of another model is not destroyed
+    assert_same(e, store.get(key, FP_A))
+
+
+# ---- integrity -------------------------------------------------------------------------
+def _corrupt_case(store, tmp_path, damage, caplog):
+    e = make_entry(T=16)
+    key = put(store, e)
+    other = put(store, make_entry(T=16, seed=1, text="other"))
+    files = blob_files(tmp_path)
+    assert len(files) == 2
+    # Find the file of `key`: the one whose bytes are that entry's blob.
+    target = next(f for f in files if e.text.encode() in f.read_bytes()[:4096] and b"other" not in f.read_bytes()[:4096])
+    damage(target)
+    with caplog.at_level(logging.WARNING, logger="kvrag.store"):
+        assert store.get(key, FP_A) is None
+    assert key in caplog.text and "corrupt" in caplog.text
+    assert key not in store
+    assert key not in store.texts(FP_A)
+    s = store.stats()
+    assert s["corrupt"] == 1 and s["entries"] == 1
+    # The intact neighbour is untouched, and the damaged chunk can be stored again.
+    assert store.get(other, FP_A) is not None
+    store.put(key, e)
+    assert_same(e, store.get(key, FP_A))
+
+
+def test_flipped_bytes_are_detected_and_deleted(store, tmp_path, caplog):
+    def flip(path):
+        data = bytearray(path.read_bytes())
+        for i in range(len(data) - 64, len(data) - 32):  # inside the tensor data, header intact
+            data[i] ^= 0xFF
+        path.write_bytes(bytes(data))
+
+    _corrupt_case(store, tmp_path, flip, caplog)
+
+
+def test_truncated_blob_is_detected_and_deleted(store, tmp_path, caplog):
+    def truncate(path):
+        data = path.read_bytes()
+        path.write_bytes(data[: len(data) // 2])
+
+    _corrupt_case(store, tmp_path, truncate, caplog)
+
+
+def test_missing_blob_file_is_detected_and_deleted(store, tmp_path, caplog):
+    _corrupt_case(store, tmp_path, lambda p: p.unlink(), caplog)
+
+
+def test_old_format_version_is_not_used(store, monkeypatch):
+    e = make_entry()
+    monkeypatch.setattr(store_mod, "CACHE_FORMAT_VERSION", CACHE_FORMAT_VERSION + 1)
+    key = put(store, e)
+    monkeypatch.setattr(store_mod, "CACHE_FORMAT_VERSION", CACHE_FORMAT_VERSION)
+    assert store.get(key, FP_A) is None
+    assert key not in store and store.stats()["corrupt"] == 1
+
+
+def test_gc_verify_finds_corrupt_blob_without_a_get(store, tmp_path):
+    put(store, make_entry(T=16))
+    (path,) = blob_files(tmp_path)
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0x01
+    path.write_bytes(bytes(data))
+    report = store.gc(verify=True)
+    assert report["corrupt"] == 1 and report["entries"] == 0
+    assert store.texts(FP_A) == {}
+
+
+# ---- eviction --------------------------------------------------------------------------
+def test_lru_eviction_keeps_recently_used(tmp_path):
+    big = dict(T=64, L=2, H=2, D=64)  # 128 KiB of K/V per entry
+    entries = {n: make_entry(seed=i, text=f"chunk {n}", **big) for i, n in enumerate("ABCD")}
+    blob = entries["A"].nbytes
+    base = KVStore(tmp_path / "probe").stats()["bytes"]  # empty SQLite file
+    # Room for three entries, not four.
+    s = KVStore(tmp_path / "s", size_limit=base + 3 * blob + blob // 2)
+    keys = {n: put(s, entries[n]) for n in "ABC"}
+    assert all(k in s for k in keys.values()) and s.stats()["evictions"] == 0
+    assert s.get(keys["A"], FP_A) is not None  # A is now more recent than B and C
+    keys["D"] = put(s, entries["D"])
+    assert keys["B"] not in s  # least recently used
+    for n in "ACD":
+        assert_same(entries[n], s.get(keys[n], FP_A))
+    st = s.stats()
+    assert st["evictions"] == 1 and st["entries"] == 3 and st["bytes"] <= st["size_limit"]
+    assert set(s.texts(FP_A)) == {keys[n] for n in "ACD"}
+    s.close()
+
+
+def test_entry_larger_than_limit_is_not_kept(tmp_path, caplog):
+    base = KVStore(tmp_path / "probe").stats()["bytes"]
+    s = KVStore(tmp_path / "s", size_limit=base + 1024)
+    with caplog.at_level(logging.WARNING, logger="kvrag.store"):
+        key = put(s, make_entry(T=64, D=64))
+    assert key not in s and "larger than the size limit" in caplog.text
+    assert s.texts(FP_A) == {}
+
+
+# ---- text index ------------------------------------------------------------------------
+def test_texts_per_fingerprint_and_gc(store, tmp_path):
+    a1 = put(store, make_entry(fp=FP_A, text="alpha one", seed=1))
+    a2 = put(store, make_entry(fp=FP_A, text="alpha two", seed=2))
+    b1 = put(store, make_entry(fp=FP_B, text="beta one", seed=3))
+    assert store.texts(FP_A) == {a1: "alpha one", a2: "alpha two"}
+    assert store.texts(FP_B) == {b1: "beta one"}
+    assert store.texts("unknown") == {}
+
+    assert store.delete(a2) is True
+    assert store.delete(a2) is False
+    assert store.texts(FP_A) == {a1: "alpha one"}
+
+    # A blob removed behind the store's back (eviction by another process, a crash):
+    # texts() stops listing it at once, gc() removes the stale index entry.
+    with diskcache.Cache(str(tmp_path / "blobs")) as raw:
+        assert raw.delete(a1)
+    assert store.texts(FP_A) == {}
+    assert store.gc()["index_dropped"] == 1
+
+    # A writer that died between the blob and the index write: gc() re-indexes the blob.
+    with diskcache.Cache(str(tmp_path / "index")) as raw:
+        assert raw.delete(b1)
+    assert store.texts(FP_B) == {}
+    report = store.gc()
+    assert report["reindexed"] == 1 and report["index_dropped"] == 0
+    assert store.texts(FP_B) == {b1: "beta one"}
+
+    store.clear()
+    assert store.texts(FP_B) == {} and store.stats()["entries"] == 0
+
+
+def test_stats_fields(store):
+    k1 = put(store, make_entry(seed=1))
+    put(store, make_entry(seed=2))
+    assert store.get(k1, FP_A) is not None
+    assert store.get(k1, FP_A) is not None
+    assert store.get(KVStore.make_key(FP_A, [9]), FP_A) is None
+    s = store.stats()
+    assert s["entries"] == 2 and s["bytes"] > 2 * make_entry().nbytes
+    assert s["size_limit"] == 16 * 2**30
+    assert (s["hits"], s["misses"]) == (2, 1)
+    assert s["hit_rate"] == pytest.approx(2 / 3)
+    assert s["corrupt"] == 0 and s["wrong_model"] == 0 and s["evictions"] == 0
+
+
+# ---- several processes -----------------------------------------------------------------
+SHARED_IDS = [11, 22, 33, 44]
+N_WRITES = 25
+
+
+def _versioned_entry(wid: int, i: int) -> ChunkEntry:
+    """A valid entry whose every part says who wrote it: a torn mix would be detected."""
+    tag = float(wid * 1000 + i)
+    T = len(SHARED_IDS)
+    return ChunkEntry(
+        fingerprint=FP_A, text=f"writer {wid} version {i}", token_ids=torch.tensor(SHARED_IDS),
+        keys=torch.full((2, 2, T, 16), tag), values=torch.full((2, 2, T, 16), -tag),
+        extras={"codes": torch.full((2, 2, T), wid * 1000 + i, dtype=torch.int32)},
+    )
+
+
+def _check_versioned(e: ChunkEntry) -> None:
+    wid, i = int(e.text.split()[1]), int(e.text.split()[3])
+    assert_same(_versioned_entry(wid, i), e)
+
+
+def _writer(directory: str, wid: int) -> None:
+    s = KVStore(directory)
+    shared = KVStore.make_key(FP_A, SHARED_IDS)
+    for i in range(N_WRITES):
+        s.put(shared, _versioned_entry(wid, i))
+        own = make_entry(text=f"own {wid} {i}", seed=100 * wid + i)
+        put(s, own)
+        got = s.get(shared, FP_A)
+        assert got is not None
+        _check_versioned(got)
+    assert s.stats()["corrupt"] == 0
+    s.close()
+
+
+def test_two_processes_writing_at_once(tmp_path):
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_writer, args=(str(tmp_path), w)) for w in (1, 2)]
+    for p in procs:
+        p.start()
+    s = KVStore(tmp_path)
+    shared = KVStore.make_key(FP_A, SHARED_IDS)
+    seen = 0
+    while any(p.is_alive() for p in procs):  # read while they write
+        got = s.get(shared, FP_A)
+        if got is not None:
+            _check_versioned(got)
+            seen += 1
+    for p in procs:
+        p.join(timeout=120)
+        assert p.exitcode == 0
+    assert s.stats()["corrupt"] == 0
+
+    final = s.get(shared, FP_A)
+    _check_versioned(final)
+    # The text index agrees with the blob that won the race.
+    texts = s.texts(FP_A)
+    assert texts[shared] == final.text
+    # One valid entry per key: the shared one plus every writer's own chunks.
+    assert len(texts) == 1 + 2 * N_WRITES == s.stats()["entries"]
+    for w in (1, 2):
+        for i in range(N_WRITES):
+            own = make_entry(text=f"own {w} {i}", seed=100 * w + i)
+            assert_same(own, s.get(KVStore.make_key(FP_A, own.token_ids), FP_A))
+    assert len(blob_files(tmp_path)) == 1 + 2 * N_WRITES  # replaced versions were cleaned up
+    assert s.gc(verify=True)["corrupt"] == 0
+    s.close()
+
+
+# ---- bad input -------------------------------------------------------------------------
+def test_put_rejects_empty_and_inconsistent_entries(store):
+    key = "k"
+    with pytest.raises(ValueError, match="T == 0"):
+        store.put(key, make_entry(T=0))
+    e = make_entry(T=4)
+    e.values = e.values[:, :, :3]
+    with pytest.raises(ValueError, match="shape mismatch"):
+        store.put(key, e)
+    e = make_entry(T=4)
+    e.token_ids = e.token_ids[:3]
+    with pytest.raises(ValueError, match="3 token ids but keys/values hold T=4"):
+        store.put(key, e)
+    e = make_entry(T=4)
+    e.keys, e.values = e.keys[0], e.values[0]
+    with pytest.raises(ValueError, match=r"\[L, Hkv, T, D\]"):
+        store.put(key, e)
+    e = make_entry(T=4)
+    e.token_ids = e.token_ids.float()
+    with pytest.raises(ValueError, match="integers"):
+        store.put(key, e)
+    with pytest.raises(ValueError, match="key"):
+        store.put("", make_entry())
+    assert store.stats()["entries"] == 0
+
+
+def test_unusable_directory_gives_clear_error(tmp_path):
+    blocker = tmp_path / "file.txt"
+    blocker.write_text("not a directory")
+    with pytest.raises(OSError, match="KVStore directory") as ei:
+        KVStore(blocker / "store")
+    assert str(blocker / "store") in str(ei.value)
+    with pytest.raises(OSError, match="KVStore directory"):
+        KVStore(blocker)  # a file where the directory should be
+
+
+def test_bad_size_limit(tmp_path):
+    with pytest.raises(ValueError, match="size_limit"):
+        KVStore(tmp_path, size_limit=0)
