@@ -113,17 +113,20 @@ class Arch:
         keys: torch.Tensor,
         values: torch.Tensor,
         mask: torch.Tensor | None,
+        causal: bool = False,
     ) -> torch.Tensor:
         """Finish a layer for the active tokens.
 
         hidden [A, E] (residual input), q [H, A, D], keys/values [Hkv, N, D],
-        mask bool [A, N] (True = may attend) -> new hidden [A, E]."""
+        mask bool [A, N] (True = may attend) -> new hidden [A, E]. ``causal=True`` (with
+        mask None, A == N) lets SDPA use its causal kernel, which skips the masked half."""
         block = self.layers[layer]
         out = F.scaled_dot_product_attention(
             q.unsqueeze(0),
             keys.unsqueeze(0).to(q.dtype),
             values.unsqueeze(0).to(q.dtype),
             attn_mask=None if mask is None else mask.unsqueeze(0).unsqueeze(0),
+            is_causal=causal and mask is None,
             scale=self.scaling,
             enable_gqa=self.n_heads != self.n_kv_heads,
         )[0]

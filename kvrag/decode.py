@@ -110,7 +110,11 @@ class FusedStepper:
                 self.V[layer] = torch.cat([self.V[layer], v], dim=1)
                 idx = self.policy.decode_select(layer, q, self)
                 keys, vals = self.K[layer], self.V[layer]
-                if idx is not None:
+                if idx is not None and idx.dim() == 2:
+                    # Per-KV-head slots [Hkv, R] (A2ATS: each head reads its own top-k rows).
+                    gather = idx.unsqueeze(-1).expand(-1, -1, keys.shape[-1])
+                    keys, vals = keys.gather(1, gather), vals.gather(1, gather)
+                elif idx is not None:
                     keys, vals = keys[:, idx], vals[:, idx]
                 hidden = self.arch.attend(layer, hidden, q, keys, vals, None)
             rows.append(self.arch.logits(hidden)[0])

@@ -71,7 +71,9 @@ class KVRag:
     model: a ``ModelHandle``, a local HF model directory or ``.gguf`` path, or None for the
     default SmolLM2-135M-Instruct. cache_dir: where the KV store lives. policy/policy_params:
     the default reuse policy (overridable per call). storage_dtype: dtype of stored K/V.
-    ingest_policies: policies whose per-chunk extras are computed at precompute time."""
+    ingest_policies: policies whose per-chunk extras are computed at precompute time.
+    kvlink_adapter: ``"auto"`` or a directory: load the model with a KVLink adapter (trained
+    link tokens, maybe a LoRA merged into a copy of the model, with its own fingerprint)."""
 
     def __init__(
         self,
@@ -86,9 +88,16 @@ class KVRag:
         ingest_policies: Sequence[str | Policy] = (),
         query_tokens: int | None = None,
         refresh_s: float = 2.0,
+        kvlink_adapter: str | os.PathLike | None = None,
         **policy_params,
     ) -> None:
         self.handle = model if isinstance(model, ModelHandle) else ModelHandle.load(model, dtype=dtype, device=device)
+        if kvlink_adapter is not None:
+            # A KVLink adapter ("auto" or a directory) may hold LoRA weights that change every
+            # K/V: the adapted model is a copy with its own fingerprint (kvrag.kvlink_train).
+            from kvrag.kvlink_train import apply_adapter
+
+            self.handle = apply_adapter(self.handle, kvlink_adapter)
         self.arch = Arch(self.handle.model)
         self.tokenizer = self.handle.tokenizer
         self.fingerprint = self.handle.fingerprint

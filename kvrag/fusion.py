@@ -12,12 +12,14 @@ Shapes: ``N`` tokens in the fused prompt, ``A`` active tokens, ``L`` layers, ``H
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from kvrag.arch import Arch
-from kvrag.policies.base import Policy
+
+if TYPE_CHECKING:  # pragma: no cover - policies import this module (no import cycle)
+    from kvrag.policies.base import Policy
 
 PLAIN, CACHED, INSERTED = 0, 1, 2
 
@@ -117,6 +119,10 @@ class FusionStats:
     decode_s: float = 0.0
     new_tokens: int = 0
     policy: str = ""
+    # Policy-specific counters ("<policy>.<name>": number), taken from
+    # ``state.scratch["policy_stats"]`` by reference, so a decode-time policy (A2ATS' KV bytes
+    # read per token) keeps updating them while decoding.
+    policy_stats: dict = field(default_factory=dict)
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -265,13 +271,17 @@ class FusionEngine:
             if not all_kept:
                 keep_idx = state.keep.nonzero().squeeze(1)
             pos_q = positions[active]
+            extra = policy.extra_mask(state, active)
+            if all_kept and extra is None and active.numel() == n:
+                # Every token computed, nothing dropped: plain causal attention.
+                hidden = arch.attend(layer, hidden, q, state.K[layer], state.V[layer], None, causal=True)
+                continue
             if all_kept:
                 mask = pos_q[:, None] >= positions[None, :]
                 keys, vals = state.K[layer], state.V[layer]
             else:
                 mask = pos_q[:, None] >= positions[keep_idx][None, :]
                 keys, vals = state.K[layer][:, keep_idx], state.V[layer][:, keep_idx]
-            extra = policy.extra_mask(state, active)
             if extra is not None:
                 mask = mask & (extra if all_kept else extra[:, keep_idx])
             hidden = arch.attend(layer, hidden, q, keys, vals, mask)
@@ -302,6 +312,7 @@ class FusionEngine:
             kept_tokens=int(Kout[0].shape[1]) if Kout else int(keep_idx.numel()),
             chunks_hit=len(entries),
             policy=policy.name,
+            policy_stats=state.scratch.setdefault("policy_stats", {}),
         )
         return FusionResult(
             logits=logits, K=Kout, V=Vout, positions=out_pos,

@@ -200,13 +200,9 @@ def tokenizer_digest(tokenizer) -> str:
 
 
 def _cache_format_version() -> Any:
-    # Imported lazily: the store imports heavier things and nothing else here needs it.
-    try:
-        from kvrag.store import CACHE_FORMAT_VERSION
-    except ModuleNotFoundError as e:  # TEMPORARY: kvrag/store.py is being written; remove then
-        if e.name != "kvrag.store":
-            raise
-        return "store-missing"
+    # Imported lazily: the store pulls in diskcache/sqlite, which loading a model never needs.
+    from kvrag.store import CACHE_FORMAT_VERSION
+
     return CACHE_FORMAT_VERSION
 
 

@@ -105,7 +105,8 @@ class Policy:
         """Called after the last layer, before the cache is handed to the decoder."""
 
     #: Set to a method ``decode_select(layer, q, state) -> LongTensor | None`` (q [H, 1, D];
-    #: returns cache slots to attend to) to get a decode loop that calls it at every layer.
+    #: returns cache slots to attend to: [R] shared by all KV heads, or [Hkv, R] one row set
+    #: per KV head) to get a decode loop that calls it at every layer.
     decode_select = None
 
 

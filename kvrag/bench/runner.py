@@ -1,0 +1,697 @@
+"""The benchmark runner: prompts, interleaved timed runs, quality metrics, records, summary.
+
+Scenarios (each one a list of records, one per example x policy):
+
+* ``qa``: a QA file in the format of ``../shared/data/musique_dev.json`` and/or the synthetic
+  QA set. Per example, every policy (``full_prefill`` always included, as the reference) is
+  timed in a rotated order, ``repeats`` times; the first round generates the answer, the
+  others only the first token. Then, untimed, each policy teacher-forces the gold answer
+  (log-likelihood) and ``full_prefill``'s answer (top-1 agreement, KL).
+* ``scaling``: TTFT at controlled context lengths (``n`` chunks of exactly ``t`` tokens).
+* ``sweep``: quality vs recompute ratio, for the policies that have a ``recompute_ratio``.
+
+The prompt is CacheBlend's (fixed instruction, passages, question) as chat messages
+(:func:`kvrag.prompt.rag_messages`), rendered with the model's chat template; every passage is
+precomputed as one chunk and appears verbatim in the prompt. Precompute is never part of TTFT
+(its throughput is reported on its own). TTFT ratios are computed per example, within the run.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+import platform
+import statistics
+import tempfile
+import threading
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvrag.bench import metrics as M
+from kvrag.bench import synthetic
+
+log = logging.getLogger("kvrag.bench")
+
+REFERENCE = "full_prefill"
+STOP = ("\n",)
+
+
+# ---- configuration -----------------------------------------------------------------------
+@dataclass
+class BenchConfig:
+    """Everything a run needs; ``kvrag bench`` fills it from the command line."""
+
+    out: Path
+    data: str | None = None
+    synthetic: int = 0                      # synthetic QA items (0 = none)
+    policies: list[str] = field(default_factory=list)   # [] = every registered policy
+    params: dict[str, dict] = field(default_factory=dict)  # policy -> hyper-parameters
+    limit: int | None = None
+    passages: int | None = None
+    passage_words: int | None = None        # truncate passages (quick mode)
+    repeats: int = 3
+    max_new_tokens: int = 32
+    kl_positions: int = 16
+    scaling: list[tuple[int, int]] = field(default_factory=list)   # (chunks, tokens per chunk)
+    sweep_policies: list[str] = field(default_factory=list)
+    sweep_ratios: list[float] = field(default_factory=list)
+    sweep_limit: int = 0
+    sweep_data: str = "synthetic"           # "synthetic" or "data"
+    synthetic_passages: int = 6
+    synthetic_passage_tokens: int = 200
+    devices: list[str] = field(default_factory=lambda: ["cpu"])
+    model: str | None = None
+    dtype: str = "float32"
+    storage_dtype: str = "float16"
+    seed: int = 0
+    footprint: bool = True
+    warmup: bool = True
+    cache_dir: str | None = None
+    report: Path | None = None
+    command: str = ""
+    quick: bool = False
+
+    def __post_init__(self) -> None:
+        self.out = Path(self.out)
+        if self.repeats < 1:
+            raise ValueError(f"repeats must be >= 1, got {self.repeats}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.kl_positions < 1:
+            raise ValueError(f"kl_positions must be >= 1, got {self.kl_positions}")
+        for r in self.sweep_ratios:
+            if not 0.0 <= r <= 1.0:
+                raise ValueError(f"sweep ratios must be in [0, 1], got {r}")
+        for n, t in self.scaling:
+            if n < 1 or t < 32:
+                raise ValueError(f"scaling point {n}x{t}: need >= 1 chunk of >= 32 tokens")
+        if self.sweep_data not in ("synthetic", "data"):
+            raise ValueError(f"sweep_data must be 'synthetic' or 'data', got {self.sweep_data!r}")
+
+
+@dataclass
+class Example:
+    """One QA example: passages in prompt order (each precomputed as one chunk)."""
+
+    id: str
+    question: str
+    answers: list[str]
+    passages: list[str]
+    qtype: str = ""
+
+
+def _passage_text(ctx: dict, where: str) -> str:
+    if not isinstance(ctx, dict) or not isinstance(ctx.get("text"), str):
+        raise ValueError(f"{where}: each ctx must be an object with a 'text' string")
+    title = ctx.get("title") or ""
+    if not isinstance(title, str):
+        raise ValueError(f"{where}: ctx 'title' must be a string")
+    text = ctx["text"].strip()
+    return f"{title.strip()}\n{text}" if title.strip() else text
+
+
+def examples_from_items(items: Sequence[Any], *, source: str, limit: int | None = None, passages: int | None = None,
+                        passage_words: int | None = None) -> list[Example]:
+    """Validate items in the musique_dev.json format and turn them into ``Example`` s."""
+    if not isinstance(items, list):
+        raise ValueError(f"{source}: expected a JSON list of examples, got {type(items).__name__}")
+    out = []
+    for i, it in enumerate(items[: limit if limit is not None else None]):
+        where = f"{source}: example {i}"
+        if not isinstance(it, dict):
+            raise ValueError(f"{where}: expected an object, got {type(it).__name__}")
+        q, answers, ctxs = it.get("question"), it.get("answers"), it.get("ctxs")
+        if not isinstance(q, str) or not q.strip():
+            raise ValueError(f"{where}: 'question' must be a non-empty string")
+        if isinstance(answers, str):
+            answers = [answers]
+        if not isinstance(answers, list) or not answers or not all(isinstance(a, str) for a in answers):
+            raise ValueError(f"{where}: 'answers' must be a non-empty list of strings")
+        if not isinstance(ctxs, list) or not ctxs:
+            raise ValueError(f"{where}: 'ctxs' must be a non-empty list of {{title, text}} objects")
+        texts = [_passage_text(c, where) for c in ctxs[: passages if passages else None]]
+        if passage_words:
+            texts = [" ".join(t.split(" ")[:passage_words]) for t in texts]
+        texts = [t for t in texts if t.strip()]
+        if not texts:
+            raise ValueError(f"{where}: every passage is empty")
+        out.append(Example(str(it.get("id", f"{Path(source).stem}-{i}")), q.strip(), answers, texts,
+                           str(it.get("type", ""))))
+    return out
+
+
+def load_examples(path: str, **kw) -> list[Example]:
+    """Examples from a JSON file in the format of ``musique_dev.json``."""
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"data file not found: {path}")
+    try:
+        items = json.loads(p.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+    return examples_from_items(items, source=str(p), **kw)
+
+
+# ---- measurement helpers -------------------------------------------------------------------
+def _rss_bytes() -> int:
+    try:
+        import psutil
+
+        return int(psutil.Process().memory_info().rss)
+    except ImportError:
+        pass
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        import resource
+
+        return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+class PeakMemory:
+    """Peak memory during a ``with`` block: process RSS sampled by a thread (CPU; torch ops
+    release the GIL so sampling runs during them), or ``torch.cuda.max_memory_allocated``."""
+
+    def __init__(self, device: str, interval_s: float = 0.005):
+        self.cuda = device.startswith("cuda")
+        self.interval = interval_s
+        self.peak = self.base = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _sample(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.peak = max(self.peak, _rss_bytes())
+
+    def __enter__(self) -> "PeakMemory":
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self.base = self.peak = torch.cuda.memory_allocated()
+        else:
+            self.base = self.peak = _rss_bytes()
+            self._thread = threading.Thread(target=self._sample, daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+            self.peak = max(self.peak, torch.cuda.max_memory_allocated())
+        else:
+            self._stop.set()
+            self._thread.join()
+            self.peak = max(self.peak, _rss_bytes())
+
+    @property
+    def peak_mb(self) -> float:
+        return self.peak / 2**20
+
+    @property
+    def delta_mb(self) -> float:
+        return (self.peak - self.base) / 2**20
+
+
+def dir_bytes(path: str | os.PathLike) -> int:
+    """Bytes of all files under ``path`` (blobs + index)."""
+    total = 0
+    for root, _, files in os.walk(path):
+        for f in files:
+            try:
+                total += os.path.getsize(os.path.join(root, f))
+            except OSError:
+                pass
+    return total
+
+
+def machine_info(devices: Sequence[str]) -> dict:
+    """What the numbers were measured on."""
+    import transformers
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    mem = None
+    try:
+        mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    except (ValueError, OSError, AttributeError):
+        pass
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cores = os.cpu_count()
+    info = {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpu": cpu,
+        "cores": cores,
+        "torch_threads": torch.get_num_threads(),
+        "memory_gib": round(mem, 1) if mem else None,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "devices": list(devices),
+    }
+    if any(d.startswith("cuda") for d in devices) and torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+    return info
+
+
+def _git_commit() -> str | None:
+    head = Path(__file__).resolve().parents[2] / ".git"
+    try:
+        ref = (head / "HEAD").read_text().strip()
+        if ref.startswith("ref: "):
+            return (head / ref[5:]).read_text().strip()
+        return ref
+    except OSError:
+        return None
+
+
+def _median(xs: Sequence[float]) -> float | None:
+    xs = [x for x in xs if x is not None and not (isinstance(x, float) and math.isnan(x))]
+    return statistics.median(xs) if xs else None
+
+
+def _mean(xs: Sequence[float]) -> float | None:
+    xs = [x for x in xs if x is not None and not (isinstance(x, float) and math.isnan(x))]
+    return sum(xs) / len(xs) if xs else None
+
+
+def label_of(policy: str, params: dict) -> str:
+    """Display name of a policy run: ``cacheblend`` or ``cacheblend@0.3`` for a swept ratio."""
+    if set(params) == {"recompute_ratio"}:
+        return f"{policy}@{params['recompute_ratio']:g}"
+    if params:
+        return policy + "(" + ",".join(f"{k}={v}" for k, v in sorted(params.items())) + ")"
+    return policy
+
+
+def _rotate(xs: list, k: int) -> list:
+    if not xs:
+        return xs
+    k %= len(xs)
+    return xs[k:] + xs[:k]
+
+
+# ---- the runner ----------------------------------------------------------------------------
+@dataclass
+class Run:
+    """One policy configuration to benchmark."""
+
+    policy: str
+    params: dict = field(default_factory=dict)
+
+    @property
+    def label(self) -> str:
+        return label_of(self.policy, self.params)
+
+
+class Bench:
+    """Runs the scenarios of a ``BenchConfig`` and collects records.
+
+    ``progress`` receives one line per step (the CLI prints it)."""
+
+    def __init__(self, cfg: BenchConfig, progress: Callable[[str], None] | None = None):
+        from kvrag.policies import get_policy, policy_names
+
+        self.cfg = cfg
+        self.say = progress or (lambda s: log.info(s))
+        names = cfg.policies or policy_names()
+        unknown = [p for p in names + cfg.sweep_policies if p not in policy_names()]
+        if unknown:
+            raise ValueError(f"unknown policies: {', '.join(unknown)}; registered: {', '.join(policy_names())}")
+        for p in cfg.params:
+            if p not in policy_names():
+                raise ValueError(f"--param for unknown policy {p!r}")
+        # full_prefill is the reference of every ratio and fidelity number: always run, first.
+        names = [REFERENCE] + [p for p in dict.fromkeys(names) if p != REFERENCE]
+        self.runs = [Run(p, dict(cfg.params.get(p, {}))) for p in names]
+        for r in self.runs:  # bad hyper-parameters fail now, not after an hour
+            get_policy(r.policy, **r.params)
+        self.sweep_policies = [p for p in dict.fromkeys(cfg.sweep_policies)]
+        for p in self.sweep_policies:
+            fields = {f.name for f in dataclasses.fields(get_policy(p).params)}
+            if "recompute_ratio" not in fields:
+                raise ValueError(f"sweep policy {p!r} has no recompute_ratio parameter")
+        # Read and check the data file now: a typo must not cost a model load.
+        self.data_examples = (load_examples(cfg.data, limit=cfg.limit, passages=cfg.passages,
+                                            passage_words=cfg.passage_words) if cfg.data else None)
+        self.records: list[dict] = []
+        self.precompute_log: list[dict] = []
+        self.footprint: dict = {}
+        self.model_info: dict = {}
+
+    # -- datasets --
+    def datasets(self, rag) -> list[tuple[str, list[Example]]]:
+        cfg = self.cfg
+        out = []
+        if self.data_examples is not None:
+            out.append((Path(cfg.data).stem, self.data_examples))
+        if cfg.synthetic:
+            items = synthetic.generate(cfg.synthetic, cfg.seed, n_passages=cfg.synthetic_passages,
+                                       passage_tokens=cfg.synthetic_passage_tokens,
+                                       count_tokens=lambda s: len(rag.handle.encode(s)))
+            out.append(("synthetic", examples_from_items(items, source="synthetic")))
+        return out
+
+    # -- one prompt --
+    def messages(self, ex: Example) -> list[dict]:
+        from kvrag.prompt import rag_messages
+
+        return rag_messages(ex.passages, ex.question)
+
+    def precompute(self, rag, texts: list[str], scenario: str) -> None:
+        todo = [t for t in dict.fromkeys(texts) if not rag.is_cached(t)]
+        if not todo:
+            return
+        tokens = sum(len(rag.chunk_ids(t)) for t in todo)
+        t0 = time.perf_counter()
+        rag.precompute(todo)
+        dt = time.perf_counter() - t0
+        self.precompute_log.append({"device": self.device, "scenario": scenario, "chunks": len(todo),
+                                    "tokens": tokens, "seconds": dt})
+
+    def _base_record(self, scenario, dataset, ex: Example, run: Run) -> dict:
+        return {
+            "device": self.device, "scenario": scenario, "dataset": dataset, "example_id": ex.id,
+            "qtype": ex.qtype, "policy": run.policy, "label": run.label, "params": run.params,
+            "recompute_ratio_param": run.params.get("recompute_ratio"),
+            "gold": ex.answers, "error": None,
+        }
+
+    def _timed(self, rag, msgs, run: Run, max_new: int) -> tuple[Any, PeakMemory]:
+        with PeakMemory(self.device) as mem:
+            out = rag.generate(msgs, policy=run.policy, max_new_tokens=max_new, stop=STOP, **run.params)
+        return out, mem
+
+    def time_policies(self, rag, scenario, dataset, ex: Example, runs: list[Run], index: int,
+                      repeats: int, max_new: int) -> dict[str, dict]:
+        """Timed, interleaved runs of every policy on one example: {label: record}."""
+        msgs = self.messages(ex)
+        recs = {r.label: self._base_record(scenario, dataset, ex, r) for r in runs}
+        ttfts: dict[str, list[float]] = {r.label: [] for r in runs}
+        for rnd in range(repeats):
+            # Rotate the order per example and per round, so drift (thermal, other load)
+            # hits every policy alike.
+            for run in _rotate(list(runs), index + rnd):
+                rec = recs[run.label]
+                if rec["error"]:
+                    continue
+                try:
+                    out, mem = self._timed(rag, msgs, run, max_new if rnd == 0 else 1)
+                except Exception as e:  # noqa: BLE001 - a failing policy is a result, not a crash
+                    rec["error"] = f"{type(e).__name__}: {e}"
+                    log.debug("policy %s failed on %s:\n%s", run.label, ex.id, traceback.format_exc())
+                    self.say(f"    {run.label}: ERROR {rec['error']}")
+                    continue
+                s = out.stats
+                ttfts[run.label].append(s.ttft_s)
+                rec["peak_mem_mb"] = max(rec.get("peak_mem_mb", 0.0), mem.peak_mb)
+                rec["peak_mem_delta_mb"] = max(rec.get("peak_mem_delta_mb", 0.0), mem.delta_mb)
+                if rnd == 0:
+                    rec.update(
+                        answer=out.text.strip(), answer_token_ids=list(out.token_ids), new_tokens=s.new_tokens,
+                        tpot_s=(s.decode_s / (s.new_tokens - 1)) if s.new_tokens > 1 else None,
+                        prompt_tokens=s.prompt_tokens, cached_tokens=s.cached_tokens,
+                        recomputed_tokens=s.recomputed_tokens, computed_tokens=s.computed_tokens,
+                        kept_tokens=s.kept_tokens, inserted_tokens=s.inserted_tokens,
+                        recompute_fraction=s.recompute_fraction, bytes_loaded=s.bytes_loaded,
+                        chunks_hit=s.chunks_hit, chunks_missed=s.chunks_missed,
+                        load_s=s.load_s, prefill_s=s.prefill_s,
+                        policy_stats={k: v for k, v in dict(s.policy_stats).items() if isinstance(v, (int, float))},
+                    )
+                    if run.policy == REFERENCE:
+                        # The exact token ids the model saw: lets a test replay them through
+                        # plain transformers generation.
+                        rec["prompt_ids"] = list(out.prompt_ids)
+        for run in runs:
+            rec, xs = recs[run.label], ttfts[run.label]
+            rec["ttft_runs"] = xs
+            rec["ttft_s"] = _median(xs)
+            rec["ttft_min"] = min(xs) if xs else None
+            rec["ttft_max"] = max(xs) if xs else None
+        ref = recs.get(REFERENCE)
+        for rec in recs.values():
+            ok = ref and ref["ttft_s"] and rec["ttft_s"]
+            rec["speedup"] = ref["ttft_s"] / rec["ttft_s"] if ok else None
+            if ref and not ref["error"] and not rec["error"]:
+                rec["fidelity_f1"] = M.token_f1(rec["answer"], ref["answer"])
+                rec["fidelity_em"] = M.exact_match(rec["answer"], ref["answer"])
+            if not rec["error"]:
+                rec["gold_f1"] = M.best_f1(rec["answer"], ex.answers)
+                rec["gold_em"] = M.best_em(rec["answer"], ex.answers)
+        return recs
+
+    def quality(self, rag, ex: Example, recs: dict[str, dict], runs: list[Run]) -> None:
+        """Teacher-forced metrics (untimed): gold answer log-likelihood, and top-1 / KL of the
+        next-token distribution vs ``full_prefill`` over its answer's first positions."""
+        fp = recs.get(REFERENCE)
+        if fp is None or fp["error"]:
+            return
+        msgs = self.messages(ex)
+        gold_ids = rag.handle.encode(ex.answers[0])
+        # Rows 0..n-1 of continuation_logits predict the reference answer's tokens 0..n-1.
+        ans_ids = fp["answer_token_ids"][: self.cfg.kl_positions]
+        ref_logits = ref_ll = None
+        order = [r for r in runs if r.policy == REFERENCE] + [r for r in runs if r.policy != REFERENCE]
+        for run in order:
+            rec = recs[run.label]
+            if rec["error"]:
+                continue
+            try:
+                if gold_ids:
+                    lg, _ = rag.continuation_logits(msgs, gold_ids, policy=run.policy, **run.params)
+                    rec["gold_ll"] = M.mean_logprob(lg, gold_ids)
+                    rec["gold_nll"] = -rec["gold_ll"]
+                    rec["gold_tokens"] = len(gold_ids)
+                lf, _ = rag.continuation_logits(msgs, ans_ids[:-1], policy=run.policy, **run.params)
+                rows = lf[: len(ans_ids)]
+            except Exception as e:  # noqa: BLE001 - a failing policy is a result, not a crash
+                rec["error"] = f"{type(e).__name__}: {e} (teacher forcing)"
+                self.say(f"    {run.label}: ERROR {rec['error']}")
+                continue
+            if run.policy == REFERENCE:
+                ref_logits, ref_ll = rows, rec.get("gold_ll")
+            if ref_logits is not None:
+                rec["top1_agreement"], rec["kl"] = M.next_token_agreement(ref_logits, rows)
+                rec["kl_positions"] = len(ans_ids)
+            if ref_ll is not None and rec.get("gold_ll") is not None:
+                rec["gold_nll_delta"] = rec["gold_nll"] + ref_ll
+                rec["gold_ll_rel_gap"] = M.relative_gap(rec["gold_ll"], ref_ll)
+
+    def _done(self, recs: dict[str, dict]) -> None:
+        for rec in recs.values():
+            self.records.append(rec)
+
+    # -- scenarios --
+    def run_qa(self, rag, dataset: str, examples: list[Example]) -> None:
+        self.say(f"[{self.device}] qa/{dataset}: {len(examples)} examples x {len(self.runs)} policies")
+        for ex in examples:
+            self.precompute(rag, ex.passages, f"qa/{dataset}")
+        for i, ex in enumerate(examples):
+            t0 = time.perf_counter()
+            recs = self.time_policies(rag, "qa", dataset, ex, self.runs, i, self.cfg.repeats, self.cfg.max_new_tokens)
+            self.quality(rag, ex, recs, self.runs)
+            self._done(recs)
+            fp = recs[REFERENCE]
+            self.say(f"  {dataset} {i + 1}/{len(examples)} ({fp.get('prompt_tokens')} tok, "
+                     f"{time.perf_counter() - t0:.0f}s): " + "  ".join(
+                         f"{r['label']} {r['ttft_s'] or float('nan'):.2f}s" for r in recs.values()))
+
+    def run_scaling(self, rag) -> None:
+        cfg = self.cfg
+        self.say(f"[{self.device}] scaling: {', '.join(f'{n}x{t}' for n, t in cfg.scaling)}")
+        enc = rag.handle.encode
+        dec = lambda ids: rag.tokenizer.decode(ids)  # noqa: E731
+        for i, (n, t) in enumerate(cfg.scaling):
+            item = synthetic.exact_length_item(n, t, enc, dec, seed=cfg.seed)
+            ex = examples_from_items([item], source="scaling")[0]
+            self.precompute(rag, ex.passages, "scaling")
+            recs = self.time_policies(rag, "scaling", f"{n}x{t}", ex, self.runs, i, cfg.repeats, cfg.max_new_tokens)
+            for rec in recs.values():
+                rec.update(chunks=n, chunk_tokens=t)
+            self._done(recs)
+            self.say(f"  {n}x{t} ({recs[REFERENCE].get('prompt_tokens')} tok): " + "  ".join(
+                f"{r['label']} {r['ttft_s'] or float('nan'):.2f}s" for r in recs.values()))
+
+    def run_sweep(self, rag, datasets: dict[str, list[Example]]) -> None:
+        cfg = self.cfg
+        name = "synthetic" if cfg.sweep_data == "synthetic" and "synthetic" in datasets else next(
+            (k for k in datasets if k != "synthetic"), None) or next(iter(datasets), None)
+        if name is None:
+            return
+        examples = datasets[name][: cfg.sweep_limit]
+        runs = [Run(REFERENCE)] + [Run(p, {**cfg.params.get(p, {}), "recompute_ratio": r})
+                                   for p in self.sweep_policies for r in cfg.sweep_ratios]
+        self.say(f"[{self.device}] sweep on {name}: {len(examples)} examples x {len(runs) - 1} (policy, ratio)")
+        for i, ex in enumerate(examples):
+            self.precompute(rag, ex.passages, f"sweep/{name}")
+            t0 = time.perf_counter()
+            recs = self.time_policies(rag, "sweep", name, ex, runs, i, 1, cfg.max_new_tokens)
+            self.quality(rag, ex, recs, runs)
+            self._done(recs)
+            self.say(f"  sweep {i + 1}/{len(examples)} ({time.perf_counter() - t0:.0f}s)")
+
+    def measure_footprint(self, rag, texts: list[str]) -> None:
+        """Disk bytes per 1k tokens of stored K/V in fp32 and fp16, against 2*L*Hkv*D*bytes."""
+        from kvrag.engine import KVRag
+
+        cfg = rag.handle.model.config
+        layers = cfg.num_hidden_layers
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        tokens = sum(len(rag.chunk_ids(t)) for t in texts)
+        out = {"tokens": tokens, "layers": layers, "kv_heads": kv_heads, "head_dim": head_dim}
+        for dt, nbytes in (("float32", 4), ("float16", 2)):
+            with tempfile.TemporaryDirectory(prefix="kvrag-footprint-") as d:
+                r = KVRag(rag.handle, cache_dir=d, storage_dtype=dt)
+                empty = dir_bytes(d)
+                r.precompute(texts)
+                used = dir_bytes(d) - empty
+                blob = r.store.stats()["bytes"]
+            bound = 2 * layers * kv_heads * head_dim * nbytes * 1000
+            out[dt] = {"bytes_per_1k": used / tokens * 1000, "blob_bytes_per_1k": blob / tokens * 1000,
+                       "bound_per_1k": bound, "ratio": used / tokens * 1000 / bound}
+        self.footprint = out
+
+    def warm_up(self, rag, ex: Example) -> None:
+        """One untimed run of every policy on a short prompt: one-off costs (lazy init,
+        allocator growth, kernel choice) must not land on the first timed policy."""
+        short = Example(ex.id + "-warmup", ex.question, ex.answers, ex.passages[:2])
+        self.precompute(rag, short.passages, "warmup")
+        self.precompute_log = [p for p in self.precompute_log if p["scenario"] != "warmup"]
+        for run in self.runs:
+            try:
+                rag.generate(self.messages(short), policy=run.policy, max_new_tokens=2, stop=STOP, **run.params)
+            except Exception as e:  # noqa: BLE001 - the timed run records it
+                log.debug("warm-up of %s failed: %s", run.label, e)
+
+    def run(self) -> dict:
+        """Every scenario on every device; returns the result (records, summary, meta)."""
+        from kvrag.engine import KVRag
+        from kvrag.model import ModelHandle
+
+        cfg = self.cfg
+        t_start = time.perf_counter()
+        meta = {"machine": machine_info(cfg.devices), "command": cfg.command, "git_commit": _git_commit(),
+                "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "config": _jsonable(dataclasses.asdict(cfg))}
+        for device in cfg.devices:
+            self.device = device
+            self.say(f"loading model on {device} ...")
+            handle = ModelHandle.load(cfg.model, dtype=cfg.dtype, device=device)
+            mc = handle.model.config
+            self.model_info = {"name": getattr(mc, "_name_or_path", "") or cfg.model or "SmolLM2-135M-Instruct (default)",
+                               "fingerprint": handle.fingerprint[:16], "layers": mc.num_hidden_layers,
+                               "kv_heads": getattr(mc, "num_key_value_heads", None),
+                               "dtype": cfg.dtype, "storage_dtype": cfg.storage_dtype}
+            tmp = None
+            cache_dir = cfg.cache_dir
+            if cache_dir is None:
+                tmp = tempfile.TemporaryDirectory(prefix="kvrag-bench-")
+                cache_dir = tmp.name
+            try:
+                rag = KVRag(handle, cache_dir=Path(cache_dir) / device.replace(":", "_"),
+                            storage_dtype=cfg.storage_dtype, ingest_policies=[r.policy for r in self.runs])
+                datasets = dict(self.datasets(rag))
+                first = next((exs[0] for exs in datasets.values() if exs), None)
+                if cfg.warmup:
+                    warm = first or examples_from_items([synthetic.generate(1, cfg.seed)[0]], source="warmup")[0]
+                    self.warm_up(rag, warm)
+                for name, exs in datasets.items():
+                    self.run_qa(rag, name, exs)
+                if cfg.scaling:
+                    self.run_scaling(rag)
+                if self.sweep_policies and cfg.sweep_ratios and cfg.sweep_limit:
+                    self.run_sweep(rag, datasets)
+                if cfg.footprint and first is not None and device == cfg.devices[0]:
+                    self.measure_footprint(rag, first.passages[:3])
+            finally:
+                if tmp is not None:
+                    tmp.cleanup()
+        meta["wall_s"] = time.perf_counter() - t_start
+        meta["model"] = self.model_info
+        return {"records": self.records, "meta": meta, "precompute": self.precompute_log,
+                "footprint": self.footprint, "summary": summarize(self.records),
+                "throughput": throughput(self.records, self.precompute_log)}
+
+
+def _jsonable(x):
+    if isinstance(x, dict):
+        return {k: _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, Path):
+        return str(x)
+    return x
+
+
+# ---- summary -------------------------------------------------------------------------------
+SUMMARY_FIELDS = [
+    "device", "scenario", "dataset", "label", "policy", "recompute_ratio_param", "n", "errors",
+    "prompt_tokens", "ttft_s", "ttft_spread", "speedup", "tpot_s",
+    "gold_f1", "gold_em", "fidelity_f1", "fidelity_em", "gold_nll", "gold_nll_delta", "gold_ll_rel_gap",
+    "top1_agreement", "kl", "cached_tokens", "recomputed_tokens", "computed_tokens", "kept_tokens",
+    "recompute_fraction", "bytes_loaded", "peak_mem_mb", "peak_mem_delta_mb",
+]
+
+
+def summarize(records: list[dict]) -> list[dict]:
+    """One row per (device, scenario, dataset, label): medians of TTFT and of the per-example
+    TTFT ratio, means of the quality metrics and counters over the examples that ran."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in records:
+        groups.setdefault((r["device"], r["scenario"], r["dataset"], r["label"]), []).append(r)
+    rows = []
+    for (device, scenario, dataset, label), rs in groups.items():
+        ok = [r for r in rs if not r.get("error")]
+        spreads = [(r["ttft_max"] - r["ttft_min"]) / r["ttft_s"] for r in ok if r.get("ttft_s") and r.get("ttft_max") is not None]
+        row = {"device": device, "scenario": scenario, "dataset": dataset, "label": label, "policy": rs[0]["policy"],
+               "recompute_ratio_param": rs[0].get("recompute_ratio_param"), "n": len(rs), "errors": len(rs) - len(ok),
+               "ttft_s": _median([r.get("ttft_s") for r in ok]), "speedup": _median([r.get("speedup") for r in ok]),
+               "ttft_spread": _median(spreads)}
+        for k in ("prompt_tokens", "tpot_s", "gold_f1", "gold_em", "fidelity_f1", "fidelity_em", "gold_nll",
+                  "gold_nll_delta", "top1_agreement", "kl", "cached_tokens", "recomputed_tokens", "computed_tokens",
+                  "kept_tokens", "recompute_fraction", "bytes_loaded"):
+            row[k] = _mean([r.get(k) for r in ok])
+        row["peak_mem_mb"] = max((r.get("peak_mem_mb") or 0.0 for r in ok), default=None)
+        row["peak_mem_delta_mb"] = max((r.get("peak_mem_delta_mb") or 0.0 for r in ok), default=None)
+        # Relative gap of the *mean* gold log-likelihood to full_prefill's mean on the same examples.
+        ids = {r["example_id"] for r in ok if r.get("gold_ll") is not None}
+        refs = [r for r in groups.get((device, scenario, dataset, REFERENCE), []) if r["example_id"] in ids and r.get("gold_ll") is not None]
+        mine = [r["gold_ll"] for r in ok if r.get("gold_ll") is not None and r["example_id"] in {x["example_id"] for x in refs}]
+        row["gold_ll_rel_gap"] = M.relative_gap(_mean(mine), _mean([r["gold_ll"] for r in refs])) if mine and refs else None
+        rows.append(row)
+    return rows
+
+
+def throughput(records: list[dict], precompute_log: list[dict]) -> dict:
+    """Precompute tokens/s vs plain prefill tokens/s (full_prefill's TTFT on the QA prompts)."""
+    out = {}
+    devices = {p["device"] for p in precompute_log} | {r["device"] for r in records}
+    for d in sorted(devices):
+        pre = [p for p in precompute_log if p["device"] == d]
+        tok, sec = sum(p["tokens"] for p in pre), sum(p["seconds"] for p in pre)
+        fps = [r for r in records if r["device"] == d and r["policy"] == REFERENCE and r["scenario"] == "qa"
+               and r.get("ttft_s") and r.get("prompt_tokens")]
+        ptok, psec = sum(r["prompt_tokens"] for r in fps), sum(r["ttft_s"] for r in fps)
+        out[d] = {"precompute_tokens": tok, "precompute_s": sec,
+                  "precompute_tok_per_s": tok / sec if sec else None,
+                  "prefill_tokens": ptok, "prefill_s": psec, "prefill_tok_per_s": ptok / psec if psec else None}
+        if out[d]["precompute_tok_per_s"] and out[d]["prefill_tok_per_s"]:
+            out[d]["ratio"] = out[d]["precompute_tok_per_s"] / out[d]["prefill_tok_per_s"]
+    return out

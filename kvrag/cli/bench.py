@@ -1,0 +1,202 @@
+"""``kvrag bench``: TTFT and quality of every reuse policy against ``full_prefill``, on a QA
+file (the format of ``../shared/data/musique_dev.json``) and/or synthetic QA, plus TTFT vs
+context length and quality vs recompute ratio; writes results.json, CSVs, PNG plots and a
+markdown report (``benchmarks/run_default.sh`` makes ``docs/benchmarks.md``)."""
+from __future__ import annotations
+
+import json
+import shlex
+
+from kvrag.errors import KVRagError
+
+# Defaults of a full run, and of --quick (a smoke test: seconds per policy, tiny prompts).
+FULL = {"repeats": 3, "max_new_tokens": 32, "scaling": "4x256,8x256,8x512,12x512",
+        "sweep_ratios": "0,0.05,0.1,0.15,0.3,0.5,1", "sweep_limit": 3, "synthetic_passages": 6,
+        "synthetic_passage_tokens": 200, "passage_words": None, "limit": None, "passages": None}
+QUICK = {"repeats": 1, "max_new_tokens": 8, "scaling": "2x64,3x64", "sweep_ratios": "0,0.15,1",
+         "sweep_limit": 1, "synthetic_passages": 3, "synthetic_passage_tokens": 60, "passage_words": 40,
+         "limit": 2, "passages": 3}
+DEFAULT_SWEEP_POLICIES = "cacheblend,a3"
+
+
+class BenchError(KVRagError, ValueError):
+    """Bad ``kvrag bench`` arguments."""
+
+
+def register(sub) -> None:
+    p = sub.add_parser(
+        "bench", help="benchmark TTFT and answer quality of every policy against full_prefill",
+        description=__doc__,
+    )
+    g = p.add_argument_group("data")
+    g.add_argument("--data", metavar="FILE", help="QA JSON: a list of {question, answers, ctxs[{title, text}]}")
+    g.add_argument("--synthetic", nargs="?", type=int, const=-1, default=0, metavar="N",
+                   help="add N synthetic multi-document QA items (default N: 12; quick: 3)")
+    g.add_argument("--limit", type=int, metavar="N", help="first N examples of --data (quick: 2)")
+    g.add_argument("--passages", type=int, metavar="K", help="first K passages of each example (quick: 3)")
+    g.add_argument("--seed", type=int, default=0, help="seed of the synthetic data")
+    g = p.add_argument_group("policies")
+    g.add_argument("--policies", metavar="LIST", help="comma-separated policies (default: every registered one); "
+                   "full_prefill is always added as the reference")
+    g.add_argument("--param", action="append", default=[], metavar="POLICY.KEY=VALUE",
+                   help="a policy hyper-parameter, e.g. cacheblend.recompute_ratio=0.2 (repeatable; JSON values)")
+    g = p.add_argument_group("measurement")
+    g.add_argument("--repeats", type=int, metavar="R", help="timed runs per example and policy (default 3; quick 1)")
+    g.add_argument("--max-new-tokens", type=int, help="answer length cap (default 32; quick 8)")
+    g.add_argument("--kl-positions", type=int, default=16, help="answer positions for top-1/KL (default 16)")
+    g.add_argument("--scaling", metavar="LIST", help="TTFT-vs-length points NxT: N chunks of exactly T tokens "
+                   f"(default {FULL['scaling']}; 'none' to skip)")
+    g.add_argument("--chunks", type=int, metavar="N", help="add scaling points of N chunks, one per --chunk-tokens")
+    g.add_argument("--chunk-tokens", metavar="LIST", help="chunk lengths for --chunks, e.g. 256,512")
+    g.add_argument("--sweep-policies", default=DEFAULT_SWEEP_POLICIES, metavar="LIST",
+                   help=f"policies swept over --sweep-ratios (default {DEFAULT_SWEEP_POLICIES}; 'none' to skip)")
+    g.add_argument("--sweep-ratios", metavar="LIST", help=f"recompute ratios (default {FULL['sweep_ratios']})")
+    g.add_argument("--sweep-limit", type=int, metavar="N", help="examples in the sweep (default 3; quick 1)")
+    g.add_argument("--sweep-data", choices=("synthetic", "data"), default="synthetic",
+                   help="data set of the sweep when both are given (default synthetic)")
+    g.add_argument("--synthetic-passages", type=int, help="passages per synthetic item (default 6)")
+    g.add_argument("--synthetic-passage-tokens", type=int, help="tokens per synthetic passage (default 200)")
+    g.add_argument("--no-footprint", action="store_true", help="skip the KV disk footprint measurement")
+    g.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up run")
+    g.add_argument("--quick", action="store_true", help="smoke test: 2 examples, 3 short passages, 8 new tokens, "
+                   "1 repeat, tiny scaling and sweep")
+    g = p.add_argument_group("model and output")
+    g.add_argument("--model", help="HF model dir or .gguf (default: SmolLM2-135M-Instruct)")
+    g.add_argument("--device", default="auto", help="comma-separated devices; 'auto' = cpu, plus cuda if present")
+    g.add_argument("--dtype", default="float32", help="compute dtype (default float32)")
+    g.add_argument("--storage-dtype", default="float16", choices=("float32", "float16", "bfloat16"))
+    g.add_argument("--cache-dir", help="KV store directory (default: a temporary one, deleted afterwards)")
+    g.add_argument("--out", required=True, metavar="DIR", help="output directory (results.json, CSVs, plots)")
+    g.add_argument("--report", metavar="FILE", help="markdown report path (default: DIR/benchmarks.md); plots "
+                   "are copied beside it under bench/")
+    p.set_defaults(func=run)
+
+
+def _list(s: str | None, what: str, conv=str) -> list:
+    if s is None or s.strip().lower() == "none":
+        return []
+    out = []
+    for x in s.split(","):
+        x = x.strip()
+        if not x:
+            continue
+        try:
+            out.append(conv(x))
+        except ValueError:
+            raise BenchError(f"{what}: cannot read {x!r}") from None
+    return out
+
+
+def _point(s: str) -> tuple[int, int]:
+    n, sep, t = s.lower().partition("x")
+    if not sep:
+        raise ValueError(s)
+    return int(n), int(t)
+
+
+def parse_params(items: list[str]) -> dict[str, dict]:
+    out: dict[str, dict] = {}
+    for it in items:
+        key, eq, val = it.partition("=")
+        pol, dot, name = key.partition(".")
+        if not eq or not dot or not pol or not name:
+            raise BenchError(f"--param {it!r}: expected POLICY.KEY=VALUE, e.g. cacheblend.recompute_ratio=0.2")
+        try:
+            v = json.loads(val)
+        except json.JSONDecodeError:
+            v = val
+        out.setdefault(pol, {})[name] = v
+    return out
+
+
+def command_line(args) -> str:
+    """The run as one canonical, rerunnable command line (every option that shapes it)."""
+    parts = ["kvrag", "bench"]
+    for opt in ("data", "synthetic", "limit", "passages", "seed", "policies", "repeats", "max_new_tokens",
+                "kl_positions", "scaling", "chunks", "chunk_tokens", "sweep_policies", "sweep_ratios", "sweep_limit",
+                "sweep_data", "synthetic_passages", "synthetic_passage_tokens", "model", "device", "dtype",
+                "storage_dtype", "cache_dir", "out", "report"):
+        v = getattr(args, opt, None)
+        if v is None or v is False or (opt == "synthetic" and not v) or (opt == "sweep_data" and v == "synthetic"):
+            continue
+        parts += [f"--{opt.replace('_', '-')}", str(v)]
+    for prm in args.param:
+        parts += ["--param", prm]
+    for flag in ("no_footprint", "no_warmup", "quick"):
+        if getattr(args, flag, False):
+            parts.append(f"--{flag.replace('_', '-')}")
+    return " ".join(shlex.quote(p) for p in parts)
+
+
+def config_from_args(args):
+    import torch
+
+    from kvrag.bench.runner import BenchConfig
+
+    if not args.data and not args.synthetic:
+        raise BenchError("nothing to run: give --data FILE and/or --synthetic [N]")
+    d = QUICK if args.quick else FULL
+    pick = lambda name: getattr(args, name) if getattr(args, name, None) is not None else d[name]  # noqa: E731
+    scaling = _list(pick("scaling"), "--scaling", _point)
+    if args.chunks is not None or args.chunk_tokens is not None:
+        if args.chunks is None or args.chunk_tokens is None:
+            raise BenchError("--chunks and --chunk-tokens go together (e.g. --chunks 8 --chunk-tokens 256,512)")
+        for t in _list(args.chunk_tokens, "--chunk-tokens", int):
+            if (args.chunks, t) not in scaling:
+                scaling.append((args.chunks, t))
+    devices = []
+    for dev in _list(args.device, "--device"):
+        if dev == "auto":
+            devices += ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+        elif dev.startswith("cuda") and not torch.cuda.is_available():
+            raise BenchError(f"--device {dev}: CUDA is not available on this machine")
+        else:
+            devices.append(dev)
+    synthetic = args.synthetic
+    if synthetic == -1:  # bare --synthetic
+        synthetic = 3 if args.quick else 12
+    elif synthetic < 0:
+        raise BenchError(f"--synthetic must be >= 0, got {synthetic}")
+    try:
+        return BenchConfig(
+            out=args.out, data=args.data, synthetic=synthetic,
+            policies=_list(args.policies, "--policies"), params=parse_params(args.param),
+            limit=pick("limit"), passages=pick("passages"), passage_words=d["passage_words"],
+            repeats=pick("repeats"), max_new_tokens=pick("max_new_tokens"), kl_positions=args.kl_positions,
+            scaling=scaling, sweep_policies=_list(args.sweep_policies, "--sweep-policies"),
+            sweep_ratios=_list(pick("sweep_ratios"), "--sweep-ratios", float), sweep_limit=pick("sweep_limit"),
+            sweep_data=args.sweep_data, synthetic_passages=pick("synthetic_passages"),
+            synthetic_passage_tokens=pick("synthetic_passage_tokens"),
+            devices=list(dict.fromkeys(devices)) or ["cpu"], model=args.model, dtype=args.dtype,
+            storage_dtype=args.storage_dtype, seed=args.seed, footprint=not args.no_footprint,
+            warmup=not args.no_warmup, cache_dir=args.cache_dir, report=args.report, command=command_line(args),
+            quick=args.quick,
+        )
+    except ValueError as e:
+        raise BenchError(str(e)) from None
+
+
+def run(args) -> int:
+    import time
+    from pathlib import Path
+
+    from kvrag.bench.report import write_outputs, write_report
+    from kvrag.bench.runner import Bench
+
+    cfg = config_from_args(args)
+    say = lambda s: print(s, flush=True)  # noqa: E731
+    try:
+        # Validates policies, parameters and the data file before the model loads.
+        bench = Bench(cfg, progress=say)
+    except (FileNotFoundError, ValueError) as e:
+        raise BenchError(str(e)) from None
+    result = bench.run()
+    files = write_outputs(result, cfg.out)
+    report = write_report(result, files, Path(cfg.report) if cfg.report else cfg.out / "benchmarks.md")
+    say("")
+    for t in result["targets"]:
+        say(f"  [{t['status']:>4}] {t['where']}: {t['policy']} {t['metric']} {t['target']} "
+            f"(measured {t['measured'] if t['measured'] is None else round(t['measured'], 3)})")
+    say(f"\n{len(result['records'])} records in {time.strftime('%M:%S', time.gmtime(result['meta']['wall_s']))} "
+        f"-> {cfg.out}/results.json; report {report}")
+    return 0

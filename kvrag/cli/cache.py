@@ -1,0 +1,144 @@
+"""``kvrag cache stats|gc|clear``: inspect and maintain a KV store without loading a model."""
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+from kvrag.errors import StoreError
+
+_UNITS = {"": 1, "B": 1, "K": 2**10, "KB": 2**10, "KIB": 2**10, "M": 2**20, "MB": 2**20, "MIB": 2**20,
+          "G": 2**30, "GB": 2**30, "GIB": 2**30, "T": 2**40, "TB": 2**40, "TIB": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """'512M', '16G', '1.5GiB', '1000000' -> bytes (binary units)."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(text))
+    if not m or m.group(2).upper() not in _UNITS:
+        raise ValueError(f"bad size {text!r}: use a number of bytes or e.g. 512M, 16G")
+    n = int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+    if n <= 0:
+        raise ValueError(f"size must be positive, got {text!r}")
+    return n
+
+
+def human(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def default_cache_dir() -> Path:
+    """Where ``KVRag`` puts its store when no ``cache_dir`` is given."""
+    from kvrag.engine import default_home
+
+    return default_home() / "store"
+
+
+def register(sub) -> None:
+    p = sub.add_parser("cache", help="KV store maintenance: stats, gc, clear",
+                       description="Inspect and maintain a kvrag KV store (no model is loaded).")
+    cmds = p.add_subparsers(dest="cache_command", metavar="ACTION", required=True)
+
+    def common(q):
+        q.add_argument("--cache-dir", default=None,
+                       help="the store directory (default: $KVRAG_HOME/store, i.e. ~/.cache/kvrag/store)")
+        q.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+
+    s = cmds.add_parser("stats", help="entries, bytes on disk, size limit")
+    common(s)
+    s.set_defaults(func=run_stats)
+    g = cmds.add_parser("gc", help="evict to the size limit, repair the text index; --verify checks every blob")
+    common(g)
+    g.add_argument("--size-limit", default=None,
+                   help="evict least-recently-used entries down to this size (e.g. 2G); default 16G, "
+                        "KVRag's default")
+    g.add_argument("--verify", action="store_true",
+                   help="also load and checksum every blob (slow on big stores); corrupt ones are deleted")
+    g.set_defaults(func=run_gc)
+    c = cmds.add_parser("clear", help="delete every entry (all models)")
+    common(c)
+    c.add_argument("-y", "--yes", action="store_true", help="do not ask for confirmation")
+    c.set_defaults(func=run_clear)
+
+
+def _open(args, size_limit: int | None = None):
+    """The KVStore in ``args.cache_dir``; an error (not a new empty store) if there is none."""
+    from kvrag.store import KVStore
+
+    directory = Path(args.cache_dir).expanduser() if args.cache_dir else default_cache_dir()
+    if not directory.exists():
+        raise StoreError(f"no KV store at {directory} (the directory does not exist)")
+    if not directory.is_dir():
+        raise StoreError(f"{directory} is not a directory")
+    if not (directory / "blobs").is_dir():
+        raise StoreError(f"{directory} is not a kvrag KV store (no blobs/ inside)")
+    kwargs = {} if size_limit is None else {"size_limit": size_limit}
+    try:
+        return KVStore(directory, **kwargs)
+    except OSError as e:
+        raise StoreError(f"cannot open the KV store at {directory}: {e}") from e
+
+
+def _emit(args, record: dict, lines: list[str]) -> None:
+    if args.json:
+        print(json.dumps(record, sort_keys=True))
+    else:
+        print("\n".join(lines))
+
+
+def run_stats(args) -> int:
+    with _open(args) as store:
+        st = store.stats()
+    rec = {k: st[k] for k in ("directory", "entries", "bytes", "size_limit")}
+    _emit(args, rec, [
+        f"store       {rec['directory']}",
+        f"entries     {rec['entries']}",
+        f"on disk     {human(rec['bytes'])} ({rec['bytes']} bytes)",
+        f"size limit  {human(rec['size_limit'])} (enforced by the process that writes; `kvrag cache gc --size-limit` to shrink)",
+    ])
+    return 0
+
+
+def run_gc(args) -> int:
+    try:
+        limit = parse_size(args.size_limit) if args.size_limit else None
+    except ValueError as e:
+        raise StoreError(str(e)) from None
+    with _open(args, limit) as store:
+        try:
+            res = store.gc(verify=args.verify)
+        except OSError as e:
+            raise StoreError(f"gc failed in {store.directory}: {e}") from e
+        st = store.stats()
+    rec = {**res, "bytes": st["bytes"], "size_limit": st["size_limit"]}
+    _emit(args, rec, [
+        f"evicted          {res['evicted']}",
+        f"index dropped    {res['index_dropped']}",
+        f"re-indexed       {res['reindexed']}",
+        f"corrupt deleted  {res['corrupt']}" + ("" if args.verify else " (not checked: use --verify)"),
+        f"entries          {res['entries']} ({human(st['bytes'])})",
+    ])
+    return 0
+
+
+def run_clear(args) -> int:
+    with _open(args) as store:
+        n = store.stats()["entries"]
+        if not args.yes:
+            if not sys.stdin.isatty():
+                raise StoreError(f"refusing to clear {n} entries in {store.directory} without --yes "
+                                 "(stdin is not a terminal)")
+            answer = input(f"delete all {n} entries in {store.directory}? [y/N] ")
+            if answer.strip().lower() not in ("y", "yes"):
+                print("aborted")
+                return 1
+        try:
+            store.clear()
+        except OSError as e:
+            raise StoreError(f"cannot clear {store.directory}: {e}") from e
+    _emit(args, {"cleared": n, "directory": str(store.directory)}, [f"cleared {n} entries from {store.directory}"])
+    return 0

@@ -1,0 +1,83 @@
+"""``kvrag train <method>``: fine-tune a model for a reuse policy that needs training.
+
+Only ``kvrag train kvlink`` exists: LoRA (or no model change) + link-token embeddings trained
+with KVLink's attention mask, saved as an adapter keyed to the model (see
+``kvrag.kvlink_train``). Use the result with ``KVRag(..., kvlink_adapter="auto" or DIR)``.
+"""
+from __future__ import annotations
+
+import argparse
+
+
+def register(sub) -> None:
+    p = sub.add_parser("train", help="fine-tune a model for a policy that needs training (kvlink)")
+    methods = p.add_subparsers(dest="method", metavar="METHOD", required=True)
+    k = methods.add_parser(
+        "kvlink",
+        help="train KVLink link tokens (+ a LoRA adapter) with the link-token attention mask",
+        description="Fine-tune for KVLink: each document attends to itself only, K link tokens after "
+                    "each document and the question/answer attend to everything before them; loss on "
+                    "the answer tokens. Writes link embeddings, LoRA weights and kvlink.json (command, "
+                    "steps, losses) to --out.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    k.add_argument("--data", required=True, help="QA examples, MuSiQue format: JSON list or JSON lines of "
+                   "{question, answers, ctxs: [{title, text}]}")
+    k.add_argument("--model", default=None, help="HF model dir or .gguf (default: SmolLM2-135M-Instruct)")
+    k.add_argument("--dtype", default="float32", help="training dtype of the base model")
+    k.add_argument("--out", default=None, help="adapter directory (default: $KVRAG_HOME/kvlink/<model key>/, "
+                   "where kvlink_adapter='auto' finds it)")
+    k.add_argument("--force", action="store_true", help="overwrite an existing adapter in --out")
+    k.add_argument("--steps", type=int, default=200, help="optimizer steps")
+    k.add_argument("--batch", type=int, default=1, help="examples per step (gradient accumulation)")
+    k.add_argument("--lora-rank", type=int, default=8, help="LoRA rank; 0 = train link embeddings only "
+                   "(the model, its fingerprint and its chunk caches stay unchanged)")
+    k.add_argument("--lora-alpha", type=float, default=None, help="LoRA alpha (default: 2 x rank)")
+    k.add_argument("--lora-targets", default="q_proj,k_proj,v_proj,o_proj",
+                   help="comma-separated module names that get LoRA")
+    k.add_argument("--link-tokens", type=int, default=5, help="link tokens per document (paper: 0, 1, 5)")
+    k.add_argument("--max-docs", type=int, default=10, help="rows of the per-document link table")
+    k.add_argument("--docs", type=int, default=3, help="passages per training prompt (one holds the answer)")
+    k.add_argument("--max-passage-chars", type=int, default=0, help="truncate passages (0 = keep whole)")
+    k.add_argument("--holdout", type=int, default=0, help="never train on the last N examples (for evaluation)")
+    k.add_argument("--objective", choices=("answer", "distill"), default="answer",
+                   help="answer: cross-entropy on the gold answer (paper); distill: KL to the base "
+                        "model's full-prefill distribution on the answer tokens")
+    k.add_argument("--lr", type=float, default=2e-4, help="LoRA learning rate")
+    k.add_argument("--link-lr", type=float, default=1e-3, help="link-embedding learning rate")
+    k.add_argument("--warmup", type=int, default=10, help="linear warm-up steps (then cosine decay)")
+    k.add_argument("--max-tokens", type=int, default=2048, help="skip training sequences longer than this")
+    k.add_argument("--seed", type=int, default=0)
+    k.add_argument("--log-every", type=int, default=10)
+    k.add_argument("--max-minutes", type=float, default=0.0,
+                   help="stop (and save) after this much training time; 0 = run all --steps")
+    k.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    k.set_defaults(func=run_kvlink)
+
+
+def run_kvlink(args) -> int:
+    import torch
+
+    from kvrag.kvlink_train import TrainConfig, command_line, train_kvlink
+    from kvrag.model import ModelHandle
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    cfg = TrainConfig(
+        data=args.data, steps=args.steps, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
+        lora_targets=tuple(t.strip() for t in args.lora_targets.split(",") if t.strip()),
+        link_tokens=args.link_tokens, max_docs=args.max_docs, docs=args.docs,
+        max_passage_chars=args.max_passage_chars, holdout=args.holdout, objective=args.objective,
+        lr=args.lr, link_lr=args.link_lr, batch=args.batch, warmup=args.warmup,
+        max_tokens=args.max_tokens, seed=args.seed, log_every=args.log_every,
+        max_seconds=60.0 * args.max_minutes,
+    )
+    cfg.validate()  # fail on bad options before the model load
+    print("loading model ...", flush=True)
+    handle = ModelHandle.load(args.model, dtype=args.dtype)
+    res = train_kvlink(handle, cfg, args.out, command=command_line(), force=args.force,
+                       progress=lambda m: print(m, flush=True))
+    first = sum(res.losses[:10]) / min(10, len(res.losses))
+    last = sum(res.losses[-10:]) / min(10, len(res.losses))
+    print(f"loss {first:.4f} (first 10 steps) -> {last:.4f} (last 10); adapter: {res.out}")
+    return 0

@@ -1,0 +1,661 @@
+"""KVLink adapters: fine-tuning with the link-token attention mask, saving, finding and loading.
+
+KVLink (paper sections 2.3 and A.2) fine-tunes the model so that separately encoded documents
+plus a few *link tokens* after each of them answer as well as a full prefill. The training
+sequence is the inference prompt itself::
+
+    template | doc 1 | link_1,1..link_1,K | doc 2 | link_2,1..link_2,K | ... | question | answer
+
+with the paper's mask (its reference code's ``make_segment_mask``): a token of document ``d``
+attends only to earlier tokens of ``d`` (so its K/V are exactly the chunk cache kvrag stores:
+documents do *not* see the template); every other token (template, link tokens, question,
+answer) attends causally to everything before it. The loss is on the answer tokens. The n-th
+document's link tokens are their own embeddings (``link<n>-<k>``, A.2), so the trainable
+link table is ``[max_docs, K, E]``; documents past ``max_docs`` reuse the last row.
+
+The forward pass is kvrag's own layer loop (``Arch.qkv`` / ``Arch.attend``) with that mask, run
+with gradients; it is the same function the fusion engine computes at query time (a test holds
+them equal). The model is adapted with LoRA (``peft``) or not at all (``lora_rank=0``:
+link embeddings only, the model — and its fingerprint and chunk caches — stay unchanged).
+
+Adapter directory (``$KVRAG_HOME/kvlink/<model key>/`` by default)::
+
+    kvlink.json                   what was trained, on what, by which command; the losses
+    link_embeddings.safetensors   "links": [max_docs, K, E] float32
+    adapter_model.safetensors     LoRA weights (peft format), absent for links-only adapters
+    adapter_config.json           peft LoraConfig
+
+A LoRA adapter changes every K/V the model computes, so :func:`apply_adapter` merges it into a
+*copy* of the model whose fingerprint differs from the base model's: chunks cached by the base
+model are then misses, never wrong hits.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import hashlib
+import json
+import logging
+import math
+import os
+import random
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from kvrag.arch import Arch
+from kvrag.errors import KVRagError
+from kvrag.model import ModelHandle, default_home
+from kvrag.policies.kvlink import ADAPTER_ATTR, mean_embedding
+
+log = logging.getLogger("kvrag.kvlink")
+
+FORMAT_VERSION = 1
+META_FILE = "kvlink.json"
+LINKS_FILE = "link_embeddings.safetensors"
+LORA_FILE = "adapter_model.safetensors"  # peft's file names, so PeftModel.from_pretrained reads them
+LORA_CONFIG = "adapter_config.json"
+ASSETS_DIR = Path(__file__).resolve().parent / "assets" / "kvlink"
+OBJECTIVES = ("answer", "distill")
+
+
+class KVLinkError(KVRagError, ValueError):
+    """A KVLink adapter or training input is unusable (missing, wrong model, bad data, bad option)."""
+
+
+# ---- where adapters live ---------------------------------------------------------------
+def adapter_key(handle: ModelHandle) -> str:
+    """The model identity an adapter belongs to: sha256 of (architecture, weight digest,
+    tokenizer digest).
+
+    Narrower than ``handle.fingerprint`` on purpose: the fingerprint also covers the compute
+    dtype and kvrag's cache-format version, neither of which changes what a LoRA delta or a
+    link embedding means; keying by it would orphan every adapter (including the one shipped
+    in the package) on a cache-format bump or when loading in bfloat16."""
+    parts = handle.fingerprint_parts
+    blob = json.dumps(
+        {"arch": parts["arch"], "weights": parts["weights"], "tokenizer": parts["tokenizer"]},
+        sort_keys=True, default=str,
+    )
+    return hashlib.sha256(blob.encode("utf-8")).hexdigest()
+
+
+def default_adapter_dirs(handle: ModelHandle) -> list[Path]:
+    """Search order for ``adapter="auto"``: ``$KVRAG_HOME/kvlink/<key>/`` (what
+    ``kvrag train kvlink`` writes by default), then the package's ``kvrag/assets/kvlink/<key>/``."""
+    key = adapter_key(handle)
+    return [default_home() / "kvlink" / key, ASSETS_DIR / key]
+
+
+def find_adapter(handle: ModelHandle) -> Path | None:
+    """The first default directory holding an adapter for ``handle``'s model, or None."""
+    for d in default_adapter_dirs(handle):
+        if (d / META_FILE).is_file():
+            return d
+    return None
+
+
+# ---- the adapter ---------------------------------------------------------------------
+@dataclass
+class KVLinkAdapter:
+    """A loaded adapter: link embeddings ``links`` [max_docs, K, E] (float32), its metadata,
+    and the digest of its LoRA weights (None for a links-only adapter)."""
+
+    links: torch.Tensor
+    meta: dict
+    path: Path | None = None
+    lora_digest: str | None = None
+
+    @property
+    def link_tokens(self) -> int:
+        return int(self.links.shape[1])
+
+    @property
+    def max_docs(self) -> int:
+        return int(self.links.shape[0])
+
+    @property
+    def has_lora(self) -> bool:
+        return self.lora_digest is not None
+
+    def links_for(self, doc_index: int) -> torch.Tensor:
+        """[K, E] link embeddings after the ``doc_index``-th (0-based) cached document; indices
+        past the table reuse its last row (they were never trained on their own)."""
+        return self.links[min(int(doc_index), self.max_docs - 1)]
+
+
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            h.update(block)
+    return h.hexdigest()
+
+
+def load_adapter(path: str | os.PathLike) -> KVLinkAdapter:
+    """Read an adapter directory (see the module docstring); raises KVLinkError if incomplete."""
+    from safetensors.torch import load_file
+
+    d = Path(path).expanduser()
+    meta_path = d / META_FILE
+    if not meta_path.is_file():
+        raise KVLinkError(f"{d} is not a KVLink adapter directory (no {META_FILE}); create one with `kvrag train kvlink`")
+    try:
+        meta = json.loads(meta_path.read_text(encoding="utf-8"))
+    except ValueError as e:
+        raise KVLinkError(f"{meta_path} is not valid JSON: {e}") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT_VERSION:
+        raise KVLinkError(f"{meta_path}: unsupported KVLink adapter format {meta.get('format') if isinstance(meta, dict) else meta!r} "
+                          f"(this kvrag reads format {FORMAT_VERSION})")
+    if not (d / LINKS_FILE).is_file():
+        raise KVLinkError(f"KVLink adapter {d} lacks {LINKS_FILE}")
+    links = load_file(str(d / LINKS_FILE)).get("links")
+    if links is None or links.dim() != 3 or links.shape[0] < 1:
+        raise KVLinkError(f"{d / LINKS_FILE} must hold 'links' of shape [max_docs >= 1, K, E], got "
+                          f"{None if links is None else tuple(links.shape)}")
+    lora_digest = None
+    if meta.get("lora") is not None:
+        for name in (LORA_FILE, LORA_CONFIG):
+            if not (d / name).is_file():
+                raise KVLinkError(f"KVLink adapter {d} declares LoRA weights but lacks {name}")
+        # The digest names the merged weights in the adapted model's fingerprint.
+        lora_digest = hashlib.sha256(
+            (_sha256_file(d / LORA_FILE) + _sha256_file(d / LORA_CONFIG)).encode()
+        ).hexdigest()
+    return KVLinkAdapter(links=links.float(), meta=meta, path=d, lora_digest=lora_digest)
+
+
+def apply_adapter(handle: ModelHandle, adapter: str | os.PathLike | KVLinkAdapter = "auto") -> ModelHandle:
+    """A ``ModelHandle`` whose model carries the KVLink ``adapter`` (``"auto"``: look it up in
+    :func:`default_adapter_dirs`).
+
+    LoRA adapters are merged into a deep copy of the model (``handle`` is left untouched) and
+    the copy's fingerprint covers the LoRA digest, so its chunk caches are its own. A
+    links-only adapter shares the base weights (shallow copy) and keeps the base fingerprint:
+    its chunks are the base model's chunks."""
+    if isinstance(adapter, KVLinkAdapter):
+        ad = adapter
+    elif isinstance(adapter, str) and adapter == "auto":
+        path = find_adapter(handle)
+        if path is None:
+            dirs = ", ".join(str(p) for p in default_adapter_dirs(handle))
+            raise KVLinkError(f"no KVLink adapter for this model (looked in {dirs}); train one with `kvrag train kvlink`")
+        ad = load_adapter(path)
+    else:
+        ad = load_adapter(adapter)
+    if getattr(handle.model, ADAPTER_ATTR, None) is not None:
+        raise KVLinkError("this model already carries a KVLink adapter; apply adapters to the base model")
+    key = adapter_key(handle)
+    if ad.meta.get("base_key") != key:
+        raise KVLinkError(
+            f"KVLink adapter {ad.path} was trained for model key {str(ad.meta.get('base_key'))[:16]}…, "
+            f"not this model ({key[:16]}…)"
+        )
+    e = handle.model.config.hidden_size
+    if ad.links.shape[2] != e:
+        raise KVLinkError(f"adapter link embeddings have width {ad.links.shape[2]}, the model's hidden size is {e}")
+    base_weights = handle.fingerprint_parts["weights"]
+    if ad.has_lora:
+        from peft import PeftModel
+
+        model = copy.deepcopy(handle.model)
+        model = PeftModel.from_pretrained(model, str(ad.path), is_trainable=False).merge_and_unload()
+        weights = hashlib.sha256(f"{base_weights}|kvlink-lora|{ad.lora_digest}".encode()).hexdigest()
+    else:
+        # A shallow copy shares every parameter and submodule but has its own attribute
+        # dict, so the adapter attribute below does not leak into the caller's model.
+        model = copy.copy(handle.model)
+        weights = base_weights
+    setattr(model, ADAPTER_ATTR, ad)
+    return ModelHandle(
+        model, handle.tokenizer, weight_digest=weights, source=handle.source,
+        load_info={**handle.load_info, "kvlink_adapter": str(ad.path)},
+    )
+
+
+# ---- training data ---------------------------------------------------------------------
+@dataclass
+class QAItem:
+    """One QA example: question, gold answers, candidate passages (title + text)."""
+
+    question: str
+    answers: list[str]
+    passages: list[str]
+
+
+def load_qa(path: str | os.PathLike) -> list[QAItem]:
+    """QA examples in the MuSiQue/KVLink format: a JSON list (or JSON lines) of
+    ``{"question": str, "answers": [str, ...], "ctxs": [{"title": str, "text": str}, ...]}``."""
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise KVLinkError(f"training data {str(p)!r} does not exist")
+    text = p.read_text(encoding="utf-8")
+    try:
+        rows = json.loads(text)
+    except ValueError:
+        try:
+            rows = [json.loads(line) for line in text.splitlines() if line.strip()]
+        except ValueError as e:
+            raise KVLinkError(f"{p} is neither a JSON list nor JSON lines: {e}") from None
+    if not isinstance(rows, list) or not rows:
+        raise KVLinkError(f"{p} must hold a non-empty list of QA examples")
+    items = []
+    for i, r in enumerate(rows):
+        if not isinstance(r, dict):
+            raise KVLinkError(f"{p}: example {i} is not an object")
+        q, answers, ctxs = r.get("question"), r.get("answers", r.get("answer")), r.get("ctxs")
+        if isinstance(answers, str):
+            answers = [answers]
+        if not isinstance(q, str) or not q.strip():
+            raise KVLinkError(f"{p}: example {i} has no 'question' string")
+        if not isinstance(answers, list) or not answers or not all(isinstance(a, str) and a.strip() for a in answers):
+            raise KVLinkError(f"{p}: example {i} needs 'answers', a non-empty list of strings")
+        if not isinstance(ctxs, list) or not ctxs:
+            raise KVLinkError(f"{p}: example {i} needs 'ctxs', a non-empty list of {{title, text}}")
+        passages = []
+        for j, c in enumerate(ctxs):
+            if not isinstance(c, dict) or not isinstance(c.get("text"), str) or not c["text"].strip():
+                raise KVLinkError(f"{p}: example {i} ctx {j} has no 'text' string")
+            title = c.get("title") or ""
+            passages.append(f"{title}: {c['text']}" if title.strip() else c["text"])
+        items.append(QAItem(q.strip(), [a.strip() for a in answers], passages))
+    return items
+
+
+def truncate_passage(text: str, max_chars: int) -> str:
+    """``text`` cut to at most ``max_chars`` characters at a word boundary (0 = unchanged)."""
+    if max_chars <= 0 or len(text) <= max_chars:
+        return text
+    cut = text[:max_chars]
+    space = cut.rfind(" ")
+    return (cut[:space] if space > max_chars // 2 else cut).rstrip()
+
+
+@dataclass
+class Sample:
+    """One training/eval sequence in the KVLink layout.
+
+    ids [N] (0 at link slots), link_slot [N] (-1 for a real token, else ``doc * K + k``: a row
+    of the flattened link table), segment [N] (0: attends to everything before it; d >= 1:
+    token of the d-th document, attends to its own document only), answer_start (first answer
+    token; the loss covers ids[answer_start:])."""
+
+    ids: torch.Tensor
+    link_slot: torch.Tensor
+    segment: torch.Tensor
+    answer_start: int
+
+    @property
+    def n(self) -> int:
+        return int(self.ids.numel())
+
+    def without_links(self) -> "Sample":
+        """The same sequence with the link tokens removed (what full prefill reads)."""
+        keep = self.link_slot < 0
+        start = int(keep[: self.answer_start].sum())
+        return Sample(self.ids[keep], self.link_slot[keep], self.segment[keep], start)
+
+
+def build_sample(
+    pieces: Sequence[tuple[Sequence[int], bool]], answer_ids: Sequence[int], link_tokens: int, max_docs: int
+) -> Sample:
+    """Assemble a ``Sample`` from prompt pieces ``(token ids, is_document)`` in order and the
+    answer ids; ``link_tokens`` link slots follow every document."""
+    if not answer_ids:
+        raise KVLinkError("empty answer: nothing to train on")
+    ids, slot, seg = [], [], []
+    n_doc = 0
+    for toks, is_doc in pieces:
+        toks = list(toks)
+        if not toks:
+            continue
+        ids += toks
+        slot += [-1] * len(toks)
+        if is_doc:
+            n_doc += 1
+            seg += [n_doc] * len(toks)
+            row = min(n_doc - 1, max_docs - 1)
+            ids += [0] * link_tokens
+            slot += [row * link_tokens + k for k in range(link_tokens)]
+            seg += [0] * link_tokens
+        else:
+            seg += [0] * len(toks)
+    start = len(ids)
+    ids += list(answer_ids)
+    slot += [-1] * len(answer_ids)
+    seg += [0] * len(answer_ids)
+    t = lambda x: torch.tensor(x, dtype=torch.long)  # noqa: E731
+    return Sample(t(ids), t(slot), t(seg), start)
+
+
+def prompt_pieces(handle: ModelHandle, prompt: str, documents: Sequence[str]) -> list[tuple[list[int], bool]]:
+    """Split a rendered ``prompt`` into (ids, is_document) pieces exactly as ``KVRag.pieces``
+    does at query time: the tokenizer's prefix ids, then segment by segment (every document
+    tokenized alone, as its chunk cache is)."""
+    from kvrag.segment import Segmenter
+
+    seg = Segmenter()
+    for i, d in enumerate(documents):
+        seg.add(f"doc{i}", d)
+    out: list[tuple[list[int], bool]] = []
+    prefix = handle.prefix_ids()
+    bos = handle.tokenizer.bos_token
+    if prefix and not (bos and prompt.startswith(bos)):
+        out.append((list(prefix), False))
+    for s in seg.split(prompt):
+        out.append((handle.encode(s.text), s.key is not None))
+    return out
+
+
+def rag_prompt(handle: ModelHandle, passages: Sequence[str], question: str) -> str:
+    """kvrag's RAG chat prompt (``kvrag.prompt.rag_messages``) rendered with the chat template;
+    the same layout the demo and the benchmark use, so training matches inference."""
+    from kvrag.prompt import rag_messages
+    from kvrag.segment import render_messages
+
+    return render_messages(handle.tokenizer, rag_messages(list(passages), question))
+
+
+def answer_ids(handle: ModelHandle, answer: str) -> list[int]:
+    """Answer ids followed by the end-of-turn token (the model must learn to stop)."""
+    ids = handle.encode(answer)
+    eos = handle.tokenizer.eos_token_id
+    return ids + ([eos] if eos is not None else [])
+
+
+def pick_passages(item: QAItem, n: int, rng: random.Random) -> list[str]:
+    """``n`` passages of ``item`` in random order, always including one that contains a gold
+    answer when there is one (a QA example whose answer is nowhere in the context teaches
+    guessing, not reading)."""
+    idx = list(range(len(item.passages)))
+    low = [a.lower() for a in item.answers]
+    gold = [i for i in idx if any(a in item.passages[i].lower() for a in low)]
+    chosen = [rng.choice(gold)] if gold else []
+    rest = [i for i in idx if i not in chosen]
+    rng.shuffle(rest)
+    chosen += rest[: max(0, n - len(chosen))]
+    rng.shuffle(chosen)  # the paper shuffles the documents (A.2)
+    return [item.passages[i] for i in chosen]
+
+
+def make_sample(handle, item: QAItem, rng: random.Random, *, docs: int, max_passage_chars: int,
+                link_tokens: int, max_docs: int) -> Sample:
+    passages = [truncate_passage(p, max_passage_chars) for p in pick_passages(item, docs, rng)]
+    # Identical passages would be one chunk: drop duplicates, keeping order.
+    passages = list(dict.fromkeys(p for p in passages if p.strip()))
+    prompt = rag_prompt(handle, passages, item.question)
+    return build_sample(prompt_pieces(handle, prompt, passages), answer_ids(handle, item.answers[0]),
+                        link_tokens, max_docs)
+
+
+# ---- the forward pass with the KVLink mask ---------------------------------------------
+def kvlink_mask(segment: torch.Tensor) -> torch.Tensor:
+    """bool [N, N] (True = may attend): causal, and a document token (segment d >= 1) sees only
+    its own document; every other token sees everything before it."""
+    n = segment.numel()
+    idx = torch.arange(n, device=segment.device)
+    causal = idx[:, None] >= idx[None, :]
+    own = segment[:, None] == segment[None, :]
+    return causal & ((segment[:, None] == 0) | own)
+
+
+def forward_hidden(arch: Arch, sample: Sample, links: torch.Tensor | None) -> torch.Tensor:
+    """Last-layer hidden states [N, E] of ``sample`` under the KVLink mask, differentiable.
+
+    links: the link table [max_docs, K, E] (ignored when the sample has no link slots)."""
+    dev = arch.device
+    ids, slot = sample.ids.to(dev), sample.link_slot.to(dev)
+    hidden = arch.embed(ids)
+    is_link = slot >= 0
+    if bool(is_link.any()):
+        flat = links.reshape(-1, links.shape[-1]).to(device=dev, dtype=hidden.dtype)
+        hidden = torch.where(is_link[:, None], flat[slot.clamp(min=0)], hidden)
+    mask = kvlink_mask(sample.segment.to(dev))
+    cs = arch.cos_sin(torch.arange(sample.n, device=dev))
+    for layer in range(arch.n_layers):
+        q, k, v, _ = arch.qkv(layer, hidden, cs)
+        hidden = arch.attend(layer, hidden, q, k, v, mask)
+    return hidden
+
+
+def answer_logits(arch: Arch, sample: Sample, links: torch.Tensor | None) -> torch.Tensor:
+    """Logits [T, V] predicting the T answer tokens (row t predicts ids[answer_start + t])."""
+    hidden = forward_hidden(arch, sample, links)
+    return arch.logits(hidden[sample.answer_start - 1 : sample.n - 1])
+
+
+def sample_loss(arch: Arch, sample: Sample, links, objective: str, teacher_logits=None) -> torch.Tensor:
+    """'answer': cross-entropy on the answer tokens (the paper). 'distill': KL(teacher || model)
+    per answer position, the teacher being the base model's full prefill over the same tokens
+    without link tokens — it optimises fidelity to full prefill rather than the gold answer."""
+    logits = answer_logits(arch, sample, links)
+    if objective == "answer":
+        return F.cross_entropy(logits, sample.ids[sample.answer_start:].to(logits.device))
+    logp = F.log_softmax(logits, dim=-1)
+    t_logp = F.log_softmax(teacher_logits.to(logp.device), dim=-1)
+    return F.kl_div(logp, t_logp, log_target=True, reduction="batchmean")
+
+
+# ---- training ----------------------------------------------------------------------------
+@dataclass
+class TrainConfig:
+    """Hyper-parameters of ``kvrag train kvlink`` (see ``kvrag train kvlink --help``)."""
+
+    data: str
+    steps: int = 200
+    lora_rank: int = 8
+    lora_alpha: float | None = None  # None: 2 * rank
+    lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
+    link_tokens: int = 5
+    max_docs: int = 10
+    docs: int = 3
+    max_passage_chars: int = 0
+    holdout: int = 0
+    objective: str = "answer"
+    lr: float = 2e-4
+    link_lr: float = 1e-3
+    batch: int = 1
+    warmup: int = 10
+    max_tokens: int = 2048
+    seed: int = 0
+    log_every: int = 10
+    max_seconds: float = 0.0  # > 0: stop after this much training time (CPU budgets); 0 = run all steps
+
+    def validate(self) -> None:
+        def need(ok, msg):
+            if not ok:
+                raise KVLinkError(msg)
+
+        need(isinstance(self.steps, int) and self.steps >= 1, f"steps must be >= 1, got {self.steps}")
+        need(isinstance(self.lora_rank, int) and self.lora_rank >= 0, f"lora_rank must be >= 0, got {self.lora_rank}")
+        need(self.lora_alpha is None or self.lora_alpha > 0, f"lora_alpha must be > 0, got {self.lora_alpha}")
+        need(self.lora_rank == 0 or len(self.lora_targets) > 0, "lora_targets is empty")
+        need(isinstance(self.link_tokens, int) and 0 <= self.link_tokens <= 64,
+             f"link_tokens must be in [0, 64], got {self.link_tokens}")
+        need(self.lora_rank > 0 or self.link_tokens > 0,
+             "nothing to train: lora_rank=0 and link_tokens=0 (train LoRA, link tokens, or both)")
+        need(isinstance(self.max_docs, int) and self.max_docs >= 1, f"max_docs must be >= 1, got {self.max_docs}")
+        need(isinstance(self.docs, int) and self.docs >= 1, f"docs must be >= 1, got {self.docs}")
+        need(self.max_passage_chars >= 0, f"max_passage_chars must be >= 0, got {self.max_passage_chars}")
+        need(self.holdout >= 0, f"holdout must be >= 0, got {self.holdout}")
+        need(self.objective in OBJECTIVES, f"objective must be one of {OBJECTIVES}, got {self.objective!r}")
+        need(self.lr > 0 and self.link_lr > 0, "learning rates must be > 0")
+        need(isinstance(self.batch, int) and self.batch >= 1, f"batch must be >= 1, got {self.batch}")
+        need(self.warmup >= 0, f"warmup must be >= 0, got {self.warmup}")
+        need(self.max_tokens >= 16, f"max_tokens must be >= 16, got {self.max_tokens}")
+        need(self.max_seconds >= 0, f"max_seconds must be >= 0, got {self.max_seconds}")
+
+
+@dataclass
+class TrainResult:
+    out: Path
+    losses: list[float]
+    adapter: KVLinkAdapter
+    meta: dict = field(default_factory=dict)
+
+
+def _lr_lambda(cfg: TrainConfig):
+    # Linear warm-up, then cosine decay to 10%: the usual fine-tuning schedule (the paper's
+    # runs use cosine with warm-up too).
+    def f(step: int) -> float:
+        if step < cfg.warmup:
+            return (step + 1) / (cfg.warmup + 1)
+        span = max(1, cfg.steps - cfg.warmup)
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, (step - cfg.warmup) / span)))
+
+    return f
+
+
+def train_kvlink(
+    handle: ModelHandle,
+    cfg: TrainConfig,
+    out: str | os.PathLike | None = None,
+    *,
+    items: Sequence[QAItem] | None = None,
+    command: Sequence[str] | None = None,
+    progress: Callable[[str], None] | None = None,
+    force: bool = False,
+) -> TrainResult:
+    """Fine-tune ``handle``'s model (a copy) for KVLink and save the adapter to ``out``
+    (default: ``$KVRAG_HOME/kvlink/<model key>/``, where ``adapter="auto"`` finds it).
+
+    ``items`` overrides ``cfg.data`` (tests); the last ``cfg.holdout`` examples are never used.
+    Returns the output directory, the per-step losses and the loaded adapter."""
+    cfg.validate()
+    say = progress or (lambda msg: log.info("%s", msg))
+    out_dir = Path(out).expanduser() if out is not None else default_adapter_dirs(handle)[0]
+    if (out_dir / META_FILE).exists() and not force:
+        raise KVLinkError(f"{out_dir} already holds a KVLink adapter; pass force=True (--force) to overwrite it")
+    data = list(items) if items is not None else load_qa(cfg.data)
+    if cfg.holdout >= len(data):
+        raise KVLinkError(f"holdout={cfg.holdout} leaves no training examples out of {len(data)}")
+    train_items = data[: len(data) - cfg.holdout]
+    rng = random.Random(cfg.seed)
+    torch.manual_seed(cfg.seed)
+
+    model = copy.deepcopy(handle.model)
+    peft_model = None
+    if cfg.lora_rank > 0:
+        from peft import LoraConfig, get_peft_model
+
+        lcfg = LoraConfig(
+            r=cfg.lora_rank, lora_alpha=cfg.lora_alpha or 2 * cfg.lora_rank,
+            target_modules=list(cfg.lora_targets), lora_dropout=0.0, bias="none",
+        )
+        try:
+            peft_model = get_peft_model(model, lcfg)
+        except ValueError as e:  # e.g. a target module name the model does not have
+            raise KVLinkError(f"cannot attach LoRA to the model: {e}") from None
+    else:
+        model.requires_grad_(False)
+    # peft injects its LoRA layers in place, so ``model`` itself is the adapted network.
+    arch = Arch(model)
+    e = arch.hidden_size
+    init = mean_embedding(arch)
+    links = torch.nn.Parameter(init.expand(cfg.max_docs, cfg.link_tokens, e).clone().to(arch.device))
+    groups = []
+    lora_params = [p for p in model.parameters() if p.requires_grad]
+    if lora_params:
+        groups.append({"params": lora_params, "lr": cfg.lr})
+    if cfg.link_tokens > 0:
+        groups.append({"params": [links], "lr": cfg.link_lr})
+    opt = torch.optim.AdamW(groups, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(cfg))
+
+    def teacher(sample: Sample) -> torch.Tensor | None:
+        if cfg.objective != "distill":
+            return None
+        plain = sample.without_links()
+        plain = Sample(plain.ids, plain.link_slot, torch.zeros_like(plain.segment), plain.answer_start)
+        ctx = peft_model.disable_adapter() if peft_model is not None else contextlib.nullcontext()
+        with torch.no_grad(), ctx:
+            return answer_logits(arch, plain, None)
+
+    losses: list[float] = []
+    t0 = time.perf_counter()
+    skipped = 0
+    for step in range(cfg.steps):
+        opt.zero_grad(set_to_none=True)
+        total = 0.0
+        done = 0
+        while done < cfg.batch:
+            item = train_items[rng.randrange(len(train_items))]
+            sample = make_sample(handle, item, rng, docs=cfg.docs, max_passage_chars=cfg.max_passage_chars,
+                                 link_tokens=cfg.link_tokens, max_docs=cfg.max_docs)
+            if sample.n > cfg.max_tokens:
+                skipped += 1
+                if skipped > 100 * cfg.steps:
+                    raise KVLinkError(f"almost every example exceeds max_tokens={cfg.max_tokens}; "
+                                      "use fewer docs or --max-passage-chars")
+                continue
+            loss = sample_loss(arch, sample, links, cfg.objective, teacher(sample)) / cfg.batch
+            loss.backward()
+            total += float(loss.detach())
+            done += 1
+        torch.nn.utils.clip_grad_norm_([p for g in groups for p in g["params"]], 1.0)
+        opt.step()
+        sched.step()
+        losses.append(total)
+        if (step + 1) % cfg.log_every == 0 or step == 0 or step + 1 == cfg.steps:
+            recent = losses[-cfg.log_every:]
+            say(f"step {step + 1}/{cfg.steps}  loss {sum(recent) / len(recent):.4f}  "
+                f"{(time.perf_counter() - t0) / (step + 1):.2f} s/step")
+        if cfg.max_seconds and time.perf_counter() - t0 > cfg.max_seconds and step + 1 < cfg.steps:
+            say(f"time budget of {cfg.max_seconds:.0f} s reached after {step + 1} steps; saving")
+            break
+
+    meta = {
+        "format": FORMAT_VERSION,
+        "base_key": adapter_key(handle),
+        "base_fingerprint": handle.fingerprint,
+        "base_source": handle.source,
+        "link_tokens": cfg.link_tokens,
+        "max_docs": cfg.max_docs,
+        "lora": None if peft_model is None else {
+            "rank": cfg.lora_rank, "alpha": cfg.lora_alpha or 2 * cfg.lora_rank, "targets": list(cfg.lora_targets),
+        },
+        "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(cfg).items()},
+        "data_sha256": _sha256_file(Path(cfg.data)) if items is None else None,
+        "train_examples": len(train_items),
+        "command": list(command) if command is not None else None,
+        "steps": len(losses),
+        "losses": [round(x, 6) for x in losses],
+        "train_seconds": round(time.perf_counter() - t0, 1),
+        "torch": torch.__version__,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+    save_adapter(out_dir, links.detach(), peft_model, meta)
+    say(f"saved KVLink adapter to {out_dir}")
+    return TrainResult(out_dir, losses, load_adapter(out_dir), meta)
+
+
+def save_adapter(out_dir: Path, links: torch.Tensor, peft_model, meta: dict) -> None:
+    """Write the adapter files; ``kvlink.json`` last, so a directory without it (a crash
+    mid-save) is never taken for a complete adapter."""
+    from safetensors.torch import save_file
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / META_FILE).unlink(missing_ok=True)
+    save_file({"links": links.float().cpu().contiguous()}, str(out_dir / LINKS_FILE))
+    if peft_model is not None:
+        from peft import get_peft_model_state_dict
+
+        state = {k: v.detach().cpu().contiguous() for k, v in get_peft_model_state_dict(peft_model).items()}
+        save_file(state, str(out_dir / LORA_FILE))
+        peft_model.peft_config["default"].save_pretrained(str(out_dir))
+    else:
+        for name in (LORA_FILE, LORA_CONFIG):
+            (out_dir / name).unlink(missing_ok=True)
+    tmp = out_dir / f".{META_FILE}.tmp"
+    tmp.write_text(json.dumps(meta, indent=1, default=str), encoding="utf-8")
+    os.replace(tmp, out_dir / META_FILE)
+
+
+def command_line() -> list[str]:
+    """The command that is running (recorded in kvlink.json)."""
+    return ["kvrag", *sys.argv[1:]] if sys.argv and sys.argv[0].endswith("kvrag") else list(sys.argv)

@@ -1,0 +1,286 @@
+"""``a2ats``: decode-time top-K key retrieval from vector-quantized codes (A²ATS, He et al. 2025).
+
+Prefill fuses the cached chunks as configured (``prefill="naive"`` — naive reuse, the
+default — or ``"cacheblend"`` with ``recompute_ratio``). Decoding is where A²ATS acts: every
+key in the cache has a small integer code per KV head (computed at precompute time by
+``chunk_extras`` and stored with the chunk, or on the fly); at each decode step and layer
+
+1. the query is rotated once by the fixed offset ``b`` (Windowed RoPE, eq. 11-12) and
+   multiplied with the codebook: a [G, C] table of approximate scores per KV head;
+2. a key's approximate score is a lookup ``table[code]`` (eq. 21) — no key is read;
+3. each KV head keeps its top ``topk`` fraction of the context by approximate score, plus the
+   first ``sink`` and the last ``window`` tokens (whose scores use exact RoPE, so they are
+   simply always attended);
+4. exact attention runs over those rows only.
+
+The full K/V stays where it is (CPU memory here); the policy reports how many KV bytes the
+decode steps read versus full attention in ``stats.policy_stats`` (``a2ats.*`` keys).
+Codebooks come from ``kvrag calibrate a2ats`` (see ``kvrag.a2ats_calibrate``).
+"""
+from __future__ import annotations
+
+import logging
+import math
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvrag import a2ats_calibrate as cal
+from kvrag.policies.base import Policy, param
+from kvrag.policies.registry import register
+
+log = logging.getLogger("kvrag")
+
+PREFILLS = ("naive", "cacheblend")
+SELECTIONS = ("per_head", "union")
+REDUCES = ("prob", "score")
+CODES_KEY = "a2ats.codes"
+CODEBOOK_KEY = "a2ats.codebook"
+
+
+@dataclass
+class A2ATSParams:
+    topk: float = param(0.03, "fraction of the context each KV head reads by approximate score, beyond the sink "
+                              "and window tokens (paper 0.03); 1.0 = every token (exact attention)")
+    sink: int = param(4, "first tokens always attended (paper 4)")
+    window: int = param(64, "w: the last w tokens are always attended with exact RoPE (paper 64)")
+    rope_offset: int | None = param(None, "b: fixed relative position used to score keys outside the window "
+                                          "(paper 2048); None = the value the codebook was calibrated with")
+    selection: str = param("per_head", "'per_head': each KV head reads its own top-k rows (paper); "
+                                       "'union': all KV heads read the union of their top-k rows")
+    group_reduce: str = param("prob", "GQA: combine the approximate scores of the query heads sharing a KV head "
+                                      "as summed softmax probabilities ('prob') or summed raw scores ('score')")
+    prefill: str = param("naive", "prefill fusion: 'naive' (naive_reuse) or 'cacheblend' (with recompute_ratio)")
+    recompute_ratio: float = param(0.15, "fraction of cached tokens recomputed when prefill='cacheblend'")
+    codebook: str | None = param(None, "codebook file; None = the one `kvrag calibrate a2ats` fitted for this "
+                                       "model under $KVRAG_HOME/a2ats/")
+
+
+@register
+class A2ATS(Policy):
+    name = "a2ats"
+    summary = "decode-time top-k attention: keys scored from query-aware VQ codes (windowed RoPE), ~6% of KV read"
+    Params = A2ATSParams
+
+    def validate(self) -> None:
+        p = self.params
+        try:
+            topk = float(p.topk)
+        except (TypeError, ValueError):
+            raise ValueError(f"topk must be a number in (0, 1], got {p.topk!r}") from None
+        if not 0.0 < topk <= 1.0:
+            raise ValueError(f"topk must be in (0, 1] (a fraction of the context), got {p.topk}")
+        for name, lo in (("sink", 0), ("window", 1)):
+            v = getattr(p, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+                # window >= 1: the token being decoded is the last row and must see itself.
+                raise ValueError(f"{name} must be an integer >= {lo}, got {v!r}")
+        if p.rope_offset is not None and (isinstance(p.rope_offset, bool) or not isinstance(p.rope_offset, int) or p.rope_offset < 0):
+            raise ValueError(f"rope_offset must be None or an integer >= 0, got {p.rope_offset!r}")
+        if p.selection not in SELECTIONS:
+            raise ValueError(f"selection must be one of {SELECTIONS}, got {p.selection!r}")
+        if p.group_reduce not in REDUCES:
+            raise ValueError(f"group_reduce must be one of {REDUCES}, got {p.group_reduce!r}")
+        if p.prefill not in PREFILLS:
+            raise ValueError(f"prefill must be one of {PREFILLS}, got {p.prefill!r}")
+        if not 0.0 <= float(p.recompute_ratio) <= 1.0:
+            raise ValueError(f"recompute_ratio must be in [0, 1], got {p.recompute_ratio}")
+        if p.codebook is not None and not Path(p.codebook).is_file():
+            raise ValueError(f"codebook file {p.codebook!r} does not exist (fit one with `kvrag calibrate a2ats`)")
+        from kvrag.policies.registry import get_policy
+
+        # The prefill is another policy's job: delegate its hooks instead of re-implementing it.
+        self.inner = (get_policy("naive_reuse") if p.prefill == "naive"
+                      else get_policy("cacheblend", recompute_ratio=float(p.recompute_ratio)))
+        self._books: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+        self._warned = False
+
+    # ---- codebooks ---------------------------------------------------------------------
+    def codebooks(self, arch, required: bool = True) -> cal.Codebooks | None:
+        """This model's codebooks (memoized per model); CodebookError if ``required`` and none."""
+        cb = self._books.get(arch.model)
+        if cb is None:
+            if self.params.codebook is not None:
+                cb = cal.verify_for_model(cal.load_cached(self.params.codebook), arch, repr(self.params.codebook))
+            else:
+                cb = cal.find_codebooks(arch)
+            if cb is None:
+                if required:
+                    raise cal.CodebookError(
+                        f"no A2ATS codebook for this model in {str(cal.codebook_dir())!r}; "
+                        "fit one with `kvrag calibrate a2ats` (or pass codebook=PATH)"
+                    )
+                return None
+            cb.check_model(arch.n_layers, arch.n_kv_heads, arch.head_dim)
+            self._books[arch.model] = cb
+        return cb
+
+    # ---- ingestion ---------------------------------------------------------------------
+    def chunk_extras(self, arch, keys, values):
+        """{"a2ats.codes": int16 [L, Hkv, T], "a2ats.codebook": uint8 [16] (which codebook)},
+        or {} when the model has no codebook yet (codes are then made at query time)."""
+        cb = self.codebooks(arch, required=False)
+        if cb is None:
+            if not self._warned:
+                log.warning("a2ats: no codebook for this model; chunk codes will be computed at query time "
+                            "(run `kvrag calibrate a2ats`)")
+                self._warned = True
+            return {}
+        return {CODES_KEY: cb.codes(keys), CODEBOOK_KEY: cb.digest_tensor()}
+
+    # ---- prefill: delegated ----------------------------------------------------------------
+    def insertions(self, layout, arch):
+        return self.inner.insertions(layout, arch)
+
+    def prepare(self, state) -> None:
+        # Fail before any layer runs if there is no codebook.
+        cb = self.codebooks(state.arch)
+        b = self.params.rope_offset if self.params.rope_offset is not None else cb.rope_offset
+        state.scratch["a2ats"] = {"codebooks": cb, "rope_offset": b}
+        stats = state.scratch.setdefault("policy_stats", {})
+        stats.update({
+            "a2ats.codes_reused": 0, "a2ats.codes_computed": 0, "a2ats.decode_tokens": 0,
+            "a2ats.kv_bytes_read": 0, "a2ats.kv_bytes_full": 0, "a2ats.code_bytes_read": 0,
+            "a2ats.kv_read_fraction": 1.0, "a2ats.kv_bytes_read_per_token": 0.0,
+        })
+        self.inner.prepare(state)
+
+    def initial_active(self, state):
+        return self.inner.initial_active(state)
+
+    def select(self, layer, state, q, k, v):
+        return self.inner.select(layer, state, q, k, v)
+
+    def extra_mask(self, state, rows):
+        return self.inner.extra_mask(state, rows)
+
+    def after_prefill(self, state) -> None:
+        self.inner.after_prefill(state)
+        sc = state.scratch["a2ats"]
+        sc.update(self.prefill_codes(state, sc["codebooks"]))
+
+    def prefill_codes(self, state, cb: cal.Codebooks) -> dict:
+        """Codes of every kept row after the fused prefill.
+
+        A cached row whose K was never recomputed keeps its chunk's codes (stored extras made
+        with this very codebook, else computed from the chunk's pre-RoPE keys); a row computed
+        at query time at a layer (plain/inserted tokens, CacheBlend's recomputed tokens) gets
+        codes from its fused key un-rotated by its position. Returns {"codes": per layer
+        LongTensor [Hkv, M], "positions": [M], "m0": M, "next_position": int}."""
+        from kvrag.fusion import CACHED  # not at import time: kvrag.fusion imports the policies
+
+        arch, layout = state.arch, state.layout
+        L, hkv, n = arch.n_layers, arch.n_kv_heads, layout.n
+        codes = torch.zeros(L, hkv, n, dtype=torch.long)
+        stats = state.scratch["policy_stats"]
+        for si, start, end in layout.spans(CACHED):
+            entry = state.entries.get(si, layout.pieces[si].entry)
+            c, reused = self.entry_codes(entry, cb)
+            codes[:, :, start:end] = c
+            stats["a2ats.codes_reused" if reused else "a2ats.codes_computed"] += end - start
+        cached = layout.cached
+        counts = state.layer_counts.cpu()
+        positions = layout.positions.cpu()
+        # Active sets only shrink layer by layer, so a token is computed at ``layer`` exactly
+        # when it was computed at more than ``layer`` layers.
+        for layer in range(L):
+            rows = ((~cached) | (counts > layer)).nonzero().squeeze(1)
+            if rows.numel():
+                k = state.K[layer][:, rows.to(state.K[layer].device)]
+                k_pre = arch.rotate(k, -positions[rows])
+                codes[layer][:, rows] = cb.codes_layer(layer, k_pre).long()
+        stats["a2ats.codes_computed"] += int((~cached).sum())
+        keep = state.keep.cpu().nonzero().squeeze(1)
+        return {
+            "codes": [codes[layer][:, keep] for layer in range(L)],
+            "positions": positions[keep],
+            "m0": int(keep.numel()),
+            "next_position": int(positions[-1]) + 1,
+        }
+
+    @staticmethod
+    def entry_codes(entry, cb: cal.Codebooks) -> tuple[torch.Tensor, bool]:
+        """(codes LongTensor [L, Hkv, T], reused?) of a cached chunk: its stored codes when
+        they were made with ``cb``, else computed from its pre-RoPE keys."""
+        extras = getattr(entry, "extras", None) or {}
+        stored, digest = extras.get(CODES_KEY), extras.get(CODEBOOK_KEY)
+        t = entry.keys.shape[2]
+        if (stored is not None and digest is not None and bytes(digest.to(torch.uint8).tolist()) == cb.digest
+                and tuple(stored.shape) == (cb.n_layers, cb.n_kv_heads, t)):
+            return stored.long(), True
+        return cb.codes(entry.keys).long(), False
+
+    # ---- decode --------------------------------------------------------------------------
+    def _codes_upto(self, layer: int, stepper, sc: dict, upto: int) -> torch.Tensor:
+        """Codes [Hkv, >= upto] of the cache rows at ``layer``; rows appended while decoding
+        are coded when they leave the window (their pre-RoPE key = fused key rotated back)."""
+        codes = sc["codes"][layer]
+        have = codes.shape[1]
+        if have < upto:
+            rows = torch.arange(have, upto)
+            m0 = sc["m0"]
+            pos = torch.where(rows < m0, sc["positions"][rows.clamp(max=max(m0 - 1, 0))], sc["next_position"] + rows - m0)
+            k = stepper.K[layer][:, rows.to(stepper.K[layer].device)]
+            k_pre = stepper.arch.rotate(k, -pos)
+            new = sc["codebooks"].codes_layer(layer, k_pre).long()
+            codes = torch.cat([codes, new], dim=1)
+            sc["codes"][layer] = codes
+        return codes
+
+    def decode_select(self, layer: int, q: torch.Tensor, stepper):
+        """Cache rows the decoded token reads at ``layer``.
+
+        q [H, 1, D] (rotated at the token's position ``stepper.pos``); ``stepper.K[layer]``
+        [Hkv, M, D] already holds the token's own key as the last row. Returns LongTensor
+        [Hkv, R] (per-head rows, sorted) for ``selection='per_head'``, [R] for 'union', or
+        None (read everything) when the context is no longer than sink + window."""
+        p = self.params
+        sc = stepper.state.scratch["a2ats"]
+        stats = stepper.state.scratch["policy_stats"]
+        arch = stepper.arch
+        K = stepper.K[layer]
+        hkv, m, d = K.shape
+        row_bytes = 2 * d * K.element_size()
+        if layer == 0:
+            stats["a2ats.decode_tokens"] += 1
+        lo, hi = min(p.sink, m), max(m - p.window, 0)
+        if hi <= lo:
+            self._count(stats, hkv * m * row_bytes, hkv * m * row_bytes, 0)
+            return None
+        n_cand = hi - lo
+        k = min(n_cand, math.ceil(float(p.topk) * m))
+        cb = sc["codebooks"]
+        codes = self._codes_upto(layer, stepper, sc, hi)[:, lo:hi]  # [Hkv, n_cand]
+
+        # WRoPE query: q (at position i) rotated by b - i is q_pre R_b; one rotation per step.
+        qpos = int(stepper.pos)
+        if sc.get("qpos") != qpos:
+            sc["qpos"], sc["cs_b"] = qpos, arch.cos_sin(torch.tensor([sc["rope_offset"] - qpos]))
+        qb = arch.rotate(q[:, 0].float(), None, sc["cs_b"]).cpu()  # [H, D]
+        g = qb.shape[0] // hkv
+        table = torch.matmul(qb.view(hkv, g, d), cb.codebook[layer].transpose(1, 2))  # [Hkv, G, C]
+        u = table.gather(2, codes[:, None, :].expand(-1, g, -1))  # [Hkv, G, n_cand] eq. 21
+        if p.group_reduce == "prob":
+            score = torch.softmax(u * arch.scaling, dim=-1).sum(1)
+        else:
+            score = u.sum(1)
+        top = torch.topk(score, k, dim=-1).indices + lo  # [Hkv, k]
+        fixed = torch.cat([torch.arange(lo), torch.arange(hi, m)])
+        if p.selection == "per_head":
+            idx = torch.cat([fixed.expand(hkv, -1), top], dim=1).sort(dim=1).values
+            rows_read = hkv * idx.shape[1]
+        else:
+            idx = torch.cat([fixed, top.flatten()]).unique()
+            rows_read = hkv * idx.numel()
+        self._count(stats, rows_read * row_bytes, hkv * m * row_bytes, hkv * n_cand * 2)
+        return idx.to(K.device)
+
+    @staticmethod
+    def _count(stats: dict, read: int, full: int, code_bytes: int) -> None:
+        stats["a2ats.kv_bytes_read"] += read
+        stats["a2ats.kv_bytes_full"] += full
+        stats["a2ats.code_bytes_read"] += code_bytes
+        stats["a2ats.kv_read_fraction"] = stats["a2ats.kv_bytes_read"] / max(stats["a2ats.kv_bytes_full"], 1)
+        stats["a2ats.kv_bytes_read_per_token"] = stats["a2ats.kv_bytes_read"] / max(stats["a2ats.decode_tokens"], 1)

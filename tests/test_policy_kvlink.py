@@ -1,0 +1,356 @@
+"""KVLink: link tokens after cached documents, the training loop, adapters and their loading."""
+import json
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from fusion_helpers import hf_logits, pieces_for, rand_ids, tiny
+from kvrag.arch import Arch
+from kvrag.engine import KVRag
+from kvrag.fusion import CACHED, FusionEngine, Layout
+from kvrag.kvlink_train import (
+    KVLinkError,
+    QAItem,
+    TrainConfig,
+    adapter_key,
+    answer_logits,
+    apply_adapter,
+    build_sample,
+    forward_hidden,
+    kvlink_mask,
+    load_adapter,
+    load_qa,
+    make_sample,
+    train_kvlink,
+)
+from kvrag.policies import get_policy
+from kvrag.policies.kvlink import ADAPTER_ATTR, mean_embedding
+from kvrag.testing import tiny_llama
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    # Tiny models gain nothing from intra-op threads, and on a busy 2-core machine OpenMP's
+    # spinning threads made each tiny forward ~50x slower (measured: 0.96 s vs 0.019 s).
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+# ---- engine level: tiny models with a 512-token vocabulary ------------------------------
+def _segments(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [(rand_ids(5, g), False), (rand_ids(12, g), True), (rand_ids(9, g), True), (rand_ids(6, g), False)]
+
+
+def _run(arch, segs, policy, pieces=None):
+    eng = FusionEngine(arch)
+    layout = eng.apply_insertions(pieces if pieces is not None else pieces_for(arch, segs), policy)
+    return layout, eng.prefill(layout, policy, keep_state=True)
+
+
+def test_link_tokens_see_every_earlier_document_and_documents_stay_local():
+    arch = Arch(tiny("llama"))
+    segs = _segments()
+    pol = get_policy("kvlink", link_tokens=2)
+    base_pieces = pieces_for(arch, segs)
+    layout, ref = _run(arch, segs, pol, base_pieces)
+    # Layout: prefix 0..4 | doc1 5..16 | link 17,18 | doc2 19..27 | link 28,29 | question 30..35
+    assert layout.n == 36 and ref.stats.inserted_tokens == 4
+    link1, doc2, link2 = slice(17, 19), slice(19, 28), slice(28, 30)
+
+    # Perturb the cached K/V of document 1 only.
+    g = torch.Generator().manual_seed(9)
+    e1 = base_pieces[1].entry
+    noisy = SimpleNamespace(keys=e1.keys + 0.5 * torch.randn(e1.keys.shape, generator=g),
+                            values=e1.values + 0.5 * torch.randn(e1.values.shape, generator=g),
+                            token_ids=e1.token_ids)
+    pert_pieces = list(base_pieces)
+    pert_pieces[1] = type(base_pieces[1])(base_pieces[1].token_ids, CACHED, entry=noisy)
+    _, pert = _run(arch, segs, pol, pert_pieces)
+    for layer in range(1, arch.n_layers):  # layer 0's K is a function of the embedding alone
+        # Both documents' link tokens read document 1 ...
+        assert not torch.allclose(pert.K[layer][:, link1], ref.K[layer][:, link1], atol=1e-4)
+        assert not torch.allclose(pert.K[layer][:, link2], ref.K[layer][:, link2], atol=1e-4)
+        # ... while document 2's cached rows are untouched: documents keep local attention.
+        torch.testing.assert_close(pert.K[layer][:, doc2], ref.K[layer][:, doc2], atol=0, rtol=0)
+        torch.testing.assert_close(pert.V[layer][:, doc2], ref.V[layer][:, doc2], atol=0, rtol=0)
+    assert not torch.allclose(pert.logits, ref.logits, atol=1e-4)
+
+    # Causality: perturbing document 2 cannot reach document 1's link tokens.
+    e2 = base_pieces[2].entry
+    pert_pieces = list(base_pieces)
+    pert_pieces[2] = type(base_pieces[2])(base_pieces[2].token_ids, CACHED, entry=SimpleNamespace(
+        keys=e2.keys + 0.5, values=e2.values - 0.5, token_ids=e2.token_ids))
+    _, pert2 = _run(arch, segs, pol, pert_pieces)
+    for layer in range(arch.n_layers):
+        torch.testing.assert_close(pert2.K[layer][:, link1], ref.K[layer][:, link1], atol=1e-6, rtol=0)
+        assert layer == 0 or not torch.allclose(pert2.K[layer][:, link2], ref.K[layer][:, link2], atol=1e-4)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "qwen3"])
+def test_fused_prefill_equals_the_training_forward_with_the_kvlink_mask(model_type):
+    # The engine (cached documents + link tokens computed at query time) and the training
+    # forward (one pass with the paper's mask) must be the same function, or training would
+    # optimise something inference does not run.
+    arch = Arch(tiny(model_type))
+    segs = _segments(1)
+    links = torch.randn(4, 3, arch.hidden_size, generator=torch.Generator().manual_seed(2)) * 0.2
+    model = arch.model
+    setattr(model, ADAPTER_ATTR, SimpleNamespace(link_tokens=3, links_for=lambda i: links[min(i, 3)]))
+    try:
+        _, res = _run(arch, segs, get_policy("kvlink", mode="trained"))
+    finally:
+        delattr(model, ADAPTER_ATTR)
+    q = segs[-1][0]
+    sample = build_sample(segs[:-1] + [(q[:-1], False)], [q[-1]], 3, 4)
+    with torch.no_grad():
+        ref = arch.logits(forward_hidden(arch, sample, links)[-1:])[0]
+    torch.testing.assert_close(res.logits, ref, atol=1e-4, rtol=1e-4)
+    assert res.stats.inserted_tokens == 6 and res.stats.recomputed_tokens == 0
+
+
+def test_kvlink_mask_is_the_papers_map():
+    # prefix(0) | doc 1 (2 tokens) | link | doc 2 (2 tokens) | link | question
+    seg = torch.tensor([0, 1, 1, 0, 2, 2, 0, 0])
+    m = kvlink_mask(seg)
+    assert m[2].tolist() == [False, True, True, False, False, False, False, False]  # doc 1: itself only
+    assert m[4].tolist() == [False, False, False, False, True, False, False, False]  # doc 2 not the prefix
+    assert m[3].tolist() == [True] * 4 + [False] * 4  # link 1 sees all before it
+    assert m[6].tolist() == [True] * 7 + [False]  # link 2 sees docs 1, 2 and link 1
+    assert m[7].all()
+
+
+def test_zero_link_tokens_equals_naive_reuse():
+    arch = Arch(tiny("qwen2"))
+    segs = _segments(3)
+    layout = Layout.build(pieces_for(arch, segs))
+    eng = FusionEngine(arch)
+    naive = eng.prefill(layout, get_policy("naive_reuse"))
+    pol = get_policy("kvlink", link_tokens=0)
+    res = eng.prefill(eng.apply_insertions(layout.pieces, pol), pol)
+    torch.testing.assert_close(res.logits, naive.logits, atol=0, rtol=0)
+    assert res.stats.inserted_tokens == 0
+    # With link tokens the answer changes (they are real attention participants) ...
+    pol5 = get_policy("kvlink")
+    res5 = eng.prefill(eng.apply_insertions(layout.pieces, pol5), pol5)
+    assert res5.stats.inserted_tokens == 10 and res5.stats.prompt_tokens == layout.n + 10
+    assert not torch.allclose(res5.logits, naive.logits, atol=1e-4)
+    # ... and neither is full prefill: untrained re-encoded concatenation stays approximate.
+    all_ids = [t for s, _ in segs for t in s]
+    assert not torch.allclose(res5.logits, hf_logits(arch.model, all_ids), atol=1e-3)
+
+
+def test_untrained_link_embedding_is_the_mean_embedding():
+    arch = Arch(tiny("llama"))
+    layout = Layout.build(pieces_for(arch, _segments()))
+    ins = get_policy("kvlink", link_tokens=3, mode="untrained").insertions(layout, arch)
+    assert sorted(ins) == [1, 2]
+    mean = arch.body.embed_tokens.weight.mean(0)
+    for emb in ins.values():
+        assert emb.shape == (3, arch.hidden_size)
+        torch.testing.assert_close(emb, mean.expand(3, -1), atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("params", [
+    {"link_tokens": -1}, {"link_tokens": 65}, {"link_tokens": 1.5}, {"link_tokens": "5"},
+    {"link_tokens": True}, {"mode": "learned"}, {"ratio": 0.1},
+])
+def test_bad_params_raise_value_error(params):
+    with pytest.raises(ValueError):
+        get_policy("kvlink", **params)
+
+
+def test_trained_mode_without_adapter_raises():
+    arch = Arch(tiny("llama"))
+    layout = Layout.build(pieces_for(arch, _segments()))
+    with pytest.raises(ValueError, match="needs a model loaded with a KVLink adapter"):
+        get_policy("kvlink", mode="trained").insertions(layout, arch)
+
+
+# ---- training, adapters, KVRag: tiny model with the SmolLM2 tokenizer --------------------
+NAMES = ["Ada", "Bo", "Cy", "Dee", "Eli", "Fay"]
+COLOURS = ["red", "blue", "green", "amber", "violet", "silver"]
+
+
+def qa_rows():
+    rows = []
+    for i, n in enumerate(NAMES):
+        ctxs = [{"title": "", "text": f"{m} keeps a {COLOURS[j]} lantern in the hall."} for j, m in enumerate(NAMES)]
+        rows.append({"question": f"What colour is {n}'s lantern?", "answers": [COLOURS[i]], "ctxs": ctxs})
+    return rows
+
+
+@pytest.fixture(scope="module")
+def handle():
+    return tiny_llama(seed=0)
+
+
+@pytest.fixture(scope="module")
+def data_file(tmp_path_factory):
+    p = tmp_path_factory.mktemp("kvlink_data") / "qa.json"
+    p.write_text(json.dumps(qa_rows()))
+    return p
+
+
+CFG = dict(lora_rank=4, link_tokens=2, max_docs=4, docs=2, lr=3e-2, link_lr=3e-2, warmup=2, log_every=100)
+
+
+@pytest.fixture(scope="module")
+def trained(handle, data_file, tmp_path_factory):
+    out = tmp_path_factory.mktemp("kvlink_adapter")
+    return train_kvlink(handle, TrainConfig(data=str(data_file), steps=16, **CFG), out, force=True,
+                        command=["kvrag", "train", "kvlink", "--test"])
+
+
+def test_training_reduces_the_loss_and_records_the_run(trained, data_file):
+    first, last = sum(trained.losses[:4]) / 4, sum(trained.losses[-4:]) / 4
+    assert last < 0.6 * first, trained.losses
+    meta = json.loads((trained.out / "kvlink.json").read_text())
+    assert meta["steps"] == 16 and len(meta["losses"]) == 16 and meta["command"][:3] == ["kvrag", "train", "kvlink"]
+    assert meta["lora"]["rank"] == 4 and meta["data_sha256"]
+    for f in ("link_embeddings.safetensors", "adapter_model.safetensors", "adapter_config.json"):
+        assert (trained.out / f).is_file()
+    ad = load_adapter(trained.out)
+    assert ad.links.shape == (4, 2, 64) and ad.has_lora
+    # The link embeddings moved away from their (mean-embedding) initialisation.
+    assert not torch.allclose(ad.links[0], ad.links[0].mean(0).expand(2, -1), atol=1e-3)
+
+
+def test_saved_adapter_reproduces_the_trained_model(handle, trained):
+    # Loading (LoRA merged into a copy + link table) must give the model training produced:
+    # on training samples its loss is far below the untouched model's with untrained links.
+    adapted = apply_adapter(handle, trained.out)
+    ad = getattr(adapted.model, ADAPTER_ATTR)
+    base_arch, new_arch = Arch(handle.model), Arch(adapted.model)
+    base_links = mean_embedding(base_arch).expand(4, 2, -1)
+    rng = random.Random(5)
+    items = [QAItem(r["question"], r["answers"], [c["text"] for c in r["ctxs"]]) for r in qa_rows()]
+    base_loss = new_loss = 0.0
+    with torch.no_grad():
+        for it in items:
+            s = make_sample(handle, it, rng, docs=2, max_passage_chars=0, link_tokens=2, max_docs=4)
+            tgt = s.ids[s.answer_start:]
+            base_loss += torch.nn.functional.cross_entropy(answer_logits(base_arch, s, base_links), tgt).item()
+            new_loss += torch.nn.functional.cross_entropy(answer_logits(new_arch, s, ad.links), tgt).item()
+    assert new_loss < 0.7 * base_loss
+    # The caller's model is untouched.
+    assert getattr(handle.model, ADAPTER_ATTR, None) is None
+
+
+def test_trained_kvrag_uses_the_adapted_fingerprint_and_changes_outputs(handle, trained, tmp_path):
+    docs = [r["text"] for r in qa_rows()[0]["ctxs"][:3]]
+    prompt = [{"role": "system", "content": "Answer."},
+              {"role": "user", "content": "\n\n".join(docs) + "\n\nWhat colour is Bo's lantern?"}]
+    base = KVRag(handle, cache_dir=tmp_path / "kv", policy="kvlink")
+    rag = KVRag(handle, cache_dir=tmp_path / "kv", policy="kvlink", kvlink_adapter=str(trained.out))
+    assert rag.fingerprint != base.fingerprint
+    assert rag.fingerprint == apply_adapter(handle, trained.out).fingerprint
+    # Same store, but the base model's chunk caches are not the adapted model's.
+    base.precompute(docs)
+    assert all(base.is_cached(d) for d in docs) and not any(rag.is_cached(d) for d in docs)
+    rag.precompute(docs)
+    out = rag.generate(prompt, max_new_tokens=4)
+    assert out.stats.chunks_hit == 3 and out.stats.inserted_tokens == 3 * 2 and out.stats.cached_tokens > 0
+    lt, _ = rag.continuation_logits(prompt, [], policy="kvlink", mode="trained")
+    lu, _ = base.continuation_logits(prompt, [], policy="kvlink", mode="untrained")
+    assert not torch.allclose(lt, lu, atol=1e-3)
+    with pytest.raises(ValueError, match="trained with 2 link tokens"):
+        rag.generate(prompt, max_new_tokens=1, link_tokens=5)
+
+
+def test_adapter_for_another_model_is_refused(trained):
+    other = tiny_llama(seed=1)
+    with pytest.raises(KVLinkError, match="trained for model key"):
+        apply_adapter(other, trained.out)
+    with pytest.raises(KVLinkError, match="not a KVLink adapter directory"):
+        load_adapter(trained.out.parent)
+
+
+def test_links_only_distill_adapter_keeps_fingerprint_and_is_found_by_auto(handle, data_file, tmp_path, monkeypatch):
+    monkeypatch.setenv("KVRAG_HOME", str(tmp_path / "home"))
+    cfg = TrainConfig(data=str(data_file), steps=6, objective="distill", **{**CFG, "lora_rank": 0})
+    res = train_kvlink(handle, cfg)  # default out: $KVRAG_HOME/kvlink/<model key>/
+    assert res.out == tmp_path / "home" / "kvlink" / adapter_key(handle)
+    assert all(x >= 0 for x in res.losses) and not res.adapter.has_lora
+    assert not (res.out / "adapter_model.safetensors").exists()
+    rag = KVRag(handle, cache_dir=tmp_path / "kv", policy="kvlink", kvlink_adapter="auto")
+    # The weights did not change, so neither do the fingerprint and the chunk caches.
+    assert rag.fingerprint == handle.fingerprint
+    assert rag.handle.model is not handle.model and getattr(handle.model, ADAPTER_ATTR, None) is None
+    with pytest.raises(KVLinkError, match="already holds a KVLink adapter"):
+        train_kvlink(handle, cfg)
+
+
+def test_auto_without_adapter_raises(handle, tmp_path, monkeypatch):
+    monkeypatch.setenv("KVRAG_HOME", str(tmp_path / "empty"))
+    with pytest.raises(KVLinkError, match="no KVLink adapter for this model"):
+        KVRag(handle, cache_dir=tmp_path / "kv", kvlink_adapter="auto")
+
+
+@pytest.mark.parametrize("change,match", [
+    ({"steps": 0}, "steps"), ({"lora_rank": 0, "link_tokens": 0}, "nothing to train"),
+    ({"objective": "rl"}, "objective"), ({"docs": 0}, "docs"), ({"holdout": 6}, "holdout"),
+])
+def test_bad_training_options_raise(handle, data_file, tmp_path, change, match):
+    with pytest.raises(KVLinkError, match=match):
+        train_kvlink(handle, TrainConfig(data=str(data_file), **{**CFG, "steps": 2, **change}), tmp_path / "o")
+
+
+@pytest.mark.parametrize("rows,match", [
+    ([], "non-empty list"), ([{"question": "q", "answers": [], "ctxs": [{"text": "t"}]}], "answers"),
+    ([{"question": "q", "answers": ["a"], "ctxs": [{"title": "x"}]}], "ctx 0 has no 'text'"),
+    ([{"answers": ["a"], "ctxs": [{"text": "t"}]}], "no 'question'"),
+])
+def test_bad_training_data_is_named(tmp_path, rows, match):
+    p = tmp_path / "bad.json"
+    p.write_text(json.dumps(rows))
+    with pytest.raises(KVLinkError, match=match):
+        load_qa(p)
+
+
+def test_cli_train_kvlink(handle, data_file, tmp_path, capsys):
+    from kvrag.cli import main
+
+    model_dir = tmp_path / "model"
+    handle.model.save_pretrained(model_dir)
+    handle.tokenizer.save_pretrained(model_dir)
+    out = tmp_path / "adapter"
+    argv = ["train", "kvlink", "--data", str(data_file), "--model", str(model_dir), "--steps", "2",
+            "--lora-rank", "2", "--link-tokens", "1", "--docs", "2", "--out", str(out), "--threads", "1"]
+    assert main(argv) == 0
+    meta = json.loads((out / "kvlink.json").read_text())
+    assert meta["steps"] == 2 and meta["link_tokens"] == 1 and meta["lora"]["rank"] == 2
+    assert "loss" in capsys.readouterr().out
+    assert main(argv) == 2  # refuses to overwrite without --force
+    assert "already holds" in capsys.readouterr().err
+    assert main([*argv[:-4], "--steps", "0", "--out", str(tmp_path / "x")]) == 2
+
+
+# ---- the real model ----------------------------------------------------------------------
+@pytest.mark.real
+def test_real_model_kvlink(tmp_path):
+    from kvrag.kvlink_train import find_adapter
+    from kvrag.prompt import rag_messages
+
+    docs = [
+        "The Arden range lies north of the capital. Its tallest peak is Mount Kelvar, 4,210 metres high.",
+        "The river Lenne rises in the Varn Mountains and flows east into the Grey Sea.",
+        "Port Saliva is the largest harbour on the Grey Sea and the home of the Lenne ferry company.",
+    ]
+    msgs = rag_messages(docs, "What is the tallest peak of the Arden range?")
+    rag = KVRag(cache_dir=tmp_path / "kv", policy="kvlink")
+    rag.precompute(docs)
+    out = rag.generate(msgs, max_new_tokens=12)
+    assert out.text.strip() and out.stats.chunks_hit == 3 and out.stats.inserted_tokens == 15
+    zero = rag.generate(msgs, max_new_tokens=12, link_tokens=0)
+    naive = rag.generate(msgs, policy="naive_reuse", max_new_tokens=12)
+    assert zero.token_ids == naive.token_ids
+    if find_adapter(rag.handle) is not None:  # the shipped adapter, if any, loads and answers
+        trained = KVRag(cache_dir=tmp_path / "kv", policy="kvlink", kvlink_adapter="auto")
+        trained.precompute(docs)
+        t = trained.generate(msgs, max_new_tokens=12)
+        assert t.text.strip() and t.stats.inserted_tokens == 3 * getattr(trained.handle.model, ADAPTER_ATTR).link_tokens
