@@ -252,13 +252,16 @@ class Precomputer:
     _shared_lock = threading.Lock()
 
     @classmethod
-    def for_rag(cls, rag, **kwargs) -> "Precomputer":
+    def for_rag(cls, rag, *, create: bool = True, **kwargs) -> "Precomputer | None":
         """The process-wide default precomputer of ``rag`` (created on first use with
         ``kwargs``), so an LLM adapter and the ingestion hooks share one queue and one worker
-        instead of competing for the CPU. A shut-down one is replaced."""
+        instead of competing for the CPU. A shut-down one is replaced. ``create=False``:
+        None if there is none (an LLM adapter asks this to gate its queries)."""
         with cls._shared_lock:
             pc = cls._shared.get(rag)
             if pc is None or pc.closed:
+                if not create:
+                    return None
                 pc = cls(rag, **kwargs)
                 cls._shared[rag] = pc
             return pc
@@ -631,6 +634,11 @@ class Precomputer:
     def _finish(self, job: _Job, *, computed: bool = False, cached: bool = False,
                 error: BaseException | None = None) -> None:
         """Resolve ``job`` (and jobs waiting on its key) and update the counters."""
+        if error is not None and not job.finished:
+            # Logged before it is counted, so whoever sees the counter can already see the log.
+            unexpected = not isinstance(error, KVRagError)
+            log.error("kvrag precompute: failed for chunk %s (%d chars): %s: %s", _preview(job.text),
+                      len(job.text), type(error).__name__, error, exc_info=error if unexpected else None)
         with self._cond:
             if job.key is not None and self._inflight_keys.get(job.key) is job:
                 del self._inflight_keys[job.key]
@@ -648,10 +656,6 @@ class Precomputer:
                 else:
                     self._c["already_cached"] += 1
             self._cond.notify_all()
-        if error is not None:
-            level_exc = not isinstance(error, KVRagError)
-            log.error("kvrag precompute: failed for chunk %s (%d chars): %s: %s", _preview(job.text),
-                      len(job.text), type(error).__name__, error, exc_info=error if level_exc else None)
         for j in jobs:
             if j.future.done():  # cancelled by its caller: nothing to tell it
                 continue

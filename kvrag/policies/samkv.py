@@ -490,6 +490,14 @@ class SamKV(Policy):
         recompute[pool_b[top_indices(context_attn[pool_b], r_b)]] = True
 
         state.keep = keep.to(state.keep.device)
+        kept_cached = int((keep & cached).sum())
+        state.scratch.setdefault("policy_stats", {}).update({
+            "samkv.kept_fraction": kept_cached / n_cached,
+            "samkv.mean_p": sum(sel.p) / len(sel.p),
+            "samkv.middle_blocks_kept": sum(len(k) for k in sel.kept),
+            "samkv.recomputed": int(recompute.sum()),
+            "samkv.prelim_rows": state.scratch["samkv_prelim_rows"],
+        })
         state.scratch["samkv_recompute"] = recompute
         state.scratch["samkv"] = SamKVInfo(
             docs=docs, stable=stable, q_que=q_que.cpu(), q_loc=q_loc.cpu(), qhat=qhat.cpu(),

@@ -1,0 +1,218 @@
+"""``ChatKVRag``: a LangChain chat model backed by kvrag's fused KV-cache prefill."""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Iterator, Sequence
+from typing import Any, Optional
+
+from langchain_core.callbacks import CallbackManagerForLLMRun
+from langchain_core.language_models.chat_models import BaseChatModel
+from langchain_core.messages import (
+    AIMessage,
+    AIMessageChunk,
+    BaseMessage,
+    ChatMessage,
+    FunctionMessage,
+    HumanMessage,
+    SystemMessage,
+    ToolMessage,
+)
+from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
+from pydantic import ConfigDict, Field, PrivateAttr, model_validator
+
+from kvrag.engine import Generation, KVRag
+from kvrag.policies import get_policy
+from kvrag.precompute import Precomputer
+
+__all__ = ["ChatKVRag", "to_kvrag_messages"]
+
+log = logging.getLogger("kvrag.langchain")
+
+_GEN_KEYS = ("policy", "max_new_tokens", "temperature", "top_p", "top_k", "stop", "seed")
+
+
+def _content_text(m: BaseMessage) -> str:
+    c = m.content
+    if isinstance(c, str):
+        return c
+    parts = []
+    for block in c:
+        if isinstance(block, str):
+            parts.append(block)
+        elif isinstance(block, dict) and block.get("type") == "text":
+            parts.append(block.get("text", ""))
+        else:
+            kind = block.get("type") if isinstance(block, dict) else type(block).__name__
+            raise ValueError(f"ChatKVRag handles text only; a {m.type} message holds a {kind!r} block")
+    return "".join(parts)
+
+
+def to_kvrag_messages(messages: Sequence[BaseMessage]) -> list[dict[str, str]]:
+    """LangChain messages -> ``[{"role", "content"}]`` for the model's chat template."""
+    out = []
+    for m in messages:
+        if isinstance(m, SystemMessage):
+            role = "system"
+        elif isinstance(m, HumanMessage):
+            role = "user"
+        elif isinstance(m, AIMessage):
+            role = "assistant"
+        elif isinstance(m, ChatMessage):
+            role = m.role
+        elif isinstance(m, (ToolMessage, FunctionMessage)):
+            role = "tool"
+        else:
+            raise ValueError(f"ChatKVRag: unsupported message type {type(m).__name__}")
+        out.append({"role": role, "content": _content_text(m)})
+    return out
+
+
+def _usage(stats) -> dict[str, Any]:
+    """LangChain ``UsageMetadata``: cache_read = prompt tokens served from the KV cache;
+    recomputed = those of them the policy recomputed anyway (a kvrag-specific key)."""
+    return {
+        "input_tokens": stats.prompt_tokens,
+        "output_tokens": stats.new_tokens,
+        "total_tokens": stats.prompt_tokens + stats.new_tokens,
+        "input_token_details": {"cache_read": stats.cached_tokens, "recomputed": stats.recomputed_tokens},
+    }
+
+
+class ChatKVRag(BaseChatModel):
+    """A LangChain chat model that answers with kvrag.
+
+    ``ChatKVRag(cache_dir="./kv", policy="cacheblend")`` loads the default model
+    (SmolLM2-135M-Instruct) or ``model=`` (HF directory / .gguf); ``ChatKVRag(rag=rag)`` wraps
+    an existing :class:`kvrag.engine.KVRag`. ``policy="full_prefill"`` is the plain model.
+    Messages are rendered with the tokenizer's chat template; the retrieved chunks found
+    verbatim in it are served from their precomputed KV caches.
+
+    Every ``AIMessage`` carries ``usage_metadata`` (``input_token_details.cache_read``: tokens
+    served from the cache, ``.recomputed``: of those, recomputed by the policy) and
+    ``response_metadata`` (``ttft_s``, ``policy``, ``finish_reason``, ``kvrag_stats``)."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    rag: Any = Field(default=None, exclude=True, description="A kvrag.engine.KVRag (built from model/cache_dir if None).")
+    model: Optional[str] = Field(default=None, description="HF model directory or .gguf (None: SmolLM2-135M-Instruct).")
+    cache_dir: Optional[str] = Field(default=None, description="KV store directory (None: $KVRAG_HOME/store).")
+    policy: str = "cacheblend"
+    policy_params: dict[str, Any] = Field(default_factory=dict)
+    max_new_tokens: int = Field(default=256, gt=0)
+    temperature: float = Field(default=0.0, ge=0.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=0)
+    stop: Optional[list[str]] = None
+    seed: Optional[int] = None
+    precompute_options: dict[str, Any] = Field(default_factory=dict, description="Precomputer(...) options.")
+
+    _precomputer: Any = PrivateAttr(default=None)
+    _last: Any = PrivateAttr(default=None)
+
+    @model_validator(mode="after")
+    def _build(self) -> "ChatKVRag":
+        if self.rag is None:
+            self.rag = KVRag(self.model, cache_dir=self.cache_dir)
+        elif not isinstance(self.rag, KVRag):
+            raise TypeError(f"rag must be a kvrag.engine.KVRag, got {type(self.rag).__name__}")
+        elif self.model is not None or self.cache_dir is not None:
+            raise ValueError("pass either an existing `rag` or `model`/`cache_dir`, not both")
+        get_policy(self.policy, **self.policy_params)  # fail now on an unknown policy/parameter
+        return self
+
+    # ---- kvrag objects ---------------------------------------------------------------
+    @property
+    def precomputer(self) -> Precomputer:
+        """The background precomputer the vector-store/retriever hooks feed (shared per KVRag)."""
+        if self._precomputer is None or self._precomputer.closed:
+            self._precomputer = Precomputer.for_rag(self.rag, **self.precompute_options)
+        return self._precomputer
+
+    @property
+    def last_stats(self):
+        """``FusionStats`` of the most recent generation (None before the first)."""
+        return None if self._last is None else self._last.stats
+
+    @property
+    def last_generation(self) -> Optional[Generation]:
+        return self._last
+
+    @property
+    def _llm_type(self) -> str:
+        return "kvrag-chat"
+
+    @property
+    def _identifying_params(self) -> dict[str, Any]:
+        source = getattr(self.rag.handle, "source", None)
+        return {"model": os.path.basename(str(source)) if source else None, "policy": self.policy,
+                "policy_params": self.policy_params, "fingerprint": self.rag.fingerprint[:16]}
+
+    # ---- core --------------------------------------------------------------------------
+    def _options(self, stop: Optional[list[str]], kwargs: dict[str, Any]) -> dict[str, Any]:
+        opts: dict[str, Any] = dict(
+            policy=self.policy, max_new_tokens=self.max_new_tokens, temperature=self.temperature,
+            top_p=self.top_p, top_k=self.top_k, stop=list(self.stop or []), seed=self.seed,
+        )
+        params = dict(self.policy_params)
+        for k, v in kwargs.items():
+            if k in _GEN_KEYS:
+                opts[k] = v
+            elif k == "policy_params":
+                params = dict(v or {})
+            else:
+                log.debug("ChatKVRag: ignoring unsupported option %r", k)
+        if opts["policy"] != self.policy and "policy_params" not in kwargs:
+            params = {}  # this model's parameters belong to its own policy, not the override
+        opts["stop"] = list(opts["stop"] or []) + list(stop or [])
+        return {**opts, **params}
+
+    @contextlib.contextmanager
+    def _foreground(self):
+        pc = self._precomputer if self._precomputer is not None else Precomputer.for_rag(self.rag, create=False)
+        if pc is None:
+            yield
+            return
+        with pc.foreground():
+            yield
+
+    def _metadata(self, gen_stats, max_new_tokens: int) -> dict[str, Any]:
+        return {
+            "model_name": self._identifying_params["model"],
+            "policy": gen_stats.policy,
+            "ttft_s": gen_stats.ttft_s,
+            "finish_reason": "length" if gen_stats.new_tokens >= max_new_tokens else "stop",
+            "kvrag_stats": gen_stats.as_dict(),
+        }
+
+    def _generate(self, messages: list[BaseMessage], stop: Optional[list[str]] = None,
+                  run_manager: Optional[CallbackManagerForLLMRun] = None, **kwargs: Any) -> ChatResult:
+        opts = self._options(stop, kwargs)
+        prompt = self.rag.render(to_kvrag_messages(messages))
+        with self._foreground():
+            gen = self.rag.generate(prompt, **opts)
+        self._last = gen
+        meta = self._metadata(gen.stats, opts["max_new_tokens"])
+        msg = AIMessage(content=gen.text, usage_metadata=_usage(gen.stats), response_metadata=meta)
+        return ChatResult(generations=[ChatGeneration(message=msg, generation_info={"finish_reason": meta["finish_reason"]})],
+                          llm_output={"model_name": meta["model_name"], "policy": meta["policy"]})
+
+    def _stream(self, messages: list[BaseMessage], stop: Optional[list[str]] = None,
+                run_manager: Optional[CallbackManagerForLLMRun] = None, **kwargs: Any) -> Iterator[ChatGenerationChunk]:
+        opts = self._options(stop, kwargs)
+        prompt = self.rag.render(to_kvrag_messages(messages))
+        with self._foreground():
+            s = self.rag.stream(prompt, **opts)
+            for delta in s:
+                chunk = ChatGenerationChunk(message=AIMessageChunk(content=delta))
+                if run_manager is not None:
+                    run_manager.on_llm_new_token(delta, chunk=chunk)
+                yield chunk
+        self._last = Generation(s.text, s.token_ids, s.stats, s.prompt_ids)
+        meta = self._metadata(s.stats, opts["max_new_tokens"])
+        yield ChatGenerationChunk(
+            message=AIMessageChunk(content="", usage_metadata=_usage(s.stats), response_metadata=meta,
+                                   chunk_position="last"),
+            generation_info={"finish_reason": meta["finish_reason"]},
+        )

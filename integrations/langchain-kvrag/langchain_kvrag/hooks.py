@@ -1,0 +1,158 @@
+"""Ingestion and retriever hooks that schedule kvrag's background KV precompute.
+
+* :func:`precompute_on_add` / :class:`KVPrecomputeHook` — after a vector store's
+  ``add_texts`` (which ``add_documents``, ``aadd_documents`` and ``aadd_texts`` go through in
+  ``langchain-chroma`` and most LangChain stores) and ``update_documents``, every stored text is
+  handed to the precomputer. The store object is patched in place (its class is untouched),
+  so it stays what it was (``isinstance(store, Chroma)``), and ``detach`` undoes it.
+* :class:`KVWarmingRetriever` — wraps any retriever; every retrieved document whose KV is not
+  cached yet (ingested before kvrag, or evicted) is scheduled, after the current query, so the
+  next query that retrieves it hits the cache.
+
+The text precomputed is ``document.page_content`` (``text_fn`` changes that): the chain must
+put it in the prompt verbatim (e.g. ``"\\n\\n".join(d.page_content for d in docs)``), since
+kvrag finds cached chunks by exact text.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any, Optional
+
+from langchain_core.callbacks import AsyncCallbackManagerForRetrieverRun, CallbackManagerForRetrieverRun
+from langchain_core.documents import Document
+from langchain_core.retrievers import BaseRetriever
+from pydantic import ConfigDict, Field
+
+from kvrag.errors import ChunkError
+from kvrag.precompute import Precomputer, PrecomputerClosedError, QueueFullError
+
+__all__ = ["KVPrecomputeHook", "precompute_on_add", "KVWarmingRetriever"]
+
+log = logging.getLogger("kvrag.langchain")
+
+_ATTR = "_kvrag_precompute_hook"
+
+
+class KVPrecomputeHook:
+    """Schedules precompute of the texts a vector store stores.
+
+    target: a :class:`langchain_kvrag.ChatKVRag` (its precomputer), a ``KVRag`` or a
+    ``Precomputer``. text_fn: page_content -> the text as the prompt will show it (default:
+    unchanged). block: when the precompute queue is full, wait for room (back-pressure on
+    ingestion) instead of dropping."""
+
+    def __init__(self, target: Any, *, text_fn: Optional[Callable[[str], str]] = None, block: bool = True):
+        self.precomputer = Precomputer.of(target)
+        self.text_fn = text_fn
+        self.block = block
+
+    def schedule(self, texts: Sequence[str]) -> None:
+        """Queue ``texts`` (after ``text_fn``); empty or invalid ones are logged and skipped."""
+        if self.text_fn is not None:
+            texts = [self.text_fn(t) for t in texts]
+        self.precomputer.submit_many(list(texts), block=self.block, skip_invalid=True)
+
+    def attach(self, vectorstore):
+        """Patch ``vectorstore`` (in place) and return it. Attaching twice replaces the hook."""
+        if not hasattr(vectorstore, "add_texts"):
+            raise TypeError(f"expected a LangChain VectorStore, got {type(vectorstore).__name__}")
+        self.detach(vectorstore)
+        originals = {}
+        add_texts = vectorstore.add_texts
+        originals["add_texts"] = add_texts
+        hook = self
+
+        @functools.wraps(add_texts)
+        def hooked_add_texts(texts, *args, **kwargs):
+            texts = list(texts)  # may be a one-shot iterable: read it once, hand it on
+            ids = add_texts(texts, *args, **kwargs)
+            hook.schedule(texts)  # only what the store accepted
+            return ids
+
+        vectorstore.add_texts = hooked_add_texts
+        update = getattr(vectorstore, "update_documents", None)
+        if callable(update):
+            originals["update_documents"] = update
+
+            @functools.wraps(update)
+            def hooked_update_documents(ids, documents, *args, **kwargs):
+                out = update(ids, documents, *args, **kwargs)
+                hook.schedule([d.page_content for d in documents])
+                return out
+
+            vectorstore.update_documents = hooked_update_documents
+        setattr(vectorstore, _ATTR, (self, originals))
+        return vectorstore
+
+    @staticmethod
+    def detach(vectorstore) -> None:
+        """Remove a hook attached by :meth:`attach` (no-op if none)."""
+        state = vectorstore.__dict__.get(_ATTR)
+        if state is None:
+            return
+        _, originals = state
+        for name in originals:
+            vectorstore.__dict__.pop(name, None)  # back to the class's method
+        del vectorstore.__dict__[_ATTR]
+
+
+def precompute_on_add(vectorstore, target: Any, *, text_fn: Optional[Callable[[str], str]] = None,
+                      block: bool = True):
+    """Make ``vectorstore.add_documents``/``add_texts`` (and async variants, and
+    ``update_documents``) schedule the KV precompute of what they store; returns the store.
+
+    ``store = precompute_on_add(Chroma(...), llm)`` with ``llm`` a :class:`ChatKVRag`."""
+    return KVPrecomputeHook(target, text_fn=text_fn, block=block).attach(vectorstore)
+
+
+def _schedule_retrieved(pc: Precomputer, texts: Sequence[str], defer_s: float) -> None:
+    """Never blocks, never raises into the query: a full queue or a bad text is counted by the
+    precomputer and the document is tried again the next time it is retrieved."""
+    for t in texts:
+        try:
+            pc.submit(t, block=False, defer_s=defer_s)
+        except (QueueFullError, ChunkError, PrecomputerClosedError) as e:
+            log.debug("kvrag retriever hook: not scheduled: %s", e)
+
+
+class KVWarmingRetriever(BaseRetriever):
+    """A retriever that returns what ``retriever`` returns and schedules the precompute of
+    every retrieved document not cached yet — after the current query (``defer_s``: until the
+    chat model's call ends, at most that many seconds), so it never delays it.
+
+    ``KVWarmingRetriever(store.as_retriever(), llm)`` with ``llm`` a :class:`ChatKVRag`."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    retriever: BaseRetriever
+    precomputer: Any = Field(exclude=True)
+    text_fn: Optional[Callable[[str], str]] = Field(default=None, exclude=True)
+    defer_s: float = Field(default=10.0, ge=0.0)
+
+    def __init__(self, retriever: Optional[BaseRetriever] = None, target: Any = None, **kwargs: Any):
+        if retriever is not None:
+            kwargs["retriever"] = retriever
+        if target is not None:
+            kwargs["precomputer"] = Precomputer.of(target)
+        elif "precomputer" in kwargs:
+            kwargs["precomputer"] = Precomputer.of(kwargs["precomputer"])
+        else:
+            raise TypeError("KVWarmingRetriever needs a target: a ChatKVRag, a KVRag or a Precomputer")
+        super().__init__(**kwargs)
+
+    def _texts(self, docs: list[Document]) -> list[str]:
+        texts = [d.page_content for d in docs]
+        return [self.text_fn(t) for t in texts] if self.text_fn is not None else texts
+
+    def _get_relevant_documents(self, query: str, *, run_manager: CallbackManagerForRetrieverRun) -> list[Document]:
+        docs = self.retriever.invoke(query, config={"callbacks": run_manager.get_child()})
+        _schedule_retrieved(self.precomputer, self._texts(docs), self.defer_s)
+        return docs
+
+    async def _aget_relevant_documents(self, query: str, *,
+                                       run_manager: AsyncCallbackManagerForRetrieverRun) -> list[Document]:
+        docs = await self.retriever.ainvoke(query, config={"callbacks": run_manager.get_child()})
+        _schedule_retrieved(self.precomputer, self._texts(docs), self.defer_s)
+        return docs

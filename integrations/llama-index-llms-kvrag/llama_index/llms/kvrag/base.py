@@ -1,0 +1,498 @@
+"""kvrag for LlamaIndex.
+
+* :class:`KVRagLLM` — an ``LLM`` that answers with kvrag: it finds the precomputed chunks
+  verbatim in the prompt the query engine renders and fuses their stored KV caches under a
+  reuse policy. Drop-in: ``index.as_query_engine(llm=KVRagLLM(...))``.
+* :class:`KVPrecompute` — a ``TransformComponent`` for ``IngestionPipeline`` (or
+  ``VectorStoreIndex(..., transformations=[...])``) that schedules the background precompute of
+  every node's text exactly as the query engine will put it in the prompt
+  (``node.get_content(MetadataMode.LLM)``), and passes the nodes on unchanged.
+* :class:`KVCacheWarmer` (node postprocessor) / :class:`KVWarmingRetriever` (retriever
+  wrapper) — the retriever-side hook: every retrieved node whose KV is not cached yet
+  (ingested before kvrag was installed, or evicted) is scheduled for precompute, after the
+  current query, so the next query that retrieves it hits the cache.
+
+All of them share one :class:`kvrag.precompute.Precomputer` per ``KVRag`` (the LLM's), so
+ingestion and queries do not compete with two workers.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from collections.abc import Iterator, Sequence
+from typing import Any, Optional
+
+from llama_index.core.base.base_retriever import BaseRetriever
+from llama_index.core.base.llms.generic_utils import messages_to_prompt as generic_messages_to_prompt
+from llama_index.core.base.llms.types import (
+    ChatMessage,
+    ChatResponse,
+    ChatResponseAsyncGen,
+    ChatResponseGen,
+    CompletionResponse,
+    CompletionResponseAsyncGen,
+    CompletionResponseGen,
+    LLMMetadata,
+    MessageRole,
+    TextBlock,
+)
+from llama_index.core.bridge.pydantic import Field, PrivateAttr
+from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
+from llama_index.core.llms.llm import LLM
+from llama_index.core.postprocessor.types import BaseNodePostprocessor
+from llama_index.core.schema import BaseNode, Document, MetadataMode, NodeWithScore, QueryBundle, TransformComponent
+
+from kvrag.engine import Generation, KVRag
+from kvrag.errors import ChunkError
+from kvrag.policies import get_policy
+from kvrag.precompute import Precomputer, PrecomputerClosedError, QueueFullError
+
+__all__ = ["KVRagLLM", "KVPrecompute", "KVCacheWarmer", "KVWarmingRetriever", "node_texts"]
+
+log = logging.getLogger("kvrag.llama_index")
+
+# Per-call options KVRagLLM passes to KVRag.generate/stream; anything else LlamaIndex passes
+# along (it sometimes forwards framework kwargs) is ignored.
+_GEN_KEYS = ("policy", "max_new_tokens", "temperature", "top_p", "top_k", "stop", "seed")
+_END = object()
+
+
+# ---- prompt rendering ----------------------------------------------------------------------
+def _message_text(m: ChatMessage) -> str:
+    parts = []
+    for b in m.blocks:
+        if isinstance(b, TextBlock):
+            parts.append(b.text)
+        else:
+            raise ValueError(f"KVRagLLM handles text only; a {m.role.value} message holds a {type(b).__name__}")
+    return "".join(parts)
+
+
+class _ChatTemplate:
+    """messages -> prompt string with the model tokenizer's own chat template (what the
+    model was trained on); node texts inside message contents are kept verbatim."""
+
+    def __init__(self, rag: KVRag):
+        self.rag = rag
+
+    def __call__(self, messages: Sequence[ChatMessage]) -> str:
+        return self.rag.render([{"role": m.role.value, "content": _message_text(m)} for m in messages])
+
+
+class _UserTurn:
+    """completion prompt -> one user turn in the chat template (an instruct model answers a
+    bare string poorly); used for ``complete(prompt)`` with ``formatted=False``."""
+
+    def __init__(self, rag: KVRag):
+        self.rag = rag
+
+    def __call__(self, prompt: str) -> str:
+        return self.rag.render([{"role": "user", "content": prompt}])
+
+
+def _has_chat_template(rag: KVRag) -> bool:
+    return bool(getattr(rag.tokenizer, "chat_template", None))
+
+
+def _info(gen_stats) -> dict[str, Any]:
+    """What a response carries in ``additional_kwargs``: the headline numbers + all stats."""
+    s = gen_stats
+    return {
+        "ttft_s": s.ttft_s,
+        "prompt_tokens": s.prompt_tokens,
+        "cached_tokens": s.cached_tokens,
+        "recomputed_tokens": s.recomputed_tokens,
+        "recompute_fraction": s.recompute_fraction,
+        "chunks_hit": s.chunks_hit,
+        "completion_tokens": s.new_tokens,
+        "kvrag_stats": s.as_dict(),
+    }
+
+
+# ---- the LLM -------------------------------------------------------------------------------
+class KVRagLLM(LLM):
+    """A LlamaIndex LLM backed by :class:`kvrag.engine.KVRag`.
+
+    ``KVRagLLM(cache_dir="./kv", policy="cacheblend", policy_params={"recompute_ratio": 0.15})``
+    loads the default model (SmolLM2-135M-Instruct) or ``model=`` (HF directory / .gguf);
+    ``KVRagLLM(rag)`` wraps an existing KVRag. ``policy="full_prefill"`` is the plain model
+    (exact HF forward, no cache). Chat messages are rendered with the tokenizer's chat
+    template. After each call, :attr:`last_stats` holds the prefill stats (TTFT, cached and
+    recomputed tokens); every response carries them in ``additional_kwargs``.
+
+    Per-call overrides: ``llm.complete(prompt, policy="naive_reuse", max_new_tokens=32,
+    policy_params={...})``."""
+
+    policy: str = Field(default="cacheblend", description="kvrag reuse policy (see `kvrag policies`).")
+    policy_params: dict[str, Any] = Field(default_factory=dict, description="Hyper-parameters of the policy.")
+    max_new_tokens: int = Field(default=256, gt=0, description="Tokens to generate at most.")
+    temperature: float = Field(default=0.0, ge=0.0, description="0 = greedy decoding.")
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=0)
+    stop: list[str] = Field(default_factory=list, description="Stop strings (not included in the output).")
+    seed: Optional[int] = Field(default=None, description="Sampling seed (temperature > 0).")
+
+    _rag: Any = PrivateAttr(default=None)
+    _precomputer: Any = PrivateAttr(default=None)
+    _precompute_options: dict = PrivateAttr(default_factory=dict)
+    _last: Any = PrivateAttr(default=None)
+
+    def __init__(
+        self,
+        rag: Optional[KVRag] = None,
+        *,
+        model: Optional[str] = None,
+        cache_dir: Optional[str | os.PathLike] = None,
+        precomputer: Optional[Precomputer] = None,
+        precompute_options: Optional[dict[str, Any]] = None,
+        rag_options: Optional[dict[str, Any]] = None,
+        **kwargs: Any,
+    ) -> None:
+        if rag is None:
+            rag = KVRag(model, cache_dir=cache_dir, **(rag_options or {}))
+        elif model is not None or cache_dir is not None or rag_options:
+            raise ValueError("pass either an existing `rag` or `model`/`cache_dir`/`rag_options`, not both")
+        elif not isinstance(rag, KVRag):
+            raise TypeError(f"rag must be a kvrag.engine.KVRag, got {type(rag).__name__}")
+        chat = _has_chat_template(rag)
+        if kwargs.get("messages_to_prompt") is None:
+            kwargs["messages_to_prompt"] = _ChatTemplate(rag) if chat else generic_messages_to_prompt
+        if kwargs.get("completion_to_prompt") is None and chat:
+            kwargs["completion_to_prompt"] = _UserTurn(rag)
+        super().__init__(**kwargs)
+        # Fail now, with the registry's message, on an unknown policy or parameter.
+        get_policy(self.policy, **self.policy_params)
+        self._rag = rag
+        self._precomputer = precomputer
+        self._precompute_options = dict(precompute_options or {})
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "KVRagLLM"
+
+    # ---- kvrag objects ---------------------------------------------------------------
+    @property
+    def rag(self) -> KVRag:
+        return self._rag
+
+    @property
+    def precomputer(self) -> Precomputer:
+        """The background precomputer the ingestion/retriever hooks feed (shared per KVRag)."""
+        if self._precomputer is None or self._precomputer.closed:
+            self._precomputer = Precomputer.for_rag(self._rag, **self._precompute_options)
+        return self._precomputer
+
+    @property
+    def last_stats(self):
+        """``FusionStats`` of the most recent generation (None before the first)."""
+        return None if self._last is None else self._last.stats
+
+    @property
+    def last_generation(self) -> Optional[Generation]:
+        """The most recent ``kvrag.engine.Generation`` (text, token ids, prompt ids, stats)."""
+        return self._last
+
+    @property
+    def metadata(self) -> LLMMetadata:
+        handle = self._rag.handle
+        source = getattr(handle, "source", None)
+        return LLMMetadata(
+            context_window=handle.max_context,
+            num_output=self.max_new_tokens,
+            is_chat_model=_has_chat_template(self._rag),
+            model_name=f"kvrag:{os.path.basename(str(source)) if source else type(handle.model).__name__}",
+        )
+
+    # ---- core --------------------------------------------------------------------------
+    def _options(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        opts: dict[str, Any] = dict(
+            policy=self.policy, max_new_tokens=self.max_new_tokens, temperature=self.temperature,
+            top_p=self.top_p, top_k=self.top_k, stop=list(self.stop), seed=self.seed,
+        )
+        params = dict(self.policy_params)
+        for k, v in kwargs.items():
+            if k in _GEN_KEYS:
+                opts[k] = v
+            elif k == "policy_params":
+                params = dict(v or {})
+            else:
+                log.debug("KVRagLLM: ignoring unsupported option %r", k)
+        if opts["policy"] != self.policy and "policy_params" not in kwargs:
+            params = {}  # this LLM's parameters belong to its own policy, not to the override
+        if opts["stop"] is None:
+            opts["stop"] = []
+        return {**opts, **params}
+
+    @contextlib.contextmanager
+    def _foreground(self):
+        """Tell the shared precomputer (if any) that a query runs: no new pack starts."""
+        pc = self._precomputer if self._precomputer is not None else Precomputer.for_rag(self._rag, create=False)
+        if pc is None:
+            yield
+            return
+        with pc.foreground():
+            yield
+
+    def _generate(self, prompt: str, kwargs: dict[str, Any]) -> Generation:
+        with self._foreground():
+            gen = self._rag.generate(prompt, **self._options(kwargs))
+        self._last = gen
+        return gen
+
+    def _stream(self, prompt: str, kwargs: dict[str, Any]) -> Iterator[tuple[str, Any]]:
+        """Yields (delta, None) per text delta, then ("", Generation) once at the end."""
+        opts = self._options(kwargs)
+        with self._foreground():
+            s = self._rag.stream(prompt, **opts)
+            for delta in s:
+                yield delta, None
+        gen = Generation(s.text, s.token_ids, s.stats, s.prompt_ids)
+        self._last = gen
+        yield "", gen
+
+    def _completion_prompt(self, prompt: str, formatted: bool) -> str:
+        return prompt if formatted else self.completion_to_prompt(prompt)
+
+    def _complete_impl(self, prompt: str, formatted: bool, kwargs) -> CompletionResponse:
+        gen = self._generate(self._completion_prompt(prompt, formatted), kwargs)
+        return CompletionResponse(text=gen.text, additional_kwargs=_info(gen.stats),
+                                  raw={"token_ids": gen.token_ids, "prompt_ids": gen.prompt_ids})
+
+    def _stream_complete_impl(self, prompt: str, formatted: bool, kwargs) -> CompletionResponseGen:
+        text = self._completion_prompt(prompt, formatted)
+
+        def gen() -> CompletionResponseGen:
+            acc = ""
+            for delta, final in self._stream(text, kwargs):
+                acc += delta
+                if final is None:
+                    yield CompletionResponse(text=acc, delta=delta)
+                else:
+                    yield CompletionResponse(text=acc, delta="", additional_kwargs=_info(final.stats),
+                                             raw={"token_ids": final.token_ids, "prompt_ids": final.prompt_ids})
+
+        return gen()
+
+    def _chat_impl(self, messages: Sequence[ChatMessage], kwargs) -> ChatResponse:
+        gen = self._generate(self.messages_to_prompt(messages), kwargs)
+        info = _info(gen.stats)
+        return ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=gen.text),
+                            additional_kwargs=info, raw={"token_ids": gen.token_ids, "prompt_ids": gen.prompt_ids})
+
+    def _stream_chat_impl(self, messages: Sequence[ChatMessage], kwargs) -> ChatResponseGen:
+        prompt = self.messages_to_prompt(messages)
+
+        def gen() -> ChatResponseGen:
+            acc = ""
+            for delta, final in self._stream(prompt, kwargs):
+                acc += delta
+                msg = ChatMessage(role=MessageRole.ASSISTANT, content=acc)
+                if final is None:
+                    yield ChatResponse(message=msg, delta=delta)
+                else:
+                    yield ChatResponse(message=msg, delta="", additional_kwargs=_info(final.stats),
+                                       raw={"token_ids": final.token_ids, "prompt_ids": final.prompt_ids})
+
+        return gen()
+
+    # ---- LlamaIndex API ------------------------------------------------------------------
+    @llm_completion_callback()
+    def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
+        return self._complete_impl(prompt, formatted, kwargs)
+
+    @llm_completion_callback()
+    def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseGen:
+        return self._stream_complete_impl(prompt, formatted, kwargs)
+
+    @llm_chat_callback()
+    def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
+        return self._chat_impl(messages, kwargs)
+
+    @llm_chat_callback()
+    def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
+        return self._stream_chat_impl(messages, kwargs)
+
+    # Async: the model runs in a worker thread so the event loop stays responsive.
+    @llm_completion_callback()
+    async def acomplete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
+        return await asyncio.to_thread(self._complete_impl, prompt, formatted, kwargs)
+
+    @llm_completion_callback()
+    async def astream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseAsyncGen:
+        return _aiter_in_thread(self._stream_complete_impl(prompt, formatted, kwargs))
+
+    @llm_chat_callback()
+    async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
+        return await asyncio.to_thread(self._chat_impl, messages, kwargs)
+
+    @llm_chat_callback()
+    async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
+        return _aiter_in_thread(self._stream_chat_impl(messages, kwargs))
+
+
+def _aiter_in_thread(it):
+    """An async generator stepping a sync generator in a worker thread (one step per item)."""
+
+    async def agen():
+        try:
+            while True:
+                item = await asyncio.to_thread(next, it, _END)
+                if item is _END:
+                    return
+                yield item
+        finally:
+            it.close()
+
+    return agen()
+
+
+# ---- which text a node contributes to the prompt ---------------------------------------------
+def node_texts(nodes: Sequence[BaseNode], metadata_mode: MetadataMode = MetadataMode.LLM,
+               include_stripped: bool = True) -> tuple[list[str], int]:
+    """The chunk texts of ``nodes`` as a response synthesizer puts them in the prompt:
+    ``node.get_content(metadata_mode)`` (``MetadataMode.LLM``: the metadata the LLM sees, in
+    the node's own template). The compact/tree_summarize/refine modes ``strip()`` each text
+    before joining, so with ``include_stripped`` the stripped form is added when it differs.
+    Returns (texts, number of nodes skipped because they have no text)."""
+    out: list[str] = []
+    skipped = 0
+    for node in nodes:
+        text = node.get_content(metadata_mode=metadata_mode)
+        if not isinstance(text, str) or not text.strip():
+            skipped += 1
+            continue
+        out.append(text)
+        if include_stripped and text.strip() != text:
+            out.append(text.strip())
+    return out, skipped
+
+
+class _Unpicklable:
+    def __getstate__(self):
+        raise TypeError(
+            f"{type(self).__name__} holds a live background precomputer (threads) and cannot be sent to "
+            "another process: run IngestionPipeline with num_workers=None (the default), or add kvrag's "
+            "hook in the parent process"
+        )
+
+    def __deepcopy__(self, memo):
+        # A copy of a hook feeds the same service (a deep copy of a thread pool makes no sense).
+        new = self.model_copy()
+        new._pc = self._pc
+        return new
+
+
+class KVPrecompute(_Unpicklable, TransformComponent):
+    """IngestionPipeline transform: schedule the KV precompute of every node, pass nodes on.
+
+    ``KVPrecompute(llm)`` with a :class:`KVRagLLM` (or a ``KVRag`` / ``Precomputer``). Put it
+    *after* the node parser and metadata extractors: it must see each node's final text and
+    metadata, as the query engine will render them. Returns at once (the work happens in the
+    background; ``llm.precomputer.wait_until_idle()`` waits for it). Nodes without text are
+    skipped (logged); a node too long for the model fails in the background (logged, counted
+    in ``precomputer.progress().failed``) and is answered by plain prefill."""
+
+    metadata_mode: MetadataMode = Field(default=MetadataMode.LLM, description="How node text is rendered for the LLM.")
+    include_stripped: bool = Field(default=True, description="Also precompute text.strip() when it differs.")
+    block: bool = Field(default=True, description="Wait for room when the precompute queue is full.")
+
+    _pc: Any = PrivateAttr(default=None)
+    _warned: bool = PrivateAttr(default=False)
+
+    def __init__(self, target: Any = None, **data: Any) -> None:
+        if target is None:
+            raise TypeError("KVPrecompute needs a target: a KVRagLLM, a KVRag or a Precomputer")
+        super().__init__(**data)
+        self._pc = Precomputer.of(target)
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "KVPrecompute"
+
+    @property
+    def precomputer(self) -> Precomputer:
+        return self._pc
+
+    def __call__(self, nodes: Sequence[BaseNode], **kwargs: Any) -> Sequence[BaseNode]:
+        if not self._warned and any(isinstance(n, Document) for n in nodes):
+            self._warned = True
+            log.warning("KVPrecompute received Document objects: place it after the node parser "
+                        "(e.g. SentenceSplitter) so it precomputes the chunks the retriever returns")
+        texts, skipped = node_texts(nodes, self.metadata_mode, self.include_stripped)
+        if skipped:
+            log.warning("KVPrecompute: skipped %d node(s) without text", skipped)
+        self._pc.submit_many(texts, block=self.block, skip_invalid=True)
+        return nodes
+
+
+def _schedule(pc: Precomputer, texts: Sequence[str], defer_s: float) -> None:
+    """Retriever-side scheduling: never blocks, never raises into the query."""
+    for t in texts:
+        try:
+            pc.submit(t, block=False, defer_s=defer_s)
+        except (QueueFullError, ChunkError, PrecomputerClosedError) as e:
+            # Counted by the precomputer (dropped/rejected); the node is tried again the next
+            # time it is retrieved.
+            log.debug("kvrag retriever hook: not scheduled: %s", e)
+
+
+class KVCacheWarmer(_Unpicklable, BaseNodePostprocessor):
+    """Node postprocessor: schedule the precompute of every retrieved node not cached yet.
+
+    ``index.as_query_engine(llm=llm, node_postprocessors=[KVCacheWarmer(llm)])``. The work
+    waits for the current query (``defer_s``: until its LLM call ends, at most that many
+    seconds) — it never delays it — and is deduplicated and skipped for nodes already cached,
+    so the next query that retrieves these nodes hits the cache. Nodes are returned as is."""
+
+    metadata_mode: MetadataMode = Field(default=MetadataMode.LLM)
+    include_stripped: bool = Field(default=True)
+    defer_s: float = Field(default=10.0, ge=0.0, description="Hold the scheduled work while the query finishes.")
+
+    _pc: Any = PrivateAttr(default=None)
+
+    def __init__(self, target: Any = None, **data: Any) -> None:
+        if target is None:
+            raise TypeError("KVCacheWarmer needs a target: a KVRagLLM, a KVRag or a Precomputer")
+        super().__init__(**data)
+        self._pc = Precomputer.of(target)
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "KVCacheWarmer"
+
+    @property
+    def precomputer(self) -> Precomputer:
+        return self._pc
+
+    def _postprocess_nodes(self, nodes: list[NodeWithScore], query_bundle: Optional[QueryBundle] = None) -> list[NodeWithScore]:
+        texts, _ = node_texts([n.node for n in nodes], self.metadata_mode, self.include_stripped)
+        _schedule(self._pc, texts, self.defer_s)
+        return nodes
+
+
+class KVWarmingRetriever(BaseRetriever):
+    """Retriever wrapper with the same effect as :class:`KVCacheWarmer`, for code that takes a
+    retriever (``RetrieverQueryEngine.from_args(KVWarmingRetriever(index.as_retriever(), llm), llm=llm)``)."""
+
+    def __init__(self, retriever: BaseRetriever, target: Any, *, metadata_mode: MetadataMode = MetadataMode.LLM,
+                 include_stripped: bool = True, defer_s: float = 10.0) -> None:
+        if not isinstance(retriever, BaseRetriever):
+            raise TypeError(f"retriever must be a LlamaIndex BaseRetriever, got {type(retriever).__name__}")
+        super().__init__(callback_manager=retriever.callback_manager)
+        self._retriever = retriever
+        self._warmer = KVCacheWarmer(target, metadata_mode=metadata_mode, include_stripped=include_stripped,
+                                     defer_s=defer_s)
+
+    @property
+    def precomputer(self) -> Precomputer:
+        return self._warmer.precomputer
+
+    def _retrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
+        nodes = self._retriever.retrieve(query_bundle)
+        return self._warmer.postprocess_nodes(nodes, query_bundle)
+
+    async def _aretrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
+        nodes = await self._retriever.aretrieve(query_bundle)
+        return self._warmer.postprocess_nodes(nodes, query_bundle)

