@@ -66,14 +66,24 @@ class Arch:
         cos, sin = self.body.rotary_emb(dummy, positions.to(self.device).view(1, -1))
         return cos[0], sin[0]
 
-    def rotate(self, x: torch.Tensor, positions: torch.Tensor, cos_sin=None) -> torch.Tensor:
+    def rotate(self, x: torch.Tensor, positions: torch.Tensor, cos_sin=None,
+               out: torch.Tensor | None = None) -> torch.Tensor:
         """Rotate pre-RoPE vectors ``x`` [..., P, D] to ``positions`` [P].
 
         RoPE is a rotation per frequency pair, so rotating a position-free key by ``p`` gives
-        exactly the key the model computes at position ``p``; rotating by ``-p`` undoes it."""
+        exactly the key the model computes at position ``p``; rotating by ``-p`` undoes it.
+        ``out`` (same shape as ``x``, may be a strided view): written in place, without the
+        temporaries of ``rotate_half`` — the fusion engine rotates every cached key of a
+        prompt (tens of MB) on the TTFT path."""
         cos, sin = cos_sin if cos_sin is not None else self.cos_sin(positions)
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-        return x * cos + rotate_half(x) * sin
+        if out is None:
+            return x * cos + rotate_half(x) * sin
+        h = x.shape[-1] // 2
+        torch.mul(x, cos, out=out)
+        out[..., :h].addcmul_(x[..., h:], sin[..., :h], value=-1)
+        out[..., h:].addcmul_(x[..., :h], sin[..., h:])
+        return out
 
     # ---- embedding / head ------------------------------------------------------------
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
@@ -114,13 +124,27 @@ class Arch:
         values: torch.Tensor,
         mask: torch.Tensor | None,
         causal: bool = False,
+        key_limits: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Finish a layer for the active tokens.
 
         hidden [A, E] (residual input), q [H, A, D], keys/values [Hkv, N, D],
         mask bool [A, N] (True = may attend) -> new hidden [A, E]. ``causal=True`` (with
-        mask None, A == N) lets SDPA use its causal kernel, which skips the masked half."""
+        mask None, A == N) lets SDPA use its causal kernel, which skips the masked half.
+
+        ``key_limits`` long [A], non-decreasing: row ``a`` attends to no key at or past
+        ``key_limits[a]`` (its mask is False there). SDPA with an explicit mask cannot skip
+        masked blocks, so the rows are then attended in groups, each against only the key
+        prefix it can see: for rows spread evenly over a prompt this roughly halves the
+        attention work of a partial (recompute) layer."""
+        attn = self._sdpa_grouped(q, keys, values, mask, key_limits) if key_limits is not None \
+            else self._sdpa(q, keys, values, mask, causal)
         block = self.layers[layer]
+        hidden = hidden + block.self_attn.o_proj(attn)
+        return hidden + block.mlp(block.post_attention_layernorm(hidden))
+
+    def _sdpa(self, q, keys, values, mask, causal=False) -> torch.Tensor:
+        """q [H, A, D], keys/values [Hkv, N, D], mask bool [A, N] or None -> [A, H*D]."""
         out = F.scaled_dot_product_attention(
             q.unsqueeze(0),
             keys.unsqueeze(0).to(q.dtype),
@@ -130,9 +154,28 @@ class Arch:
             scale=self.scaling,
             enable_gqa=self.n_heads != self.n_kv_heads,
         )[0]
-        out = out.transpose(0, 1).reshape(hidden.shape[0], -1)
-        hidden = hidden + block.self_attn.o_proj(out)
-        return hidden + block.mlp(block.post_attention_layernorm(hidden))
+        return out.transpose(0, 1).reshape(q.shape[1], -1)
+
+    #: Row groups of the grouped attention; more groups skip more masked work but each SDPA
+    #: call has a fixed cost, so groups are at least ``MIN_GROUP_ROWS`` rows.
+    ATTN_GROUPS = 8
+    MIN_GROUP_ROWS = 64
+
+    def _sdpa_grouped(self, q, keys, values, mask, key_limits) -> torch.Tensor:
+        """Like ``_sdpa`` with mask [A, N], rows split into contiguous groups, each attending
+        to keys ``[0, key_limits[last row of group])`` only (the rest of its mask is False)."""
+        a = q.shape[1]
+        n_groups = max(1, min(self.ATTN_GROUPS, a // self.MIN_GROUP_ROWS))
+        if n_groups == 1:
+            return self._sdpa(q, keys, values, mask)
+        bounds = torch.linspace(0, a, n_groups + 1).round().long().tolist()
+        outs = []
+        for lo, hi in zip(bounds[:-1], bounds[1:]):
+            if hi <= lo:
+                continue
+            kmax = max(1, int(key_limits[hi - 1]))
+            outs.append(self._sdpa(q[:, lo:hi], keys[:, :kmax], values[:, :kmax], mask[lo:hi, :kmax]))
+        return torch.cat(outs)
 
     def attention_probs(self, q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         """Softmax attention weights, q [H, A, D], keys [Hkv, N, D] -> [H, A, N] (GQA aware).

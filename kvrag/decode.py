@@ -88,6 +88,21 @@ class HFStepper:
         self.pos += t
         return out.logits[0].float()
 
+    def checkpoint(self) -> tuple[int, int]:
+        """A point to ``rewind`` to: (cached tokens, next position)."""
+        return self.cache.get_seq_length(), self.pos
+
+    def rewind(self, point: tuple[int, int]) -> None:
+        """Drop every token fed since ``checkpoint()``, so another continuation can be
+        teacher-forced from the same prefill instead of prefilling again."""
+        seq, pos = point
+        extra = self.cache.get_seq_length() - seq
+        if extra < 0:
+            raise ValueError("cannot rewind to a checkpoint past the cache's end")
+        if extra:
+            self.cache.crop(-extra)
+        self.pos = pos
+
 
 class FusedStepper:
     """Continue with kvrag's layer step; ``policy.decode_select`` picks the slots to read."""

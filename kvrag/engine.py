@@ -73,7 +73,11 @@ class KVRag:
     the default reuse policy (overridable per call). storage_dtype: dtype of stored K/V.
     ingest_policies: policies whose per-chunk extras are computed at precompute time.
     kvlink_adapter: ``"auto"`` or a directory: load the model with a KVLink adapter (trained
-    link tokens, maybe a LoRA merged into a copy of the model, with its own fingerprint)."""
+    link tokens, maybe a LoRA merged into a copy of the model, with its own fingerprint).
+    The default ``"links"`` applies only a *links-only* adapter found for this model (the one
+    shipped for the default model, or one ``kvrag train kvlink --lora-rank 0`` wrote): it leaves
+    the weights, the fingerprint and every other policy unchanged, so ``kvlink`` is trained
+    out of the box. None: no adapter."""
 
     def __init__(
         self,
@@ -88,16 +92,21 @@ class KVRag:
         ingest_policies: Sequence[str | Policy] = (),
         query_tokens: int | None = None,
         refresh_s: float = 2.0,
-        kvlink_adapter: str | os.PathLike | None = None,
+        kvlink_adapter: str | os.PathLike | None = "links",
         **policy_params,
     ) -> None:
         self.handle = model if isinstance(model, ModelHandle) else ModelHandle.load(model, dtype=dtype, device=device)
         if kvlink_adapter is not None:
             # A KVLink adapter ("auto" or a directory) may hold LoRA weights that change every
             # K/V: the adapted model is a copy with its own fingerprint (kvrag.kvlink_train).
-            from kvrag.kvlink_train import apply_adapter
+            from kvrag.kvlink_train import apply_adapter, links_only_adapter
 
-            self.handle = apply_adapter(self.handle, kvlink_adapter)
+            if isinstance(kvlink_adapter, str) and kvlink_adapter == "links":
+                found = links_only_adapter(self.handle)
+                if found is not None:
+                    self.handle = apply_adapter(self.handle, found)
+            else:
+                self.handle = apply_adapter(self.handle, kvlink_adapter)
         self.arch = Arch(self.handle.model)
         self.tokenizer = self.handle.tokenizer
         self.fingerprint = self.handle.fingerprint
@@ -316,8 +325,26 @@ class KVRag:
         """Teacher-forced logits: row 0 predicts ``continuation_ids[0]`` after the prompt,
         row t predicts ``continuation_ids[t]``; shape [1 + T, V] (last row follows the whole
         continuation)."""
+        (out,), stats = self.continuations_logits(prompt, [continuation_ids], policy=policy, **policy_params)
+        return out, stats
+
+    def continuations_logits(
+        self, prompt: str | Sequence[dict], continuations: Sequence[Sequence[int]], *, policy=None,
+        **policy_params,
+    ) -> tuple[list[torch.Tensor], FusionStats]:
+        """``continuation_logits`` for several continuations of one prompt: one [1 + T_i, V]
+        tensor each. One prefill serves them all when the decoder can rewind its cache (a
+        policy with its own decode-time state gets a fresh prefill per continuation)."""
         logits, stepper, stats, _, _ = self.prefill(prompt, policy, **policy_params)
-        rows = [logits.unsqueeze(0)]
-        if len(continuation_ids):
-            rows.append(stepper.step(list(continuation_ids)))
-        return torch.cat(rows).float(), stats
+        outs = []
+        for i, ids in enumerate(continuations):
+            if i and not hasattr(stepper, "rewind"):
+                logits, stepper, stats, _, _ = self.prefill(prompt, policy, **policy_params)
+            point = stepper.checkpoint() if hasattr(stepper, "rewind") else None
+            rows = [logits.unsqueeze(0)]
+            if len(ids):
+                rows.append(stepper.step(list(ids)))
+            outs.append(torch.cat(rows).float())
+            if point is not None:
+                stepper.rewind(point)
+        return outs, stats

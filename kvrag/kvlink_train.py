@@ -100,6 +100,30 @@ def find_adapter(handle: ModelHandle) -> Path | None:
     return None
 
 
+def links_only_adapter(handle: ModelHandle) -> "KVLinkAdapter | None":
+    """The links-only adapter :func:`find_adapter` finds for ``handle``, or None: none found,
+    one with LoRA weights (it would change the model for every policy, so it is applied only
+    on request), the model already carries one, or it cannot be read (logged, not raised: the
+    caller did not ask for it)."""
+    if getattr(handle.model, ADAPTER_ATTR, None) is not None:
+        return None
+    path = find_adapter(handle)
+    if path is None:
+        return None
+    try:
+        ad = load_adapter(path)
+    except KVLinkError as e:
+        log.warning("ignoring the KVLink adapter in %s: %s", path, e)
+        return None
+    if ad.has_lora or ad.meta.get("base_key") != adapter_key(handle):
+        return None
+    if ad.links.shape[2] != handle.model.config.hidden_size:
+        log.warning("ignoring the KVLink adapter in %s: link width %d != hidden size %d", path,
+                    ad.links.shape[2], handle.model.config.hidden_size)
+        return None
+    return ad
+
+
 # ---- the adapter ---------------------------------------------------------------------
 @dataclass
 class KVLinkAdapter:

@@ -85,6 +85,27 @@ def test_continuation_logits_match_model(rag, handle):
     torch.testing.assert_close(logits, ref.float(), atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("policy", ["full_prefill", "cacheblend", "a2ats"])
+def test_several_continuations_from_one_prefill(rag, policy, tmp_path):
+    """The decoder rewinds between continuations (or re-prefills for a policy with decode-time
+    state): each continuation's logits equal those of its own fresh prefill."""
+    params = {}
+    if policy == "a2ats":  # needs codebooks for this model; window 4 so top-k retrieval runs
+        from kvrag.a2ats_calibrate import calibrate
+
+        _, path = calibrate(rag.handle, texts=[" ".join(DOCS) * 8], n_tokens=300, n_codes=16, iters=2,
+                            seq_len=96, out=tmp_path / "books.safetensors")
+        params = {"codebook": str(path), "window": 4, "sink": 2}
+    rag.precompute(DOCS)
+    prompt = prompt_for(DOCS)
+    a, b = [1, 2, 3, 4, 5], [7, 8]
+    outs, _ = rag.continuations_logits(prompt, [a, b, a], policy=policy, **params)
+    for ids, got in zip([a, b, a], outs):
+        ref, _ = rag.continuation_logits(prompt, ids, policy=policy, **params)
+        assert got.shape == (1 + len(ids), ref.shape[1])
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+
+
 def test_stream_matches_generate_and_stops(rag):
     rag.precompute(DOCS)
     prompt = prompt_for(DOCS)

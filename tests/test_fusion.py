@@ -131,6 +131,9 @@ def test_cacheblend_gradual_filtering_shrinks():
     pol.select = spy
     FusionEngine(arch).prefill(layout, pol)
     assert sizes[1] == 24 and sizes[2] == 8 and sizes[3] == 8
+    # A check layer the model does not have is named, not silently ignored.
+    with pytest.raises(ValueError, match="check_layers"):
+        FusionEngine(arch).prefill(layout, get_policy("cacheblend", check_layers=(arch.n_layers,)))
 
 
 def test_bad_policy_params():
@@ -140,3 +143,21 @@ def test_bad_policy_params():
         get_policy("naive_reuse", recompute_ratio=0.1)
     with pytest.raises(ValueError, match="unknown policy"):
         get_policy("nope")
+
+
+@pytest.mark.parametrize("policy", ["cacheblend", "a3"])
+def test_grouped_partial_attention_equals_one_masked_call(policy):
+    """Partial layers attend in row groups, each against the key prefix it can see; that must
+    be exactly the single masked attention it replaces (same logits, same fused K/V)."""
+    arch = Arch(tiny("llama"))
+    g = torch.Generator().manual_seed(11)
+    segs = [(rand_ids(8, g), False), (rand_ids(200, g), True), (rand_ids(200, g), True), (rand_ids(12, g), False)]
+    layout = Layout.build(pieces_for(arch, segs))
+    pol = get_policy(policy, recompute_ratio=0.5)  # ~200 active rows: several groups
+    grouped = FusionEngine(arch).prefill(layout, pol)
+    arch.ATTN_GROUPS = 1  # instance attribute: this Arch only
+    single = FusionEngine(arch).prefill(layout, pol)
+    assert 0 < grouped.stats.recomputed_tokens < layout.n
+    torch.testing.assert_close(grouped.logits, single.logits, atol=1e-5, rtol=1e-5)
+    for kg, ks in zip(grouped.K, single.K):
+        torch.testing.assert_close(kg, ks, atol=1e-5, rtol=1e-5)

@@ -259,7 +259,10 @@ def test_trained_kvrag_uses_the_adapted_fingerprint_and_changes_outputs(handle, 
     lu, _ = base.continuation_logits(prompt, [], policy="kvlink", mode="untrained")
     assert not torch.allclose(lt, lu, atol=1e-3)
     with pytest.raises(ValueError, match="trained with 2 link tokens"):
-        rag.generate(prompt, max_new_tokens=1, link_tokens=5)
+        rag.generate(prompt, max_new_tokens=1, link_tokens=5, mode="trained")
+    # mode 'auto' with a link count the adapter was not trained with: the untrained variant.
+    out5 = rag.generate(prompt, max_new_tokens=1, link_tokens=5)
+    assert out5.stats.inserted_tokens == 3 * 5
 
 
 def test_adapter_for_another_model_is_refused(trained):
@@ -281,8 +284,26 @@ def test_links_only_distill_adapter_keeps_fingerprint_and_is_found_by_auto(handl
     # The weights did not change, so neither do the fingerprint and the chunk caches.
     assert rag.fingerprint == handle.fingerprint
     assert rag.handle.model is not handle.model and getattr(handle.model, ADAPTER_ATTR, None) is None
+    # The default (kvlink_adapter="links") applies a links-only adapter by itself ...
+    default = KVRag(handle, cache_dir=tmp_path / "kv", policy="kvlink")
+    assert getattr(default.handle.model, ADAPTER_ATTR) is not None
+    assert default.fingerprint == handle.fingerprint
+    # ... unless told not to.
+    bare = KVRag(handle, cache_dir=tmp_path / "kv", kvlink_adapter=None)
+    assert getattr(bare.handle.model, ADAPTER_ATTR, None) is None
     with pytest.raises(KVLinkError, match="already holds a KVLink adapter"):
         train_kvlink(handle, cfg)
+
+
+def test_default_never_applies_a_lora_adapter_by_itself(handle, trained, tmp_path, monkeypatch):
+    """A LoRA adapter changes the model for every policy: only an explicit request applies it."""
+    import shutil
+
+    monkeypatch.setenv("KVRAG_HOME", str(tmp_path / "home"))
+    shutil.copytree(trained.out, tmp_path / "home" / "kvlink" / adapter_key(handle))
+    rag = KVRag(handle, cache_dir=tmp_path / "kv")
+    assert getattr(rag.handle.model, ADAPTER_ATTR, None) is None and rag.fingerprint == handle.fingerprint
+    assert KVRag(handle, cache_dir=tmp_path / "kv", kvlink_adapter="auto").fingerprint != handle.fingerprint
 
 
 def test_auto_without_adapter_raises(handle, tmp_path, monkeypatch):

@@ -435,6 +435,11 @@ class Bench:
                         load_s=s.load_s, prefill_s=s.prefill_s,
                         policy_stats={k: v for k, v in dict(s.policy_stats).items() if isinstance(v, (int, float))},
                     )
+                    # Share of the prompt's KV the decoder reads per generated token: what it
+                    # keeps (SamKV, A3 eviction), or what A2ATS' top-k retrieval reads.
+                    seen = (s.prompt_tokens or 0) + (s.inserted_tokens or 0)
+                    rec["kept_fraction"] = s.kept_tokens / seen if seen else None
+                    rec["kv_read_fraction"] = rec["policy_stats"].get("a2ats.kv_read_fraction", rec["kept_fraction"])
                     if run.policy == REFERENCE:
                         # The exact token ids the model saw: lets a test replay them through
                         # plain transformers generation.
@@ -474,13 +479,14 @@ class Bench:
             if rec["error"]:
                 continue
             try:
+                # One prefill, both continuations (the decoder rewinds between them).
+                conts = [ans_ids[:-1]] + ([gold_ids] if gold_ids else [])
+                outs, _ = rag.continuations_logits(msgs, conts, policy=run.policy, **run.params)
+                rows = outs[0][: len(ans_ids)]
                 if gold_ids:
-                    lg, _ = rag.continuation_logits(msgs, gold_ids, policy=run.policy, **run.params)
-                    rec["gold_ll"] = M.mean_logprob(lg, gold_ids)
+                    rec["gold_ll"] = M.mean_logprob(outs[1], gold_ids)
                     rec["gold_nll"] = -rec["gold_ll"]
                     rec["gold_tokens"] = len(gold_ids)
-                lf, _ = rag.continuation_logits(msgs, ans_ids[:-1], policy=run.policy, **run.params)
-                rows = lf[: len(ans_ids)]
             except Exception as e:  # noqa: BLE001 - a failing policy is a result, not a crash
                 rec["error"] = f"{type(e).__name__}: {e} (teacher forcing)"
                 self.say(f"    {run.label}: ERROR {rec['error']}")
@@ -581,6 +587,36 @@ class Bench:
             except Exception as e:  # noqa: BLE001 - the timed run records it
                 log.debug("warm-up of %s failed: %s", run.label, e)
 
+    def _ensure_a2ats_codebooks(self, rag) -> None:
+        """A2ATS needs codebooks fitted offline for the model (``kvrag calibrate a2ats``); on a
+        fresh machine fit them once here, untimed, rather than report a2ats as an error."""
+        from kvrag import a2ats_calibrate as cal
+
+        if not any(r.policy == "a2ats" and "codebook" not in r.params for r in self.runs):
+            return
+        if cal.find_codebooks(rag.arch) is not None:
+            return
+        self.say("fitting A2ATS codebooks for this model (once; untimed; `kvrag calibrate a2ats`) ...")
+        t0 = time.perf_counter()
+        _, path = cal.calibrate(rag.handle)
+        self.model_info["a2ats_calibration"] = {"path": str(path), "seconds": time.perf_counter() - t0}
+
+    def _add_untrained_kvlink(self, rag) -> None:
+        """With a KVLink adapter loaded, ``kvlink`` runs trained; add its untrained variant
+        beside it so the report shows what the training bought."""
+        from kvrag.policies.kvlink import ADAPTER_ATTR
+
+        adapter = getattr(rag.handle.model, ADAPTER_ATTR, None)
+        if adapter is None:
+            return
+        self.model_info["kvlink_adapter"] = {
+            "path": str(adapter.path), "link_tokens": adapter.link_tokens, "lora": adapter.has_lora,
+            "steps": adapter.meta.get("steps"), "command": adapter.meta.get("command")}
+        untrained = Run("kvlink", {"mode": "untrained"})
+        if any(r.policy == "kvlink" and not r.params for r in self.runs) and \
+                all(r.label != untrained.label for r in self.runs):
+            self.runs.append(untrained)
+
     def run(self) -> dict:
         """Every scenario on every device; returns the result (records, summary, meta)."""
         from kvrag.engine import KVRag
@@ -607,6 +643,8 @@ class Bench:
             try:
                 rag = KVRag(handle, cache_dir=Path(cache_dir) / device.replace(":", "_"),
                             storage_dtype=cfg.storage_dtype, ingest_policies=[r.policy for r in self.runs])
+                self._add_untrained_kvlink(rag)
+                self._ensure_a2ats_codebooks(rag)
                 datasets = dict(self.datasets(rag))
                 first = next((exs[0] for exs in datasets.values() if exs), None)
                 if cfg.warmup:
@@ -646,7 +684,8 @@ SUMMARY_FIELDS = [
     "prompt_tokens", "ttft_s", "ttft_spread", "speedup", "tpot_s",
     "gold_f1", "gold_em", "fidelity_f1", "fidelity_em", "gold_nll", "gold_nll_delta", "gold_ll_rel_gap",
     "top1_agreement", "kl", "cached_tokens", "recomputed_tokens", "computed_tokens", "kept_tokens",
-    "recompute_fraction", "bytes_loaded", "peak_mem_mb", "peak_mem_delta_mb",
+    "kept_fraction", "kv_read_fraction", "recompute_fraction", "bytes_loaded", "peak_mem_mb", "peak_mem_delta_mb",
+    "gold_f1_ratio", "gold_f1_loss_pts",
 ]
 
 
@@ -666,7 +705,7 @@ def summarize(records: list[dict]) -> list[dict]:
                "ttft_spread": _median(spreads)}
         for k in ("prompt_tokens", "tpot_s", "gold_f1", "gold_em", "fidelity_f1", "fidelity_em", "gold_nll",
                   "gold_nll_delta", "top1_agreement", "kl", "cached_tokens", "recomputed_tokens", "computed_tokens",
-                  "kept_tokens", "recompute_fraction", "bytes_loaded"):
+                  "kept_tokens", "kept_fraction", "kv_read_fraction", "recompute_fraction", "bytes_loaded"):
             row[k] = _mean([r.get(k) for r in ok])
         row["peak_mem_mb"] = max((r.get("peak_mem_mb") or 0.0 for r in ok), default=None)
         row["peak_mem_delta_mb"] = max((r.get("peak_mem_delta_mb") or 0.0 for r in ok), default=None)
@@ -675,6 +714,15 @@ def summarize(records: list[dict]) -> list[dict]:
         refs = [r for r in groups.get((device, scenario, dataset, REFERENCE), []) if r["example_id"] in ids and r.get("gold_ll") is not None]
         mine = [r["gold_ll"] for r in ok if r.get("gold_ll") is not None and r["example_id"] in {x["example_id"] for x in refs}]
         row["gold_ll_rel_gap"] = M.relative_gap(_mean(mine), _mean([r["gold_ll"] for r in refs])) if mine and refs else None
+        # QA score kept, on the examples both ran: ratio to full_prefill's mean gold F1 and the
+        # loss in F1 points (x100).
+        ref_f1 = {r["example_id"]: r["gold_f1"] for r in groups.get((device, scenario, dataset, REFERENCE), [])
+                  if r.get("gold_f1") is not None and not r.get("error")}
+        both = [(r["gold_f1"], ref_f1[r["example_id"]]) for r in ok
+                if r.get("gold_f1") is not None and r["example_id"] in ref_f1]
+        mine_f1, ref_mean = _mean([a for a, _ in both]), _mean([b for _, b in both])
+        row["gold_f1_ratio"] = mine_f1 / ref_mean if both and ref_mean else None
+        row["gold_f1_loss_pts"] = 100 * (ref_mean - mine_f1) if both else None
         rows.append(row)
     return rows
 

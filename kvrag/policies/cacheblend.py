@@ -20,8 +20,8 @@ from kvrag.policies.registry import register
 class CacheBlendParams(RecomputeParams):
     check_layers: tuple = param((1,), "layers where deviation is measured and tokens are filtered")
     layer_ratios: tuple | None = param(
-        None, "gradual filtering: ratio kept at each check layer (last = recompute_ratio); "
-              "None = recompute_ratio at every check layer")
+        None, "gradual filtering: ratio kept at each check layer (when given, it replaces "
+              "recompute_ratio: its last entry is the final ratio); None = recompute_ratio at every check layer")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -43,6 +43,11 @@ class CacheBlend(Policy):
     name = "cacheblend"
     summary = "recompute the ~15% cached tokens with the largest KV deviation at the check layer(s)"
     Params = CacheBlendParams
+
+    def prepare(self, state) -> None:
+        L = state.arch.n_layers
+        if self.params.check_layers[-1] >= L:
+            raise ValueError(f"check_layers={self.params.check_layers} but the model has only {L} layers (0..{L - 1})")
 
     def initial_active(self, state):
         # Everything is computed until the first check layer has ranked the tokens.

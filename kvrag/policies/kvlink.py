@@ -87,7 +87,11 @@ class KVLink(Policy):
         adapter = self.adapter(arch)
         mode = self.params.mode
         if mode == "auto":
-            return "trained" if adapter is not None else "untrained"
+            # An explicit link count the adapter was not trained with asks for the untrained
+            # variant (e.g. link_tokens=0: the paper's re-encoding-only baseline).
+            k = self.params.link_tokens
+            fits = adapter is not None and (k is None or k == adapter.link_tokens)
+            return "trained" if fits else "untrained"
         if mode == "trained" and adapter is None:
             raise ValueError(
                 "kvlink mode='trained' needs a model loaded with a KVLink adapter "

@@ -28,7 +28,7 @@ Query time, before layer 0 (``prepare``):
 6. The engine re-prefills the question on the fused sparse cache; ``state.keep`` drops every
    unselected cached token from attention and from the cache handed to the decoder.
 
-Departure from the paper (see docs/policies/samkv.md): the paper lets every layer keep its
+Departure from the paper (see docs/policies.md, section samkv): the paper lets every layer keep its
 own blocks (and pads the misaligned ones); kvrag's cache has one token set for all layers, so
 blocks are ranked once by their score averaged over the stable layers N* — the layers the
 paper itself found to agree on which blocks matter (A.2).
