@@ -336,6 +336,8 @@ def render_markdown(result: dict, files: dict, report_path: Path, assets: Path) 
              "warm-up run of every policy)")
     L.append("- prompt: the model's chat template, system = fixed instruction, user = passages + question "
              "(`kvrag.prompt.rag_messages`); each passage precomputed as one chunk before timing\n")
+    for err in meta.get("errors", []):
+        L.append(f"- **scenario failed**: {err}")
 
     L.append("## Targets\n")
     rows = [[t["where"], f"`{t['policy']}`", t["metric"], t["target"],

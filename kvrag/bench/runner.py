@@ -437,8 +437,8 @@ class Bench:
                     )
                     # Share of the prompt's KV the decoder reads per generated token: what it
                     # keeps (SamKV, A3 eviction), or what A2ATS' top-k retrieval reads.
-                    seen = (s.prompt_tokens or 0) + (s.inserted_tokens or 0)
-                    rec["kept_fraction"] = s.kept_tokens / seen if seen else None
+                    # (prompt_tokens already counts inserted tokens such as KVLink's links.)
+                    rec["kept_fraction"] = s.kept_tokens / s.prompt_tokens if s.prompt_tokens else None
                     rec["kv_read_fraction"] = rec["policy_stats"].get("a2ats.kv_read_fraction", rec["kept_fraction"])
                     if run.policy == REFERENCE:
                         # The exact token ids the model saw: lets a test replay them through
@@ -650,14 +650,22 @@ class Bench:
                 if cfg.warmup:
                     warm = first or examples_from_items([synthetic.generate(1, cfg.seed)[0]], source="warmup")[0]
                     self.warm_up(rag, warm)
-                for name, exs in datasets.items():
-                    self.run_qa(rag, name, exs)
+                # A scenario that fails is reported, not allowed to throw away the others' results.
+                steps = [(f"qa/{name}", lambda n=name, e=exs: self.run_qa(rag, n, e)) for name, exs in datasets.items()]
                 if cfg.scaling:
-                    self.run_scaling(rag)
+                    steps.append(("scaling", lambda: self.run_scaling(rag)))
                 if self.sweep_policies and cfg.sweep_ratios and cfg.sweep_limit:
-                    self.run_sweep(rag, datasets)
+                    steps.append(("sweep", lambda: self.run_sweep(rag, datasets)))
                 if cfg.footprint and first is not None and device == cfg.devices[0]:
-                    self.measure_footprint(rag, first.passages[:3])
+                    steps.append(("footprint", lambda: self.measure_footprint(rag, first.passages[:3])))
+                for what, step in steps:
+                    try:
+                        step()
+                    except Exception as e:  # noqa: BLE001
+                        msg = f"[{device}] {what} failed: {type(e).__name__}: {e}"
+                        self.say(msg)
+                        log.debug("%s\n%s", msg, traceback.format_exc())
+                        meta.setdefault("errors", []).append(msg)
             finally:
                 if tmp is not None:
                     tmp.cleanup()
