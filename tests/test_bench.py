@@ -45,6 +45,16 @@ def test_best_over_answers():
         M.best_f1("x", [])
 
 
+def test_answer_contained_as_whole_words():
+    assert M.contains_answer("Maria Hale was born in the city of Brynmouth.", "Brynmouth") == 1.0
+    assert M.contains_answer("She was born in 1793.", "1793") == 1.0
+    assert M.contains_answer("Born in Brynmouthford.", "Brynmouth") == 0.0  # a different name
+    assert M.contains_answer("It was The Ironworks", "the ironworks") == 1.0  # normalised
+    assert M.contains_answer("anything", "the") == 0.0  # a gold that normalises to nothing
+    assert M.best_acc("da Vinci painted it", ["Leonardo da Vinci", "da Vinci"]) == 1.0
+    assert M.best_acc("Leonardo", ["Leonardo da Vinci"]) == 0.0
+
+
 def test_mean_logprob_matches_manual():
     torch.manual_seed(0)
     logits = torch.randn(4, 10)  # [1 + T, V] with T = 3
@@ -101,11 +111,10 @@ def test_synthetic_items_are_answerable_and_well_formed():
         holders = [i for i, t in enumerate(texts) if re.search(rf"\b{re.escape(ans)}\b", t)]
         # The answer appears in an evidence passage.
         assert set(holders) & set(it["evidence"]), it
-        if it["type"] != "single_hop" or not ans.isdigit():
-            # Cities/companies/professions... are unique names: only in the evidence passages
-            # (a profession may also describe a distractor person, so skip that check for it).
-            if not ans.islower():
-                assert set(holders) <= set(it["evidence"]), it
+        if not ans.isdigit():
+            # Cities, companies and professions appear only in the evidence passages (filler
+            # names no people); a year may also date a distractor event.
+            assert set(holders) <= set(it["evidence"]), it
         subj = [i for i, t in enumerate(texts) if it["subject"] in t]
         assert it["subject"] in it["question"]
         if it["type"] == "cross_passage":
@@ -119,6 +128,7 @@ def test_synthetic_items_are_answerable_and_well_formed():
             assert abs(i - j) > 1 and subj == [i] and ans in texts[j] and ans not in texts[i]
         else:
             assert subj == it["evidence"]
+            assert texts[subj[0]].startswith(it["subject"])  # the fact opens its passage
 
 
 def test_synthetic_bad_arguments():
@@ -187,7 +197,7 @@ QA_ITEMS = [
               {"title": "Lark Tower", "text": "The Lark Tower is a clock tower in Fenwick. Its construction was finished in 1887."},
               {"title": "Pella Stone", "text": "Pella Stone is a grey limestone quarried near the hills of Arnet."}]},
 ]
-RECORD_KEYS = {"example_id", "policy", "ttft_s", "answer", "gold_f1", "fidelity_f1", "gold_nll",
+RECORD_KEYS = {"example_id", "policy", "ttft_s", "answer", "gold_f1", "gold_acc", "fidelity_f1", "gold_nll",
                "cached_tokens", "recomputed_tokens", "kept_tokens", "prompt_tokens"}
 
 

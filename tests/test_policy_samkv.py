@@ -68,6 +68,24 @@ def test_keeps_the_configured_fraction_and_the_forced_tokens():
         assert set(kept) <= set(cand)
 
 
+def test_short_documents_shrink_blocks_to_hold_the_budget():
+    # With the default 16-token blocks, 1 initial + 2 local blocks would be 48 of every
+    # ~60-token document, kept unconditionally: far over a 15% budget.
+    _, arch, _, layout = _setup(doc_lens=(60, 57, 64, 61))
+    cached = layout.cached
+    n_cached = int(cached.sum())
+    res = FusionEngine(arch).prefill(layout, get_policy("samkv", keep_ratio=0.15), keep_state=True)
+    info = res.state.scratch["samkv"]
+    kept_cached = int((info.keep & cached).sum())
+    assert kept_cached <= round(0.15 * n_cached)
+    for d in info.docs:
+        assert d.block_size < 16
+        forced = sum(e - s for s, e in d.forced)
+        assert 0 < forced <= 0.15 * (d.end - d.start) / 2 + 1e-9
+    # Long documents keep the configured block size.
+    assert get_policy("samkv", keep_ratio=0.15).block_size_for(4000) == 16
+
+
 def test_paper_rule_keeps_total_blocks_over_documents():
     _, arch, _, layout = _setup()
     _, info = _run(arch, layout, keep_ratio=None, adaptive_p=False)

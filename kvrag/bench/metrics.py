@@ -56,6 +56,18 @@ def exact_match(prediction: str, reference: str) -> float:
     return float(normalize_answer(prediction) == normalize_answer(reference))
 
 
+def contains_answer(prediction: str, reference: str) -> float:
+    """1.0 if the normalised reference occurs in the normalised prediction as whole words.
+
+    The "accuracy" of Liu et al., *Lost in the Middle* (2023): a small chat model answers in
+    a sentence ("X was born in the city of C."), which token F1 against a one-word gold
+    answer scores ~0.2 whether it is right or wrong; containment tells the two apart."""
+    ref = normalize_answer(reference)
+    if not ref:
+        return 0.0
+    return float(f" {ref} " in f" {normalize_answer(prediction)} ")
+
+
 def _answers(references: str | Iterable[str]) -> list[str]:
     refs = [references] if isinstance(references, str) else list(references)
     if not refs:
@@ -71,6 +83,11 @@ def best_f1(prediction: str, references: str | Iterable[str]) -> float:
 def best_em(prediction: str, references: str | Iterable[str]) -> float:
     """Maximum exact match over the reference answers."""
     return max(exact_match(prediction, r) for r in _answers(references))
+
+
+def best_acc(prediction: str, references: str | Iterable[str]) -> float:
+    """1.0 if any reference answer is contained in the prediction (:func:`contains_answer`)."""
+    return max(contains_answer(prediction, r) for r in _answers(references))
 
 
 def _check_rows(logits: torch.Tensor, n: int, what: str) -> None:

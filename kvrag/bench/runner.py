@@ -460,6 +460,7 @@ class Bench:
             if not rec["error"]:
                 rec["gold_f1"] = M.best_f1(rec["answer"], ex.answers)
                 rec["gold_em"] = M.best_em(rec["answer"], ex.answers)
+                rec["gold_acc"] = M.best_acc(rec["answer"], ex.answers)
         return recs
 
     def quality(self, rag, ex: Example, recs: dict[str, dict], runs: list[Run]) -> None:
@@ -690,10 +691,10 @@ def _jsonable(x):
 SUMMARY_FIELDS = [
     "device", "scenario", "dataset", "label", "policy", "recompute_ratio_param", "n", "errors",
     "prompt_tokens", "ttft_s", "ttft_spread", "speedup", "tpot_s",
-    "gold_f1", "gold_em", "fidelity_f1", "fidelity_em", "gold_nll", "gold_nll_delta", "gold_ll_rel_gap",
+    "gold_f1", "gold_em", "gold_acc", "fidelity_f1", "fidelity_em", "gold_nll", "gold_nll_delta", "gold_ll_rel_gap",
     "top1_agreement", "kl", "cached_tokens", "recomputed_tokens", "computed_tokens", "kept_tokens",
     "kept_fraction", "kv_read_fraction", "recompute_fraction", "bytes_loaded", "peak_mem_mb", "peak_mem_delta_mb",
-    "gold_f1_ratio", "gold_f1_loss_pts",
+    "gold_f1_ratio", "gold_f1_loss_pts", "gold_acc_ratio", "gold_acc_loss_pts",
 ]
 
 
@@ -711,7 +712,7 @@ def summarize(records: list[dict]) -> list[dict]:
                "recompute_ratio_param": rs[0].get("recompute_ratio_param"), "n": len(rs), "errors": len(rs) - len(ok),
                "ttft_s": _median([r.get("ttft_s") for r in ok]), "speedup": _median([r.get("speedup") for r in ok]),
                "ttft_spread": _median(spreads)}
-        for k in ("prompt_tokens", "tpot_s", "gold_f1", "gold_em", "fidelity_f1", "fidelity_em", "gold_nll",
+        for k in ("prompt_tokens", "tpot_s", "gold_f1", "gold_em", "gold_acc", "fidelity_f1", "fidelity_em", "gold_nll",
                   "gold_nll_delta", "top1_agreement", "kl", "cached_tokens", "recomputed_tokens", "computed_tokens",
                   "kept_tokens", "kept_fraction", "kv_read_fraction", "recompute_fraction", "bytes_loaded"):
             row[k] = _mean([r.get(k) for r in ok])
@@ -722,15 +723,15 @@ def summarize(records: list[dict]) -> list[dict]:
         refs = [r for r in groups.get((device, scenario, dataset, REFERENCE), []) if r["example_id"] in ids and r.get("gold_ll") is not None]
         mine = [r["gold_ll"] for r in ok if r.get("gold_ll") is not None and r["example_id"] in {x["example_id"] for x in refs}]
         row["gold_ll_rel_gap"] = M.relative_gap(_mean(mine), _mean([r["gold_ll"] for r in refs])) if mine and refs else None
-        # QA score kept, on the examples both ran: ratio to full_prefill's mean gold F1 and the
-        # loss in F1 points (x100).
-        ref_f1 = {r["example_id"]: r["gold_f1"] for r in groups.get((device, scenario, dataset, REFERENCE), [])
-                  if r.get("gold_f1") is not None and not r.get("error")}
-        both = [(r["gold_f1"], ref_f1[r["example_id"]]) for r in ok
-                if r.get("gold_f1") is not None and r["example_id"] in ref_f1]
-        mine_f1, ref_mean = _mean([a for a, _ in both]), _mean([b for _, b in both])
-        row["gold_f1_ratio"] = mine_f1 / ref_mean if both and ref_mean else None
-        row["gold_f1_loss_pts"] = 100 * (ref_mean - mine_f1) if both else None
+        # QA score kept, on the examples both ran: ratio to full_prefill's mean and the loss in
+        # points (x100), for gold F1 and for gold accuracy (answer contained).
+        for metric in ("gold_f1", "gold_acc"):
+            ref = {r["example_id"]: r[metric] for r in groups.get((device, scenario, dataset, REFERENCE), [])
+                   if r.get(metric) is not None and not r.get("error")}
+            both = [(r[metric], ref[r["example_id"]]) for r in ok if r.get(metric) is not None and r["example_id"] in ref]
+            mine_mean, ref_mean = _mean([a for a, _ in both]), _mean([b for _, b in both])
+            row[f"{metric}_ratio"] = mine_mean / ref_mean if both and ref_mean else None
+            row[f"{metric}_loss_pts"] = 100 * (ref_mean - mine_mean) if both else None
         rows.append(row)
     return rows
 

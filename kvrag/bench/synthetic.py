@@ -1,10 +1,11 @@
 """A seeded, deterministic synthetic multi-document QA generator.
 
-Every entity is invented (names built from syllables), so the model cannot answer from
-memory: the answer has to come from the passages. Facts sit inside long distractor passages
-(fictional towns, rivers, trades and other people) and questions come in three kinds:
+Every fact is invented (people get a common first name and surname drawn at random; towns,
+rivers and companies names built from syllables), so the model cannot answer from memory: the
+answer has to come from the passages. Facts open a passage and long distractor passages about
+fictional towns, rivers and trades follow them, and questions come in three kinds:
 
-* ``single_hop``: one passage states the fact ("X was born in C in 1843 ...").
+* ``single_hop``: one passage states the fact ("X was born in the city of C.").
 * ``two_hop``: one passage says who founded a company, another (not adjacent) where that
   company has its headquarters; the question asks for the headquarters of "the company
   founded by X".
@@ -41,8 +42,15 @@ _ADJS = ["narrow", "crooked", "famous", "quiet", "crowded", "ancient", "windy", 
 _THINGS = ["bell tower", "covered market", "stone bridge", "lighthouse", "canal", "orchard",
            "observatory", "granary"]
 
-# Filler sentences: about places and things, or about *other* people always named in full —
-# never a pronoun, so the only "she"/"he" of an item is the cross-passage one.
+_FIRST_NAMES = ["Anna", "Maria", "Clara", "Helen", "Sofia", "Laura", "Emma", "Julia", "Nora", "Alice",
+                "Peter", "Thomas", "Daniel", "Martin", "Oscar", "Victor", "Simon", "Hugo", "Felix", "Leon"]
+_SURNAMES = ["Holt", "Brandt", "Marsh", "Keller", "Lindqvist", "Moreau", "Varga", "Novak", "Fischer",
+             "Dumont", "Castell", "Hale", "Rossi", "Okafor", "Sato", "Berg", "Quinn", "Ivanova", "Weber", "Costa"]
+
+# Filler sentences: about places and things only. No other people and no pronoun, so the only
+# "she"/"he" of an item is the cross-passage one. (With distractor people in the filler,
+# SmolLM2-135M answered ~1 single-hop question in 6 even with full prefill: the generator
+# must give the default model questions it can answer, or quality cannot be compared.)
 _FILLER = [
     "The town of {c1} lies on the banks of the river {r1}, where about {n} families keep small orchards.",
     "Every spring the markets of {c1} sell {g1} brought by boat from {c2}.",
@@ -52,10 +60,8 @@ _FILLER = [
     "Travellers often mention the {a1} streets of {c1} and the smell of {g1} near the harbour.",
     "A {a1} {t1} was built in {c2} in {y1} and still stands near the main square.",
     "Merchants from {c2} paid their taxes in {g1} until {y1}.",
-    "{p1}, {ao1} from {c1}, is remembered for {aa1} {t1} that visitors still admire.",
     "In {y1} the council of {c2} voted to rebuild the {t1} after a fire.",
     "Fishermen on the river {r1} tell of {k} islands that appear only in dry summers.",
-    "{p1} once wrote that the {t1} of {c2} was the most {a1} place between {c1} and the sea.",
     "The festival of {c1} lasts {k} days and ends with a procession to the {t1}.",
     "Trade in {g1} made {c2} wealthy, and its {t1} became a symbol of the town.",
 ]
@@ -85,7 +91,7 @@ class _Namer:
         raise RuntimeError("could not draw a unique name")  # pragma: no cover - 24*9*12 ** n names
 
     def person(self) -> str:
-        return self._unique(lambda: f"{self._word(2)} {self._word(self.rng.choice((2, 3)))}")
+        return self._unique(lambda: f"{self.rng.choice(_FIRST_NAMES)} {self.rng.choice(_SURNAMES)}")
 
     def city(self) -> str:
         return self._unique(lambda: self._word(self.rng.choice((1, 2))) + self.rng.choice(_CITY_SUFFIXES))
@@ -114,15 +120,14 @@ class _Filler:
         self.rng = rng
         self.cities = [namer.city() for _ in range(n_entities)]
         self.rivers = [namer.river() for _ in range(max(2, n_entities // 2))]
-        self.people = [namer.person() for _ in range(max(2, n_entities // 2))]
 
     def sentence(self) -> str:
         r = self.rng
         c1, c2 = r.sample(self.cities, 2)
         a1 = r.choice(_ADJS)
         return r.choice(_FILLER).format(
-            c1=c1, c2=c2, r1=r.choice(self.rivers), p1=r.choice(self.people), g1=r.choice(_GOODS),
-            m1=r.choice(_MATERIALS), a1=a1, aa1=_a(a1), t1=r.choice(_THINGS), ao1=_a(r.choice(_OCCUPATIONS)),
+            c1=c1, c2=c2, r1=r.choice(self.rivers), g1=r.choice(_GOODS),
+            m1=r.choice(_MATERIALS), a1=a1, t1=r.choice(_THINGS),
             y1=r.randint(1600, 1899), n=r.randint(20, 900), k=r.randint(2, 9),
         )
 
@@ -183,8 +188,12 @@ def make_item(
     if kind == "single_hop":
         i = rng.randrange(n_passages)
         attr = rng.choice(("city", "year", "occupation"))
-        fact = f"{p['name']} was born in {p['city']} in {p['year']} and worked as {_a(p['occupation'])}."
-        texts[i] = _passage(fill, [fact], passage_tokens, count, "middle")
+        fact = {
+            "city": f"{p['name']} was born in the city of {p['city']}.",
+            "year": f"{p['name']} was born in the year {p['year']}.",
+            "occupation": f"{p['name']} worked as {_a(p['occupation'])}.",
+        }[attr]
+        texts[i] = _passage(fill, [fact], passage_tokens, count, "start")
         question = {
             "city": f"In which city was {p['name']} born?",
             "year": f"In which year was {p['name']} born?",
@@ -196,8 +205,8 @@ def make_item(
         # Two passages that are not neighbours, in either order.
         pairs = [(a, b) for a in range(n_passages) for b in range(n_passages) if abs(a - b) > 1]
         i, j = rng.choice(pairs)
-        texts[i] = _passage(fill, [f"In {p['year'] + 30}, {p['name']} founded the {company}."], passage_tokens, count, "middle")
-        texts[j] = _passage(fill, [f"The {company} has its headquarters in the city of {hq}."], passage_tokens, count, "middle")
+        texts[i] = _passage(fill, [f"In {p['year'] + 30}, {p['name']} founded the {company}."], passage_tokens, count, "start")
+        texts[j] = _passage(fill, [f"The {company} has its headquarters in the city of {hq}."], passage_tokens, count, "start")
         question = f"In which city is the headquarters of the company founded by {p['name']}?"
         answer, evidence = hq, [i, j]
     else:  # cross_passage

@@ -65,7 +65,9 @@ class SamKVParams(RecomputeParams):
     keep_ratio: float | None = param(
         0.15, "fraction of the cached tokens kept (initial/local blocks included) — the budget of the "
               "cross-context filter; None = the paper's rule: total block count / number of documents")
-    block_size: int = param(16, "tokens per block (paper: 64, sized for multi-thousand-token contexts)")
+    block_size: int = param(16, "tokens per block (paper: 64, sized for multi-thousand-token contexts); "
+                                "shrunk for a short document so its always-kept initial/local blocks "
+                                "take at most half of its keep_ratio budget")
     initial_blocks: int = param(1, "blocks at the start of every document that are always kept (paper: 1)")
     local_blocks: int = param(2, "blocks at the end of every document that are always kept (paper: 2)")
     stable_layers: tuple | None = param(
@@ -313,13 +315,25 @@ class SamKV(Policy):
             out.append(x % n_layers)
         return sorted(set(out))
 
-    def _memo_key(self, piece, stable: list[int]):
+    def block_size_for(self, doc_tokens: int) -> int:
+        """Block size for a document of ``doc_tokens`` tokens.
+
+        The paper's 64-token blocks assume documents of thousands of tokens; a 200-token
+        passage would then be all initial/local blocks, kept unconditionally, and the
+        keep_ratio budget could not hold. So the always-kept blocks of a document get at most
+        half of its share of the budget, and the rest is left to query-selected blocks."""
+        p = self.params
+        if p.keep_ratio is None:
+            return p.block_size
+        fit = int(p.keep_ratio * doc_tokens / (2 * (p.initial_blocks + p.local_blocks)))
+        return max(1, min(p.block_size, fit))
+
+    def _memo_key(self, piece, stable: list[int], span: int):
         """Memo key of a document's query-independent results, None = do not memoize. The
         chunk key already binds model and token ids; the storage dtype changes the cached
         K/V, and the local span and stable layers change what is computed from them."""
         if piece.key is None or piece.entry is None:
             return None
-        span = self.params.local_blocks * self.params.block_size
         return (piece.key, str(piece.entry.keys.dtype), span, tuple(stable))
 
     # ---- step 1-2: preliminary prefill against the compressed cache ---------------------
@@ -370,8 +384,8 @@ class SamKV(Policy):
         rows_a = own.nonzero().squeeze(1)  # template + question: computed, fresh K/V
         # Local rows = the last local-span-many tokens, even in a document too short to have a
         # local span of its own (its tokens are all initial then), so Q_loc is never empty.
-        span = self.params.local_blocks * self.params.block_size
-        loc_rows = [torch.arange(max(docs[j].start, docs[j].end - span), docs[j].end, device=dev) for j in todo]
+        loc_rows = [torch.arange(max(docs[j].start, docs[j].end - self.params.local_blocks * docs[j].block_size),
+                                 docs[j].end, device=dev) for j in todo]
         rows_b = torch.cat(loc_rows) if loc_rows else torch.empty(0, dtype=torch.long, device=dev)
         rows = torch.cat([rows_a, rows_b])
         na = rows_a.numel()
@@ -443,8 +457,9 @@ class SamKV(Policy):
             return
         L = state.arch.n_layers
         stable = self.stable_layers(L)
-        docs = [doc_blocks(s, e, p.block_size, p.initial_blocks, p.local_blocks) for _, s, e in spans]
-        doc_keys = [self._memo_key(lay.pieces[si], stable) for si, _, _ in spans]
+        docs = [doc_blocks(s, e, self.block_size_for(e - s), p.initial_blocks, p.local_blocks) for _, s, e in spans]
+        doc_keys = [self._memo_key(lay.pieces[si], stable, p.local_blocks * d.block_size)
+                    for (si, _, _), d in zip(spans, docs)]
         q_que, q_loc, query_attn, context_attn = self._preliminary(state, docs, doc_keys, stable)
         sq, sl = q_que[stable], q_loc[:, stable]
         qhat = personalized_queries(sq, sl) if p.personalized else sq.unsqueeze(0).expand_as(sl).clone()
