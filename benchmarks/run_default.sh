@@ -7,8 +7,8 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bash scripts/setup.sh
 DATA="${KVRAG_BENCH_DATA:-../shared/data/musique_dev.json}"
-# 5 MuSiQue questions x 10 passages (~6.2k prompt tokens: the issue's "~6k" point), 12 synthetic
-# items (6 passages x 200 tokens), TTFT at 1k/2k/4k/6k tokens (4x256 .. 12x512 chunks) and the
+# 5 MuSiQue questions x 10 passages (~6.2k prompt tokens: the issue's "~6k" point), 18 synthetic
+# items (6 of each question type; 6 passages x 200 tokens), TTFT at 1k/2k/4k/6k tokens (4x256 .. 12x512 chunks) and the
 # recompute-ratio sweep of cacheblend and a3: every policy side by side, full_prefill as reference.
-exec .venv/bin/kvrag bench --data "$DATA" --limit 5 --synthetic 12 \
+exec .venv/bin/kvrag bench --data "$DATA" --limit 5 --synthetic 18 \
     --out bench_out/default --report docs/benchmarks.md "$@"
