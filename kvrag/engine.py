@@ -71,6 +71,8 @@ class KVRag:
     model: a ``ModelHandle``, a local HF model directory or ``.gguf`` path, or None for the
     default SmolLM2-135M-Instruct. cache_dir: where the KV store lives. policy/policy_params:
     the default reuse policy (overridable per call). storage_dtype: dtype of stored K/V.
+    size_limit: bytes of the store's blob cache, recorded in the store; None keeps the limit
+    the store already has (16 GiB for a new one).
     ingest_policies: policies whose per-chunk extras are computed at precompute time.
     kvlink_adapter: ``"auto"`` or a directory: load the model with a KVLink adapter (trained
     link tokens, maybe a LoRA merged into a copy of the model, with its own fingerprint).
@@ -86,7 +88,7 @@ class KVRag:
         cache_dir: str | os.PathLike | None = None,
         policy: str | Policy = "cacheblend",
         storage_dtype: str = "float16",
-        size_limit: int = 16 * 2**30,
+        size_limit: int | None = None,
         dtype: str = "float32",
         device: str = "cpu",
         ingest_policies: Sequence[str | Policy] = (),

@@ -55,6 +55,8 @@ log = logging.getLogger(__name__)
 
 _EXTRA_PREFIX = "extras."
 _EVICTION_POLICY = "least-recently-used"
+#: Blob-cache size limit of a new store (bytes) when none is given.
+DEFAULT_SIZE_LIMIT = 16 * 2**30
 
 
 @dataclass
@@ -181,14 +183,16 @@ class KVStore:
     """Per-chunk KV caches on disk, safe to share between threads and processes.
 
     size_limit: bytes for the blob cache (SQLite file + blob files), kept by evicting the
-    least recently used entries after each ``put``. Hit/miss/corrupt counters are per
-    process (per ``KVStore`` object)."""
+    least recently used entries after each ``put``. It is recorded in the store: ``None``
+    uses the recorded limit (``DEFAULT_SIZE_LIMIT`` for a new store), so a maintenance job
+    or a second process never applies a smaller default to a store configured larger.
+    Hit/miss/corrupt counters are per process (per ``KVStore`` object)."""
 
-    def __init__(self, directory, *, size_limit: int = 16 * 2**30):
-        if isinstance(size_limit, bool) or not isinstance(size_limit, int) or size_limit <= 0:
+    def __init__(self, directory, *, size_limit: int | None = None):
+        if size_limit is not None and (isinstance(size_limit, bool) or not isinstance(size_limit, int)
+                                       or size_limit <= 0):
             raise ValueError(f"size_limit must be a positive number of bytes, got {size_limit!r}")
         self.directory = Path(directory).expanduser()
-        self.size_limit = size_limit
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
         except OSError as e:
@@ -197,19 +201,25 @@ class KVStore:
         if not os.access(self.directory, os.W_OK | os.X_OK):
             raise PermissionError(errno.EACCES, f"KVStore directory {self.directory} is not writable",
                                   str(self.directory))
+        blob_settings = {}
+        if size_limit is not None or not (self.directory / "blobs" / diskcache.core.DBNAME).exists():
+            # diskcache persists the setting in the store's SQLite file; without one it would
+            # fall back to its own 1 GB default.
+            blob_settings["size_limit"] = size_limit or DEFAULT_SIZE_LIMIT
         try:
             # cull_limit=0: diskcache's own culling drops up to `cull_limit` LRU items at once
             # (the new one included when the cache is small); KVStore evicts one at a time.
             # disk_min_file_size=0: every blob lives in its own file, written then renamed in.
             self._blobs = diskcache.Cache(
                 str(self.directory / "blobs"), eviction_policy=_EVICTION_POLICY,
-                size_limit=size_limit, cull_limit=0, disk_min_file_size=0,
+                cull_limit=0, disk_min_file_size=0, **blob_settings,
             )
             self._index = diskcache.Cache(
                 str(self.directory / "index"), eviction_policy="none", cull_limit=0,
             )
         except (OSError, sqlite3.Error) as e:
             raise OSError(f"cannot open the KVStore in {self.directory}: {e}") from e
+        self.size_limit = int(self._blobs.size_limit)
         self._lock = threading.Lock()
         self._counts = {"hits": 0, "misses": 0, "corrupt": 0, "wrong_model": 0, "evictions": 0}
 

@@ -211,13 +211,14 @@ def test_quick_bench_end_to_end_on_smollm2(tmp_path, monkeypatch):
     data.write_text(json.dumps(QA_ITEMS), encoding="utf-8")
     out = tmp_path / "out"
     policies = "naive_reuse,cacheblend,a3,epic,kvlink,samkv"
-    assert main(["bench", "--quick", "--data", str(data), "--policies", policies, "--out", str(out),
+    assert main(["bench", "--quick", "--data", str(data), "--synthetic", "1", "--policies", policies, "--out", str(out),
                  "--scaling", "2x64", "--sweep-policies", "cacheblend", "--no-footprint"]) == 0
 
     records = json.loads((out / "results.json").read_text())
     qa = [r for r in records if r["scenario"] == "qa"]
     assert {r["policy"] for r in qa} == {"full_prefill", *policies.split(",")}
-    assert len(qa) == 2 * 7 and not [r for r in qa if r["error"]]
+    assert len([r for r in qa if r["dataset"] == "qa"]) == 2 * 7 and not [r for r in qa if r["error"]]
+    assert len([r for r in qa if r["dataset"] == "synthetic"]) == 7
     for r in qa:
         assert RECORD_KEYS <= set(r), RECORD_KEYS - set(r)
         assert r["ttft_s"] > 0 and 0.0 <= r["gold_f1"] <= 1.0 and math.isfinite(r["gold_nll"])
@@ -237,5 +238,8 @@ def test_quick_bench_end_to_end_on_smollm2(tmp_path, monkeypatch):
         assert (out / name).stat().st_size > 0, name
     assert list(out.glob("*.png"))
     report = (out / "benchmarks.md").read_text()
-    for part in ("## How this was run", "## Targets", "## Results on cpu", "### QA: qa", "full_prefill", "kvrag bench"):
+    for part in ("## How this was run", "## Targets", "## Results on cpu", "### QA: qa", "### QA: synthetic",
+                 "full_prefill", "kvrag bench", "Check of the generator"):
         assert part in report, part
+    check = json.loads((out / "summary.json").read_text())["single_hop_check"]
+    assert check["items"] == 2 and 0 <= check["answered"] <= 2 and check["device"] == "cpu"

@@ -191,6 +191,18 @@ def test_async_update_and_detach(tmp_path, embed, llm):
     assert llm.precomputer.progress().submitted == 2
 
 
+def test_hooks_outlive_a_shut_down_precomputer(tmp_path, embed, llm):
+    store = precompute_on_add(chroma(tmp_path, embed), llm)
+    warm = KVWarmingRetriever(store.as_retriever(search_kwargs={"k": 1}), llm)
+    first = llm.precomputer
+    first.shutdown()
+    store.add_texts(TEXTS[:2])  # the hook follows the model to its new live precomputer
+    live = llm.precomputer
+    assert live is not first and not live.closed and warm.precomputer is live
+    assert live.wait_until_idle(timeout=120) and live.progress().computed == 2
+    assert llm.rag.is_cached(TEXTS[0]) and llm.rag.is_cached(TEXTS[1])
+
+
 def test_empty_duplicate_and_odd_documents(tmp_path, embed, llm, caplog):
     odd = "Caf\u00e9 na\u00efve \u2014 \U0001F680 rocket, \u200bzero width, \u05e9\u05dc\u05d5\u05dd, e\u0301 and a NUL\x00."
     store = precompute_on_add(chroma(tmp_path, embed), llm)

@@ -227,6 +227,27 @@ def test_empty_duplicate_and_odd_documents(tmp_path, embed, llm, caplog):
     assert llm.last_stats.chunks_hit == 1
 
 
+def test_hooks_outlive_a_shut_down_precomputer(tmp_path, embed, llm):
+    hook, warmer = KVPrecompute(llm), KVCacheWarmer(llm)
+    first = llm.precomputer
+    first.shutdown()
+    # The hooks follow the LLM to its new live precomputer instead of failing on the closed one.
+    _, nodes = ingest(tmp_path, embed, documents()[:2], hook)
+    live = llm.precomputer
+    assert live is not first and not live.closed and hook.precomputer is live and warmer.precomputer is live
+    assert live.wait_until_idle(timeout=120) and live.progress().computed == 2
+    texts, _ = node_texts(nodes)
+    assert texts and all(llm.rag.is_cached(t) for t in texts)
+    # An explicit Precomputer stays the caller's: shut down, the hook reports it.
+    from kvrag.precompute import Precomputer, PrecomputerClosedError
+
+    own = Precomputer(llm.rag)
+    own_hook = KVPrecompute(own)
+    own.shutdown()
+    with pytest.raises(PrecomputerClosedError):
+        own_hook([TextNode(text="A node for a closed precomputer.")])
+
+
 def test_document_larger_than_the_context(tmp_path, embed, llm, caplog):
     big = " ".join(f"Sentence {i} of a very long report about the northern forest." for i in range(700))
     with pytest.raises(ChunkError, match="exceeds the model context"):

@@ -377,6 +377,11 @@ def test_cli_cache_stats_gc_clear(rag, capsys):
                          "--verify", "--json"], capsys)
     res = json.loads(out)
     assert code == 0 and res["evicted"] >= 2 and res["entries"] == 4 - res["evicted"] and res["corrupt"] == 0
+    # That limit is now the store's: stats shows it and a gc without --size-limit keeps it.
+    limit = per_entry * 2 + per_entry // 2
+    assert json.loads(_cli(["cache", "stats", "--cache-dir", d, "--json"], capsys)[1])["size_limit"] == limit
+    code, out, _ = _cli(["cache", "gc", "--cache-dir", d, "--json"], capsys)
+    assert code == 0 and json.loads(out)["size_limit"] == limit and json.loads(out)["evicted"] == 0
     code, _, err = _cli(["cache", "clear", "--cache-dir", d], capsys)  # stdin is not a tty under pytest
     assert code == 2 and "without --yes" in err
     code, out, _ = _cli(["cache", "clear", "--cache-dir", d, "--yes"], capsys)

@@ -371,3 +371,19 @@ def test_unusable_directory_gives_clear_error(tmp_path):
 def test_bad_size_limit(tmp_path):
     with pytest.raises(ValueError, match="size_limit"):
         KVStore(tmp_path, size_limit=0)
+
+
+def test_size_limit_is_recorded_in_the_store(tmp_path):
+    d = tmp_path / "s"
+    with KVStore(d) as s:
+        assert s.size_limit == 16 * 2**30  # a new store without a limit
+    with KVStore(d, size_limit=40 * 2**30) as s:
+        assert s.size_limit == 40 * 2**30
+    # Opened again without a limit (another process, `kvrag cache gc/stats`): the recorded
+    # 40 GiB, not a smaller default that would evict a store configured larger.
+    with KVStore(d) as s:
+        assert s.size_limit == s.stats()["size_limit"] == 40 * 2**30
+    with KVStore(d, size_limit=2**20) as s:
+        pass
+    with KVStore(d) as s:
+        assert s.size_limit == 2**20

@@ -240,7 +240,8 @@ def write_outputs(result: dict, out: Path) -> dict:
     p.write_text(json.dumps(result["records"], indent=1, default=str), encoding="utf-8")
     files["results"] = p
     result["targets"] = evaluate_targets(result)
-    side = {k: result[k] for k in ("meta", "summary", "targets", "precompute", "footprint", "throughput")}
+    side = {k: result.get(k) for k in ("meta", "summary", "targets", "precompute", "footprint", "throughput",
+                                       "single_hop_check")}
     p = out / "summary.json"
     p.write_text(json.dumps(side, indent=1, default=str), encoding="utf-8")
     files["summary_json"] = p
@@ -371,8 +372,14 @@ def render_markdown(result: dict, files: dict, report_path: Path, assets: Path) 
                       and r["policy"] == REFERENCE and r["qtype"] == "single_hop" and not r.get("error")]
                 if fp:
                     ok = sum(r.get("gold_acc") == 1.0 or r["gold_em"] == 1.0 for r in fp)
-                    L.append(f"Check: `full_prefill` answers **{ok}/{len(fp)}** single-hop items "
+                    L.append(f"`full_prefill` answers **{ok}/{len(fp)}** of these single-hop items "
                              "(gold answer contained in its answer).\n")
+                chk = result.get("single_hop_check") or {}
+                if ds == "synthetic" and chk.get("device") == device and chk.get("items"):
+                    L.append(f"Check of the generator: `full_prefill` answers **{chk['answered']}/{chk['items']}** "
+                             f"({chk['answered'] / chk['items']:.0%}) single-hop items of their own seed "
+                             f"({chk['seed']}; {chk['passages']} passages x {chk['passage_tokens']} tokens, gold answer "
+                             "contained in its answer).\n")
             key = f"plot_qa_{ds}_{tag}"
             if key in files:
                 L.append(f"![speed vs fidelity, {ds}]({rel(files[key])})\n")

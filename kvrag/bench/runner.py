@@ -67,6 +67,7 @@ class BenchConfig:
     sweep_data: str = "synthetic"           # "synthetic" or "data"
     synthetic_passages: int = 6
     synthetic_passage_tokens: int = 200
+    check_items: int = 0                    # single-hop items of the full_prefill answerability check
     devices: list[str] = field(default_factory=lambda: ["cpu"])
     model: str | None = None
     dtype: str = "float32"
@@ -93,6 +94,8 @@ class BenchConfig:
         for n, t in self.scaling:
             if n < 1 or t < 32:
                 raise ValueError(f"scaling point {n}x{t}: need >= 1 chunk of >= 32 tokens")
+        if self.check_items < 0:
+            raise ValueError(f"check_items must be >= 0, got {self.check_items}")
         if self.sweep_data not in ("synthetic", "data"):
             raise ValueError(f"sweep_data must be 'synthetic' or 'data', got {self.sweep_data!r}")
 
@@ -354,6 +357,7 @@ class Bench:
         self.records: list[dict] = []
         self.precompute_log: list[dict] = []
         self.footprint: dict = {}
+        self.check: dict = {}
         self.model_info: dict = {}
 
     # -- datasets --
@@ -368,6 +372,26 @@ class Bench:
                                        count_tokens=lambda s: len(rag.handle.encode(s)))
             out.append(("synthetic", examples_from_items(items, source="synthetic")))
         return out
+
+    def run_check(self, rag) -> None:
+        """The synthetic generator's answerability check: ``full_prefill`` alone on
+        ``check_items`` single-hop items (a seed of their own), answered = the gold answer is
+        contained in the answer or matches it exactly. Untimed; the QA scenario's few
+        single-hop items are too few to tell whether the model can do the task at all."""
+        cfg = self.cfg
+        seed = cfg.seed + 1
+        items = synthetic.generate(cfg.check_items, seed, types=("single_hop",), n_passages=cfg.synthetic_passages,
+                                   passage_tokens=cfg.synthetic_passage_tokens,
+                                   count_tokens=lambda s: len(rag.handle.encode(s)))
+        answered = 0
+        for i, ex in enumerate(examples_from_items(items, source="check"), 1):
+            out = rag.generate(self.messages(ex), policy=REFERENCE, max_new_tokens=cfg.max_new_tokens, stop=STOP)
+            answer = out.text.strip()
+            answered += bool(M.best_acc(answer, ex.answers) or M.best_em(answer, ex.answers))
+            if i % 8 == 0 or i == len(items):
+                self.say(f"  single-hop check {i}/{len(items)}: {answered} answered")
+        self.check = {"device": self.device, "items": len(items), "answered": answered, "seed": seed,
+                      "passages": cfg.synthetic_passages, "passage_tokens": cfg.synthetic_passage_tokens}
 
     # -- one prompt --
     def messages(self, ex: Example) -> list[dict]:
@@ -653,6 +677,8 @@ class Bench:
                     self.warm_up(rag, warm)
                 # A scenario that fails is reported, not allowed to throw away the others' results.
                 steps = [(f"qa/{name}", lambda n=name, e=exs: self.run_qa(rag, n, e)) for name, exs in datasets.items()]
+                if cfg.synthetic and cfg.check_items and device == cfg.devices[0]:
+                    steps.append(("single-hop check", lambda: self.run_check(rag)))
                 if cfg.scaling:
                     steps.append(("scaling", lambda: self.run_scaling(rag)))
                 if self.sweep_policies and cfg.sweep_ratios and cfg.sweep_limit:
@@ -673,7 +699,7 @@ class Bench:
         meta["wall_s"] = time.perf_counter() - t_start
         meta["model"] = self.model_info
         return {"records": self.records, "meta": meta, "precompute": self.precompute_log,
-                "footprint": self.footprint, "summary": summarize(self.records),
+                "footprint": self.footprint, "single_hop_check": self.check, "summary": summarize(self.records),
                 "throughput": throughput(self.records, self.precompute_log)}
 
 

@@ -52,7 +52,6 @@ _SURNAMES = ["Holt", "Brandt", "Marsh", "Keller", "Lindqvist", "Moreau", "Varga"
 # SmolLM2-135M answered ~1 single-hop question in 6 even with full prefill: the generator
 # must give the default model questions it can answer, or quality cannot be compared.)
 _FILLER = [
-    "The town of {c1} lies on the banks of the river {r1}, where about {n} families keep small orchards.",
     "Every spring the markets of {c1} sell {g1} brought by boat from {c2}.",
     "The old road between {c1} and {c2} was paved with {m1} stone in {y1}.",
     "Local records describe a hard winter in {y1}, when the river {r1} froze for {k} weeks.",
@@ -62,7 +61,6 @@ _FILLER = [
     "Merchants from {c2} paid their taxes in {g1} until {y1}.",
     "In {y1} the council of {c2} voted to rebuild the {t1} after a fire.",
     "Fishermen on the river {r1} tell of {k} islands that appear only in dry summers.",
-    "The festival of {c1} lasts {k} days and ends with a procession to the {t1}.",
     "Trade in {g1} made {c2} wealthy, and its {t1} became a symbol of the town.",
 ]
 

@@ -12,10 +12,11 @@ from kvrag.errors import KVRagError
 # Defaults of a full run, and of --quick (a smoke test: seconds per policy, tiny prompts).
 FULL = {"repeats": 3, "max_new_tokens": 32, "scaling": "4x256,8x256,8x512,12x512",
         "sweep_ratios": "0,0.05,0.1,0.15,0.3,0.5,1", "sweep_limit": 3, "synthetic_passages": 6,
-        "synthetic_passage_tokens": 200, "passage_words": None, "limit": None, "passages": None}
+        "synthetic_passage_tokens": 200, "passage_words": None, "limit": None, "passages": None,
+        "check_items": 24}
 QUICK = {"repeats": 1, "max_new_tokens": 8, "scaling": "2x64,3x64", "sweep_ratios": "0,0.15,1",
          "sweep_limit": 1, "synthetic_passages": 3, "synthetic_passage_tokens": 60, "passage_words": 40,
-         "limit": 2, "passages": 3}
+         "limit": 2, "passages": 3, "check_items": 2}
 DEFAULT_SWEEP_POLICIES = "cacheblend,a3"
 
 
@@ -56,6 +57,9 @@ def register(sub) -> None:
                    help="data set of the sweep when both are given (default synthetic)")
     g.add_argument("--synthetic-passages", type=int, help="passages per synthetic item (default 6)")
     g.add_argument("--synthetic-passage-tokens", type=int, help="tokens per synthetic passage (default 200)")
+    g.add_argument("--check-items", type=int, metavar="N",
+                   help="with --synthetic: full_prefill alone on N single-hop items of their own seed, to check "
+                        "that the model can answer them (default 24; quick 2; 0 to skip)")
     g.add_argument("--no-footprint", action="store_true", help="skip the KV disk footprint measurement")
     g.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up run")
     g.add_argument("--quick", action="store_true", help="smoke test: 2 examples, 3 short passages, 8 new tokens, "
@@ -114,7 +118,7 @@ def command_line(args) -> str:
     parts = ["kvrag", "bench"]
     for opt in ("data", "synthetic", "limit", "passages", "seed", "policies", "repeats", "max_new_tokens",
                 "kl_positions", "scaling", "chunks", "chunk_tokens", "sweep_policies", "sweep_ratios", "sweep_limit",
-                "sweep_data", "synthetic_passages", "synthetic_passage_tokens", "model", "device", "dtype",
+                "sweep_data", "synthetic_passages", "synthetic_passage_tokens", "check_items", "model", "device", "dtype",
                 "storage_dtype", "cache_dir", "out", "report"):
         v = getattr(args, opt, None)
         if v is None or v is False or (opt == "synthetic" and not v) or (opt == "sweep_data" and v == "synthetic"):
@@ -166,7 +170,7 @@ def config_from_args(args):
             scaling=scaling, sweep_policies=_list(args.sweep_policies, "--sweep-policies"),
             sweep_ratios=_list(pick("sweep_ratios"), "--sweep-ratios", float), sweep_limit=pick("sweep_limit"),
             sweep_data=args.sweep_data, synthetic_passages=pick("synthetic_passages"),
-            synthetic_passage_tokens=pick("synthetic_passage_tokens"),
+            synthetic_passage_tokens=pick("synthetic_passage_tokens"), check_items=pick("check_items"),
             devices=list(dict.fromkeys(devices)) or ["cpu"], model=args.model, dtype=args.dtype,
             storage_dtype=args.storage_dtype, seed=args.seed, footprint=not args.no_footprint,
             warmup=not args.no_warmup, cache_dir=args.cache_dir, report=args.report, command=command_line(args),

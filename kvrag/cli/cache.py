@@ -54,8 +54,8 @@ def register(sub) -> None:
     g = cmds.add_parser("gc", help="evict to the size limit, repair the text index; --verify checks every blob")
     common(g)
     g.add_argument("--size-limit", default=None,
-                   help="evict least-recently-used entries down to this size (e.g. 2G); default 16G, "
-                        "KVRag's default")
+                   help="evict least-recently-used entries down to this size (e.g. 2G) and record it "
+                        "as the store's limit; default: the limit recorded in the store")
     g.add_argument("--verify", action="store_true",
                    help="also load and checksum every blob (slow on big stores); corrupt ones are deleted")
     g.set_defaults(func=run_gc)
@@ -98,7 +98,8 @@ def run_stats(args) -> int:
         f"store       {rec['directory']}",
         f"entries     {rec['entries']}",
         f"on disk     {human(rec['bytes'])} ({rec['bytes']} bytes)",
-        f"size limit  {human(rec['size_limit'])} (enforced by the process that writes; `kvrag cache gc --size-limit` to shrink)",
+        f"size limit  {human(rec['size_limit'])} (recorded in the store, enforced after each write; "
+        "`kvrag cache gc --size-limit` to change)",
     ])
     return 0
 

@@ -44,9 +44,16 @@ class KVPrecomputeHook:
     ingestion) instead of dropping."""
 
     def __init__(self, target: Any, *, text_fn: Optional[Callable[[str], str]] = None, block: bool = True):
-        self.precomputer = Precomputer.of(target)
+        Precomputer.of(target)  # a wrong target fails here, not at the first add_documents
+        self.target = target
         self.text_fn = text_fn
         self.block = block
+
+    @property
+    def precomputer(self) -> Precomputer:
+        # Resolved at each use: a ChatKVRag's or KVRag's precomputer that was shut down is
+        # replaced by a live one (an explicit Precomputer stays the caller's).
+        return Precomputer.of(self.target)
 
     def schedule(self, texts: Sequence[str]) -> None:
         """Queue ``texts`` (after ``text_fn``); empty or invalid ones are logged and skipped."""
@@ -127,20 +134,23 @@ class KVWarmingRetriever(BaseRetriever):
     model_config = ConfigDict(arbitrary_types_allowed=True)
 
     retriever: BaseRetriever
-    precomputer: Any = Field(exclude=True)
+    target: Any = Field(exclude=True)
     text_fn: Optional[Callable[[str], str]] = Field(default=None, exclude=True)
     defer_s: float = Field(default=10.0, ge=0.0)
 
     def __init__(self, retriever: Optional[BaseRetriever] = None, target: Any = None, **kwargs: Any):
         if retriever is not None:
             kwargs["retriever"] = retriever
-        if target is not None:
-            kwargs["precomputer"] = Precomputer.of(target)
-        elif "precomputer" in kwargs:
-            kwargs["precomputer"] = Precomputer.of(kwargs["precomputer"])
-        else:
+        if target is None:
+            target = kwargs.pop("precomputer", None)
+        if target is None:
             raise TypeError("KVWarmingRetriever needs a target: a ChatKVRag, a KVRag or a Precomputer")
-        super().__init__(**kwargs)
+        Precomputer.of(target)  # a wrong target fails here
+        super().__init__(target=target, **kwargs)
+
+    @property
+    def precomputer(self) -> Precomputer:
+        return Precomputer.of(self.target)  # live at each use, as KVPrecomputeHook's
 
     def _texts(self, docs: list[Document]) -> list[str]:
         texts = [d.page_content for d in docs]

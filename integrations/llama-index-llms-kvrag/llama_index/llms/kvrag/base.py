@@ -380,7 +380,7 @@ class _Unpicklable:
     def __deepcopy__(self, memo):
         # A copy of a hook feeds the same service (a deep copy of a thread pool makes no sense).
         new = self.model_copy()
-        new._pc = self._pc
+        new._target = self._target
         return new
 
 
@@ -398,14 +398,15 @@ class KVPrecompute(_Unpicklable, TransformComponent):
     include_stripped: bool = Field(default=True, description="Also precompute text.strip() when it differs.")
     block: bool = Field(default=True, description="Wait for room when the precompute queue is full.")
 
-    _pc: Any = PrivateAttr(default=None)
+    _target: Any = PrivateAttr(default=None)
     _warned: bool = PrivateAttr(default=False)
 
     def __init__(self, target: Any = None, **data: Any) -> None:
         if target is None:
             raise TypeError("KVPrecompute needs a target: a KVRagLLM, a KVRag or a Precomputer")
         super().__init__(**data)
-        self._pc = Precomputer.of(target)
+        Precomputer.of(target)  # a wrong target fails here, not at the first node
+        self._target = target
 
     @classmethod
     def class_name(cls) -> str:
@@ -413,7 +414,9 @@ class KVPrecompute(_Unpicklable, TransformComponent):
 
     @property
     def precomputer(self) -> Precomputer:
-        return self._pc
+        # Resolved at each use: an LLM's or KVRag's precomputer that was shut down is replaced
+        # by a live one (an explicit Precomputer stays the caller's).
+        return Precomputer.of(self._target)
 
     def __call__(self, nodes: Sequence[BaseNode], **kwargs: Any) -> Sequence[BaseNode]:
         if not self._warned and any(isinstance(n, Document) for n in nodes):
@@ -423,7 +426,7 @@ class KVPrecompute(_Unpicklable, TransformComponent):
         texts, skipped = node_texts(nodes, self.metadata_mode, self.include_stripped)
         if skipped:
             log.warning("KVPrecompute: skipped %d node(s) without text", skipped)
-        self._pc.submit_many(texts, block=self.block, skip_invalid=True)
+        self.precomputer.submit_many(texts, block=self.block, skip_invalid=True)
         return nodes
 
 
@@ -450,13 +453,14 @@ class KVCacheWarmer(_Unpicklable, BaseNodePostprocessor):
     include_stripped: bool = Field(default=True)
     defer_s: float = Field(default=10.0, ge=0.0, description="Hold the scheduled work while the query finishes.")
 
-    _pc: Any = PrivateAttr(default=None)
+    _target: Any = PrivateAttr(default=None)
 
     def __init__(self, target: Any = None, **data: Any) -> None:
         if target is None:
             raise TypeError("KVCacheWarmer needs a target: a KVRagLLM, a KVRag or a Precomputer")
         super().__init__(**data)
-        self._pc = Precomputer.of(target)
+        Precomputer.of(target)
+        self._target = target
 
     @classmethod
     def class_name(cls) -> str:
@@ -464,11 +468,11 @@ class KVCacheWarmer(_Unpicklable, BaseNodePostprocessor):
 
     @property
     def precomputer(self) -> Precomputer:
-        return self._pc
+        return Precomputer.of(self._target)  # live at each use, as KVPrecompute's
 
     def _postprocess_nodes(self, nodes: list[NodeWithScore], query_bundle: Optional[QueryBundle] = None) -> list[NodeWithScore]:
         texts, _ = node_texts([n.node for n in nodes], self.metadata_mode, self.include_stripped)
-        _schedule(self._pc, texts, self.defer_s)
+        _schedule(self.precomputer, texts, self.defer_s)
         return nodes
 
 
