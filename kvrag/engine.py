@@ -76,10 +76,10 @@ class KVRag:
     ingest_policies: policies whose per-chunk extras are computed at precompute time.
     kvlink_adapter: ``"auto"`` or a directory: load the model with a KVLink adapter (trained
     link tokens, maybe a LoRA merged into a copy of the model, with its own fingerprint).
-    The default ``"links"`` applies only a *links-only* adapter found for this model (the one
-    shipped for the default model, or one ``kvrag train kvlink --lora-rank 0`` wrote): it leaves
-    the weights, the fingerprint and every other policy unchanged, so ``kvlink`` is trained
-    out of the box. None: no adapter."""
+    The default ``"links"`` applies only a *links-only* adapter found for this model (one in
+    the package's adapter directory, or one ``kvrag train kvlink --lora-rank 0`` wrote): it
+    leaves the weights, the fingerprint and every other policy unchanged, so ``kvlink`` runs
+    trained whenever such an adapter exists (none ships today). None: no adapter."""
 
     def __init__(
         self,
@@ -338,15 +338,16 @@ class KVRag:
         tensor each. One prefill serves them all when the decoder can rewind its cache (a
         policy with its own decode-time state gets a fresh prefill per continuation)."""
         logits, stepper, stats, _, _ = self.prefill(prompt, policy, **policy_params)
+        rewindable = hasattr(stepper, "rewind")
         outs = []
         for i, ids in enumerate(continuations):
-            if i and not hasattr(stepper, "rewind"):
+            if i and not rewindable:
                 logits, stepper, stats, _, _ = self.prefill(prompt, policy, **policy_params)
-            point = stepper.checkpoint() if hasattr(stepper, "rewind") else None
+            point = stepper.checkpoint() if rewindable else None
             rows = [logits.unsqueeze(0)]
             if len(ids):
                 rows.append(stepper.step(list(ids)))
             outs.append(torch.cat(rows).float())
-            if point is not None:
+            if rewindable:
                 stepper.rewind(point)
         return outs, stats

@@ -75,8 +75,8 @@ def adapter_key(handle: ModelHandle) -> str:
 
     Narrower than ``handle.fingerprint`` on purpose: the fingerprint also covers the compute
     dtype and kvrag's cache-format version, neither of which changes what a LoRA delta or a
-    link embedding means; keying by it would orphan every adapter (including the one shipped
-    in the package) on a cache-format bump or when loading in bfloat16."""
+    link embedding means; keying by it would orphan every adapter (including one shipped in
+    the package) on a cache-format bump or when loading in bfloat16."""
     parts = handle.fingerprint_parts
     blob = json.dumps(
         {"arch": parts["arch"], "weights": parts["weights"], "tokenizer": parts["tokenizer"]},
