@@ -2,7 +2,8 @@
 
 Several chunks are packed into one sequence with a block-diagonal causal mask and positions
 restarting at 0 for each chunk, so a batch costs one pass per layer and no padding, while
-every chunk sees exactly what it would see alone.
+every chunk sees exactly what it would see alone (behind an optional anchor token, see
+``compute_chunk_kv``).
 """
 from __future__ import annotations
 
@@ -28,14 +29,20 @@ def pack(lengths: Sequence[int], budget: int) -> Iterator[list[int]]:
 
 
 @torch.no_grad()
-def compute_chunk_kv(arch: Arch, chunks: Sequence[Sequence[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def compute_chunk_kv(
+    arch: Arch, chunks: Sequence[Sequence[int]], anchor: Sequence[int] = ()
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Prefill ``chunks`` (token id lists, run together as one packed sequence).
 
+    ``anchor``: token ids read before every chunk and dropped from its result (the model's
+    attention sink, ``ModelHandle.anchor_ids``); each chunk then sees ``anchor + chunk`` alone.
+
     Returns per chunk ``(keys, values)``, each [L, Hkv, T, D] in the model dtype; keys are
-    *pre-RoPE* (position-free), values as computed at positions 0..T-1."""
+    *pre-RoPE* (position-free), values as computed at positions len(anchor)..len(anchor)+T-1."""
     dev = arch.device
-    lens = [len(c) for c in chunks]
-    ids = torch.tensor([t for c in chunks for t in c], dtype=torch.long, device=dev)
+    a = len(anchor)
+    lens = [a + len(c) for c in chunks]
+    ids = torch.tensor([t for c in chunks for t in (*anchor, *c)], dtype=torch.long, device=dev)
     positions = torch.cat([torch.arange(n, device=dev) for n in lens])
     seg = torch.cat([torch.full((n,), i, device=dev) for i, n in enumerate(lens)])
     # Block-diagonal causal mask: a token sees earlier tokens of its own chunk only.
@@ -52,10 +59,10 @@ def compute_chunk_kv(arch: Arch, chunks: Sequence[Sequence[int]]) -> list[tuple[
         # The last layer's output is not needed: only its K/V are.
         if layer < arch.n_layers - 1:
             hidden = arch.attend(layer, hidden, q, k, v, mask)
-    K = torch.stack(keys_pre)  # [L, Hkv, sumT, D]
+    K = torch.stack(keys_pre)  # [L, Hkv, sum(a + T), D]
     V = torch.stack(values)
     out, start = [], 0
     for n in lens:
-        out.append((K[:, :, start:start + n].clone(), V[:, :, start:start + n].clone()))
+        out.append((K[:, :, start + a:start + n].clone(), V[:, :, start + a:start + n].clone()))
         start += n
     return out

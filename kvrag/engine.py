@@ -9,6 +9,7 @@ Integrations (LlamaIndex, LangChain) and the CLI talk to this class only::
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import threading
@@ -65,6 +66,31 @@ class Stream:
         return next(self._gen)
 
 
+def resolve_anchor(handle: ModelHandle, anchor: str | Sequence[int]) -> list[int]:
+    """``KVRag(chunk_anchor=...)`` -> token ids (see ``KVRag``)."""
+    if isinstance(anchor, str):
+        if anchor == "auto":
+            return handle.anchor_ids()
+        if anchor == "none":
+            return []
+        raise ValueError(f"chunk_anchor must be 'auto', 'none' or a list of token ids, got {anchor!r}")
+    ids = list(anchor)
+    vocab = handle.config.vocab_size
+    bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
+    if bad:
+        raise ValueError(f"chunk_anchor holds {bad[:3]}: token ids must be ints in [0, {vocab})")
+    return ids
+
+
+def cache_fingerprint(model_fingerprint: str, anchor: Sequence[int]) -> str:
+    """The fingerprint chunk caches are keyed and checked by: the model's, extended with the
+    anchor chunks are computed behind (the model's own when there is none)."""
+    if not anchor:
+        return model_fingerprint
+    tag = f"{model_fingerprint}|anchor={','.join(str(int(t)) for t in anchor)}"
+    return hashlib.sha256(tag.encode("utf-8")).hexdigest()
+
+
 class KVRag:
     """Precompute chunk KV caches, then answer prompts by fusing them under a policy.
 
@@ -79,7 +105,11 @@ class KVRag:
     The default ``"links"`` applies only a *links-only* adapter found for this model (one in
     the package's adapter directory, or one ``kvrag train kvlink --lora-rank 0`` wrote): it
     leaves the weights, the fingerprint and every other policy unchanged, so ``kvlink`` runs
-    trained whenever such an adapter exists (none ships today). None: no adapter."""
+    trained whenever such an adapter exists (none ships today). None: no adapter.
+    chunk_anchor: token ids every chunk is precomputed behind (and which are then dropped):
+    ``"auto"`` = the model's attention-sink token (``ModelHandle.anchor_ids``: BOS, or the
+    chat template's first token), ``"none"`` = chunks read alone from position 0, or a list
+    of ids. ``fingerprint`` (the cache's) covers it."""
 
     def __init__(
         self,
@@ -95,6 +125,7 @@ class KVRag:
         query_tokens: int | None = None,
         refresh_s: float = 2.0,
         kvlink_adapter: str | os.PathLike | None = "links",
+        chunk_anchor: str | Sequence[int] = "auto",
         **policy_params,
     ) -> None:
         self.handle = model if isinstance(model, ModelHandle) else ModelHandle.load(model, dtype=dtype, device=device)
@@ -111,7 +142,10 @@ class KVRag:
                 self.handle = apply_adapter(self.handle, kvlink_adapter)
         self.arch = Arch(self.handle.model)
         self.tokenizer = self.handle.tokenizer
-        self.fingerprint = self.handle.fingerprint
+        self.anchor = resolve_anchor(self.handle, chunk_anchor)
+        # Chunk K/V depend on the anchor they were computed behind: it is part of the cache
+        # fingerprint, so a store shared by differently configured instances never mixes them.
+        self.fingerprint = cache_fingerprint(self.handle.fingerprint, self.anchor)
         cache_dir = Path(cache_dir) if cache_dir is not None else default_home() / "store"
         self.store = KVStore(cache_dir, size_limit=size_limit)
         if storage_dtype not in STORAGE_DTYPES:
@@ -170,7 +204,7 @@ class KVRag:
             bar = tqdm(total=sum(len(ids[j]) for j in todo), unit="tok", desc="precompute")
         for group in packs:
             members = [todo[g] for g in group]
-            kvs = compute_chunk_kv(self.arch, [ids[j] for j in members])
+            kvs = compute_chunk_kv(self.arch, [ids[j] for j in members], self.anchor)
             for j, (k, v) in zip(members, kvs):
                 self._put(keys[j], texts[j], ids[j], k, v)
                 if bar:

@@ -7,8 +7,9 @@ sequence is the inference prompt itself::
     template | doc 1 | link_1,1..link_1,K | doc 2 | link_2,1..link_2,K | ... | question | answer
 
 with the paper's mask (its reference code's ``make_segment_mask``): a token of document ``d``
-attends only to earlier tokens of ``d`` (so its K/V are exactly the chunk cache kvrag stores:
-documents do *not* see the template); every other token (template, link tokens, question,
+attends only to earlier tokens of ``d`` and to a private copy of the anchor kvrag precomputes
+chunks behind (``ModelHandle.anchor_ids``), so its K/V are exactly the chunk cache kvrag stores:
+documents do *not* see the template; every other token (template, link tokens, question,
 answer) attends causally to everything before it. The loss is on the answer tokens. The n-th
 document's link tokens are their own embeddings (``link<n>-<k>``, A.2), so the trainable
 link table is ``[max_docs, K, E]``; documents past ``max_docs`` reuse the last row.
@@ -307,54 +308,76 @@ class Sample:
     ids [N] (0 at link slots), link_slot [N] (-1 for a real token, else ``doc * K + k``: a row
     of the flattened link table), segment [N] (0: attends to everything before it; d >= 1:
     token of the d-th document, attends to its own document only), answer_start (first answer
-    token; the loss covers ids[answer_start:])."""
+    token; the loss covers ids[answer_start:]). private bool [N] or None: anchor copies placed
+    before each document (``KVRag(chunk_anchor=...)``), seen by that document only and absent
+    from the prompt; positions [N] or None (= 0..N-1): RoPE positions, an anchor copy sits
+    just before its document's first position, as when the chunk was precomputed."""
 
     ids: torch.Tensor
     link_slot: torch.Tensor
     segment: torch.Tensor
     answer_start: int
+    private: torch.Tensor | None = None
+    positions: torch.Tensor | None = None
 
     @property
     def n(self) -> int:
         return int(self.ids.numel())
 
     def without_links(self) -> "Sample":
-        """The same sequence with the link tokens removed (what full prefill reads)."""
+        """The same sequence with the link tokens (and anchor copies) removed: what full
+        prefill reads."""
         keep = self.link_slot < 0
+        if self.private is not None:
+            keep &= ~self.private
         start = int(keep[: self.answer_start].sum())
         return Sample(self.ids[keep], self.link_slot[keep], self.segment[keep], start)
 
 
 def build_sample(
-    pieces: Sequence[tuple[Sequence[int], bool]], answer_ids: Sequence[int], link_tokens: int, max_docs: int
+    pieces: Sequence[tuple[Sequence[int], bool]], answer_ids: Sequence[int], link_tokens: int, max_docs: int,
+    anchor: Sequence[int] = (),
 ) -> Sample:
     """Assemble a ``Sample`` from prompt pieces ``(token ids, is_document)`` in order and the
-    answer ids; ``link_tokens`` link slots follow every document."""
+    answer ids; ``link_tokens`` link slots follow every document; every document reads the
+    ``anchor`` ids before it (private copies), as its chunk cache was computed."""
     if not answer_ids:
         raise KVLinkError("empty answer: nothing to train on")
-    ids, slot, seg = [], [], []
-    n_doc = 0
+    ids, slot, seg, private, pos = [], [], [], [], []
+    n_doc, a = 0, len(anchor)
+    next_pos = 0  # RoPE position of the next prompt token (anchor copies take none)
+
+    def add(toks, slots, d, priv=False):
+        nonlocal next_pos
+        ids.extend(toks)
+        slot.extend(slots)
+        seg.extend([d] * len(toks))
+        private.extend([priv] * len(toks))
+        if priv:  # just before the document, as when its chunk was precomputed behind them
+            pos.extend(range(next_pos - len(toks), next_pos))
+        else:
+            pos.extend(range(next_pos, next_pos + len(toks)))
+            next_pos += len(toks)
+
     for toks, is_doc in pieces:
         toks = list(toks)
         if not toks:
             continue
-        ids += toks
-        slot += [-1] * len(toks)
         if is_doc:
             n_doc += 1
-            seg += [n_doc] * len(toks)
+            if a:
+                add(list(anchor), [-1] * a, n_doc, priv=True)
+            add(toks, [-1] * len(toks), n_doc)
             row = min(n_doc - 1, max_docs - 1)
-            ids += [0] * link_tokens
-            slot += [row * link_tokens + k for k in range(link_tokens)]
-            seg += [0] * link_tokens
+            add([0] * link_tokens, [row * link_tokens + k for k in range(link_tokens)], 0)
         else:
-            seg += [0] * len(toks)
+            add(toks, [-1] * len(toks), 0)
     start = len(ids)
-    ids += list(answer_ids)
-    slot += [-1] * len(answer_ids)
-    seg += [0] * len(answer_ids)
+    add(list(answer_ids), [-1] * len(answer_ids), 0)
     t = lambda x: torch.tensor(x, dtype=torch.long)  # noqa: E731
-    return Sample(t(ids), t(slot), t(seg), start)
+    if not a:
+        return Sample(t(ids), t(slot), t(seg), start)
+    return Sample(t(ids), t(slot), t(seg), start, torch.tensor(private), t(pos))
 
 
 def prompt_pieces(handle: ModelHandle, prompt: str, documents: Sequence[str]) -> list[tuple[list[int], bool]]:
@@ -413,19 +436,24 @@ def make_sample(handle, item: QAItem, rng: random.Random, *, docs: int, max_pass
     # Identical passages would be one chunk: drop duplicates, keeping order.
     passages = list(dict.fromkeys(p for p in passages if p.strip()))
     prompt = rag_prompt(handle, passages, item.question)
+    # Documents read the anchor KVRag(chunk_anchor="auto") precomputes chunks behind.
     return build_sample(prompt_pieces(handle, prompt, passages), answer_ids(handle, item.answers[0]),
-                        link_tokens, max_docs)
+                        link_tokens, max_docs, handle.anchor_ids())
 
 
 # ---- the forward pass with the KVLink mask ---------------------------------------------
-def kvlink_mask(segment: torch.Tensor) -> torch.Tensor:
+def kvlink_mask(segment: torch.Tensor, private: torch.Tensor | None = None) -> torch.Tensor:
     """bool [N, N] (True = may attend): causal, and a document token (segment d >= 1) sees only
-    its own document; every other token sees everything before it."""
+    its own document; every other token sees everything before it except ``private`` [N]
+    tokens (anchor copies), which only their own document sees."""
     n = segment.numel()
     idx = torch.arange(n, device=segment.device)
     causal = idx[:, None] >= idx[None, :]
     own = segment[:, None] == segment[None, :]
-    return causal & ((segment[:, None] == 0) | own)
+    shared = segment[:, None] == 0
+    if private is not None:
+        shared = shared & ~private[None, :]
+    return causal & (shared | own)
 
 
 def forward_hidden(arch: Arch, sample: Sample, links: torch.Tensor | None) -> torch.Tensor:
@@ -439,8 +467,10 @@ def forward_hidden(arch: Arch, sample: Sample, links: torch.Tensor | None) -> to
     if bool(is_link.any()):
         flat = links.reshape(-1, links.shape[-1]).to(device=dev, dtype=hidden.dtype)
         hidden = torch.where(is_link[:, None], flat[slot.clamp(min=0)], hidden)
-    mask = kvlink_mask(sample.segment.to(dev))
-    cs = arch.cos_sin(torch.arange(sample.n, device=dev))
+    private = sample.private.to(dev) if sample.private is not None else None
+    mask = kvlink_mask(sample.segment.to(dev), private)
+    positions = sample.positions if sample.positions is not None else torch.arange(sample.n)
+    cs = arch.cos_sin(positions.to(dev))
     for layer in range(arch.n_layers):
         q, k, v, _ = arch.qkv(layer, hidden, cs)
         hidden = arch.attend(layer, hidden, q, k, v, mask)

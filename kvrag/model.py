@@ -495,6 +495,28 @@ class ModelHandle:
             self._prefix_ids = prefix
         return list(self._prefix_ids)
 
+    def anchor_ids(self) -> list[int]:
+        """The token this model's prompts start with, which it uses as its attention sink:
+        the tokenizer's BOS if it has one (Llama, Mistral, SmolLM2), else the first token of
+        the chat template's rendering (Qwen2/3 start with ``<|im_start|>``), else ``[]``.
+
+        Chunks are precomputed behind it (``KVRag(chunk_anchor="auto")``), as the CacheBlend
+        reference code precomputes each chunk behind BOS: a chunk read alone otherwise makes
+        its own first token the sink, and every reused chunk then brings a spurious sink."""
+        tok = self.tokenizer
+        bos = getattr(tok, "bos_token_id", None)
+        if isinstance(bos, int) and 0 <= bos < self.config.vocab_size:
+            return [bos]
+        if getattr(tok, "chat_template", None):
+            try:
+                text = tok.apply_chat_template([{"role": "user", "content": "kvrag"}], tokenize=False)
+            except Exception:  # a template that needs other roles/fields: no anchor
+                return []
+            ids = self.encode(text) if isinstance(text, str) else []
+            if ids:
+                return ids[:1]
+        return []
+
     # -- shape facts -------------------------------------------------------------------
     @property
     def config(self):

@@ -31,13 +31,14 @@ def hf_logits(model, ids):
         return model(torch.tensor([ids])).logits[0, -1].float()
 
 
-def pieces_for(arch, segs):
-    """segs: list of (ids, cached?) -> Pieces with chunk K/V from the engine's chunk prefill."""
+def pieces_for(arch, segs, anchor=()):
+    """segs: list of (ids, cached?) -> Pieces with chunk K/V from the engine's chunk prefill
+    (each chunk read behind ``anchor``)."""
     out = []
     for ids, cached in segs:
         t = torch.tensor(ids)
         if cached:
-            k, v = compute_chunk_kv(arch, [ids])[0]
+            k, v = compute_chunk_kv(arch, [ids], anchor)[0]
             out.append(Piece(t, CACHED, entry=SimpleNamespace(keys=k, values=v, token_ids=t)))
         else:
             out.append(Piece(t, PLAIN))

@@ -155,6 +155,44 @@ def test_other_model_never_hits(handle, tmp_path):
     assert out.stats.chunks_hit == 0 and out.stats.cached_tokens == 0
 
 
+def test_chunks_are_precomputed_behind_the_anchor_and_keyed_by_it(handle, tmp_path):
+    from kvrag.chunk import compute_chunk_kv
+
+    auto = KVRag(handle, cache_dir=tmp_path / "kv")
+    none = KVRag(handle, cache_dir=tmp_path / "kv", chunk_anchor="none")
+    bos = handle.tokenizer.bos_token_id
+    assert auto.anchor == [bos] and none.anchor == []
+    assert none.fingerprint == handle.fingerprint != auto.fingerprint
+    auto.precompute(DOCS[:1])
+    # Same store, other anchor: a miss (computed again), never the other one's K/V.
+    assert auto.is_cached(DOCS[0]) and not none.is_cached(DOCS[0])
+    none.precompute(DOCS[:1])
+    ids = auto.chunk_ids(DOCS[0])
+    ea = auto.store.get(auto.chunk_key(DOCS[0]), auto.fingerprint)
+    en = none.store.get(none.chunk_key(DOCS[0]), none.fingerprint)
+    assert ea.token_ids.tolist() == en.token_ids.tolist() == ids
+    ka, va = compute_chunk_kv(auto.arch, [ids], [bos])[0]
+    kn, vn = compute_chunk_kv(auto.arch, [ids])[0]
+    torch.testing.assert_close(ea.values.float(), va, atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(en.values.float(), vn, atol=2e-3, rtol=2e-3)
+    assert not torch.allclose(ea.values.float(), en.values.float(), atol=1e-2)
+    # Both answer a prompt from their own caches; ratio 1.0 is full prefill either way.
+    prompt = prompt_for(DOCS[:1])
+    full = auto.generate(prompt, policy="full_prefill", max_new_tokens=6)
+    for r in (auto, none):
+        out = r.generate(prompt, policy="cacheblend", recompute_ratio=1.0, max_new_tokens=6)
+        assert out.stats.chunks_hit == 1 and out.token_ids == full.token_ids
+    # An explicit anchor is its own cache.
+    other = KVRag(handle, cache_dir=tmp_path / "kv", chunk_anchor=[bos, bos])
+    assert other.fingerprint not in (auto.fingerprint, none.fingerprint) and not other.is_cached(DOCS[0])
+
+
+@pytest.mark.parametrize("bad", ["bogus", [-1], [10**9], [1.5]])
+def test_bad_chunk_anchor_is_a_clear_error(handle, tmp_path, bad):
+    with pytest.raises(ValueError, match="chunk_anchor"):
+        KVRag(handle, cache_dir=tmp_path / "kv", chunk_anchor=bad)
+
+
 def test_chat_messages_are_rendered(rag):
     rag.precompute(DOCS)
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": prompt_for(DOCS)}]

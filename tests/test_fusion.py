@@ -45,6 +45,30 @@ def test_chunk_prefill_matches_model(model_type):
 
 
 @pytest.mark.parametrize("model_type", list(CONFIGS))
+def test_chunk_prefill_behind_anchor_matches_model(model_type):
+    """With an anchor, each packed chunk's K/V are the model's own for ``anchor + chunk`` read
+    alone, minus the anchor rows (values at positions len(anchor).., keys position-free)."""
+    model = tiny(model_type)
+    arch = Arch(model)
+    g = torch.Generator().manual_seed(4)
+    anchor, a, b = rand_ids(2, g), rand_ids(9, g), rand_ids(14, g)
+    packed = compute_chunk_kv(arch, [a, b], anchor)
+    plain = compute_chunk_kv(arch, [a])[0]
+    for ids, (k_pre, v) in zip([a, b], packed):
+        assert k_pre.shape[2] == v.shape[2] == len(ids)
+        with torch.no_grad():
+            cache = model(torch.tensor([anchor + ids]), use_cache=True).past_key_values
+        pos = torch.arange(2, 2 + len(ids))
+        for layer in range(arch.n_layers):
+            torch.testing.assert_close(v[layer], cache.layers[layer].values[0][:, 2:], atol=1e-5, rtol=1e-4)
+            k_rot = arch.rotate(k_pre[layer], pos)
+            torch.testing.assert_close(k_rot, cache.layers[layer].keys[0][:, 2:], atol=1e-5, rtol=1e-4)
+    # The anchor changes what the chunk's deeper layers hold (layer 0 keys depend on the token only).
+    torch.testing.assert_close(packed[0][0][0], plain[0][0], atol=1e-5, rtol=1e-4)
+    assert not torch.allclose(packed[0][1][-1], plain[1][-1], atol=1e-3)
+
+
+@pytest.mark.parametrize("model_type", list(CONFIGS))
 @pytest.mark.parametrize("policy", ["cacheblend"])
 def test_ratio_one_equals_full_prefill(model_type, policy):
     model = tiny(model_type)

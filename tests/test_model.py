@@ -200,6 +200,22 @@ def test_encode_and_prefix_ids():
     assert hb.encode("Hello world") == ids
 
 
+def test_anchor_ids_bos_then_chat_template_then_none():
+    h = tiny_llama(seed=0)
+    tok = smollm2_tokenizer()
+    im_start = tok.convert_tokens_to_ids("<|im_start|>")
+    # SmolLM2 declares <|im_start|> as its BOS (and its chat prompts start with it).
+    assert tok.bos_token_id == im_start
+    assert ModelHandle.from_objects(h.model, tok).anchor_ids() == [im_start]
+    # No BOS (Qwen2-style): the chat template's first token.
+    tok.bos_token = None
+    assert tok.bos_token_id is None
+    assert ModelHandle.from_objects(h.model, tok).anchor_ids() == [im_start]
+    # Neither: no anchor.
+    tok.chat_template = None
+    assert ModelHandle.from_objects(h.model, tok).anchor_ids() == []
+
+
 # ---- errors ---------------------------------------------------------------------------------
 def test_missing_path_is_a_clear_error(tmp_path):
     missing = tmp_path / "no-such-model"

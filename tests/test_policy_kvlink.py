@@ -92,21 +92,22 @@ def test_link_tokens_see_every_earlier_document_and_documents_stay_local():
 
 
 @pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "qwen3"])
-def test_fused_prefill_equals_the_training_forward_with_the_kvlink_mask(model_type):
+@pytest.mark.parametrize("anchor", [(), (7, 9)])
+def test_fused_prefill_equals_the_training_forward_with_the_kvlink_mask(model_type, anchor):
     # The engine (cached documents + link tokens computed at query time) and the training
     # forward (one pass with the paper's mask) must be the same function, or training would
-    # optimise something inference does not run.
+    # optimise something inference does not run -- also when chunks are cached behind an anchor.
     arch = Arch(tiny(model_type))
     segs = _segments(1)
     links = torch.randn(4, 3, arch.hidden_size, generator=torch.Generator().manual_seed(2)) * 0.2
     model = arch.model
     setattr(model, ADAPTER_ATTR, SimpleNamespace(link_tokens=3, links_for=lambda i: links[min(i, 3)]))
     try:
-        _, res = _run(arch, segs, get_policy("kvlink", mode="trained"))
+        _, res = _run(arch, segs, get_policy("kvlink", mode="trained"), pieces_for(arch, segs, anchor))
     finally:
         delattr(model, ADAPTER_ATTR)
     q = segs[-1][0]
-    sample = build_sample(segs[:-1] + [(q[:-1], False)], [q[-1]], 3, 4)
+    sample = build_sample(segs[:-1] + [(q[:-1], False)], [q[-1]], 3, 4, anchor)
     with torch.no_grad():
         ref = arch.logits(forward_hidden(arch, sample, links)[-1:])[0]
     torch.testing.assert_close(res.logits, ref, atol=1e-4, rtol=1e-4)
@@ -248,7 +249,7 @@ def test_trained_kvrag_uses_the_adapted_fingerprint_and_changes_outputs(handle, 
     base = KVRag(handle, cache_dir=tmp_path / "kv", policy="kvlink")
     rag = KVRag(handle, cache_dir=tmp_path / "kv", policy="kvlink", kvlink_adapter=str(trained.out))
     assert rag.fingerprint != base.fingerprint
-    assert rag.fingerprint == apply_adapter(handle, trained.out).fingerprint
+    assert rag.handle.fingerprint == apply_adapter(handle, trained.out).fingerprint
     # Same store, but the base model's chunk caches are not the adapted model's.
     base.precompute(docs)
     assert all(base.is_cached(d) for d in docs) and not any(rag.is_cached(d) for d in docs)
@@ -282,15 +283,16 @@ def test_links_only_distill_adapter_keeps_fingerprint_and_is_found_by_auto(handl
     assert not (res.out / "adapter_model.safetensors").exists()
     rag = KVRag(handle, cache_dir=tmp_path / "kv", policy="kvlink", kvlink_adapter="auto")
     # The weights did not change, so neither do the fingerprint and the chunk caches.
-    assert rag.fingerprint == handle.fingerprint
+    assert rag.handle.fingerprint == handle.fingerprint
     assert rag.handle.model is not handle.model and getattr(handle.model, ADAPTER_ATTR, None) is None
     # The default (kvlink_adapter="links") applies a links-only adapter by itself ...
     default = KVRag(handle, cache_dir=tmp_path / "kv", policy="kvlink")
     assert getattr(default.handle.model, ADAPTER_ATTR) is not None
-    assert default.fingerprint == handle.fingerprint
-    # ... unless told not to.
+    assert default.handle.fingerprint == handle.fingerprint
+    # ... unless told not to; either way the chunk caches are shared.
     bare = KVRag(handle, cache_dir=tmp_path / "kv", kvlink_adapter=None)
     assert getattr(bare.handle.model, ADAPTER_ATTR, None) is None
+    assert bare.fingerprint == default.fingerprint
     with pytest.raises(KVLinkError, match="already holds a KVLink adapter"):
         train_kvlink(handle, cfg)
 
@@ -302,8 +304,8 @@ def test_default_never_applies_a_lora_adapter_by_itself(handle, trained, tmp_pat
     monkeypatch.setenv("KVRAG_HOME", str(tmp_path / "home"))
     shutil.copytree(trained.out, tmp_path / "home" / "kvlink" / adapter_key(handle))
     rag = KVRag(handle, cache_dir=tmp_path / "kv")
-    assert getattr(rag.handle.model, ADAPTER_ATTR, None) is None and rag.fingerprint == handle.fingerprint
-    assert KVRag(handle, cache_dir=tmp_path / "kv", kvlink_adapter="auto").fingerprint != handle.fingerprint
+    assert getattr(rag.handle.model, ADAPTER_ATTR, None) is None and rag.handle.fingerprint == handle.fingerprint
+    assert KVRag(handle, cache_dir=tmp_path / "kv", kvlink_adapter="auto").handle.fingerprint != handle.fingerprint
 
 
 def test_auto_without_adapter_raises(handle, tmp_path, monkeypatch):

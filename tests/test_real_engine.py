@@ -51,3 +51,32 @@ def test_reuse_is_served_from_cache(rag, corpus):
     assert s.chunks_hit == 3 and s.cached_tokens > 300
     assert 0.1 < s.recompute_fraction < 0.35  # layers 0-1 full + ~15% of the rest
     assert out.text.strip()
+
+
+def test_anchor_brings_naive_reuse_closer_to_full_prefill(rag, tmp_path):
+    """Chunks precomputed behind the model's sink token (the default) carry no spurious sinks:
+    on the real model, reusing them as they are deviates less from full prefill than reusing
+    chunks read alone from position 0 (mean KL over a 12-token answer, four synthetic prompts
+    of 4 passages x 150 tokens; measured 0.32 vs 0.41 nats)."""
+    import torch.nn.functional as F
+
+    from kvrag.bench import synthetic
+
+    alone = KVRag(rag.handle, cache_dir=tmp_path / "kv", chunk_anchor="none")
+    items = synthetic.generate(4, 7, n_passages=4, passage_tokens=150,
+                               count_tokens=lambda s: len(rag.handle.encode(s)))
+    kl = {"anchor": [], "alone": []}
+    for it in items:
+        docs = [c["text"] for c in it["ctxs"]]
+        rag.precompute(docs)
+        alone.precompute(docs)
+        msgs = rag_messages(docs, it["question"])
+        full = rag.generate(msgs, policy="full_prefill", max_new_tokens=12)
+        ref, _ = rag.continuation_logits(msgs, full.token_ids, policy="full_prefill")
+        for name, r in (("anchor", rag), ("alone", alone)):
+            got, stats = r.continuation_logits(msgs, full.token_ids, policy="naive_reuse")
+            assert stats.chunks_hit == 4
+            kl[name].append(F.kl_div(got.log_softmax(-1), ref.log_softmax(-1), log_target=True,
+                                     reduction="batchmean").item())
+    mean = {k: sum(v) / len(v) for k, v in kl.items()}
+    assert mean["anchor"] < 0.9 * mean["alone"], mean

@@ -341,8 +341,11 @@ def render_markdown(result: dict, files: dict, report_path: Path, assets: Path) 
     L.append(f"- devices: {', '.join(cfg['devices'])}; greedy decoding, at most {cfg['max_new_tokens']} new tokens, "
              f"stop at newline; TTFT repeats per example: {cfg['repeats']} (rotated policy order, after one untimed "
              "warm-up run of every policy)")
+    anchor = mi.get("chunk_anchor")
+    behind = (f"behind the anchor token(s) {anchor} (the model's attention sink, dropped after)" if anchor
+              else "alone from position 0 (no anchor)")
     L.append("- prompt: the model's chat template, system = fixed instruction, user = passages + question "
-             "(`kvrag.prompt.rag_messages`); each passage precomputed as one chunk before timing\n")
+             f"(`kvrag.prompt.rag_messages`); each passage precomputed as one chunk, {behind}, before timing\n")
     for err in meta.get("errors", []):
         L.append(f"- **scenario failed**: {err}")
 

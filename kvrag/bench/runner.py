@@ -72,6 +72,7 @@ class BenchConfig:
     model: str | None = None
     dtype: str = "float32"
     storage_dtype: str = "float16"
+    chunk_anchor: str = "auto"              # KVRag(chunk_anchor=...): "auto" or "none"
     seed: int = 0
     footprint: bool = True
     warmup: bool = True
@@ -590,7 +591,7 @@ class Bench:
         out = {"tokens": tokens, "layers": layers, "kv_heads": kv_heads, "head_dim": head_dim}
         for dt, nbytes in (("float32", 4), ("float16", 2)):
             with tempfile.TemporaryDirectory(prefix="kvrag-footprint-") as d:
-                r = KVRag(rag.handle, cache_dir=d, storage_dtype=dt)
+                r = KVRag(rag.handle, cache_dir=d, storage_dtype=dt, chunk_anchor=rag.anchor)
                 empty = dir_bytes(d)
                 r.precompute(texts)
                 used = dir_bytes(d) - empty
@@ -659,7 +660,8 @@ class Bench:
             self.model_info = {"name": getattr(mc, "_name_or_path", "") or cfg.model or "SmolLM2-135M-Instruct (default)",
                                "fingerprint": handle.fingerprint[:16], "layers": mc.num_hidden_layers,
                                "kv_heads": getattr(mc, "num_key_value_heads", None),
-                               "dtype": cfg.dtype, "storage_dtype": cfg.storage_dtype}
+                               "dtype": cfg.dtype, "storage_dtype": cfg.storage_dtype,
+                               "chunk_anchor": handle.anchor_ids() if cfg.chunk_anchor == "auto" else []}
             tmp = None
             cache_dir = cfg.cache_dir
             if cache_dir is None:
@@ -667,7 +669,8 @@ class Bench:
                 cache_dir = tmp.name
             try:
                 rag = KVRag(handle, cache_dir=Path(cache_dir) / device.replace(":", "_"),
-                            storage_dtype=cfg.storage_dtype, ingest_policies=[r.policy for r in self.runs])
+                            storage_dtype=cfg.storage_dtype, chunk_anchor=cfg.chunk_anchor,
+                            ingest_policies=[r.policy for r in self.runs])
                 self._add_untrained_kvlink(rag)
                 self._ensure_a2ats_codebooks(rag)
                 datasets = dict(self.datasets(rag))
