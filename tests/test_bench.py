@@ -186,6 +186,29 @@ def test_summary_speedup_is_median_of_per_example_ratios():
     assert rows["full_prefill"]["gold_ll_rel_gap"] == 0.0
 
 
+def test_qa_score_targets_show_the_answer_counts_they_rest_on():
+    from kvrag.bench.report import evaluate_targets
+
+    def rec(ex, label, acc):
+        return {"device": "cpu", "scenario": "qa", "dataset": "synthetic", "example_id": ex, "label": label,
+                "policy": label, "ttft_s": 1.0, "ttft_min": 1.0, "ttft_max": 1.0, "speedup": 1.0, "gold_acc": acc,
+                "error": None}
+
+    accs = {"full_prefill": [1, 1, 0], "a3": [1, 0, 0], "cacheblend": [0, 0, 0], "samkv": [1, 1, 0]}
+    recs = [rec(f"e{i}", label, a) for label, xs in accs.items() for i, a in enumerate(xs)]
+    summary = summarize(recs)
+    rows = {r["label"]: r for r in summary}
+    assert rows["a3"]["gold_acc_hits"] == 1 and rows["full_prefill"]["gold_acc_hits"] == 2
+    assert rows["a3"]["gold_acc_ratio"] == pytest.approx(0.5)
+    targets = evaluate_targets({"summary": summary, "meta": {"config": {"devices": ["cpu"]}}})
+    by = {(t["policy"], t["metric"]): t for t in targets if t["where"].startswith("QA")}
+    a3 = by[("a3", "gold accuracy relative to full_prefill's")]
+    assert a3["status"] == "FAIL" and a3["detail"] == "1/3 answered vs 2/3 by full_prefill"
+    assert by[("cacheblend", "gold accuracy relative to full_prefill's")]["detail"].startswith("0/3 answered")
+    assert by[("samkv", "gold accuracy loss vs full_prefill (points)")]["status"] == "PASS"
+    assert by[("samkv", "share of prompt KV kept")]["detail"] is None
+
+
 # ---- `kvrag bench --quick` end to end on the real model -------------------------------------
 QA_ITEMS = [
     {"question": "Which instrument does Mara Quill play?", "answers": ["the cello", "cello"],

@@ -185,3 +185,24 @@ def test_grouped_partial_attention_equals_one_masked_call(policy):
     torch.testing.assert_close(grouped.logits, single.logits, atol=1e-5, rtol=1e-5)
     for kg, ks in zip(grouped.K, single.K):
         torch.testing.assert_close(kg, ks, atol=1e-5, rtol=1e-5)
+
+
+def test_decode_cache_holds_the_fused_kv_without_copying_and_continues_exactly():
+    """HFStepper's cache takes the fused K/V tensors themselves (no TTFT copy), and decoding
+    from it gives the model's own logits for the continuation."""
+    from kvrag.decode import HFStepper
+
+    model = tiny()
+    arch = Arch(model)
+    ids = rand_ids(40, torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        out = model(torch.tensor([ids[:-2]]), use_cache=True)
+    past = out.past_key_values
+    K = [past.layers[i].keys[0].clone() for i in range(arch.n_layers)]
+    V = [past.layers[i].values[0].clone() for i in range(arch.n_layers)]
+    step = HFStepper(model, K, V, next_position=len(ids) - 2)
+    assert all(step.cache.layers[i].keys.data_ptr() == K[i].data_ptr() for i in range(arch.n_layers))
+    assert step.cache.get_seq_length() == len(ids) - 2
+    got = step.step(ids[-2:])
+    torch.testing.assert_close(got[-1], hf_logits(model, ids), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got[0], hf_logits(model, ids[:-1]), rtol=1e-4, atol=1e-4)

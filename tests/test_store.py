@@ -167,6 +167,23 @@ def test_missing_blob_file_is_detected_and_deleted(store, tmp_path, caplog):
     _corrupt_case(store, tmp_path, lambda p: p.unlink(), caplog)
 
 
+def test_blobs_tagged_with_sha256_by_older_stores_still_verify(store, tmp_path):
+    """Stores written before the CRC-32 tags hold sha256 hex tags: still read, still checked."""
+    import hashlib
+
+    e = make_entry(T=16)
+    key = put(store, e)
+    (path,) = blob_files(tmp_path)
+    data = path.read_bytes()
+    assert store._current_tag(key) == store_mod.checksum(data) and store._current_tag(key).startswith("crc32:")
+    store._blobs.set(key, data, tag=hashlib.sha256(data).hexdigest())
+    assert_same(e, store.get(key, FP_A))
+    # The same bytes under a wrong sha256 (a damaged legacy blob) are dropped, not served.
+    store._blobs.set(key, data, tag=hashlib.sha256(data + b"x").hexdigest())
+    assert store.get(key, FP_A) is None and key not in store and store.stats()["corrupt"] == 1
+    assert not store_mod.checksum_matches(data, "not-a-tag") and not store_mod.checksum_matches(data, None)
+
+
 def test_old_format_version_is_not_used(store, monkeypatch):
     e = make_entry()
     monkeypatch.setattr(store_mod, "CACHE_FORMAT_VERSION", CACHE_FORMAT_VERSION + 1)

@@ -94,8 +94,14 @@ def evaluate_targets(result: dict) -> list[dict]:
         val = row.get(what) if row else None
         op = _DESCR[what][1]
         ok = None if val is None else (val >= thr if op == ">=" else val <= thr)
+        detail = None
+        ref = _row(summary, device, scen, ds, REFERENCE) if scen else None
+        if what.startswith("gold_acc") and row and ref and row.get("gold_acc_hits") is not None \
+                and ref.get("gold_acc_hits") is not None:
+            detail = (f"{row['gold_acc_hits']:.0f}/{row['n']} answered vs "
+                      f"{ref['gold_acc_hits']:.0f}/{ref['n']} by {REFERENCE}")
         out.append({"where": where, "policy": label, "metric": _DESCR[what][0], "target": f"{op} {thr:g}",
-                    "measured": val, "prompt_tokens": row.get("prompt_tokens") if row else None,
+                    "measured": val, "detail": detail, "prompt_tokens": row.get("prompt_tokens") if row else None,
                     "status": "n/a" if ok is None else ("PASS" if ok else "FAIL")})
 
     where6 = f"~6k tokens ({scen6}/{ds6})" if ds6 else "~6k tokens (not run)"
@@ -351,7 +357,8 @@ def render_markdown(result: dict, files: dict, report_path: Path, assets: Path) 
 
     L.append("## Targets\n")
     rows = [[t["where"], f"`{t['policy']}`", t["metric"], t["target"],
-             _fmt(t["measured"], ".1%") if "gap" in t["metric"] else _fmt(t["measured"]),
+             (_fmt(t["measured"], ".1%") if "gap" in t["metric"] else _fmt(t["measured"]))
+             + (f" ({t['detail']})" if t.get("detail") else ""),
              _fmt(t.get("prompt_tokens"), ".0f"), f"**{t['status']}**"] for t in result["targets"]]
     L.append(_table(["where", "policy", "metric", "target", "measured", "prompt tokens", "status"], rows))
     L.append("\nSpeed-ups are the median over examples of full_prefill's TTFT divided by the policy's, both "

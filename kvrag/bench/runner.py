@@ -723,7 +723,7 @@ SUMMARY_FIELDS = [
     "gold_f1", "gold_em", "gold_acc", "fidelity_f1", "fidelity_em", "gold_nll", "gold_nll_delta", "gold_ll_rel_gap",
     "top1_agreement", "kl", "cached_tokens", "recomputed_tokens", "computed_tokens", "kept_tokens",
     "kept_fraction", "kv_read_fraction", "recompute_fraction", "bytes_loaded", "peak_mem_mb", "peak_mem_delta_mb",
-    "gold_f1_ratio", "gold_f1_loss_pts", "gold_acc_ratio", "gold_acc_loss_pts",
+    "gold_f1_ratio", "gold_f1_loss_pts", "gold_acc_ratio", "gold_acc_loss_pts", "gold_acc_hits",
 ]
 
 
@@ -745,6 +745,10 @@ def summarize(records: list[dict]) -> list[dict]:
                   "gold_nll_delta", "top1_agreement", "kl", "cached_tokens", "recomputed_tokens", "computed_tokens",
                   "kept_tokens", "kept_fraction", "kv_read_fraction", "recompute_fraction", "bytes_loaded"):
             row[k] = _mean([r.get(k) for r in ok])
+        # Answered items as a count: on a few dozen items a ratio of accuracies hides how few
+        # answers it rests on.
+        accs = [r["gold_acc"] for r in ok if r.get("gold_acc") is not None]
+        row["gold_acc_hits"] = sum(accs) if accs else None
         row["peak_mem_mb"] = max((r.get("peak_mem_mb") or 0.0 for r in ok), default=None)
         row["peak_mem_delta_mb"] = max((r.get("peak_mem_delta_mb") or 0.0 for r in ok), default=None)
         # Relative gap of the *mean* gold log-likelihood to full_prefill's mean on the same examples.
