@@ -129,8 +129,7 @@ class Arch:
         """Finish a layer for the active tokens.
 
         hidden [A, E] (residual input), q [H, A, D], keys/values [Hkv, N, D],
-        mask bool [A, N] (True = may attend; or already additive, 0 / -inf, in q's dtype)
-        -> new hidden [A, E]. ``causal=True`` (with
+        mask bool [A, N] (True = may attend) -> new hidden [A, E]. ``causal=True`` (with
         mask None, A == N) lets SDPA use its causal kernel, which skips the masked half.
 
         ``key_limits`` long [A], non-decreasing: row ``a`` attends to no key at or past
@@ -138,11 +137,6 @@ class Arch:
         masked blocks, so the rows are then attended in groups, each against only the key
         prefix it can see: for rows spread evenly over a prompt this roughly halves the
         attention work of a partial (recompute) layer."""
-        if mask is not None and mask.dtype == torch.bool:
-            # SDPA turns a bool mask into an additive one on every call (per row group here);
-            # converting once per layer is measurably cheaper (~10% of a partial layer's
-            # attention on CPU).
-            mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
         attn = self._sdpa_grouped(q, keys, values, mask, key_limits) if key_limits is not None \
             else self._sdpa(q, keys, values, mask, causal)
         block = self.layers[layer]
@@ -150,7 +144,7 @@ class Arch:
         return hidden + block.mlp(block.post_attention_layernorm(hidden))
 
     def _sdpa(self, q, keys, values, mask, causal=False) -> torch.Tensor:
-        """q [H, A, D], keys/values [Hkv, N, D], mask [A, N] (bool or additive) or None -> [A, H*D]."""
+        """q [H, A, D], keys/values [Hkv, N, D], mask bool [A, N] or None -> [A, H*D]."""
         out = F.scaled_dot_product_attention(
             q.unsqueeze(0),
             keys.unsqueeze(0).to(q.dtype),
