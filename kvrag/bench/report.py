@@ -95,11 +95,11 @@ def evaluate_targets(result: dict) -> list[dict]:
         op = _DESCR[what][1]
         ok = None if val is None else (val >= thr if op == ">=" else val <= thr)
         detail = None
-        ref = _row(summary, device, scen, ds, REFERENCE) if scen else None
-        if what.startswith("gold_acc") and row and ref and row.get("gold_acc_hits") is not None \
-                and ref.get("gold_acc_hits") is not None:
-            detail = (f"{row['gold_acc_hits']:.0f}/{row['n']} answered vs "
-                      f"{ref['gold_acc_hits']:.0f}/{ref['n']} by {REFERENCE}")
+        if what.startswith("gold_acc") and row and row.get("gold_acc_hits") is not None:
+            ref = _row(summary, device, scen, ds, REFERENCE)
+            if ref and ref.get("gold_acc_hits") is not None:
+                detail = (f"{row['gold_acc_hits']:.0f}/{row['n']} answered vs "
+                          f"{ref['gold_acc_hits']:.0f}/{ref['n']} by {REFERENCE}")
         out.append({"where": where, "policy": label, "metric": _DESCR[what][0], "target": f"{op} {thr:g}",
                     "measured": val, "detail": detail, "prompt_tokens": row.get("prompt_tokens") if row else None,
                     "status": "n/a" if ok is None else ("PASS" if ok else "FAIL")})
