@@ -352,6 +352,13 @@ def render_markdown(result: dict, files: dict, report_path: Path, assets: Path) 
               else "alone from position 0 (no anchor)")
     L.append("- prompt: the model's chat template, system = fixed instruction, user = passages + question "
              f"(`kvrag.prompt.rag_messages`); each passage precomputed as one chunk, {behind}, before timing\n")
+    ad = mi.get("kvlink_adapter")
+    if ad:
+        L.append(f"- `kvlink` runs **trained** with the KVLink adapter `{ad.get('path')}` ({ad.get('link_tokens')} link "
+                 f"tokens, {ad.get('steps')} training steps, "
+                 + ("LoRA weights: a model of its own with its own chunk caches; the reference and every other "
+                    "policy run on the base model" if ad.get("lora") else "link embeddings only, base weights")
+                 + "); `kvlink(mode=untrained)` beside it is the same policy without the adapter\n")
     for err in meta.get("errors", []):
         L.append(f"- **scenario failed**: {err}")
 

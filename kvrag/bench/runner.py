@@ -73,6 +73,10 @@ class BenchConfig:
     dtype: str = "float32"
     storage_dtype: str = "float16"
     chunk_anchor: str = "auto"              # KVRag(chunk_anchor=...): "auto" or "none"
+    # KVLink adapter of the trained ``kvlink`` runs: "links" (KVRag's default: a links-only
+    # adapter found for the model), "auto" (the adapter found, LoRA included), a directory, or
+    # "none". A LoRA adapter changes the model, so its runs get a KVRag of their own.
+    kvlink_adapter: str | None = "links"
     seed: int = 0
     footprint: bool = True
     warmup: bool = True
@@ -360,6 +364,17 @@ class Bench:
         self.footprint: dict = {}
         self.check: dict = {}
         self.model_info: dict = {}
+        # The KVRag of the trained kvlink runs when their adapter holds LoRA weights (a model
+        # of its own, with its own chunk caches); None: every run uses the base KVRag.
+        self.kvlink_rag = None
+
+    def rag_for(self, run: Run, rag):
+        """The KVRag ``run`` is measured on: trained ``kvlink`` runs on the LoRA-adapted model
+        when there is one, everything else (``full_prefill``, the reference, included) on the
+        base model ``rag``."""
+        if self.kvlink_rag is not None and run.policy == "kvlink" and run.params.get("mode", "auto") != "untrained":
+            return self.kvlink_rag
+        return rag
 
     # -- datasets --
     def datasets(self, rag) -> list[tuple[str, list[Example]]]:
@@ -400,16 +415,19 @@ class Bench:
 
         return rag_messages(ex.passages, ex.question)
 
-    def precompute(self, rag, texts: list[str], scenario: str) -> None:
-        todo = [t for t in dict.fromkeys(texts) if not rag.is_cached(t)]
-        if not todo:
-            return
-        tokens = sum(len(rag.chunk_ids(t)) for t in todo)
-        t0 = time.perf_counter()
-        rag.precompute(todo)
-        dt = time.perf_counter() - t0
-        self.precompute_log.append({"device": self.device, "scenario": scenario, "chunks": len(todo),
-                                    "tokens": tokens, "seconds": dt})
+    def precompute(self, rag, texts: list[str], scenario: str, runs: list[Run] | None = None) -> None:
+        """Precompute ``texts`` on every KVRag that ``runs`` (default: all) are measured on."""
+        rags = {id(r): r for r in (self.rag_for(run, rag) for run in (runs or self.runs))}
+        for r in rags.values():
+            todo = [t for t in dict.fromkeys(texts) if not r.is_cached(t)]
+            if not todo:
+                continue
+            tokens = sum(len(r.chunk_ids(t)) for t in todo)
+            t0 = time.perf_counter()
+            r.precompute(todo)
+            dt = time.perf_counter() - t0
+            self.precompute_log.append({"device": self.device, "scenario": scenario, "chunks": len(todo),
+                                        "tokens": tokens, "seconds": dt})
 
     def _base_record(self, scenario, dataset, ex: Example, run: Run) -> dict:
         return {
@@ -421,7 +439,8 @@ class Bench:
 
     def _timed(self, rag, msgs, run: Run, max_new: int) -> tuple[Any, PeakMemory]:
         with PeakMemory(self.device) as mem:
-            out = rag.generate(msgs, policy=run.policy, max_new_tokens=max_new, stop=STOP, **run.params)
+            out = self.rag_for(run, rag).generate(msgs, policy=run.policy, max_new_tokens=max_new, stop=STOP,
+                                                  **run.params)
         return out, mem
 
     def time_policies(self, rag, scenario, dataset, ex: Example, runs: list[Run], index: int,
@@ -507,7 +526,7 @@ class Bench:
             try:
                 # One prefill, both continuations (the decoder rewinds between them).
                 conts = [ans_ids[:-1]] + ([gold_ids] if gold_ids else [])
-                outs, _ = rag.continuations_logits(msgs, conts, policy=run.policy, **run.params)
+                outs, _ = self.rag_for(run, rag).continuations_logits(msgs, conts, policy=run.policy, **run.params)
                 rows = outs[0][: len(ans_ids)]
                 if gold_ids:
                     rec["gold_ll"] = M.mean_logprob(outs[1], gold_ids)
@@ -572,7 +591,7 @@ class Bench:
                                    for p in self.sweep_policies for r in cfg.sweep_ratios]
         self.say(f"[{self.device}] sweep on {name}: {len(examples)} examples x {len(runs) - 1} (policy, ratio)")
         for i, ex in enumerate(examples):
-            self.precompute(rag, ex.passages, f"sweep/{name}")
+            self.precompute(rag, ex.passages, f"sweep/{name}", runs)
             t0 = time.perf_counter()
             recs = self.time_policies(rag, "sweep", name, ex, runs, i, 1, cfg.max_new_tokens)
             self.quality(rag, ex, recs, runs)
@@ -609,7 +628,8 @@ class Bench:
         self.precompute_log = [p for p in self.precompute_log if p["scenario"] != "warmup"]
         for run in self.runs:
             try:
-                rag.generate(self.messages(short), policy=run.policy, max_new_tokens=2, stop=STOP, **run.params)
+                self.rag_for(run, rag).generate(self.messages(short), policy=run.policy, max_new_tokens=2, stop=STOP,
+                                                **run.params)
             except Exception as e:  # noqa: BLE001 - the timed run records it
                 log.debug("warm-up of %s failed: %s", run.label, e)
 
@@ -627,12 +647,43 @@ class Bench:
         _, path = cal.calibrate(rag.handle)
         self.model_info["a2ats_calibration"] = {"path": str(path), "seconds": time.perf_counter() - t0}
 
+    def _make_rags(self, handle, cache_dir: Path):
+        """The base KVRag, and (when the configured KVLink adapter holds LoRA weights) the
+        adapted one of the trained ``kvlink`` runs, in ``self.kvlink_rag``."""
+        from kvrag.engine import KVRag
+        from kvrag.kvlink_train import KVLinkError, find_adapter, load_adapter
+
+        cfg = self.cfg
+        kw = dict(storage_dtype=cfg.storage_dtype, chunk_anchor=cfg.chunk_anchor)
+        adapter = cfg.kvlink_adapter
+        if adapter is None or adapter == "none":
+            base_adapter, lora = None, None
+        elif adapter == "links":
+            base_adapter, lora = "links", None
+        else:
+            path = find_adapter(handle) if adapter == "auto" else adapter
+            if path is None:
+                raise KVLinkError("--kvlink-adapter auto: no KVLink adapter for this model; "
+                                  "train one with `kvrag train kvlink`")
+            ad = load_adapter(path)
+            # A links-only adapter leaves the weights (and full_prefill) alone: it can ride on
+            # the base KVRag. LoRA weights would change the reference too.
+            base_adapter, lora = (None, ad) if ad.has_lora else (ad, None)
+        rag = KVRag(handle, cache_dir=cache_dir, kvlink_adapter=base_adapter,
+                    ingest_policies=[r.policy for r in self.runs], **kw)
+        self.kvlink_rag = None
+        if lora is not None and any(r.policy == "kvlink" for r in self.runs):
+            # Same store directory: the adapted model's fingerprint keeps its chunks apart.
+            self.kvlink_rag = KVRag(handle, cache_dir=cache_dir, kvlink_adapter=lora,
+                                    ingest_policies=["kvlink"], **kw)
+        return rag
+
     def _add_untrained_kvlink(self, rag) -> None:
         """With a KVLink adapter loaded, ``kvlink`` runs trained; add its untrained variant
-        beside it so the report shows what the training bought."""
+        (on the base model) beside it so the report shows what the training bought."""
         from kvrag.policies.kvlink import ADAPTER_ATTR
 
-        adapter = getattr(rag.handle.model, ADAPTER_ATTR, None)
+        adapter = getattr((self.kvlink_rag or rag).handle.model, ADAPTER_ATTR, None)
         if adapter is None:
             return
         self.model_info["kvlink_adapter"] = {
@@ -645,7 +696,6 @@ class Bench:
 
     def run(self) -> dict:
         """Every scenario on every device; returns the result (records, summary, meta)."""
-        from kvrag.engine import KVRag
         from kvrag.model import ModelHandle
 
         cfg = self.cfg
@@ -668,9 +718,7 @@ class Bench:
                 tmp = tempfile.TemporaryDirectory(prefix="kvrag-bench-")
                 cache_dir = tmp.name
             try:
-                rag = KVRag(handle, cache_dir=Path(cache_dir) / device.replace(":", "_"),
-                            storage_dtype=cfg.storage_dtype, chunk_anchor=cfg.chunk_anchor,
-                            ingest_policies=[r.policy for r in self.runs])
+                rag = self._make_rags(handle, Path(cache_dir) / device.replace(":", "_"))
                 self._add_untrained_kvlink(rag)
                 self._ensure_a2ats_codebooks(rag)
                 datasets = dict(self.datasets(rag))

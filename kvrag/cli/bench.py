@@ -72,6 +72,10 @@ def register(sub) -> None:
     g.add_argument("--chunk-anchor", default="auto", choices=("auto", "none"),
                    help="precompute chunks behind the model's attention-sink token (auto, the default) "
                         "or alone from position 0 (none)")
+    g.add_argument("--kvlink-adapter", default="links", metavar="links|auto|none|DIR",
+                   help="KVLink adapter of the trained kvlink runs (default 'links': a links-only adapter found for "
+                        "the model); an adapter with LoRA weights gets a model of its own, the reference and every "
+                        "other policy stay on the base model")
     g.add_argument("--cache-dir", help="KV store directory (default: a temporary one, deleted afterwards)")
     g.add_argument("--out", required=True, metavar="DIR", help="output directory (results.json, CSVs, plots)")
     g.add_argument("--report", metavar="FILE", help="markdown report path (default: DIR/benchmarks.md); plots "
@@ -122,10 +126,10 @@ def command_line(args) -> str:
     for opt in ("data", "synthetic", "limit", "passages", "seed", "policies", "repeats", "max_new_tokens",
                 "kl_positions", "scaling", "chunks", "chunk_tokens", "sweep_policies", "sweep_ratios", "sweep_limit",
                 "sweep_data", "synthetic_passages", "synthetic_passage_tokens", "check_items", "model", "device", "dtype",
-                "storage_dtype", "chunk_anchor", "cache_dir", "out", "report"):
+                "storage_dtype", "chunk_anchor", "kvlink_adapter", "cache_dir", "out", "report"):
         v = getattr(args, opt, None)
         if v is None or v is False or (opt == "synthetic" and not v) or (opt == "sweep_data" and v == "synthetic") \
-                or (opt == "chunk_anchor" and v == "auto"):
+                or (opt == "chunk_anchor" and v == "auto") or (opt == "kvlink_adapter" and v == "links"):
             continue
         parts += [f"--{opt.replace('_', '-')}", str(v)]
     for prm in args.param:
@@ -176,7 +180,8 @@ def config_from_args(args):
             sweep_data=args.sweep_data, synthetic_passages=pick("synthetic_passages"),
             synthetic_passage_tokens=pick("synthetic_passage_tokens"), check_items=pick("check_items"),
             devices=list(dict.fromkeys(devices)) or ["cpu"], model=args.model, dtype=args.dtype,
-            storage_dtype=args.storage_dtype, chunk_anchor=args.chunk_anchor, seed=args.seed, footprint=not args.no_footprint,
+            storage_dtype=args.storage_dtype, chunk_anchor=args.chunk_anchor,
+            kvlink_adapter=args.kvlink_adapter, seed=args.seed, footprint=not args.no_footprint,
             warmup=not args.no_warmup, cache_dir=args.cache_dir, report=args.report, command=command_line(args),
             quick=args.quick,
         )
