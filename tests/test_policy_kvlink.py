@@ -355,7 +355,7 @@ def test_cli_train_kvlink(handle, data_file, tmp_path, capsys):
 
 
 def test_bench_measures_a_lora_adapter_on_its_own_model_against_the_base_reference(
-        handle, trained, tmp_path, monkeypatch):
+        handle, trained, tmp_path, monkeypatch, capsys):
     """`kvrag bench --kvlink-adapter DIR` with LoRA weights: trained kvlink runs on the adapted
     model (its own chunk caches), full_prefill and the untrained variant on the base model."""
     from kvrag.bench.runner import STOP, examples_from_items
@@ -400,6 +400,11 @@ def test_bench_measures_a_lora_adapter_on_its_own_model_against_the_base_referen
     la, _ = adapted.continuation_logits(msgs, [], policy="kvlink")
     lb, _ = base.continuation_logits(msgs, [], policy="kvlink", mode="untrained")
     assert not torch.allclose(la, lb, atol=1e-3)
+    # A wrong adapter path is named before any model is loaded.
+    monkeypatch.setattr(ModelHandle, "load", lambda *a, **k: pytest.fail("model loaded"))
+    capsys.readouterr()
+    assert main(["bench", "--synthetic", "1", "--kvlink-adapter", str(tmp_path / "nope"), "--out", str(out)]) == 2
+    assert "nope is not a KVLink adapter directory" in capsys.readouterr().err
 
 
 # ---- the real model ----------------------------------------------------------------------

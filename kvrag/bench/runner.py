@@ -356,6 +356,10 @@ class Bench:
             fields = {f.name for f in dataclasses.fields(get_policy(p).params)}
             if "recompute_ratio" not in fields:
                 raise ValueError(f"sweep policy {p!r} has no recompute_ratio parameter")
+        if cfg.kvlink_adapter not in (None, "none", "links", "auto"):
+            from kvrag.kvlink_train import load_adapter
+
+            load_adapter(cfg.kvlink_adapter)  # a wrong path must not cost a model load either
         # Read and check the data file now: a typo must not cost a model load.
         self.data_examples = (load_examples(cfg.data, limit=cfg.limit, passages=cfg.passages,
                                             passage_words=cfg.passage_words) if cfg.data else None)
