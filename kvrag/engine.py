@@ -101,11 +101,14 @@ class KVRag:
     the store already has (16 GiB for a new one).
     ingest_policies: policies whose per-chunk extras are computed at precompute time.
     kvlink_adapter: ``"auto"`` or a directory: load the model with a KVLink adapter (trained
-    link tokens, maybe a LoRA merged into a copy of the model, with its own fingerprint).
-    The default ``"links"`` applies only a *links-only* adapter found for this model (one in
-    the package's adapter directory, or one ``kvrag train kvlink --lora-rank 0`` wrote): it
-    leaves the weights, the fingerprint and every other policy unchanged, so ``kvlink`` runs
-    trained whenever such an adapter exists (none ships today). None: no adapter.
+    link tokens, maybe a LoRA merged into a copy of the model, with its own fingerprint and
+    so its own chunk caches). The default ``"default"`` applies the adapter found for this
+    model (``$KVRAG_HOME/kvlink/<key>/``, then the one shipped in ``kvrag/assets/kvlink/``)
+    when it can be applied without surprise: a *links-only* adapter always (it changes no
+    weight, fingerprint or other policy), one with LoRA weights only when ``policy`` is
+    ``"kvlink"`` (a KVRag built for KVLink runs the KVLink model; one built for another
+    policy keeps the base model, and its per-call ``kvlink`` runs untrained). ``"links"``:
+    links-only adapters only. None: no adapter.
     chunk_anchor: token ids every chunk is precomputed behind (and which are then dropped):
     ``"auto"`` = the model's attention-sink token (``ModelHandle.anchor_ids``: BOS, or the
     chat template's first token), ``"none"`` = chunks read alone from position 0, or a list
@@ -124,18 +127,19 @@ class KVRag:
         ingest_policies: Sequence[str | Policy] = (),
         query_tokens: int | None = None,
         refresh_s: float = 2.0,
-        kvlink_adapter: str | os.PathLike | None = "links",
+        kvlink_adapter: str | os.PathLike | None = "default",
         chunk_anchor: str | Sequence[int] = "auto",
         **policy_params,
     ) -> None:
+        pol = get_policy(policy, **policy_params)  # bad parameters fail before a model load
         self.handle = model if isinstance(model, ModelHandle) else ModelHandle.load(model, dtype=dtype, device=device)
         if kvlink_adapter is not None:
             # A KVLink adapter ("auto" or a directory) may hold LoRA weights that change every
             # K/V: the adapted model is a copy with its own fingerprint (kvrag.kvlink_train).
-            from kvrag.kvlink_train import apply_adapter, links_only_adapter
+            from kvrag.kvlink_train import apply_adapter, default_adapter
 
-            if isinstance(kvlink_adapter, str) and kvlink_adapter == "links":
-                found = links_only_adapter(self.handle)
+            if isinstance(kvlink_adapter, str) and kvlink_adapter in ("default", "links"):
+                found = default_adapter(self.handle, allow_lora=kvlink_adapter == "default" and pol.name == "kvlink")
                 if found is not None:
                     self.handle = apply_adapter(self.handle, found)
             else:
@@ -151,7 +155,7 @@ class KVRag:
         if storage_dtype not in STORAGE_DTYPES:
             raise ValueError(f"storage_dtype must be one of {sorted(STORAGE_DTYPES)}, got {storage_dtype!r}")
         self.storage_dtype = STORAGE_DTYPES[storage_dtype]
-        self.policy = get_policy(policy, **policy_params)
+        self.policy = pol
         self.ingest_policies = [get_policy(p) for p in ingest_policies]
         self.engine = FusionEngine(self.arch)
         self.segmenter = Segmenter()

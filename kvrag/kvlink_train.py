@@ -101,11 +101,11 @@ def find_adapter(handle: ModelHandle) -> Path | None:
     return None
 
 
-def links_only_adapter(handle: ModelHandle) -> "KVLinkAdapter | None":
-    """The links-only adapter :func:`find_adapter` finds for ``handle``, or None: none found,
-    one with LoRA weights (it would change the model for every policy, so it is applied only
-    on request), the model already carries one, or it cannot be read (logged, not raised: the
-    caller did not ask for it)."""
+def default_adapter(handle: ModelHandle, allow_lora: bool = False) -> "KVLinkAdapter | None":
+    """The adapter :func:`find_adapter` finds for ``handle``, or None: none found, one with
+    LoRA weights while ``allow_lora`` is False (LoRA changes the model for every policy, so
+    only a caller that runs KVLink asks for it), the model already carries one, or it cannot be
+    read (logged, not raised: the caller did not name it)."""
     if getattr(handle.model, ADAPTER_ATTR, None) is not None:
         return None
     path = find_adapter(handle)
@@ -116,7 +116,7 @@ def links_only_adapter(handle: ModelHandle) -> "KVLinkAdapter | None":
     except KVLinkError as e:
         log.warning("ignoring the KVLink adapter in %s: %s", path, e)
         return None
-    if ad.has_lora or ad.meta.get("base_key") != adapter_key(handle):
+    if (ad.has_lora and not allow_lora) or ad.meta.get("base_key") != adapter_key(handle):
         return None
     if ad.links.shape[2] != handle.model.config.hidden_size:
         log.warning("ignoring the KVLink adapter in %s: link width %d != hidden size %d", path,

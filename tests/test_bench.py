@@ -229,7 +229,7 @@ def test_quick_bench_end_to_end_on_smollm2(tmp_path, monkeypatch):
     from kvrag.cli import main
     from kvrag.model import ModelHandle
 
-    monkeypatch.setenv("KVRAG_HOME", str(tmp_path / "home"))  # no trained adapter / codebook leaks in
+    monkeypatch.setenv("KVRAG_HOME", str(tmp_path / "home"))  # only shipped adapters; no codebook leaks in
     data = tmp_path / "qa.json"
     data.write_text(json.dumps(QA_ITEMS), encoding="utf-8")
     out = tmp_path / "out"
@@ -240,8 +240,12 @@ def test_quick_bench_end_to_end_on_smollm2(tmp_path, monkeypatch):
     records = json.loads((out / "results.json").read_text())
     qa = [r for r in records if r["scenario"] == "qa"]
     assert {r["policy"] for r in qa} == {"full_prefill", *policies.split(",")}
-    assert len([r for r in qa if r["dataset"] == "qa"]) == 2 * 7 and not [r for r in qa if r["error"]]
-    assert len([r for r in qa if r["dataset"] == "synthetic"]) == 7
+    # The KVLink adapter shipped for SmolLM2 is picked up: trained kvlink runs on the adapted
+    # model, with its untrained variant beside it (8 runs per example).
+    assert {r["label"] for r in qa} == {"full_prefill", *policies.split(","), "kvlink(mode=untrained)"}
+    assert len([r for r in qa if r["dataset"] == "qa"]) == 2 * 8 and not [r for r in qa if r["error"]]
+    assert len([r for r in qa if r["dataset"] == "synthetic"]) == 8
+    assert json.loads((out / "summary.json").read_text())["meta"]["model"]["kvlink_adapter"]["lora"] is True
     for r in qa:
         assert RECORD_KEYS <= set(r), RECORD_KEYS - set(r)
         assert r["ttft_s"] > 0 and 0.0 <= r["gold_f1"] <= 1.0 and math.isfinite(r["gold_nll"])

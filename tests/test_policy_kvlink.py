@@ -298,15 +298,25 @@ def test_links_only_distill_adapter_keeps_fingerprint_and_is_found_by_auto(handl
         train_kvlink(handle, cfg)
 
 
-def test_default_never_applies_a_lora_adapter_by_itself(handle, trained, tmp_path, monkeypatch):
-    """A LoRA adapter changes the model for every policy: only an explicit request applies it."""
+def test_a_found_lora_adapter_applies_by_default_only_to_a_kvlink_kvrag(handle, trained, tmp_path, monkeypatch):
+    """A LoRA adapter changes the model for every policy: by default only a KVRag built for
+    kvlink gets it; one built for another policy keeps the base model (and its caches)."""
     import shutil
 
     monkeypatch.setenv("KVRAG_HOME", str(tmp_path / "home"))
     shutil.copytree(trained.out, tmp_path / "home" / "kvlink" / adapter_key(handle))
     rag = KVRag(handle, cache_dir=tmp_path / "kv")
     assert getattr(rag.handle.model, ADAPTER_ATTR, None) is None and rag.handle.fingerprint == handle.fingerprint
-    assert KVRag(handle, cache_dir=tmp_path / "kv", kvlink_adapter="auto").handle.fingerprint != handle.fingerprint
+    links = KVRag(handle, cache_dir=tmp_path / "kv", policy="kvlink", kvlink_adapter="links")
+    assert getattr(links.handle.model, ADAPTER_ATTR, None) is None
+    adapted = apply_adapter(handle, trained.out).fingerprint
+    assert KVRag(handle, cache_dir=tmp_path / "kv", kvlink_adapter="auto").handle.fingerprint == adapted
+    kv = KVRag(handle, cache_dir=tmp_path / "kv", policy="kvlink")
+    assert kv.handle.fingerprint == adapted and getattr(kv.handle.model, ADAPTER_ATTR).has_lora
+    # Per call on the base-model KVRag, kvlink runs untrained (the model carries no adapter).
+    prompt = [{"role": "user", "content": "\n\n".join(r["text"] for r in qa_rows()[0]["ctxs"][:2]) + "\n\nWhy?"}]
+    rag.precompute([r["text"] for r in qa_rows()[0]["ctxs"][:2]])
+    assert rag.generate(prompt, policy="kvlink", max_new_tokens=1).stats.inserted_tokens == 2 * 5
 
 
 def test_auto_without_adapter_raises(handle, tmp_path, monkeypatch):
@@ -431,3 +441,35 @@ def test_real_model_kvlink(tmp_path):
         trained.precompute(docs)
         t = trained.generate(msgs, max_new_tokens=12)
         assert t.text.strip() and t.stats.inserted_tokens == 3 * getattr(trained.handle.model, ADAPTER_ATTR).link_tokens
+
+
+@pytest.mark.real
+def test_shipped_adapter_brings_kvlink_closer_to_full_prefill(tmp_path, monkeypatch):
+    """The adapter in kvrag/assets is what KVRag(policy="kvlink") runs on the default model,
+    and on prompts it was not trained on (synthetic seed 7; training used seed 1000) its
+    next-token distributions are closer to the base model's full prefill than untrained
+    KVLink's."""
+    from kvrag.bench import synthetic
+    from kvrag.bench.runner import examples_from_items
+    from kvrag.kvlink_train import ASSETS_DIR
+    from kvrag.prompt import rag_messages
+
+    monkeypatch.setenv("KVRAG_HOME", str(tmp_path / "home"))  # only the shipped adapter can be found
+    base = KVRag(cache_dir=tmp_path / "kv", kvlink_adapter=None)
+    trained = KVRag(base.handle, cache_dir=tmp_path / "kv", policy="kvlink")
+    ad = getattr(trained.handle.model, ADAPTER_ATTR)
+    assert ad.path.parent == ASSETS_DIR and ad.has_lora and trained.fingerprint != base.fingerprint
+    items = synthetic.generate(3, 7, n_passages=4, passage_tokens=120, count_tokens=lambda s: len(base.handle.encode(s)))
+    kl_trained = kl_untrained = 0.0
+    for ex in examples_from_items(items, source="synthetic"):
+        msgs = rag_messages(ex.passages, ex.question)
+        base.precompute(ex.passages)
+        trained.precompute(ex.passages)
+        ans = base.generate(msgs, policy="full_prefill", max_new_tokens=8).token_ids
+        ref, _ = base.continuation_logits(msgs, ans[:-1], policy="full_prefill")
+        lt, st = trained.continuation_logits(msgs, ans[:-1], policy="kvlink")
+        lu, su = base.continuation_logits(msgs, ans[:-1], policy="kvlink", mode="untrained")
+        assert st.chunks_hit == su.chunks_hit == 4 and st.inserted_tokens == 4 * ad.link_tokens
+        kl_trained += M.next_token_agreement(ref, lt)[1]
+        kl_untrained += M.next_token_agreement(ref, lu)[1]
+    assert kl_trained < 0.8 * kl_untrained, (kl_trained, kl_untrained)

@@ -73,10 +73,11 @@ class BenchConfig:
     dtype: str = "float32"
     storage_dtype: str = "float16"
     chunk_anchor: str = "auto"              # KVRag(chunk_anchor=...): "auto" or "none"
-    # KVLink adapter of the trained ``kvlink`` runs: "links" (KVRag's default: a links-only
-    # adapter found for the model), "auto" (the adapter found, LoRA included), a directory, or
-    # "none". A LoRA adapter changes the model, so its runs get a KVRag of their own.
-    kvlink_adapter: str | None = "links"
+    # KVLink adapter of the trained ``kvlink`` runs: "default" (the adapter found for the model,
+    # if any: what ``KVRag(policy="kvlink")`` runs), "links" (links-only adapters only), "auto"
+    # (the adapter found; an error if none), a directory, or "none". A LoRA adapter changes the
+    # model, so its runs get a KVRag of their own.
+    kvlink_adapter: str | None = "default"
     seed: int = 0
     footprint: bool = True
     warmup: bool = True
@@ -356,7 +357,7 @@ class Bench:
             fields = {f.name for f in dataclasses.fields(get_policy(p).params)}
             if "recompute_ratio" not in fields:
                 raise ValueError(f"sweep policy {p!r} has no recompute_ratio parameter")
-        if cfg.kvlink_adapter not in (None, "none", "links", "auto"):
+        if cfg.kvlink_adapter not in (None, "none", "default", "links", "auto"):
             from kvrag.kvlink_train import load_adapter
 
             load_adapter(cfg.kvlink_adapter)  # a wrong path must not cost a model load either
@@ -655,21 +656,23 @@ class Bench:
         """The base KVRag, and (when the configured KVLink adapter holds LoRA weights) the
         adapted one of the trained ``kvlink`` runs, in ``self.kvlink_rag``."""
         from kvrag.engine import KVRag
-        from kvrag.kvlink_train import KVLinkError, find_adapter, load_adapter
+        from kvrag.kvlink_train import KVLinkError, default_adapter, find_adapter, load_adapter
 
         cfg = self.cfg
         kw = dict(storage_dtype=cfg.storage_dtype, chunk_anchor=cfg.chunk_anchor)
         adapter = cfg.kvlink_adapter
-        if adapter is None or adapter == "none":
-            base_adapter, lora = None, None
-        elif adapter == "links":
-            base_adapter, lora = "links", None
-        else:
+        ad = None
+        if adapter == "default":
+            ad = default_adapter(handle, allow_lora=True)
+        elif adapter not in (None, "none", "links"):
             path = find_adapter(handle) if adapter == "auto" else adapter
             if path is None:
                 raise KVLinkError("--kvlink-adapter auto: no KVLink adapter for this model; "
                                   "train one with `kvrag train kvlink`")
             ad = load_adapter(path)
+        if ad is None:
+            base_adapter, lora = ("links" if adapter == "links" else None), None
+        else:
             # A links-only adapter leaves the weights (and full_prefill) alone: it can ride on
             # the base KVRag. LoRA weights would change the reference too.
             base_adapter, lora = (None, ad) if ad.has_lora else (ad, None)

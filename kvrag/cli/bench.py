@@ -72,10 +72,11 @@ def register(sub) -> None:
     g.add_argument("--chunk-anchor", default="auto", choices=("auto", "none"),
                    help="precompute chunks behind the model's attention-sink token (auto, the default) "
                         "or alone from position 0 (none)")
-    g.add_argument("--kvlink-adapter", default="links", metavar="links|auto|none|DIR",
-                   help="KVLink adapter of the trained kvlink runs (default 'links': a links-only adapter found for "
-                        "the model); an adapter with LoRA weights gets a model of its own, the reference and every "
-                        "other policy stay on the base model")
+    g.add_argument("--kvlink-adapter", default="default", metavar="default|links|auto|none|DIR",
+                   help="KVLink adapter of the trained kvlink runs (default: the one found for the model, if any, "
+                        "as KVRag(policy='kvlink') loads it; links: links-only adapters only; none: untrained); an "
+                        "adapter with LoRA weights gets a model of its own, the reference and every other policy "
+                        "stay on the base model")
     g.add_argument("--cache-dir", help="KV store directory (default: a temporary one, deleted afterwards)")
     g.add_argument("--out", required=True, metavar="DIR", help="output directory (results.json, CSVs, plots)")
     g.add_argument("--report", metavar="FILE", help="markdown report path (default: DIR/benchmarks.md); plots "
@@ -129,7 +130,7 @@ def command_line(args) -> str:
                 "storage_dtype", "chunk_anchor", "kvlink_adapter", "cache_dir", "out", "report"):
         v = getattr(args, opt, None)
         if v is None or v is False or (opt == "synthetic" and not v) or (opt == "sweep_data" and v == "synthetic") \
-                or (opt == "chunk_anchor" and v == "auto") or (opt == "kvlink_adapter" and v == "links"):
+                or (opt == "chunk_anchor" and v == "auto") or (opt == "kvlink_adapter" and v == "default"):
             continue
         parts += [f"--{opt.replace('_', '-')}", str(v)]
     for prm in args.param:

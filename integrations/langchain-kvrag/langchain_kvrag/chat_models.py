@@ -114,7 +114,9 @@ class ChatKVRag(BaseChatModel):
     @model_validator(mode="after")
     def _build(self) -> "ChatKVRag":
         if self.rag is None:
-            self.rag = KVRag(self.model, cache_dir=self.cache_dir)
+            # The chat model's policy is also the KVRag's: a KVRag built for kvlink loads the
+            # KVLink model (trained adapter) where one exists for this model.
+            self.rag = KVRag(self.model, cache_dir=self.cache_dir, policy=self.policy)
         elif not isinstance(self.rag, KVRag):
             raise TypeError(f"rag must be a kvrag.engine.KVRag, got {type(self.rag).__name__}")
         elif self.model is not None or self.cache_dir is not None:

@@ -151,7 +151,10 @@ class KVRagLLM(LLM):
         **kwargs: Any,
     ) -> None:
         if rag is None:
-            rag = KVRag(model, cache_dir=cache_dir, **(rag_options or {}))
+            # The LLM's policy is also the KVRag's: a KVRag built for kvlink loads the KVLink
+            # model (trained adapter) where one exists for this model.
+            rag_options = {"policy": kwargs.get("policy", "cacheblend"), **(rag_options or {})}
+            rag = KVRag(model, cache_dir=cache_dir, **rag_options)
         elif model is not None or cache_dir is not None or rag_options:
             raise ValueError("pass either an existing `rag` or `model`/`cache_dir`/`rag_options`, not both")
         elif not isinstance(rag, KVRag):
