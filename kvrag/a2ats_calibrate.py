@@ -540,11 +540,11 @@ def collect_statistics(arch, sequences: Sequence[Sequence[int]], rope_offset: in
         hidden = arch.embed(torch.tensor(list(seq), dtype=torch.long))
         for layer in range(L):
             q, k, v, k_pre = arch.qkv(layer, hidden, cs)
-            qb = arch.rotate(q, None, cs_b).double().reshape(hkv, g * t, d)
+            qb = arch.rotate(q, None, cs_b, layer=layer).double().reshape(hkv, g * t, d)
             hsum[layer] += torch.matmul(qb.transpose(1, 2), qb)
             keys[layer].append(k_pre.float().cpu())
             if layer < L - 1:
-                hidden = arch.attend(layer, hidden, q, k, v, mask)
+                hidden = arch.attend(layer, hidden, q, k, v, arch.windowed(layer, mask, pos, pos))
         count += g * t
         if progress is not None:
             progress("tokens", t)

@@ -49,6 +49,37 @@ class Arch:
         self.n_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.n_heads
         self.hidden_size = cfg.hidden_size
         self.scaling = attn.scaling
+        # Per-layer attention facts the model's own forward honours, so kvrag's layer step must
+        # too: SmolLM3 leaves every 4th layer without RoPE (NoPE), and Mistral / Qwen2 / Qwen3 /
+        # SmolLM3 configs may give (some) layers a sliding window.
+        self.rope_layers = [bool(getattr(b.self_attn, "use_rope", True)) for b in self.layers]
+        self.windows = [self._sliding_window(b.self_attn) for b in self.layers]
+
+    def _sliding_window(self, attn) -> int | None:
+        """Keys a query of this layer sees (itself included), or None for full attention.
+        Qwen2/3 and SmolLM3 attention modules carry their own (None on full layers); Mistral
+        reads ``config.sliding_window`` for every layer; Llama has none."""
+        w = attn.sliding_window if hasattr(attn, "sliding_window") else getattr(self.config, "sliding_window", None)
+        return int(w) if w else None
+
+    def window_mask(self, layer: int, pos_q: torch.Tensor, pos_k: torch.Tensor) -> torch.Tensor | None:
+        """bool [A, N]: key (at ``pos_k`` [N]) lies inside the sliding window of the query (at
+        ``pos_q`` [A]) at ``layer`` — HF's ``kv_idx > q_idx - sliding_window`` —, or None
+        when the layer has no window or no query reaches past it (the common case: no cost)."""
+        w = self.windows[layer]
+        if w is None or pos_q.numel() == 0 or pos_k.numel() == 0:
+            return None
+        pos_k = pos_k.to(pos_q.device)
+        if int(pos_q.max()) - int(pos_k.min()) < w:
+            return None
+        return (pos_q[:, None] - pos_k[None, :]) < w
+
+    def windowed(self, layer: int, mask: torch.Tensor | None, pos_q: torch.Tensor, pos_k: torch.Tensor):
+        """``mask`` (bool [A, N] or None) restricted to the layer's sliding window, if any."""
+        w = self.window_mask(layer, pos_q, pos_k)
+        if w is None:
+            return mask
+        return w if mask is None else mask & w.to(mask.device)
 
     @property
     def device(self) -> torch.device:
@@ -67,14 +98,17 @@ class Arch:
         return cos[0], sin[0]
 
     def rotate(self, x: torch.Tensor, positions: torch.Tensor, cos_sin=None,
-               out: torch.Tensor | None = None) -> torch.Tensor:
+               out: torch.Tensor | None = None, layer: int | None = None) -> torch.Tensor:
         """Rotate pre-RoPE vectors ``x`` [..., P, D] to ``positions`` [P].
 
         RoPE is a rotation per frequency pair, so rotating a position-free key by ``p`` gives
         exactly the key the model computes at position ``p``; rotating by ``-p`` undoes it.
         ``out`` (same shape as ``x``, may be a strided view): written in place, without the
         temporaries of ``rotate_half`` — the fusion engine rotates every cached key of a
-        prompt (tens of MB) on the TTFT path."""
+        prompt (tens of MB) on the TTFT path. ``layer``: the layer ``x`` belongs to; on a NoPE
+        layer (no RoPE) the rotation is the identity."""
+        if layer is not None and not self.rope_layers[layer]:
+            return x if out is None else out.copy_(x)
         cos, sin = cos_sin if cos_sin is not None else self.cos_sin(positions)
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         if out is None:
@@ -110,9 +144,8 @@ class Arch:
             q = attn.q_norm(q)
             k = attn.k_norm(k)
         q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
-        cos, sin = cos_sin
-        q_rot = self.rotate(q, None, (cos, sin))
-        k_rot = self.rotate(k, None, (cos, sin))
+        q_rot = self.rotate(q, None, cos_sin, layer=layer)
+        k_rot = self.rotate(k, None, cos_sin, layer=layer)
         return q_rot, k_rot, v, k
 
     def attend(
@@ -144,12 +177,15 @@ class Arch:
         return hidden + block.mlp(block.post_attention_layernorm(hidden))
 
     def _sdpa(self, q, keys, values, mask, causal=False) -> torch.Tensor:
-        """q [H, A, D], keys/values [Hkv, N, D], mask bool [A, N] or None -> [A, H*D]."""
+        """q [H, A, D], keys/values [Hkv, N, D], mask bool [A, N], [H, A, N] (per query head)
+        or None -> [A, H*D]."""
+        if mask is not None:
+            mask = mask.unsqueeze(0) if mask.dim() == 3 else mask.unsqueeze(0).unsqueeze(0)
         out = F.scaled_dot_product_attention(
             q.unsqueeze(0),
             keys.unsqueeze(0).to(q.dtype),
             values.unsqueeze(0).to(q.dtype),
-            attn_mask=None if mask is None else mask.unsqueeze(0).unsqueeze(0),
+            attn_mask=mask,
             is_causal=causal and mask is None,
             scale=self.scaling,
             enable_gqa=self.n_heads != self.n_kv_heads,

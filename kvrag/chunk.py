@@ -58,7 +58,7 @@ def compute_chunk_kv(
         values.append(v)
         # The last layer's output is not needed: only its K/V are.
         if layer < arch.n_layers - 1:
-            hidden = arch.attend(layer, hidden, q, k, v, mask)
+            hidden = arch.attend(layer, hidden, q, k, v, arch.windowed(layer, mask, positions, positions))
     K = torch.stack(keys_pre)  # [L, Hkv, sum(a + T), D]
     V = torch.stack(values)
     out, start = [], 0

@@ -125,10 +125,33 @@ class HFStepper:
 class FusedStepper:
     """Continue with kvrag's layer step; ``policy.decode_select`` picks the slots to read."""
 
-    def __init__(self, arch: Arch, K, V, next_position: int, policy, state):
+    def __init__(self, arch: Arch, K, V, next_position: int, policy, state, positions=None):
+        """``positions``: of the cache rows, [M] or [L, Hkv, M] (``FusionResult.positions``;
+        None = 0..M-1); read only by the layers with a sliding window."""
         self.arch, self.policy, self.state = arch, policy, state
         self.K, self.V = list(K), list(V)
         self.pos = next_position
+        # Per-layer key positions [Hkv, M] for the sliding-window layers only.
+        self.kpos: dict[int, torch.Tensor] = {}
+        for layer, w in enumerate(arch.windows):
+            if w is not None:
+                if positions is None:
+                    positions = torch.arange(self.K[layer].shape[1])
+                p = positions[layer] if positions.dim() == 3 else positions.expand(self.K[layer].shape[0], -1)
+                self.kpos[layer] = p.to(self.K[layer].device).long()
+
+    def _window_mask(self, layer: int, idx) -> torch.Tensor | None:
+        """bool [H, 1, R] (True = inside the layer's sliding window) for the rows read, or None."""
+        if layer not in self.kpos:
+            return None
+        kp = self.kpos[layer]  # [Hkv, M]
+        if idx is not None:
+            kp = kp.gather(1, idx) if idx.dim() == 2 else kp[:, idx]
+        inside = (self.pos - kp) < self.arch.windows[layer]
+        if bool(inside.all()):
+            return None
+        group = self.arch.n_heads // self.arch.n_kv_heads
+        return inside.repeat_interleave(group, dim=0).unsqueeze(1)
 
     @torch.no_grad()
     def step(self, token_ids: Sequence[int], last_only: bool = False) -> torch.Tensor:
@@ -141,6 +164,9 @@ class FusedStepper:
                 q, k, v, _ = self.arch.qkv(layer, hidden, cs)
                 self.K[layer] = torch.cat([self.K[layer], k], dim=1)
                 self.V[layer] = torch.cat([self.V[layer], v], dim=1)
+                if layer in self.kpos:
+                    kp = self.kpos[layer]
+                    self.kpos[layer] = torch.cat([kp, kp.new_full((kp.shape[0], 1), self.pos)], dim=1)
                 idx = self.policy.decode_select(layer, q, self)
                 keys, vals = self.K[layer], self.V[layer]
                 if idx is not None and idx.dim() == 2:
@@ -149,7 +175,7 @@ class FusedStepper:
                     keys, vals = keys.gather(1, gather), vals.gather(1, gather)
                 elif idx is not None:
                     keys, vals = keys[:, idx], vals[:, idx]
-                hidden = self.arch.attend(layer, hidden, q, keys, vals, None)
+                hidden = self.arch.attend(layer, hidden, q, keys, vals, self._window_mask(layer, idx))
             rows.append(self.arch.logits(hidden)[0])
             self.pos += 1
         return torch.stack(rows)

@@ -295,7 +295,7 @@ class KVRag:
             res: FusionResult = self.engine.prefill(layout, pol, keep_state=pol.decode_select is not None)
             stats, logits = res.stats, res.logits
             if pol.decode_select is not None:
-                stepper = FusedStepper(self.arch, res.K, res.V, res.next_position, pol, res.state)
+                stepper = FusedStepper(self.arch, res.K, res.V, res.next_position, pol, res.state, res.positions)
             else:
                 stepper = HFStepper(self.handle.model, res.K, res.V, res.next_position)
             prompt_ids = layout.token_ids.tolist()

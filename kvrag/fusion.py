@@ -225,12 +225,15 @@ class FusionEngine:
         # -- at each layer before any attention reads it.
         K = torch.empty(L, hkv, n, d, dtype=dt, device=dev)
         V = torch.empty(L, hkv, n, d, dtype=dt, device=dev)
+        nope_layers = [layer for layer in range(L) if not arch.rope_layers[layer]]
         entries = {}
         for si, start, end in layout.spans(CACHED):
             e = layout.pieces[si].entry
             entries[si] = e
             k = e.keys.to(device=dev, dtype=dt)
             arch.rotate(k, None, (cos[start:end], sin[start:end]), out=K[:, :, start:end])
+            for layer in nope_layers:  # NoPE layers (SmolLM3) keep the position-free key
+                K[layer, :, start:end] = k[layer]
             V[:, :, start:end] = e.values.to(device=dev, dtype=dt)
 
         state = FusionState(
@@ -276,11 +279,12 @@ class FusionEngine:
                 keep_idx = state.keep.nonzero().squeeze(1)
             pos_q = positions[active]
             extra = policy.extra_mask(state, active)
-            if all_kept and extra is None and active.numel() == n:
+            key_pos = positions if all_kept else positions[keep_idx]
+            window = arch.window_mask(layer, pos_q, key_pos)
+            if all_kept and extra is None and window is None and active.numel() == n:
                 # Every token computed, nothing dropped: plain causal attention.
                 hidden = arch.attend(layer, hidden, q, state.K[layer], state.V[layer], None, causal=True)
                 continue
-            key_pos = positions if all_kept else positions[keep_idx]
             if all_kept:
                 keys, vals = state.K[layer], state.V[layer]
             else:
@@ -288,6 +292,8 @@ class FusionEngine:
             mask = pos_q[:, None] >= key_pos[None, :]
             if extra is not None:
                 mask = mask & (extra if all_kept else extra[:, keep_idx])
+            if window is not None:  # the layer's sliding window (Mistral, Qwen2/3 configs)
+                mask = mask & window
             # Active rows and key slots are both in prompt order, so each row's causal horizon
             # is a key prefix: the attention may skip what lies past it.
             limits = torch.searchsorted(key_pos, pos_q, right=True) if positions_sorted else None

@@ -470,10 +470,11 @@ def forward_hidden(arch: Arch, sample: Sample, links: torch.Tensor | None) -> to
     private = sample.private.to(dev) if sample.private is not None else None
     mask = kvlink_mask(sample.segment.to(dev), private)
     positions = sample.positions if sample.positions is not None else torch.arange(sample.n)
-    cs = arch.cos_sin(positions.to(dev))
+    positions = positions.to(dev)
+    cs = arch.cos_sin(positions)
     for layer in range(arch.n_layers):
         q, k, v, _ = arch.qkv(layer, hidden, cs)
-        hidden = arch.attend(layer, hidden, q, k, v, mask)
+        hidden = arch.attend(layer, hidden, q, k, v, arch.windowed(layer, mask, positions, positions))
     return hidden
 
 

@@ -14,7 +14,7 @@ import torch
 
 from kvrag.model import ModelHandle, default_tokenizer, resolve_dtype
 
-TINY_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+TINY_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm3")
 
 
 @functools.lru_cache(maxsize=1)
@@ -36,6 +36,7 @@ def _config_class(model_type: str):
         "mistral": transformers.MistralConfig,
         "qwen2": transformers.Qwen2Config,
         "qwen3": transformers.Qwen3Config,
+        "smollm3": transformers.SmolLM3Config,  # every 4th layer without RoPE (NoPE)
     }
     if model_type not in classes:
         raise ValueError(f"tiny_llama: model_type must be one of {', '.join(TINY_MODEL_TYPES)}, got {model_type!r}")

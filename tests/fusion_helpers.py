@@ -7,20 +7,29 @@ import transformers
 from kvrag.chunk import compute_chunk_kv
 from kvrag.fusion import CACHED, PLAIN, Piece
 
+# name -> (config class, extra config): every family, plus the per-layer attention variants the
+# engine must honour like the model's own forward does: a sliding window on every layer
+# (Mistral-7B-v0.1), on the upper layers only (Qwen2's max_window_layers), and SmolLM3's
+# NoPE layers (every 4th layer without RoPE; with 4 layers, layer 3).
 CONFIGS = {
-    "llama": transformers.LlamaConfig,
-    "mistral": transformers.MistralConfig,
-    "qwen2": transformers.Qwen2Config,
-    "qwen3": transformers.Qwen3Config,
+    "llama": (transformers.LlamaConfig, {}),
+    "mistral": (transformers.MistralConfig, {}),
+    "qwen2": (transformers.Qwen2Config, {}),
+    "qwen3": (transformers.Qwen3Config, {}),
+    "smollm3": (transformers.SmolLM3Config, {"pad_token_id": None, "bos_token_id": None, "eos_token_id": None}),
+    "mistral-window": (transformers.MistralConfig, {"sliding_window": 8}),
+    "qwen2-window": (transformers.Qwen2Config, {"use_sliding_window": True, "sliding_window": 8,
+                                                "max_window_layers": 2}),
 }
 
 
 def tiny(model_type="llama", seed=0):
     torch.manual_seed(seed)
-    cfg = CONFIGS[model_type](
+    cls, extra = CONFIGS[model_type]
+    cfg = cls(
         vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-        initializer_range=0.2, tie_word_embeddings=False, head_dim=16,
+        initializer_range=0.2, tie_word_embeddings=False, head_dim=16, **extra,
     )
     model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval()
     return model
@@ -47,3 +56,12 @@ def pieces_for(arch, segs, anchor=()):
 
 def rand_ids(n, g):
     return torch.randint(3, 512, (n,), generator=g).tolist()
+
+
+def assert_matches_hf_cache(K, V, cache, atol=1e-4, rtol=1e-4):
+    """Fused K/V (per layer [Hkv, N, D]) equal the model's own cache at every layer; a
+    sliding-window layer's HF cache holds only its last rows, compared with the fused tail."""
+    for layer, (k, v) in enumerate(zip(K, V)):
+        kept = cache.layers[layer].keys.shape[2]
+        torch.testing.assert_close(k[:, -kept:], cache.layers[layer].keys[0], atol=atol, rtol=rtol)
+        torch.testing.assert_close(v[:, -kept:], cache.layers[layer].values[0], atol=atol, rtol=rtol)

@@ -57,6 +57,32 @@ def test_policy_ratio_one_equals_full_prefill(rag):
     torch.testing.assert_close(lb, lf, atol=1e-3, rtol=1e-3)
 
 
+@pytest.mark.parametrize("model_type,overrides", [
+    ("mistral", {"sliding_window": 12}),  # every layer windowed (Mistral-7B-v0.1 style)
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 12, "max_window_layers": 2}),  # upper layers
+    ("smollm3", {}),  # layer 3 of 4 without RoPE
+])
+def test_window_and_nope_models_generate_like_the_model(tmp_path, model_type, overrides):
+    """Sliding windows and NoPE layers are honoured by the chunk prefill, the fused prefill and
+    decoding: full_prefill == transformers' generate, and every exact limit of a policy (the
+    whole prompt recomputed) generates the same tokens from the cache."""
+    h = tiny_llama(seed=0, model_type=model_type, **overrides)
+    assert (any(w for w in h.arch.windows) if overrides else not all(h.arch.rope_layers))
+    rag = KVRag(h, cache_dir=tmp_path / "kv")
+    rag.precompute(DOCS)
+    prompt = prompt_for(DOCS)
+    full = rag.generate(prompt, policy="full_prefill", max_new_tokens=12)
+    assert len(full.prompt_ids) > 12 * 4  # the window binds
+    assert full.token_ids == hf_greedy(h, full.prompt_ids, len(full.token_ids))
+    exact = [("cacheblend", {"recompute_ratio": 1.0}), ("a3", {"recompute_ratio": 1.0}),
+             ("epic", {"k_head": 10_000}),
+             ("samkv", {"recompute_ratio": 1.0, "keep_ratio": 1.0, "adaptive_p": False, "update": "overwrite"})]
+    for policy, params in exact:
+        out = rag.generate(prompt, policy=policy, max_new_tokens=12, **params)
+        assert out.stats.chunks_hit == 3, policy
+        assert out.token_ids == full.token_ids, policy
+
+
 def test_no_cached_chunk_takes_full_prefill_path(rag):
     prompt = prompt_for(DOCS)  # nothing precomputed
     full = rag.generate(prompt, policy="full_prefill", max_new_tokens=8)

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from fusion_helpers import CONFIGS, hf_logits, pieces_for, rand_ids, tiny
+from fusion_helpers import CONFIGS, assert_matches_hf_cache, hf_logits, pieces_for, rand_ids, tiny
 from kvrag.arch import Arch
 from kvrag.chunk import compute_chunk_kv
 from kvrag.fusion import FusionEngine, Layout
@@ -20,10 +20,10 @@ def test_rerotated_key_equals_key_at_position(model_type):
     prefix = rand_ids(7, g)
     with torch.no_grad():
         out = model(torch.tensor([prefix + ids]), use_cache=True)
-    k_true = out.past_key_values.layers[0].keys[0][:, 7:]  # [Hkv, T, D]
+    k_true = out.past_key_values.layers[0].keys[0][:, -12:]  # [Hkv, T, D] (or a window's last rows)
     k_pre, _ = compute_chunk_kv(arch, [ids])[0]
     k_rot = arch.rotate(k_pre[0], torch.arange(7, 19))
-    torch.testing.assert_close(k_rot, k_true, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(k_rot[:, -k_true.shape[1]:], k_true, atol=1e-5, rtol=1e-5)
     # Rotating back by the negative position recovers the position-free key.
     torch.testing.assert_close(arch.rotate(k_rot, -torch.arange(7, 19)), k_pre[0], atol=1e-5, rtol=1e-5)
 
@@ -39,9 +39,11 @@ def test_chunk_prefill_matches_model(model_type):
         with torch.no_grad():
             cache = model(torch.tensor([ids]), use_cache=True).past_key_values
         for layer in range(arch.n_layers):
-            torch.testing.assert_close(v[layer], cache.layers[layer].values[0], atol=1e-5, rtol=1e-4)
-            k_rot = arch.rotate(k_pre[layer], torch.arange(len(ids)))
-            torch.testing.assert_close(k_rot, cache.layers[layer].keys[0], atol=1e-5, rtol=1e-4)
+            k_rot = arch.rotate(k_pre[layer], torch.arange(len(ids)), layer=layer)
+            # A sliding-window layer's HF cache holds only its last window - 1 rows.
+            kept = cache.layers[layer].keys.shape[2]
+            torch.testing.assert_close(v[layer][:, -kept:], cache.layers[layer].values[0], atol=1e-5, rtol=1e-4)
+            torch.testing.assert_close(k_rot[:, -kept:], cache.layers[layer].keys[0], atol=1e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("model_type", list(CONFIGS))
@@ -60,9 +62,10 @@ def test_chunk_prefill_behind_anchor_matches_model(model_type):
             cache = model(torch.tensor([anchor + ids]), use_cache=True).past_key_values
         pos = torch.arange(2, 2 + len(ids))
         for layer in range(arch.n_layers):
-            torch.testing.assert_close(v[layer], cache.layers[layer].values[0][:, 2:], atol=1e-5, rtol=1e-4)
-            k_rot = arch.rotate(k_pre[layer], pos)
-            torch.testing.assert_close(k_rot, cache.layers[layer].keys[0][:, 2:], atol=1e-5, rtol=1e-4)
+            k_rot = arch.rotate(k_pre[layer], pos, layer=layer)
+            kept = min(len(ids), cache.layers[layer].keys.shape[2])  # sliding layers: the last rows
+            torch.testing.assert_close(v[layer][:, -kept:], cache.layers[layer].values[0][:, -kept:], atol=1e-5, rtol=1e-4)
+            torch.testing.assert_close(k_rot[:, -kept:], cache.layers[layer].keys[0][:, -kept:], atol=1e-5, rtol=1e-4)
     # The anchor changes what the chunk's deeper layers hold (layer 0 keys depend on the token only).
     torch.testing.assert_close(packed[0][0][0], plain[0][0], atol=1e-5, rtol=1e-4)
     assert not torch.allclose(packed[0][1][-1], plain[1][-1], atol=1e-3)
@@ -84,9 +87,7 @@ def test_ratio_one_equals_full_prefill(model_type, policy):
     # The fused cache equals the model's own cache at every layer.
     with torch.no_grad():
         cache = model(torch.tensor([all_ids]), use_cache=True).past_key_values
-    for layer in range(arch.n_layers):
-        torch.testing.assert_close(res.K[layer], cache.layers[layer].keys[0], atol=1e-4, rtol=1e-4)
-        torch.testing.assert_close(res.V[layer], cache.layers[layer].values[0], atol=1e-4, rtol=1e-4)
+    assert_matches_hf_cache(res.K, res.V, cache)
 
 
 def test_naive_reuse_is_exact_for_a_single_leading_chunk():

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from fusion_helpers import hf_logits, pieces_for, rand_ids, tiny
+from fusion_helpers import CONFIGS, hf_logits, pieces_for, rand_ids, tiny
 from kvrag.arch import Arch
 from kvrag.bench import metrics as M
 from kvrag.engine import KVRag
@@ -92,7 +92,7 @@ def test_link_tokens_see_every_earlier_document_and_documents_stay_local():
         assert layer == 0 or not torch.allclose(pert2.K[layer][:, link2], ref.K[layer][:, link2], atol=1e-4)
 
 
-@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("model_type", list(CONFIGS))
 @pytest.mark.parametrize("anchor", [(), (7, 9)])
 def test_fused_prefill_equals_the_training_forward_with_the_kvlink_mask(model_type, anchor):
     # The engine (cached documents + link tokens computed at query time) and the training

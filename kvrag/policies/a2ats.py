@@ -189,7 +189,7 @@ class A2ATS(Policy):
             rows = ((~cached) | (counts > layer)).nonzero().squeeze(1)
             if rows.numel():
                 k = state.K[layer][:, rows.to(state.K[layer].device)]
-                k_pre = arch.rotate(k, -positions[rows])
+                k_pre = arch.rotate(k, -positions[rows], layer=layer)
                 codes[layer][:, rows] = cb.codes_layer(layer, k_pre).long()
         stats["a2ats.codes_computed"] += int((~cached).sum())
         keep = state.keep.cpu().nonzero().squeeze(1)
@@ -223,7 +223,7 @@ class A2ATS(Policy):
             m0 = sc["m0"]
             pos = torch.where(rows < m0, sc["positions"][rows.clamp(max=max(m0 - 1, 0))], sc["next_position"] + rows - m0)
             k = stepper.K[layer][:, rows.to(stepper.K[layer].device)]
-            k_pre = stepper.arch.rotate(k, -pos)
+            k_pre = stepper.arch.rotate(k, -pos, layer=layer)
             new = sc["codebooks"].codes_layer(layer, k_pre).long()
             codes = torch.cat([codes, new], dim=1)
             sc["codes"][layer] = codes
@@ -258,7 +258,7 @@ class A2ATS(Policy):
         qpos = int(stepper.pos)
         if sc.get("qpos") != qpos:
             sc["qpos"], sc["cs_b"] = qpos, arch.cos_sin(torch.tensor([sc["rope_offset"] - qpos]))
-        qb = arch.rotate(q[:, 0].float(), None, sc["cs_b"]).cpu()  # [H, D]
+        qb = arch.rotate(q[:, 0].float(), None, sc["cs_b"], layer=layer).cpu()  # [H, D]
         g = qb.shape[0] // hkv
         table = torch.matmul(qb.view(hkv, g, d), cb.codebook[layer].transpose(1, 2))  # [Hkv, G, C]
         u = table.gather(2, codes[:, None, :].expand(-1, g, -1))  # [Hkv, G, n_cand] eq. 21

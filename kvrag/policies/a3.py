@@ -136,14 +136,16 @@ class A3(Policy):
         # how the true q/k at the score layer are obtained.
         return torch.ones(state.layout.n, dtype=torch.bool)
 
-    def question_attention(self, state, q_obs: torch.Tensor, keys: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """Softmax attention of question rows. q_obs [H, Q, D], keys [Hkv, N, D], rows [Q]
-        (token indices of the question rows) -> probs [H, Q, N] (causal in global positions,
-        restricted to ``state.keep``)."""
+    def question_attention(self, state, layer: int, q_obs: torch.Tensor, keys: torch.Tensor,
+                           rows: torch.Tensor) -> torch.Tensor:
+        """Softmax attention of question rows at ``layer``. q_obs [H, Q, D], keys [Hkv, N, D],
+        rows [Q] (token indices of the question rows) -> probs [H, Q, N] (causal in global
+        positions, within the layer's sliding window if any, restricted to ``state.keep``)."""
         pos = state.layout.positions.to(keys.device)
         rows = rows.to(keys.device)
         mask = pos[rows][:, None] >= pos[None, :]
         mask = mask & state.keep.to(keys.device)[None, :]
+        mask = state.arch.windowed(layer, mask, pos[rows], pos)
         return state.arch.attention_probs(q_obs, keys, mask)
 
     def select(self, layer, state, q, k, v):
@@ -165,7 +167,7 @@ class A3(Policy):
         else:
             keys = state.K[layer].clone()
             keys[:, active] = k
-        probs = self.question_attention(state, q[:, q_rows], keys, active[q_rows])  # [H, Q, N]
+        probs = self.question_attention(state, layer, q[:, q_rows], keys, active[q_rows])  # [H, Q, N]
         per_head = probs.sum(dim=1)  # [H, N]: summed over question tokens (eq. 3)
         if p.head_reduce == "sum":
             score = per_head.sum(0)
@@ -217,7 +219,7 @@ class A3(Policy):
         for layer in range(arch.n_layers):
             q_obs, rows = state.scratch["a3.q_obs"][layer]
             # The K here are final (recomputed rows written), i.e. what decoding would read.
-            probs = self.question_attention(state, q_obs, state.K[layer], rows)  # [H, Q, N]
+            probs = self.question_attention(state, layer, q_obs, state.K[layer], rows)  # [H, Q, N]
             votes = probs.sum(dim=1)  # [H, N]
             # GQA: query heads sharing a KV head vote together for that head's slots.
             votes = votes.view(arch.n_kv_heads, group, n).sum(dim=1)  # [Hkv, N]

@@ -412,14 +412,15 @@ class SamKV(Policy):
                 off += r.numel()
             keys, vals = state.K[layer].clone(), state.V[layer].clone()
             keys[:, rows_a], vals[:, rows_a] = k[:, :na], v[:, :na]
+            lmask = arch.windowed(layer, mask, pos[rows], pos)
             if layer in stable:
-                probs = arch.attention_probs(q, keys, mask).mean(0) * visible  # [R, N]
+                probs = arch.attention_probs(q, keys, lmask).mean(0) * visible  # [R, N]
                 query_attn += probs[q_rows].mean(0) / len(stable)
                 if rows_b.numel():
                     # A key is seen only by its own document's local rows: average over those.
                     ctx_new += probs[na:].sum(0) / hits / len(stable)
             if layer < L - 1:  # the last layer's output is never used, only its q
-                hidden = arch.attend(layer, hidden, q, keys, vals, mask)
+                hidden = arch.attend(layer, hidden, q, keys, vals, lmask)
         ctx_new = ctx_new.cpu()
         for t, j in enumerate(todo):
             d = docs[j]
@@ -436,10 +437,12 @@ class SamKV(Policy):
 
     @staticmethod
     def _shift(arch, q: torch.Tensor, delta: int) -> torch.Tensor:
-        """Move rotated query vectors q [L, H, D] by ``delta`` positions (RoPE composition)."""
+        """Move rotated query vectors q [L, H, D] by ``delta`` positions (RoPE composition;
+        NoPE layers' queries carry no position and stay as they are)."""
         cs = arch.cos_sin(torch.tensor([delta], device=arch.device))
         cs = (cs[0].float().cpu(), cs[1].float().cpu())
-        return arch.rotate(q.float().unsqueeze(-2), None, cs).squeeze(-2)
+        return torch.stack([arch.rotate(q[layer].float().unsqueeze(-2), None, cs, layer=layer).squeeze(-2)
+                            for layer in range(q.shape[0])])
 
     # ---- hooks ---------------------------------------------------------------------------
     def prepare(self, state) -> None:
