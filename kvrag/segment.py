@@ -275,7 +275,21 @@ def render_messages(tokenizer, messages: Sequence[Mapping]) -> str:
             f"tokenizer {type(tokenizer).__name__} has no chat template, so chat messages cannot be "
             "rendered; pass the prompt as a string instead, or set tokenizer.chat_template"
         )
-    text = tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+    messages = list(messages)
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except Exception as e:  # noqa: BLE001 - jinja's TemplateError, raised by the template itself
+        # Some templates (Mistral-Instruct v0.1/v0.2, Gemma-style) accept no system role: the
+        # instruction then goes in front of the first user message, which is what those
+        # models were trained with. Any other refusal is the caller's to fix.
+        if not (len(messages) > 1 and messages[0].get("role") == "system" and messages[1].get("role") == "user"):
+            raise ValueError(f"the tokenizer's chat template refused these messages: {e}") from e
+        merged = {**messages[1], "content": f"{messages[0].get('content', '')}\n\n{messages[1].get('content', '')}"}
+        try:
+            text = tokenizer.apply_chat_template([merged, *messages[2:]], tokenize=False, add_generation_prompt=True)
+        except Exception as e2:  # noqa: BLE001
+            raise ValueError(f"the tokenizer's chat template refused these messages: {e2} "
+                             f"(also with the system message folded into the first user message)") from e2
     if not isinstance(text, str):
         raise TypeError(f"apply_chat_template returned {type(text).__name__}, expected the rendered str")
     return text

@@ -344,6 +344,25 @@ def test_render_messages_then_split():
     assert [s for s in segs if s.cached] == [Segment(chunk, "doc")]
 
 
+def test_template_without_system_role_gets_the_instruction_in_the_user_turn():
+    # Mistral-Instruct-style template: raises on any role but user/assistant.
+    template = (
+        "{% for m in messages %}{% if m['role'] not in ['user', 'assistant'] %}"
+        "{{ raise_exception('Conversation roles must be user/assistant') }}{% endif %}"
+        "[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+    )
+    tok = _tiny_tokenizer(template)
+    chunk = "Doc: the Eiffel tower is 330 m tall."
+    msgs = [{"role": "system", "content": "Answer briefly."},
+            {"role": "user", "content": f"{chunk}\nQ: how tall?"}]
+    text = render_messages(tok, msgs)
+    assert text == f"[user] Answer briefly.\n\n{chunk}\nQ: how tall?\n"
+    assert [s for s in Segmenter({"doc": chunk}).split(text) if s.cached] == [Segment(chunk, "doc")]
+    # A refusal the fold cannot fix is named, not swallowed.
+    with pytest.raises(ValueError, match="refused.*user/assistant"):
+        render_messages(tok, [{"role": "tool", "content": "x"}])
+
+
 def test_render_messages_errors():
     with pytest.raises(ValueError, match="no chat template"):
         render_messages(_tiny_tokenizer(None), [{"role": "user", "content": "hi"}])
