@@ -131,6 +131,33 @@ def test_synthetic_items_are_answerable_and_well_formed():
             assert texts[subj[0]].startswith(it["subject"])  # the fact opens its passage
 
 
+def test_bench_synthetic_types_option():
+    """--synthetic-types picks the question types of the synthetic set, is validated before any
+    model load, and is part of the rerunnable command line the report prints."""
+    import argparse
+
+    from kvrag.cli import bench as cli
+    from kvrag.cli.bench import BenchError
+
+    p = argparse.ArgumentParser()
+    cli.register(p.add_subparsers())
+    args = p.parse_args(["bench", "--synthetic", "4", "--synthetic-types", "single_hop", "--out", "x"])
+    cfg = cli.config_from_args(args)
+    assert cfg.synthetic_types == ["single_hop"]
+    assert "--synthetic-types single_hop" in cfg.command
+    assert cli.config_from_args(p.parse_args(["bench", "--synthetic", "--out", "x"])).synthetic_types == list(S.QUESTION_TYPES)
+    with pytest.raises(BenchError, match="synthetic types.*three_hop"):
+        cli.config_from_args(p.parse_args(["bench", "--synthetic", "--synthetic-types", "three_hop", "--out", "x"]))
+    from types import SimpleNamespace
+
+    from kvrag.bench.runner import Bench
+
+    words = SimpleNamespace(handle=SimpleNamespace(encode=lambda s: s.split()))
+    (name, examples), = Bench(cfg).datasets(words)
+    assert name == "synthetic" and len(examples) == 4
+    assert {ex.qtype for ex in examples} == {"single_hop"}
+
+
 def test_synthetic_bad_arguments():
     with pytest.raises(ValueError, match="question type"):
         S.generate(2, types=["three_hop"])

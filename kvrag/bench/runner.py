@@ -67,6 +67,7 @@ class BenchConfig:
     sweep_data: str = "synthetic"           # "synthetic" or "data"
     synthetic_passages: int = 6
     synthetic_passage_tokens: int = 200
+    synthetic_types: list[str] = field(default_factory=lambda: list(synthetic.QUESTION_TYPES))
     check_items: int = 0                    # single-hop items of the full_prefill answerability check
     devices: list[str] = field(default_factory=lambda: ["cpu"])
     model: str | None = None
@@ -100,6 +101,10 @@ class BenchConfig:
         for n, t in self.scaling:
             if n < 1 or t < 32:
                 raise ValueError(f"scaling point {n}x{t}: need >= 1 chunk of >= 32 tokens")
+        bad = [t for t in self.synthetic_types if t not in synthetic.QUESTION_TYPES]
+        if bad or not self.synthetic_types:
+            raise ValueError(f"synthetic types must be some of {', '.join(synthetic.QUESTION_TYPES)}, "
+                             f"got {self.synthetic_types!r}")
         if self.check_items < 0:
             raise ValueError(f"check_items must be >= 0, got {self.check_items}")
         if self.sweep_data not in ("synthetic", "data"):
@@ -388,7 +393,7 @@ class Bench:
         if self.data_examples is not None:
             out.append((Path(cfg.data).stem, self.data_examples))
         if cfg.synthetic:
-            items = synthetic.generate(cfg.synthetic, cfg.seed, n_passages=cfg.synthetic_passages,
+            items = synthetic.generate(cfg.synthetic, cfg.seed, types=cfg.synthetic_types, n_passages=cfg.synthetic_passages,
                                        passage_tokens=cfg.synthetic_passage_tokens,
                                        count_tokens=lambda s: len(rag.handle.encode(s)))
             out.append(("synthetic", examples_from_items(items, source="synthetic")))

@@ -56,6 +56,9 @@ def register(sub) -> None:
     g.add_argument("--sweep-data", choices=("synthetic", "data"), default="synthetic",
                    help="data set of the sweep when both are given (default synthetic)")
     g.add_argument("--synthetic-passages", type=int, help="passages per synthetic item (default 6)")
+    g.add_argument("--synthetic-types", metavar="LIST",
+                   help="question types of the synthetic items, round-robin (default: single_hop,two_hop,"
+                        "cross_passage); e.g. single_hop alone measures QA where the model itself can answer")
     g.add_argument("--synthetic-passage-tokens", type=int, help="tokens per synthetic passage (default 200)")
     g.add_argument("--check-items", type=int, metavar="N",
                    help="with --synthetic: full_prefill alone on N single-hop items of their own seed, to check "
@@ -126,7 +129,7 @@ def command_line(args) -> str:
     parts = ["kvrag", "bench"]
     for opt in ("data", "synthetic", "limit", "passages", "seed", "policies", "repeats", "max_new_tokens",
                 "kl_positions", "scaling", "chunks", "chunk_tokens", "sweep_policies", "sweep_ratios", "sweep_limit",
-                "sweep_data", "synthetic_passages", "synthetic_passage_tokens", "check_items", "model", "device", "dtype",
+                "sweep_data", "synthetic_passages", "synthetic_passage_tokens", "synthetic_types", "check_items", "model", "device", "dtype",
                 "storage_dtype", "chunk_anchor", "kvlink_adapter", "cache_dir", "out", "report"):
         v = getattr(args, opt, None)
         if v is None or v is False or (opt == "synthetic" and not v) or (opt == "sweep_data" and v == "synthetic") \
@@ -180,6 +183,7 @@ def config_from_args(args):
             sweep_ratios=_list(pick("sweep_ratios"), "--sweep-ratios", float), sweep_limit=pick("sweep_limit"),
             sweep_data=args.sweep_data, synthetic_passages=pick("synthetic_passages"),
             synthetic_passage_tokens=pick("synthetic_passage_tokens"), check_items=pick("check_items"),
+            **({"synthetic_types": _list(args.synthetic_types, "--synthetic-types")} if args.synthetic_types else {}),
             devices=list(dict.fromkeys(devices)) or ["cpu"], model=args.model, dtype=args.dtype,
             storage_dtype=args.storage_dtype, chunk_anchor=args.chunk_anchor,
             kvlink_adapter=args.kvlink_adapter, seed=args.seed, footprint=not args.no_footprint,
