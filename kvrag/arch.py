@@ -54,6 +54,9 @@ class Arch:
         # SmolLM3 configs may give (some) layers a sliding window.
         self.rope_layers = [bool(getattr(b.self_attn, "use_rope", True)) for b in self.layers]
         self.windows = [self._sliding_window(b.self_attn) for b in self.layers]
+        # YaRN / LongRoPE scale cos and sin by an attention factor: a rotation by p multiplies
+        # by it, so undoing or composing rotations must divide it back out.
+        self.rope_gain = float(getattr(self.body.rotary_emb, "attention_scaling", 1.0) or 1.0)
 
     def _sliding_window(self, attn) -> int | None:
         """Keys a query of this layer sees (itself included), or None for full attention.
@@ -118,6 +121,21 @@ class Arch:
         out[..., :h].addcmul_(x[..., h:], sin[..., :h], value=-1)
         out[..., h:].addcmul_(x[..., :h], sin[..., h:])
         return out
+
+    def unrotate(self, x: torch.Tensor, positions: torch.Tensor, layer: int) -> torch.Tensor:
+        """Position-free vectors from ``x`` [..., P, D] rotated (by the model) to ``positions``
+        [P] at ``layer``: the inverse of ``rotate``, attention factor included."""
+        if not self.rope_layers[layer]:
+            return x
+        return self.rotate(x, -positions) / self.rope_gain ** 2
+
+    def shift(self, x: torch.Tensor, cos_sin, layer: int) -> torch.Tensor:
+        """Move vectors ``x`` [..., P, D] already rotated at ``layer`` by the offsets whose
+        tables ``cos_sin`` holds (RoPE composes: R_a R_b = R_(a+b)); the attention factor is
+        applied once, as in a vector rotated directly to the sum."""
+        if not self.rope_layers[layer]:
+            return x
+        return self.rotate(x, None, cos_sin) / self.rope_gain
 
     # ---- embedding / head ------------------------------------------------------------
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:

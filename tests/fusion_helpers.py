@@ -20,6 +20,9 @@ CONFIGS = {
     "mistral-window": (transformers.MistralConfig, {"sliding_window": 8}),
     "qwen2-window": (transformers.Qwen2Config, {"use_sliding_window": True, "sliding_window": 8,
                                                 "max_window_layers": 2}),
+    # YaRN scales cos/sin by an attention factor (~1.14 here): undoing a rotation must divide it out.
+    "llama-yarn": (transformers.LlamaConfig, {"rope_parameters": {
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256, "rope_theta": 10000.0}}),
 }
 
 

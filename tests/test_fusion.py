@@ -24,8 +24,23 @@ def test_rerotated_key_equals_key_at_position(model_type):
     k_pre, _ = compute_chunk_kv(arch, [ids])[0]
     k_rot = arch.rotate(k_pre[0], torch.arange(7, 19))
     torch.testing.assert_close(k_rot[:, -k_true.shape[1]:], k_true, atol=1e-5, rtol=1e-5)
-    # Rotating back by the negative position recovers the position-free key.
-    torch.testing.assert_close(arch.rotate(k_rot, -torch.arange(7, 19)), k_pre[0], atol=1e-5, rtol=1e-5)
+    # Undoing the rotation recovers the position-free key.
+    torch.testing.assert_close(arch.unrotate(k_rot, torch.arange(7, 19), 0), k_pre[0], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("model_type", list(CONFIGS))
+def test_shifted_query_equals_query_at_the_shifted_position(model_type):
+    """``arch.shift`` moves an already rotated query by an offset: the same as computing it
+    there (RoPE composition, attention factor once; the identity on NoPE layers)."""
+    model = tiny(model_type)
+    arch = Arch(model)
+    hidden = torch.randn(5, arch.hidden_size, generator=torch.Generator().manual_seed(9))
+    at = lambda p: arch.cos_sin(torch.arange(p, p + 5))  # noqa: E731
+    for layer in range(arch.n_layers):
+        q3, _, _, _ = arch.qkv(layer, hidden, at(3))
+        q40, _, _, _ = arch.qkv(layer, hidden, at(40))
+        moved = arch.shift(q3, arch.cos_sin(torch.tensor([37])), layer)
+        torch.testing.assert_close(moved, q40, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("model_type", list(CONFIGS))

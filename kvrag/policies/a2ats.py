@@ -189,7 +189,7 @@ class A2ATS(Policy):
             rows = ((~cached) | (counts > layer)).nonzero().squeeze(1)
             if rows.numel():
                 k = state.K[layer][:, rows.to(state.K[layer].device)]
-                k_pre = arch.rotate(k, -positions[rows], layer=layer)
+                k_pre = arch.unrotate(k, positions[rows], layer)
                 codes[layer][:, rows] = cb.codes_layer(layer, k_pre).long()
         stats["a2ats.codes_computed"] += int((~cached).sum())
         keep = state.keep.cpu().nonzero().squeeze(1)
@@ -223,7 +223,7 @@ class A2ATS(Policy):
             m0 = sc["m0"]
             pos = torch.where(rows < m0, sc["positions"][rows.clamp(max=max(m0 - 1, 0))], sc["next_position"] + rows - m0)
             k = stepper.K[layer][:, rows.to(stepper.K[layer].device)]
-            k_pre = stepper.arch.rotate(k, -pos, layer=layer)
+            k_pre = stepper.arch.unrotate(k, pos, layer)
             new = sc["codebooks"].codes_layer(layer, k_pre).long()
             codes = torch.cat([codes, new], dim=1)
             sc["codes"][layer] = codes
@@ -255,6 +255,8 @@ class A2ATS(Policy):
         codes = self._codes_upto(layer, stepper, sc, hi)[:, lo:hi]  # [Hkv, n_cand]
 
         # WRoPE query: q (at position i) rotated by b - i is q_pre R_b; one rotation per step.
+        # A plain rotation (not ``arch.shift``): with a RoPE attention factor its product with a
+        # position-free key then carries the factor twice, as the model's own q . k does.
         qpos = int(stepper.pos)
         if sc.get("qpos") != qpos:
             sc["qpos"], sc["cs_b"] = qpos, arch.cos_sin(torch.tensor([sc["rope_offset"] - qpos]))

@@ -441,7 +441,7 @@ class SamKV(Policy):
         NoPE layers' queries carry no position and stay as they are)."""
         cs = arch.cos_sin(torch.tensor([delta], device=arch.device))
         cs = (cs[0].float().cpu(), cs[1].float().cpu())
-        return torch.stack([arch.rotate(q[layer].float().unsqueeze(-2), None, cs, layer=layer).squeeze(-2)
+        return torch.stack([arch.shift(q[layer].float().unsqueeze(-2), cs, layer).squeeze(-2)
                             for layer in range(q.shape[0])])
 
     # ---- hooks ---------------------------------------------------------------------------
