@@ -80,3 +80,20 @@ def test_anchor_brings_naive_reuse_closer_to_full_prefill(rag, tmp_path):
                                      reduction="batchmean").item())
     mean = {k: sum(v) / len(v) for k, v in kl.items()}
     assert mean["anchor"] < 0.9 * mean["alone"], mean
+
+
+def test_demo_runs_every_policy_and_kvlink_trained(tmp_path, capsys, corpus):
+    """``kvrag demo`` (the README's main job) on two documents: every default policy answers
+    from the cache, and kvlink runs with the shipped adapter as KVRag(policy="kvlink") does."""
+    from kvrag.cli import main
+
+    small = {"documents": corpus["documents"][:2], "questions": corpus["questions"][:1]}
+    path = tmp_path / "corpus.json"
+    path.write_text(json.dumps(small))
+    assert main(["demo", "--corpus", str(path), "--max-new-tokens", "4", "--cache-dir", str(tmp_path / "kv")]) == 0
+    out = capsys.readouterr().out
+    assert "kvlink runs trained" in out
+    for pol in ("full_prefill", "naive_reuse", "cacheblend", "kvlink"):
+        line = next(ln for ln in out.splitlines() if ln.strip().startswith(pol) and "TTFT" in ln)
+        cached = int(line.split("cached")[1].split()[0])
+        assert (cached == 0) == (pol == "full_prefill"), line

@@ -6,7 +6,7 @@ import tempfile
 import time
 from importlib import resources
 
-DEFAULT_POLICIES = "full_prefill,naive_reuse,cacheblend"
+DEFAULT_POLICIES = "full_prefill,naive_reuse,cacheblend,kvlink"
 
 
 def register(sub) -> None:
@@ -39,20 +39,30 @@ def run(args) -> int:
         cache_dir = tmp.name
     print("loading model ...", flush=True)
     rag = KVRag(args.model, cache_dir=cache_dir)
+    # kvlink runs as a user gets it with KVRag(policy="kvlink"): with the model's KVLink adapter
+    # (a LoRA adapter ships for the default model), i.e. a model copy with chunk caches of its
+    # own; without an adapter it is the same model and the same caches.
+    rags = {p: rag for p in policies}
+    if "kvlink" in policies:
+        rags["kvlink"] = KVRag(rag.handle, cache_dir=cache_dir, policy="kvlink")
+        if rags["kvlink"].handle is not rag.handle:
+            print("kvlink runs trained: the model's KVLink adapter (LoRA + link tokens) on a model copy", flush=True)
     docs = corpus["documents"]
     instruction = corpus.get("instruction") or DEFAULT_INSTRUCTION
     t0 = time.perf_counter()
-    rag.precompute(docs, progress=True)
+    for r in {id(r): r for r in rags.values()}.values():
+        r.precompute(docs, progress=True)
     n_tok = sum(len(rag.chunk_ids(d)) for d in docs)
     print(f"ingested {len(docs)} documents ({n_tok} tokens) in {time.perf_counter() - t0:.1f}s\n")
     # Warm-up: the first call pays one-off costs (allocations, kernels) for every policy alike.
-    rag.generate(rag_messages(docs, "warm-up", instruction), policy="naive_reuse", max_new_tokens=1)
+    for pol, r in rags.items():
+        r.generate(rag_messages(docs, "warm-up", instruction), policy=pol, max_new_tokens=1)
     ttft = {p: [] for p in policies}
     for q in corpus["questions"]:
         msgs = rag_messages(docs, q, instruction)
         print(f"Q: {q}")
         for pol in policies:
-            out = rag.generate(msgs, policy=pol, max_new_tokens=args.max_new_tokens, stop=["\n"])
+            out = rags[pol].generate(msgs, policy=pol, max_new_tokens=args.max_new_tokens, stop=["\n"])
             s = out.stats
             ttft[pol].append(s.ttft_s)
             print(f"  {pol:<13} TTFT {s.ttft_s * 1000:7.0f} ms  cached {s.cached_tokens:5d}  "
