@@ -326,41 +326,31 @@ def _tiny_tokenizer(template):
     return t
 
 
-def test_render_messages_then_split():
-    template = (
-        "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
-        "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
-    )
+ROLE_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+# Mistral-Instruct style: raises on any role but user/assistant.
+NO_SYSTEM_TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] not in ['user', 'assistant'] %}"
+    "{{ raise_exception('Conversation roles must be user/assistant') }}{% endif %}"
+    "[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+)
+
+
+@pytest.mark.parametrize("template,expected", [
+    (ROLE_TEMPLATE, "<|system|>\n{sys}<|end|>\n<|user|>\n{user}<|end|>\n<|assistant|>\n"),
+    # No system role: the instruction goes in front of the first user turn.
+    (NO_SYSTEM_TEMPLATE, "[user] {sys}\n\n{user}\n"),
+])
+def test_render_messages_then_split(template, expected):
     tok = _tiny_tokenizer(template)
     chunk = "Doc: the Eiffel tower is 330 m tall. 🗼"
-    msgs = [{"role": "system", "content": "Answer from the context."},
-            {"role": "user", "content": f"Context:\n{chunk}\nQ: how tall?"}]
-    text = render_messages(tok, msgs)
-    assert text == (
-        "<|system|>\nAnswer from the context.<|end|>\n"
-        f"<|user|>\nContext:\n{chunk}\nQ: how tall?<|end|>\n<|assistant|>\n"
-    )
+    system, user = "Answer from the context.", f"Context:\n{chunk}\nQ: how tall?"
+    text = render_messages(tok, [{"role": "system", "content": system}, {"role": "user", "content": user}])
+    assert text == expected.format(sys=system, user=user)
     segs = Segmenter({"doc": chunk}).split(text)
     assert [s for s in segs if s.cached] == [Segment(chunk, "doc")]
-
-
-def test_template_without_system_role_gets_the_instruction_in_the_user_turn():
-    # Mistral-Instruct-style template: raises on any role but user/assistant.
-    template = (
-        "{% for m in messages %}{% if m['role'] not in ['user', 'assistant'] %}"
-        "{{ raise_exception('Conversation roles must be user/assistant') }}{% endif %}"
-        "[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
-    )
-    tok = _tiny_tokenizer(template)
-    chunk = "Doc: the Eiffel tower is 330 m tall."
-    msgs = [{"role": "system", "content": "Answer briefly."},
-            {"role": "user", "content": f"{chunk}\nQ: how tall?"}]
-    text = render_messages(tok, msgs)
-    assert text == f"[user] Answer briefly.\n\n{chunk}\nQ: how tall?\n"
-    assert [s for s in Segmenter({"doc": chunk}).split(text) if s.cached] == [Segment(chunk, "doc")]
-    # A refusal the fold cannot fix is named, not swallowed.
-    with pytest.raises(ValueError, match="refused.*user/assistant"):
-        render_messages(tok, [{"role": "tool", "content": "x"}])
 
 
 def test_render_messages_errors():
@@ -373,3 +363,6 @@ def test_render_messages_errors():
         render_messages(tok, [{"content": "hi"}])
     with pytest.raises(TypeError, match="list of dicts"):
         render_messages(tok, "hi")
+    # A template refusal that folding the system message cannot fix is named, not swallowed.
+    with pytest.raises(ValueError, match="refused.*user/assistant"):
+        render_messages(_tiny_tokenizer(NO_SYSTEM_TEMPLATE), [{"role": "tool", "content": "x"}])
