@@ -9,6 +9,7 @@ Integrations (LlamaIndex, LangChain) and the CLI talk to this class only::
 """
 from __future__ import annotations
 
+import bisect
 import hashlib
 import logging
 import os
@@ -167,12 +168,20 @@ class KVRag:
 
     # ---- chunks ----------------------------------------------------------------------
     def chunk_ids(self, text: str) -> list[int]:
-        """Token ids of a chunk, tokenized alone — exactly how a prompt's segment is."""
+        """Token ids of a chunk as the tokenizer spells it inside a prompt, after a line break
+        (how RAG prompts separate passages): for byte-level BPE tokenizers (Llama 3, Qwen,
+        SmolLM) the ids of the text alone; for SentencePiece ones that mark the first word
+        of a text (Llama 2, Mistral) the ids without that mark. A prompt reuses the chunk only
+        where its own tokenization holds exactly these ids (``pieces``)."""
         if not isinstance(text, str):
             raise ChunkError(f"chunk must be a str, got {type(text).__name__}")
         if not text.strip():
             raise ChunkError("empty chunk: a chunk must contain non-whitespace text")
         ids = self.handle.encode(text)
+        nl = self.handle.encode("\n")
+        in_context = self.handle.encode("\n" + text)
+        if nl and in_context[: len(nl)] == nl and in_context[len(nl):]:
+            ids = in_context[len(nl):]
         if len(ids) > self.handle.max_context:
             raise ChunkError(
                 f"chunk of {len(ids)} tokens exceeds the model context ({self.handle.max_context} tokens); "
@@ -244,35 +253,85 @@ class KVRag:
             self._last_refresh = now
 
     def pieces(self, prompt: str, use_cache: bool = True) -> tuple[list[Piece], FusionStats]:
-        """Segment ``prompt`` and load the cached chunks: ([Piece], stats with hits/misses)."""
+        """The prompt's token ids, split into plain pieces and cached chunks: ([Piece], stats
+        with hits/misses).
+
+        The ids are the tokenizer's own for the whole prompt (what ``model.generate`` on the
+        tokenized prompt reads), for every policy alike, ``full_prefill`` included. A chunk
+        found in the prompt text is served from the cache only where that tokenization holds
+        exactly the chunk's ids (``chunk_ids``) on its characters. Where the two tokenizations
+        part at the chunk's edges — its last token merges with the next line break, its first
+        with a preceding space (" The" after "Context:") — only the run of tokens they share is
+        reused and the edge tokens are computed (``_match``); a chunk they share no run of is
+        counted in ``chunks_unaligned`` and computed as plain text. Never a different token
+        sequence from the tokenizer's."""
         stats = FusionStats()
         pieces: list[Piece] = []
         prefix = self.handle.prefix_ids()
         bos = self.tokenizer.bos_token
         if prefix and not (bos and prompt.startswith(bos)):
             pieces.append(Piece(torch.tensor(prefix, dtype=torch.long)))
-        # Every policy, full_prefill included, tokenizes segment by segment, so all policies
-        # see the same token ids (a cached chunk's ids are its ids when tokenized alone).
-        self._refresh_segmenter()
-        for seg in self.segmenter.split(prompt):
-            text = seg.text
-            entry = None
-            if use_cache and seg.key is not None:
+        enc = self.tokenizer(prompt, add_special_tokens=False, return_offsets_mapping=True)
+        ids, offsets = list(enc["input_ids"]), [tuple(o) for o in enc["offset_mapping"]]
+        starts = [s for s, _ in offsets]
+        tok = 0  # first token not yet placed in a piece
+        if use_cache:
+            self._refresh_segmenter()
+            pos = 0
+            for seg in self.segmenter.split(prompt):
+                start, end = pos, pos + len(seg.text)
+                pos = end
+                if seg.key is None:
+                    continue
                 entry = self.store.get(seg.key, self.fingerprint)
                 if entry is None:
                     stats.chunks_missed += 1  # evicted/corrupt: fall back to computing it
-                else:
-                    stats.bytes_loaded += entry.nbytes
-            ids = entry.token_ids if entry is not None else torch.tensor(self.handle.encode(text), dtype=torch.long)
-            if ids.numel() == 0:
-                continue
-            pieces.append(Piece(ids, CACHED if entry is not None else PLAIN, entry=entry, key=seg.key))
+                    continue
+                j, k, m = self._match(entry, start, end, ids, offsets, starts, tok)
+                if m == 0:
+                    stats.chunks_unaligned += 1
+                    continue
+                if m < entry.token_ids.numel():
+                    entry = entry.span(k, k + m)
+                stats.bytes_loaded += entry.nbytes
+                if j > tok:
+                    pieces.append(Piece(torch.tensor(ids[tok:j], dtype=torch.long), PLAIN))
+                pieces.append(Piece(entry.token_ids, CACHED, entry=entry, key=seg.key))
+                tok = j + m
+        if tok < len(ids):
+            pieces.append(Piece(torch.tensor(ids[tok:], dtype=torch.long), PLAIN))
         total = sum(int(p.token_ids.numel()) for p in pieces)
         if total == 0:
             raise ValueError("empty prompt: it tokenizes to no tokens")
         if total > self.handle.max_context:
             raise ValueError(f"prompt of {total} tokens exceeds the model context ({self.handle.max_context})")
         return pieces, stats
+
+    def _match(self, entry, start: int, end: int, ids: list[int], offsets: list[tuple[int, int]],
+               starts: list[int], lo: int) -> tuple[int, int, int]:
+        """Where the prompt's tokens reuse ``entry``, a chunk found at characters [start, end):
+        prompt tokens ``j..j+m-1`` are its tokens ``k..k+m-1`` (m = 0: nowhere). ``ids`` /
+        ``offsets`` / ``starts``: the prompt's tokens, their character spans and span starts;
+        ``lo``: the first token not placed yet."""
+        chunk = entry.token_ids.tolist()
+        j, k = bisect.bisect_left(starts, start, lo=lo), 0
+        if j > 0 and offsets[j - 1][1] > start:
+            # The chunk's first token merged with what precedes it (" The" after "Context:"):
+            # resume at the first token boundary both tokenizations share; the tokens there on
+            # are the chunk's (their K/V were computed behind its own first word).
+            enc = self.tokenizer(entry.text, add_special_tokens=False, return_offsets_mapping=True)
+            if list(enc["input_ids"]) != chunk:
+                return j, 0, 0
+            at = {s: i for i, (s, _) in reversed(list(enumerate(enc["offset_mapping"])))}
+            while j < len(ids) and starts[j] < end and starts[j] - start not in at:
+                j += 1
+            if j >= len(ids) or starts[j] >= end:
+                return j, 0, 0
+            k = at[starts[j] - start]
+        m = 0
+        while k + m < len(chunk) and j + m < len(ids) and ids[j + m] == chunk[k + m] and offsets[j + m][1] <= end:
+            m += 1
+        return j, k, m
 
     def prefill(self, prompt: str | Sequence[dict], policy: str | Policy | None = None, **policy_params):
         """Fused prefill of a prompt. Returns (FusionResult or HF output wrapper, stepper, stats)."""
@@ -301,6 +360,7 @@ class KVRag:
             prompt_ids = layout.token_ids.tolist()
         stats.chunks_hit = sum(p.kind == CACHED for p in pieces)
         stats.chunks_missed = seg_stats.chunks_missed
+        stats.chunks_unaligned = seg_stats.chunks_unaligned
         stats.bytes_loaded = seg_stats.bytes_loaded
         stats.load_s = t_load - t0
         stats.prefill_s = time.perf_counter() - t_load

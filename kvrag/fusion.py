@@ -112,6 +112,7 @@ class FusionStats:
     kept_tokens: int = 0
     chunks_hit: int = 0
     chunks_missed: int = 0
+    chunks_unaligned: int = 0  # found in the text, but the prompt's tokenization splits it otherwise
     bytes_loaded: int = 0
     ttft_s: float = 0.0
     prefill_s: float = 0.0

@@ -76,6 +76,19 @@ class ChunkEntry:
     values: torch.Tensor
     extras: dict[str, torch.Tensor] = field(default_factory=dict)
 
+    def span(self, a: int, b: int) -> "ChunkEntry":
+        """The entry of the chunk's tokens ``a..b-1`` (views, no copy), for a prompt whose
+        tokenization matches only part of the chunk. A prefix (a = 0) is exact: each token's
+        K/V depend only on the tokens before it. Extras laid out per token like the K/V
+        ([L, Hkv, T, ...], e.g. A2ATS codes) are cut the same way; the others describe the
+        chunk as a whole (e.g. the codebook digest) and are kept."""
+        t = self.token_ids.numel()
+        if not 0 <= a < b <= t:
+            raise ValueError(f"span {a}..{b} of a {t}-token chunk")
+        extras = {k: (v[:, :, a:b] if v.dim() >= 3 and v.shape[2] == t else v) for k, v in self.extras.items()}
+        return ChunkEntry(self.fingerprint, self.text, self.token_ids[a:b], self.keys[:, :, a:b],
+                          self.values[:, :, a:b], extras)
+
     @property
     def nbytes(self) -> int:
         """Bytes held by the tensors (ids, keys, values, extras)."""

@@ -83,6 +83,44 @@ def test_window_and_nope_models_generate_like_the_model(tmp_path, model_type, ov
         assert out.token_ids == full.token_ids, policy
 
 
+def test_every_policy_reads_the_tokenizers_own_ids_of_the_prompt(rag, handle):
+    """The prompt's ids are the tokenizer's for the whole prompt (what a user's own pipeline
+    feeds the model), for full_prefill and reuse alike: segment-wise tokenization would spell
+    the "\n\n" separators as one token where the tokenizer, reading on, writes two."""
+    rag.precompute(DOCS)
+    prompt = prompt_for(DOCS)
+    canonical = handle.tokenizer(prompt)["input_ids"]
+    parts = prompt.split(DOCS[0])[0], DOCS[0], "\n\n", DOCS[1], "\n\n", DOCS[2], prompt.split(DOCS[2])[1]
+    assert "".join(parts) == prompt and [t for x in parts for t in handle.encode(x)] != canonical
+    full = rag.generate(prompt, policy="full_prefill", max_new_tokens=10)
+    assert full.prompt_ids == canonical
+    assert full.token_ids == hf_greedy(handle, canonical, len(full.token_ids))
+    for policy in ("naive_reuse", "cacheblend"):
+        out = rag.generate(prompt, policy=policy, max_new_tokens=4)
+        assert out.prompt_ids == canonical and out.stats.chunks_hit == 3
+        assert out.stats.cached_tokens == sum(len(rag.chunk_ids(d)) for d in DOCS)
+
+
+def test_chunk_edges_the_prompt_tokenizes_otherwise_are_computed(rag, handle):
+    """A chunk whose first token merges with a preceding space, or whose last merges with the
+    line break after it, is reused for the tokens both tokenizations share; its edge tokens
+    are computed, so the prompt's ids stay the tokenizer's and ratio 1.0 stays exact."""
+    docs = [DOCS[0], DOCS[1] + " ", DOCS[2]]
+    rag.precompute(docs)
+    prompt = "Context: " + docs[0] + "\n\n" + docs[1] + "\nMore: " + docs[2] + "\nQuestion: Where does the fox live?"
+    canonical = handle.tokenizer(prompt)["input_ids"]
+    out = rag.generate(prompt, policy="naive_reuse", max_new_tokens=4)
+    s = out.stats
+    assert out.prompt_ids == canonical
+    assert s.chunks_hit == 3 and s.chunks_unaligned == 0
+    # " The" / " Mount"-style first tokens (docs 0 and 2) and doc 1's trailing space are computed.
+    lens = [len(rag.chunk_ids(d)) for d in docs]
+    assert sum(lens) - 3 <= s.cached_tokens < sum(lens)
+    full = rag.generate(prompt, policy="full_prefill", max_new_tokens=8)
+    exact = rag.generate(prompt, policy="cacheblend", recompute_ratio=1.0, max_new_tokens=8)
+    assert exact.token_ids == full.token_ids and exact.stats.chunks_hit == 3
+
+
 def test_no_cached_chunk_takes_full_prefill_path(rag):
     prompt = prompt_for(DOCS)  # nothing precomputed
     full = rag.generate(prompt, policy="full_prefill", max_new_tokens=8)
