@@ -121,6 +121,43 @@ def test_chunk_edges_the_prompt_tokenizes_otherwise_are_computed(rag, handle):
     assert exact.token_ids == full.token_ids and exact.stats.chunks_hit == 3
 
 
+def sentencepiece_style_tokenizer():
+    """A character-level tokenizer that marks the first word of a text as Llama 2 / Mistral's
+    SentencePiece tokenizers do (normalizer: prepend "▁", spaces -> "▁")."""
+    import string
+
+    from tokenizers import Tokenizer, decoders, models, normalizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = sorted(set(string.ascii_letters + string.digits + ".,:;?!'-\n") | {"▁"})
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{c: i + 3 for i, c in enumerate(chars)}}
+    t = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    t.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    t.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.Strip(" ", 1, 0)])
+    return PreTrainedTokenizerFast(tokenizer_object=t, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+
+
+def test_sentencepiece_style_chunks_are_reused_without_the_first_word_mark(tmp_path):
+    """Alone, such a tokenizer writes a chunk as "▁The ..."; inside a prompt, after a line
+    break, as "The ...". Chunks are stored in the second spelling, so the prompt's own ids
+    hold them and they are reused — and the ids stay the tokenizer's."""
+    tok = sentencepiece_style_tokenizer()
+    h = tiny_llama(seed=1, tokenizer=tok)
+    rag = KVRag(h, cache_dir=tmp_path / "kv")
+    doc = DOCS[0]
+    assert h.encode(doc)[0] == tok.convert_tokens_to_ids("▁") and rag.chunk_ids(doc) == h.encode(doc)[1:]
+    rag.precompute(DOCS)
+    prompt = prompt_for(DOCS)
+    full = rag.generate(prompt, policy="full_prefill", max_new_tokens=8)
+    assert full.prompt_ids == tok(prompt, add_special_tokens=False)["input_ids"]
+    assert full.token_ids == hf_greedy(h, full.prompt_ids, len(full.token_ids))
+    out = rag.generate(prompt, policy="naive_reuse", max_new_tokens=4)
+    assert out.stats.chunks_hit == 3 and out.stats.chunks_unaligned == 0
+    assert out.stats.cached_tokens == sum(len(rag.chunk_ids(d)) for d in DOCS)
+    exact = rag.generate(prompt, policy="cacheblend", recompute_ratio=1.0, max_new_tokens=8)
+    assert exact.prompt_ids == full.prompt_ids and exact.token_ids == full.token_ids
+
+
 def test_no_cached_chunk_takes_full_prefill_path(rag):
     prompt = prompt_for(DOCS)  # nothing precomputed
     full = rag.generate(prompt, policy="full_prefill", max_new_tokens=8)
