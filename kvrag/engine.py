@@ -161,6 +161,7 @@ class KVRag:
         self.engine = FusionEngine(self.arch)
         self.segmenter = Segmenter()
         self.query_tokens = query_tokens
+        self._newline_ids = self.handle.encode("\n")
         self.eos = eos_ids(self.handle.model, self.tokenizer)
         self._refresh_s = refresh_s
         self._last_refresh = -1e9
@@ -177,11 +178,12 @@ class KVRag:
             raise ChunkError(f"chunk must be a str, got {type(text).__name__}")
         if not text.strip():
             raise ChunkError("empty chunk: a chunk must contain non-whitespace text")
-        ids = self.handle.encode(text)
-        nl = self.handle.encode("\n")
-        in_context = self.handle.encode("\n" + text)
-        if nl and in_context[: len(nl)] == nl and in_context[len(nl):]:
-            ids = in_context[len(nl):]
+        nl = self._newline_ids
+        ids = self.handle.encode("\n" + text)
+        if nl and ids[: len(nl)] == nl and len(ids) > len(nl):
+            ids = ids[len(nl):]
+        else:  # the line break merged into the text's first token: spell the text alone
+            ids = self.handle.encode(text)
         if len(ids) > self.handle.max_context:
             raise ChunkError(
                 f"chunk of {len(ids)} tokens exceeds the model context ({self.handle.max_context} tokens); "
