@@ -133,10 +133,10 @@ class FusedStepper:
         self.pos = next_position
         # Per-layer key positions [Hkv, M] for the sliding-window layers only.
         self.kpos: dict[int, torch.Tensor] = {}
+        if positions is None and self.K:
+            positions = torch.arange(self.K[0].shape[1])
         for layer, w in enumerate(arch.windows):
             if w is not None:
-                if positions is None:
-                    positions = torch.arange(self.K[layer].shape[1])
                 p = positions[layer] if positions.dim() == 3 else positions.expand(self.K[layer].shape[0], -1)
                 self.kpos[layer] = p.to(self.K[layer].device).long()
 

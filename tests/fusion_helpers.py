@@ -6,30 +6,30 @@ import transformers
 
 from kvrag.chunk import compute_chunk_kv
 from kvrag.fusion import CACHED, PLAIN, Piece
+from kvrag.testing import _config_class
 
-# name -> (config class, extra config): every family, plus the per-layer attention variants the
+# name -> (model_type, extra config): every family (config classes from kvrag.testing), plus the per-layer attention variants the
 # engine must honour like the model's own forward does: a sliding window on every layer
 # (Mistral-7B-v0.1), on the upper layers only (Qwen2's max_window_layers), and SmolLM3's
 # NoPE layers (every 4th layer without RoPE; with 4 layers, layer 3).
 CONFIGS = {
-    "llama": (transformers.LlamaConfig, {}),
-    "mistral": (transformers.MistralConfig, {}),
-    "qwen2": (transformers.Qwen2Config, {}),
-    "qwen3": (transformers.Qwen3Config, {}),
-    "smollm3": (transformers.SmolLM3Config, {"pad_token_id": None, "bos_token_id": None, "eos_token_id": None}),
-    "mistral-window": (transformers.MistralConfig, {"sliding_window": 8}),
-    "qwen2-window": (transformers.Qwen2Config, {"use_sliding_window": True, "sliding_window": 8,
-                                                "max_window_layers": 2}),
+    "llama": ("llama", {}),
+    "mistral": ("mistral", {}),
+    "qwen2": ("qwen2", {}),
+    "qwen3": ("qwen3", {}),
+    "smollm3": ("smollm3", {"pad_token_id": None, "bos_token_id": None, "eos_token_id": None}),
+    "mistral-window": ("mistral", {"sliding_window": 8}),
+    "qwen2-window": ("qwen2", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 2}),
     # YaRN scales cos/sin by an attention factor (~1.14 here): undoing a rotation must divide it out.
-    "llama-yarn": (transformers.LlamaConfig, {"rope_parameters": {
+    "llama-yarn": ("llama", {"rope_parameters": {
         "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256, "rope_theta": 10000.0}}),
 }
 
 
 def tiny(model_type="llama", seed=0):
     torch.manual_seed(seed)
-    cls, extra = CONFIGS[model_type]
-    cfg = cls(
+    family, extra = CONFIGS[model_type]
+    cfg = _config_class(family)(
         vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
         initializer_range=0.2, tie_word_embeddings=False, head_dim=16, **extra,
