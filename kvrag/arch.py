@@ -57,12 +57,21 @@ class Arch:
         # YaRN / LongRoPE scale cos and sin by an attention factor: a rotation by p multiplies
         # by it, so undoing or composing rotations must divide it back out.
         self.rope_gain = float(getattr(self.body.rotary_emb, "attention_scaling", 1.0) or 1.0)
+        # LongRoPE and dynamic NTK choose their frequencies from the sequence length (cos_sin).
+        self.length_dependent_rope = getattr(self.body.rotary_emb, "rope_type", "default") in ("longrope", "dynamic")
 
     def _sliding_window(self, attn) -> int | None:
         """Keys a query of this layer sees (itself included), or None for full attention.
         Qwen2/3 and SmolLM3 attention modules carry their own (None on full layers); Mistral
-        reads ``config.sliding_window`` for every layer; Llama has none."""
-        w = attn.sliding_window if hasattr(attn, "sliding_window") else getattr(self.config, "sliding_window", None)
+        reads ``config.sliding_window`` for every layer; Llama has none, even when its config
+        carries a stray ``sliding_window`` (llamafied Qwen checkpoints do): Llama's attention
+        never reads it, so neither may kvrag."""
+        if hasattr(attn, "sliding_window"):
+            w = attn.sliding_window
+        elif self.config.model_type == "mistral":
+            w = getattr(self.config, "sliding_window", None)
+        else:
+            w = None
         return int(w) if w else None
 
     def window_mask(self, layer: int, pos_q: torch.Tensor, pos_k: torch.Tensor) -> torch.Tensor | None:
@@ -93,12 +102,22 @@ class Arch:
         return self.body.embed_tokens.weight.dtype
 
     # ---- positions -------------------------------------------------------------------
-    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def cos_sin(self, positions: torch.Tensor, length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """RoPE tables for ``positions`` [P] -> cos, sin [P, D] (model's own rotary module,
-        so rope scaling variants such as Llama-3's are honoured)."""
+        so rope scaling variants such as Llama-3's are honoured).
+
+        ``length``: the sequence length whose frequencies to use. LongRoPE (short/long factors)
+        and dynamic NTK pick their frequencies from the sequence length, which HF's rotary
+        module infers as ``max(positions) + 1`` of the call; a caller rotating (or undoing the
+        rotation of) part of a longer sequence passes that sequence's length, so the tables
+        are the ones the whole sequence was rotated with. Static RoPE types ignore it."""
+        pos = positions.to(self.device).view(-1)
+        n = pos.numel()
+        if length is not None and self.length_dependent_rope and (n == 0 or length > int(pos.max()) + 1):
+            pos = torch.cat([pos, pos.new_tensor([length - 1])])
         dummy = torch.empty(1, device=self.device, dtype=self.dtype)
-        cos, sin = self.body.rotary_emb(dummy, positions.to(self.device).view(1, -1))
-        return cos[0], sin[0]
+        cos, sin = self.body.rotary_emb(dummy, pos.view(1, -1))
+        return cos[0, :n], sin[0, :n]
 
     def rotate(self, x: torch.Tensor, positions: torch.Tensor, cos_sin=None,
                out: torch.Tensor | None = None, layer: int | None = None) -> torch.Tensor:
@@ -122,12 +141,27 @@ class Arch:
         out[..., h:].addcmul_(x[..., :h], sin[..., h:])
         return out
 
-    def unrotate(self, x: torch.Tensor, positions: torch.Tensor, layer: int) -> torch.Tensor:
+    def unrotate(self, x: torch.Tensor, positions: torch.Tensor, layer: int,
+                 length: int | torch.Tensor | None = None) -> torch.Tensor:
         """Position-free vectors from ``x`` [..., P, D] rotated (by the model) to ``positions``
-        [P] at ``layer``: the inverse of ``rotate``, attention factor included."""
+        [P] at ``layer``, in a sequence of ``length`` tokens (default: max(positions) + 1; see
+        ``cos_sin``), or per row ``length`` [P]: the inverse of ``rotate``, attention factor
+        included."""
         if not self.rope_layers[layer]:
             return x
-        return self.rotate(x, -positions) / self.rope_gain ** 2
+        if isinstance(length, torch.Tensor):
+            if not self.length_dependent_rope:
+                length = None
+            else:  # rows rotated in sequences of different lengths (decoded tokens)
+                out = torch.empty_like(x)
+                for n in length.unique().tolist():
+                    sel = (length == n).nonzero().squeeze(1)
+                    out[..., sel.to(x.device), :] = self.unrotate(x[..., sel.to(x.device), :], positions[sel], layer, int(n))
+                return out
+        # R(-p) = (cos p, -sin p) from the very tables x was rotated with: a table for -p
+        # would let a length-dependent RoPE pick other frequencies (max(-p) + 1 <= 1).
+        cos, sin = self.cos_sin(positions, length)
+        return self.rotate(x, None, (cos, -sin)) / self.rope_gain ** 2
 
     def shift(self, x: torch.Tensor, cos_sin, layer: int) -> torch.Tensor:
         """Move vectors ``x`` [..., P, D] already rotated at ``layer`` by the offsets whose

@@ -48,7 +48,13 @@ def compute_chunk_kv(
     # Block-diagonal causal mask: a token sees earlier tokens of its own chunk only.
     idx = torch.arange(ids.numel(), device=dev)
     mask = (seg[:, None] == seg[None, :]) & (idx[:, None] >= idx[None, :])
-    cs = arch.cos_sin(positions)
+    # RoPE tables per chunk: a length-dependent RoPE (LongRoPE, dynamic NTK) picks its
+    # frequencies from the sequence length, which must be the chunk's own, not the pack's.
+    if arch.length_dependent_rope:
+        tables = [arch.cos_sin(torch.arange(n, device=dev)) for n in lens]
+        cs = (torch.cat([c for c, _ in tables]), torch.cat([s for _, s in tables]))
+    else:
+        cs = arch.cos_sin(positions)
 
     hidden = arch.embed(ids)
     keys_pre, values = [], []

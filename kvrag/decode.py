@@ -9,6 +9,8 @@ Two back-ends continue from a prefilled cache:
 """
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -31,14 +33,31 @@ class Sampling:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        if self.max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if isinstance(self.stop, str):
+        def is_int(x) -> bool:
+            return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+        def is_real(x) -> bool:  # NaN and inf fail every range check below by being excluded here
+            return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
+
+        if not is_int(self.max_new_tokens) or self.max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be an integer >= 0, got {self.max_new_tokens!r}")
+        if not is_real(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not is_real(self.top_p) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
+        if not is_int(self.top_k) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0 = no top-k), got {self.top_k!r}")
+        if self.seed is not None and not is_int(self.seed):
+            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        if self.stop is None:
+            self.stop = ()
+        elif isinstance(self.stop, str):
             self.stop = (self.stop,)
+        else:
+            self.stop = tuple(self.stop)
+            bad = [x for x in self.stop if not isinstance(x, str) or not x]
+            if bad:
+                raise ValueError(f"stop must be a string or a sequence of non-empty strings, got {bad[0]!r} in it")
 
 
 def sample(logits: torch.Tensor, s: Sampling, gen: torch.Generator | None) -> int:

@@ -28,6 +28,7 @@ from kvrag.errors import ChunkError
 from kvrag.fusion import CACHED, PLAIN, FusionEngine, FusionResult, FusionStats, Layout, Piece
 from kvrag.model import ModelHandle
 from kvrag.policies import Policy, get_policy
+from kvrag.precompute import validate_chunk_text
 from kvrag.segment import Segmenter, render_messages
 from kvrag.store import ChunkEntry, KVStore
 
@@ -48,6 +49,10 @@ class Generation:
     token_ids: list[int]
     stats: FusionStats
     prompt_ids: list[int] = field(default_factory=list)
+    #: Why decoding ended: "stop" (EOS token or a stop string), "length" (max_new_tokens
+    #: reached without either), None if unknown. Recorded by the decoder, not guessed from
+    #: the token count: a stop on the last allowed token is still "stop".
+    finish_reason: str | None = None
 
 
 class Stream:
@@ -59,6 +64,7 @@ class Stream:
         self.token_ids: list[int] = []
         self.stats: FusionStats | None = None
         self.prompt_ids: list[int] = []
+        self.finish_reason: str | None = None  # "stop" / "length" once exhausted (see Generation)
 
     def __iter__(self):
         return self
@@ -132,7 +138,14 @@ class KVRag:
         chunk_anchor: str | Sequence[int] = "auto",
         **policy_params,
     ) -> None:
-        pol = get_policy(policy, **policy_params)  # bad parameters fail before a model load
+        # Bad options fail before a model load, and before the store is opened: opening it
+        # records ``size_limit`` in a store other processes may share.
+        pol = get_policy(policy, **policy_params)
+        if storage_dtype not in STORAGE_DTYPES:
+            raise ValueError(f"storage_dtype must be one of {sorted(STORAGE_DTYPES)}, got {storage_dtype!r}")
+        if isinstance(ingest_policies, (str, Policy)):
+            ingest_policies = [ingest_policies]
+        ingest = [get_policy(p) for p in ingest_policies]
         self.handle = model if isinstance(model, ModelHandle) else ModelHandle.load(model, dtype=dtype, device=device)
         if kvlink_adapter is not None:
             # A KVLink adapter ("auto" or a directory) may hold LoRA weights that change every
@@ -153,11 +166,9 @@ class KVRag:
         self.fingerprint = cache_fingerprint(self.handle.fingerprint, self.anchor)
         cache_dir = Path(cache_dir) if cache_dir is not None else default_home() / "store"
         self.store = KVStore(cache_dir, size_limit=size_limit)
-        if storage_dtype not in STORAGE_DTYPES:
-            raise ValueError(f"storage_dtype must be one of {sorted(STORAGE_DTYPES)}, got {storage_dtype!r}")
         self.storage_dtype = STORAGE_DTYPES[storage_dtype]
         self.policy = pol
-        self.ingest_policies = [get_policy(p) for p in ingest_policies]
+        self.ingest_policies = ingest
         self.engine = FusionEngine(self.arch)
         self.segmenter = Segmenter()
         self.query_tokens = query_tokens
@@ -174,10 +185,7 @@ class KVRag:
         SmolLM) the ids of the text alone; for SentencePiece ones that mark the first word
         of a text (Llama 2, Mistral) the ids without that mark. A prompt reuses the chunk only
         where its own tokenization holds exactly these ids (``pieces``)."""
-        if not isinstance(text, str):
-            raise ChunkError(f"chunk must be a str, got {type(text).__name__}")
-        if not text.strip():
-            raise ChunkError("empty chunk: a chunk must contain non-whitespace text")
+        validate_chunk_text(text)
         nl = self._newline_ids
         ids = self.handle.encode("\n" + text)
         if nl and ids[: len(nl)] == nl and len(ids) > len(nl):
@@ -201,14 +209,21 @@ class KVRag:
         """Compute and store the KV of every text not cached yet; returns their keys.
 
         Chunks are packed ``batch_tokens`` at a time (one pass per pack)."""
+        if isinstance(texts, (str, bytes, bytearray)):
+            # Iterating it would cache every character as a chunk of its own.
+            raise TypeError(f"precompute() takes an iterable of texts, got a single {type(texts).__name__}; "
+                            "wrap it in a list: precompute([text])")
         texts = list(texts)
         ids = [self.chunk_ids(t) for t in texts]
         keys = [KVStore.make_key(self.fingerprint, i) for i in ids]
         todo, seen = [], set()
         for j, k in enumerate(keys):
-            if k not in seen and k not in self.store:
+            # Stored and listed in the text index, re-listed if a writer killed mid-put left
+            # it out: other processes find chunks through the index only.
+            stored = self.store.ensure_indexed(k)
+            if k not in seen and not stored:
                 todo.append(j)
-            elif k in self.store:
+            elif stored:
                 self.segmenter.add(k, texts[j])
             seen.add(k)
         packs = list(pack([len(ids[j]) for j in todo], batch_tokens))
@@ -242,9 +257,18 @@ class KVRag:
     # ---- prompts ---------------------------------------------------------------------
     def render(self, prompt: str | Sequence[dict]) -> str:
         """A prompt string, or chat messages rendered with the tokenizer's chat template."""
-        if isinstance(prompt, str):
-            return prompt
-        return render_messages(self.tokenizer, list(prompt))
+        if isinstance(prompt, (bytes, bytearray)):
+            raise TypeError("prompt must be a str or a list of chat messages, got bytes: decode it first")
+        if not isinstance(prompt, (str, Sequence)):
+            raise TypeError(f"prompt must be a str or a list of chat messages, got {type(prompt).__name__}")
+        text = prompt if isinstance(prompt, str) else render_messages(self.tokenizer, list(prompt))
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:  # the tokenizer would fail with an obscure TypeError
+            raise ValueError(
+                f"prompt contains an unpaired surrogate {text[e.start]!r} at character {e.start}: not "
+                "valid Unicode text; decode its source with errors='replace'") from None
+        return text
 
     def _refresh_segmenter(self) -> None:
         # Other processes (or an earlier session) may have added chunks: re-read the store's
@@ -298,7 +322,7 @@ class KVRag:
                 stats.bytes_loaded += entry.nbytes
                 if j > tok:
                     pieces.append(Piece(torch.tensor(ids[tok:j], dtype=torch.long), PLAIN))
-                pieces.append(Piece(entry.token_ids, CACHED, entry=entry, key=seg.key))
+                pieces.append(Piece(entry.token_ids, CACHED, entry=entry, key=seg.key, span=(k, k + m)))
                 tok = j + m
         if tok < len(ids):
             pieces.append(Piece(torch.tensor(ids[tok:], dtype=torch.long), PLAIN))
@@ -407,6 +431,9 @@ class KVRag:
                 yield tail
             stats.new_tokens = len(holder.token_ids)
             stats.decode_s = time.perf_counter() - (t_first or t0)
+            # EOS or a stop string wins over the token budget when both end on the same token.
+            stopped = text.stopped or bool(holder.token_ids and holder.token_ids[-1] in self.eos)
+            holder.finish_reason = "stop" if stopped else "length"
             holder.stats = stats
             holder.prompt_ids = prompt_ids
 
@@ -418,7 +445,7 @@ class KVRag:
         s = self.stream(prompt, **kwargs)
         for _ in s:
             pass
-        return Generation(s.text, s.token_ids, s.stats, getattr(s, "prompt_ids", []))
+        return Generation(s.text, s.token_ids, s.stats, getattr(s, "prompt_ids", []), s.finish_reason)
 
     @torch.no_grad()
     def continuation_logits(

@@ -29,13 +29,16 @@ class Piece:
     """One segment of the prompt as the engine sees it.
 
     token_ids [T]; ``entry`` is the loaded ``ChunkEntry`` for a cached chunk, else None;
-    ``embeds`` [T, E] for inserted tokens (policy-made), else None."""
+    ``embeds`` [T, E] for inserted tokens (policy-made), else None; ``key`` the chunk's store
+    key and ``span`` the range ``(a, b)`` of the stored chunk's tokens the piece holds (the
+    prompt may tokenize a chunk's edges otherwise, so only part of it is reused)."""
 
     token_ids: torch.Tensor
     kind: int = PLAIN
     entry: Any = None
     embeds: torch.Tensor | None = None
     key: str | None = None
+    span: tuple[int, int] | None = None
 
 
 @dataclass

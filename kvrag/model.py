@@ -206,8 +206,33 @@ def _cache_format_version() -> Any:
     return CACHE_FORMAT_VERSION
 
 
+#: Config keys that do not change what the model computes for a token: bookkeeping, special
+#: token ids (the tokenizer digest covers those), training-only settings.
+_CONFIG_KEYS_WITHOUT_EFFECT = frozenset({
+    "architectures", "transformers_version", "dtype", "torch_dtype", "use_cache",
+    "output_attentions", "output_hidden_states", "return_dict", "id2label", "label2id",
+    "problem_type", "chunk_size_feed_forward", "is_encoder_decoder", "bos_token_id",
+    "eos_token_id", "pad_token_id", "initializer_range", "attention_dropout",
+})
+
+
+def config_digest(config) -> str:
+    """sha256 of every config field that may change a token's K/V or logits.
+
+    The named fields of ``arch_summary`` are the ones kvrag reads itself, but the model's own
+    modules read more (``hidden_act``, ``attention_bias``, Qwen2's ``max_window_layers``,
+    SmolLM3's ``no_rope_layers``, ...): a config edited in any of them, with the same weights,
+    must not be served the old model's caches. Hence all fields, minus a short list known to
+    have no effect (a field added there wrongly only costs cache misses)."""
+    d = {k: v for k, v in config.to_dict().items()
+         if not k.startswith("_") and k not in _CONFIG_KEYS_WITHOUT_EFFECT}
+    blob = json.dumps(d, sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode("utf-8")).hexdigest()
+
+
 def arch_summary(config) -> dict[str, Any]:
-    """The config fields that decide what K/V a token gets (JSON-able)."""
+    """The config fields that decide what K/V a token gets (JSON-able), and a digest of the
+    whole config (``config_sha256``, see ``config_digest``)."""
     heads = config.num_attention_heads
     rope = getattr(config, "rope_parameters", None)
     if rope is None:  # transformers < 5 spelling
@@ -227,6 +252,7 @@ def arch_summary(config) -> dict[str, Any]:
         else None,
         "vocab_size": config.vocab_size,
         "tie_word_embeddings": getattr(config, "tie_word_embeddings", None),
+        "config_sha256": config_digest(config),
     }
 
 

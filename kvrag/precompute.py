@@ -10,13 +10,17 @@ Guarantees:
 
 * **dedup**: a text already queued or in flight is not queued twice (the caller gets the same
   future); in the worker, two texts with the same store key are computed once, and a key
-  already in the store is not recomputed.
+  already in the store is not recomputed (but re-listed in the store's text index if a writer
+  killed mid-put left it out, so other processes find it: ``KVStore.ensure_indexed``).
 * **back-pressure**: at most ``max_queued`` texts wait; ``submit`` then blocks (or raises
   :class:`QueueFullError` with ``block=False`` / after ``timeout``).
 * **no silent loss**: every failure is logged, counted (``progress().failed``) and kept
   (:meth:`failures`, :meth:`retry_failed`); :meth:`shutdown` drains the queue by default, and
   whatever it does not process (``cancel_pending=True`` or a timeout) it hands back to the
-  caller; at interpreter exit the queue is drained (``drain_on_exit``).
+  caller; work it leaves running (``wait=False``, a pack in flight at the timeout) is
+  finished before the interpreter exits; at interpreter exit the queue is drained
+  (``drain_on_exit``; with False what is queued is dropped with a warning, but packs in
+  flight are still finished).
 * **queries first**: wrap a query in :meth:`foreground` (the LlamaIndex / LangChain adapters
   do) and no new pack starts while it runs, so the query competes at most with one pack
   already in flight; ``batch_tokens`` bounds that pack. On a 2-core CPU, SmolLM2-135M
@@ -156,6 +160,20 @@ class _Job:
         self.waiters: list[_Job] = []  # other texts with the same key, finished with this one
 
 
+def _check_texts_iterable(texts: Any, where: str) -> None:
+    """Raise TypeError unless ``texts`` is an iterable of texts: a bare str/bytes is iterable
+    too, and would be queued one character (or byte) at a time."""
+    if isinstance(texts, (str, bytes, bytearray, memoryview)):
+        raise TypeError(
+            f"{where}() takes an iterable of texts, got a single {type(texts).__name__}: "
+            f"pass a list ({where}([text])) or use submit(text)"
+        )
+    try:
+        iter(texts)
+    except TypeError:
+        raise TypeError(f"{where}() takes an iterable of texts, got {type(texts).__name__}") from None
+
+
 def _preview(text: str, n: int = 60) -> str:
     return repr(text[:n] + ("..." if len(text) > n else ""))
 
@@ -187,7 +205,8 @@ class Precomputer:
     defer_to_queries: no new pack starts while a :meth:`foreground` block is open, for at most
     ``max_defer_s`` at a time (so a stream of queries cannot starve ingestion forever).
     keep_failures: failures kept for :meth:`failures` (all are counted). drain_on_exit: at
-    interpreter exit, finish the queue (else log what is left). on_progress: called with a
+    interpreter exit, finish the queue (else drop what is queued and log it; packs in flight
+    are finished either way), also after ``shutdown(wait=False)``. on_progress: called with a
     :class:`PrecomputeProgress` after every pack, in the worker thread."""
 
     def __init__(
@@ -318,15 +337,21 @@ class Precomputer:
         Default: finish everything queued, then stop (nothing acknowledged is lost).
         ``cancel_pending``: do not start queued texts; they are returned (their futures
         cancelled). ``timeout``: wait at most this long; texts still queued then are taken off
-        the queue and returned (a pack in flight finishes in the background). ``wait=False``:
-        return at once, the workers drain the queue in the background (returns [])."""
+        the queue and returned, while a pack already in flight is finished in the background
+        (its futures get their keys; it is neither returned nor lost). ``wait=False``: return
+        at once (returns [], or the cancelled texts with ``cancel_pending``); the workers drain
+        the queue in the background.
+
+        Work left running in the background (``wait=False``, or a pack in flight when
+        ``timeout`` expired) is finished before the interpreter exits: the exit hook waits
+        for the workers (with ``drain_on_exit=False`` it waits only for the packs in flight,
+        and texts still queued then are logged as dropped)."""
         handed_back: list[_Job] = []
         with self._cond:
             self._closing = True
             if cancel_pending:
                 handed_back = self._take_all_queued()
             self._cond.notify_all()
-        _unregister_exit(self._atexit_ref)
         if wait:
             deadline = None if timeout is None else time.monotonic() + timeout
             for t in self._threads:
@@ -336,12 +361,34 @@ class Precomputer:
                     self._abandon = True
                     handed_back += self._take_all_queued()
                     self._cond.notify_all()
+        if not any(t.is_alive() for t in self._threads):
+            # Nothing left running. Otherwise the exit hook stays registered: the workers are
+            # daemon threads, killed at interpreter exit, so it must wait for them first.
+            _unregister_exit(self._atexit_ref)
+            self._atexit_ref = None
         for job in handed_back:
             job.future.cancel()
         if handed_back:
             log.warning("kvrag precompute: shutdown left %d chunk(s) unprocessed; they were returned to the caller",
                         len(handed_back))
         return [j.text for j in handed_back]
+
+    def _exit(self) -> None:
+        """Run by the exit hook: finish (or, with ``drain_on_exit=False``, drop with a warning)
+        what is queued, and wait for every pack in flight, so nothing dies with the daemon
+        workers (a worker killed inside ``KVStore.put`` would also leave a half-written entry)."""
+        self._atexit_ref = None  # this hook is running: nothing to unregister any more
+        if not self.drain_on_exit:
+            left = self.shutdown(cancel_pending=True, wait=False)
+            if left:
+                log.warning("kvrag precompute: %d queued chunk(s) were not precomputed at exit "
+                            "(drain_on_exit=False); they are computed when retrieved again (retriever hook) "
+                            "or re-submitted", len(left))
+        n = self.progress()
+        pending = n.queued + n.in_flight
+        if pending and any(t.is_alive() for t in self._threads):
+            log.warning("kvrag precompute: finishing %d chunk(s) before exit", pending)
+        self.shutdown(wait=True)
 
     def close(self) -> None:
         self.shutdown()
@@ -368,9 +415,11 @@ class Precomputer:
         (a retriever hook), so the work they schedule waits for that query to finish."""
         try:
             validate_chunk_text(text)
-        except ChunkError:
+        except ChunkError as e:
             with self._cond:
                 self._c["rejected"] += 1
+            if not isinstance(text, (str, bytes, bytearray, memoryview)) and isinstance(text, Iterable):
+                raise ChunkError(f"{e}: submit() takes one text; use submit_many() for several") from None
             raise
         with self._cond:
             if self._closing:
@@ -410,7 +459,11 @@ class Precomputer:
                     skip_invalid: bool = False, defer_s: float = 0.0) -> list[Future | None]:
         """``submit`` each text. ``skip_invalid``: a text that can never be cached (empty,
         invalid Unicode) is logged, counted as rejected and gets None instead of raising —
-        what ingestion hooks want, so one empty node does not fail a whole pipeline run."""
+        what ingestion hooks want, so one empty node does not fail a whole pipeline run.
+
+        ``texts`` must be an iterable of texts: a single ``str`` (or ``bytes``) raises
+        TypeError before anything is queued, rather than queueing each character."""
+        _check_texts_iterable(texts, "submit_many")
         out: list[Future | None] = []
         for t in texts:
             try:
@@ -590,6 +643,10 @@ class Precomputer:
             return False
         if cached:
             try:
+                # Stored is not enough: other processes find a chunk through the store's text
+                # index, which a writer killed mid-put leaves without it. Re-list it if so.
+                if not rag.store.ensure_indexed(job.key):
+                    return True  # the blob was gone or corrupt after all: compute it
                 # Register it now: it may come from another process the segmenter has not
                 # re-read yet.
                 rag.segmenter.add(job.key, job.text)
@@ -690,24 +747,12 @@ class _Foreground:
 
 # ---- interpreter exit ------------------------------------------------------------------
 def _register_exit(pc: Precomputer):
-    ref = weakref.ref(pc)
+    ref = weakref.ref(pc)  # running workers keep ``pc`` alive; an idle, dropped one needs nothing
 
     def at_exit() -> None:
         p = ref()
-        if p is None or p.closed:
-            return
-        n = p.progress()
-        pending = n.queued + n.in_flight
-        if p.drain_on_exit:
-            if pending:
-                log.warning("kvrag precompute: finishing %d queued chunk(s) before exit", pending)
-            p.shutdown(wait=True)
-        else:
-            left = p.shutdown(cancel_pending=True, timeout=0)
-            if left:
-                log.warning("kvrag precompute: %d queued chunk(s) were not precomputed at exit "
-                            "(drain_on_exit=False); they are computed when retrieved again (retriever hook) "
-                            "or re-submitted", len(left))
+        if p is not None:
+            p._exit()
 
     atexit.register(at_exit)
     return at_exit

@@ -23,9 +23,11 @@ pickles any other value type).
 
 Integrity: diskcache writes each value to a fresh file and then points the SQLite row at it
 (the old file is removed afterwards), so a write is atomic and two processes writing the same
-key leave one of the two complete values. Every ``get`` hashes the bytes and compares them with
-the tag, then checks the format version and the tensors' shapes; a blob failing any check is
-logged, deleted and counted, and ``get`` returns None so the caller recomputes the chunk.
+key leave one of the two complete values. Every ``get`` reads the format version from the
+header, hashes the bytes and compares them with the tag, then checks the tensors' shapes; a
+blob failing any check (or of an older format) is logged, deleted and counted, and ``get``
+returns None so the caller recomputes the chunk. A blob of a *newer* format (written by a newer
+kvrag sharing the store) is a miss and is left alone.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ import logging
 import os
 import sqlite3
 import threading
+import time
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -59,6 +62,12 @@ _EXTRA_PREFIX = "extras."
 _EVICTION_POLICY = "least-recently-used"
 #: Blob-cache size limit of a new store (bytes) when none is given.
 DEFAULT_SIZE_LIMIT = 16 * 2**30
+#: gc(verify=True) removes a file that no row points at only once it is this old (seconds):
+#: diskcache writes a value's file *before* committing the row that points at it, so a young
+#: unreferenced file is most likely a write in progress in another process. A writer commits
+#: within seconds (longer only while waiting for the database lock); an hour leaves it ample
+#: time, and the files of writers that died are still reclaimed by a later gc.
+_ORPHAN_GRACE_S = 3600.0
 
 
 @dataclass
@@ -120,6 +129,33 @@ def checksum_matches(data: bytes, tag: object) -> bool:
 
 class _Corrupt(Exception):
     """A blob that failed verification (message = the problem)."""
+
+
+def _is_newer_format(meta: dict[str, str]) -> bool:
+    """Whether a blob's header declares a format version newer than ``CACHE_FORMAT_VERSION``."""
+    try:
+        return int(meta.get("kvrag_format")) > CACHE_FORMAT_VERSION
+    except (TypeError, ValueError):
+        return False
+
+
+def _verified_metadata(data: Any, tag: object) -> dict[str, str] | None:
+    """The metadata of a stored blob once its bytes, checksum and format version check out;
+    None for a blob of a newer format; raises _Corrupt otherwise.
+
+    The version is read from the header *before* the checksum: a newer kvrag sharing the
+    store may use another checksum scheme or layout, so its blobs are not ours to judge (or
+    delete). A blob of an older version is treated like a damaged one: corrupt."""
+    if not isinstance(data, bytes):
+        raise _Corrupt(f"stored value is {type(data).__name__}, not bytes")
+    meta = _read_metadata(data)
+    if _is_newer_format(meta):
+        return None
+    if not checksum_matches(data, tag):
+        raise _Corrupt(f"checksum mismatch (stored {tag}, {len(data)} bytes)")
+    if meta.get("kvrag_format") != str(CACHE_FORMAT_VERSION):
+        raise _Corrupt(f"format version {meta.get('kvrag_format')!r}, expected {CACHE_FORMAT_VERSION}")
+    return meta
 
 
 def _validate_entry(entry: ChunkEntry) -> torch.Tensor:
@@ -278,9 +314,10 @@ class KVStore:
 
     # ---- write ---------------------------------------------------------------------
     def put(self, key: str, entry: ChunkEntry) -> None:
-        """Store ``entry`` under ``key`` (replacing any entry there), then evict LRU entries
-        until the store fits its size limit. Raises ValueError for an empty or inconsistent
-        entry."""
+        """Store ``entry`` under ``key`` (replacing any entry there, even one of a newer format:
+        keys include the fingerprint, which includes the format version, so two kvrag versions
+        only meet on one key if the caller chose it), then evict LRU entries until the store
+        fits its size limit. Raises ValueError for an empty or inconsistent entry."""
         if not isinstance(key, str) or not key:
             raise ValueError(f"key must be a non-empty string, got {key!r}")
         ids = _validate_entry(entry)
@@ -295,33 +332,39 @@ class KVStore:
             if self._current_tag(key) == tag:
                 self._index.set(key, index_value, retry=True)
         if self._enforce_limit() and key not in self._blobs:
-            log.warning("KVStore: entry %s (%d bytes) is larger than the size limit %d and was evicted",
-                        key, len(data), self.size_limit)
+            log.warning("KVStore: entry %s (%d bytes) was evicted as soon as stored: the size limit %d "
+                        "bytes leaves no room for it (the store takes %d bytes, SQLite files included); "
+                        "raise size_limit", key, len(data), self.size_limit, self._blobs.volume())
 
     # ---- read ----------------------------------------------------------------------
     def get(self, key: str, fingerprint: str) -> ChunkEntry | None:
-        """The verified entry for ``key``, or None on a miss, a corrupt blob (deleted) or an
+        """The verified entry for ``key``, or None on a miss, a corrupt or older-format blob
+        (deleted), an entry of a newer format (kept for the newer kvrag that wrote it) or an
         entry of another model (``fingerprint`` differs; kept, counted as wrong_model)."""
-        found = self._read(key)
-        if found is None:
-            # A row whose file cannot be read is a broken entry, unless a concurrent writer
-            # just replaced the file under us: read once more before calling it corrupt.
-            if key in self._blobs:
-                found = self._read(key)
-                if found is None and key in self._blobs:
-                    self._drop_corrupt(key, None, "blob file missing or unreadable")
-                    return self._miss()
+        try:
+            found = self._read(key)
             if found is None:
-                return self._miss()
+                # A row whose file cannot be read is a broken entry, unless a concurrent writer
+                # just replaced the file under us: read once more before calling it corrupt.
+                if key in self._blobs:
+                    found = self._read(key)
+                    if found is None and key in self._blobs:
+                        self._drop_corrupt(key, None, "blob file missing or unreadable")
+                        return self._miss()
+                if found is None:
+                    return self._miss()
+        except sqlite3.OperationalError as e:
+            # A read also records the access (LRU order): on a full disk or a locked-out
+            # database that write fails. The entry is sound; this query computes the chunk.
+            log.warning("KVStore: cannot read entry %s (%s); treated as a miss", key, e)
+            return self._miss()
         data, tag, name = found
         try:
-            if not isinstance(data, bytes):
-                raise _Corrupt(f"stored value is {type(data).__name__}, not bytes")
-            if not checksum_matches(data, tag):
-                raise _Corrupt(f"checksum mismatch (stored {tag}, {len(data)} bytes)")
-            meta = _read_metadata(data)
-            if meta.get("kvrag_format") != str(CACHE_FORMAT_VERSION):
-                raise _Corrupt(f"format version {meta.get('kvrag_format')!r}, expected {CACHE_FORMAT_VERSION}")
+            meta = _verified_metadata(data, tag)
+            if meta is None:
+                log.warning("KVStore: entry %s has a format version newer than this kvrag's %d; "
+                            "not used, left for the newer kvrag", key, CACHE_FORMAT_VERSION)
+                return self._miss()
             if meta.get("fingerprint") != fingerprint:
                 # The checksum holds, so this is a sound entry of another model asked for
                 # with the wrong fingerprint (a caller error): leave it for its owner.
@@ -340,6 +383,18 @@ class KVStore:
 
     def __contains__(self, key) -> bool:
         return key in self._blobs
+
+    def ensure_indexed(self, key: str) -> bool:
+        """True when ``key``'s blob is stored *and* listed in the text index, re-listing it
+        from the blob's own metadata if it was not (a writer killed between its blob and its
+        index write leaves such a chunk, which other processes never find: they find chunks
+        through the index). False when no usable blob is stored: compute the chunk."""
+        if key not in self._blobs:
+            return False
+        if self._reindex(key):
+            log.warning("KVStore: chunk %s was stored but not listed in the text index (a writer "
+                        "killed mid-write?); re-listed it", key)
+        return key in self._index
 
     def texts(self, fingerprint: str) -> dict[str, str]:
         """key -> chunk text for every stored entry of ``fingerprint`` (from the text index,
@@ -390,10 +445,16 @@ class KVStore:
 
     def gc(self, *, verify: bool = False) -> dict[str, int]:
         """Evict to the size limit, drop text-index entries whose blob is gone, re-index
-        blobs missing from the text index; with ``verify``, also load and check every blob
-        (corrupt ones are deleted) and run diskcache's consistency check (files without
-        rows and rows without files). Returns the counts."""
+        blobs missing from the text index; with ``verify``, also check both caches' files
+        (rows whose file is gone are deleted, files no row points at are removed once older
+        than ``_ORPHAN_GRACE_S``) and load and check every blob (corrupt and older-format
+        ones are deleted, newer-format ones are left alone). Safe while other processes
+        write. Returns the counts."""
         evicted = self._enforce_limit()
+        check_warnings = 0
+        if verify:
+            # Before the index pass, so the text-index entries of the rows it drops go too.
+            check_warnings = self._check_files(self._blobs) + self._check_files(self._index)
         dropped = 0
         for key in list(self._index.iterkeys()):
             with self._blobs.transact(retry=True):
@@ -406,10 +467,6 @@ class KVStore:
                 continue
             if self._reindex(key):
                 reindexed += 1
-        check_warnings = 0
-        if verify:
-            check_warnings = len(self._blobs.check(fix=True, retry=True))
-            self._index.check(fix=True, retry=True)
         return {"evicted": evicted, "index_dropped": dropped, "reindexed": reindexed,
                 "corrupt": corrupt, "check_warnings": check_warnings, "entries": len(self._blobs)}
 
@@ -501,16 +558,69 @@ class KVStore:
             return False
         data, tag, name = found
         try:
-            if not isinstance(data, bytes) or not checksum_matches(data, tag):
-                raise _Corrupt("checksum mismatch")
-            meta = _read_metadata(data)
-            if meta.get("kvrag_format") != str(CACHE_FORMAT_VERSION):
-                raise _Corrupt(f"format version {meta.get('kvrag_format')!r}, expected {CACHE_FORMAT_VERSION}")
-            _deserialize(data, meta)
+            meta = _verified_metadata(data, tag)
+            if meta is not None:  # None: a newer format, left for the kvrag that wrote it
+                _deserialize(data, meta)
         except _Corrupt as e:
             self._drop_corrupt(key, name, str(e))
             return True
         return False
+
+    def _check_files(self, cache: diskcache.Cache) -> int:
+        """gc(verify=True)'s consistency check of one of the two caches: SQLite's integrity
+        check, rows whose file is gone (deleted, with their text-index entry) and files that
+        no row points at (removed once older than ``_ORPHAN_GRACE_S``). Returns the number of
+        problems found.
+
+        This replaces diskcache's ``check(fix=True)``, which removes every file without a row,
+        including the file a concurrent ``set`` in another process has written but not yet
+        pointed its row at: that entry was then lost (its row pointing at a missing file)."""
+        problems = 0
+        for (message,) in cache._sql("PRAGMA integrity_check").fetchall():
+            if message != "ok":
+                log.warning("KVStore: SQLite integrity check of %s: %s", cache.directory, message)
+                problems += 1
+        root = Path(cache.directory)
+        select = "SELECT rowid, key, raw, filename FROM Cache WHERE filename IS NOT NULL"
+        # Rows without files. A snapshot finds candidates without holding the write lock; each
+        # is confirmed inside a transaction, where its row cannot change and its file cannot
+        # legitimately vanish (diskcache removes a replaced file only after its row changed).
+        missing = [row for row in cache._sql(select).fetchall() if not (root / row[3]).exists()]
+        for rowid, db_key, raw, filename in missing:
+            with self._blobs.transact(retry=True), cache.transact(retry=True):
+                still = cache._sql("SELECT 1 FROM Cache WHERE rowid = ? AND filename = ?",
+                                   (rowid, filename)).fetchall()
+                if not still or (root / filename).exists():
+                    continue
+                cache._sql("DELETE FROM Cache WHERE rowid = ?", (rowid,))
+                if cache is self._blobs and raw:  # raw: a str key, ours (never unpickle one)
+                    self._index.delete(db_key, retry=True)
+            log.warning("KVStore: entry %s in %s lost its file %s; deleted", db_key, cache.directory, filename)
+            problems += 1
+        # Files without rows: list the files first, then the names the rows point at, so a
+        # file committed in between is seen as referenced.
+        on_disk = {}
+        for dirpath, _, files in os.walk(root):
+            for fname in files:
+                if diskcache.core.DBNAME not in fname:  # cache.db and its -wal/-shm files
+                    path = Path(dirpath) / fname
+                    on_disk[os.path.relpath(path, root)] = path
+        referenced = {name for (name,) in cache._sql("SELECT filename FROM Cache WHERE filename IS NOT NULL")}
+        now = time.time()
+        for rel, path in on_disk.items():
+            if rel in referenced:
+                continue
+            try:
+                age = now - path.stat().st_mtime
+            except OSError:  # removed meanwhile (e.g. the old file of a replaced value)
+                continue
+            if age < _ORPHAN_GRACE_S:
+                log.debug("KVStore: unreferenced file %s is %.0f s old: a write in progress, kept", path, age)
+                continue
+            log.info("KVStore: removing %s, a file no entry points at (%.0f s old)", path, age)
+            cache.disk.remove(rel)  # also removes its directories once empty
+            problems += 1
+        return problems
 
     def _reindex(self, key: str) -> bool:
         """Recreate a missing or unreadable text-index entry from the blob's own metadata
@@ -535,6 +645,8 @@ class KVStore:
                 meta = None
         if not meta or "text" not in meta or "fingerprint" not in meta:
             return False
+        if _is_newer_format(meta):
+            return False  # its text index is the newer kvrag's, which may lay it out differently
         value = json.dumps({"text": meta["text"], "fingerprint": meta["fingerprint"],
                             "n_tokens": int(meta.get("n_tokens", 0))})
         with self._blobs.transact(retry=True):

@@ -23,6 +23,11 @@ CONFIGS = {
     # YaRN scales cos/sin by an attention factor (~1.14 here): undoing a rotation must divide it out.
     "llama-yarn": ("llama", {"rope_parameters": {
         "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256, "rope_theta": 10000.0}}),
+    # LongRoPE switches every position to its long factors once the sequence outgrows 16 tokens:
+    # tables depend on the sequence length, not only on the position.
+    "llama-longrope": ("llama", {"rope_parameters": {
+        "rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 16,
+        "short_factor": [1.0] * 8, "long_factor": [1.0 + 0.5 * i for i in range(8)]}}),
 }
 
 

@@ -57,23 +57,34 @@ def test_policy_ratio_one_equals_full_prefill(rag):
     torch.testing.assert_close(lb, lf, atol=1e-3, rtol=1e-3)
 
 
-@pytest.mark.parametrize("model_type,overrides", [
-    ("mistral", {"sliding_window": 12}),  # every layer windowed (Mistral-7B-v0.1 style)
-    ("qwen2", {"use_sliding_window": True, "sliding_window": 12, "max_window_layers": 2}),  # upper layers
-    ("smollm3", {}),  # layer 3 of 4 without RoPE
+@pytest.mark.parametrize("model_type,overrides,windowed", [
+    ("mistral", {"sliding_window": 12}, True),  # every layer windowed (Mistral-7B-v0.1 style)
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 12, "max_window_layers": 2}, True),  # upper layers
+    ("smollm3", {}, False),  # layer 3 of 4 without RoPE
+    # A stray window in a Llama config (llamafied Qwen checkpoints): Llama's attention ignores it.
+    ("llama", {"sliding_window": 12, "use_sliding_window": False}, False),
 ])
-def test_window_and_nope_models_generate_like_the_model(tmp_path, model_type, overrides):
+def test_window_and_nope_models_generate_like_the_model(tmp_path, model_type, overrides, windowed):
     """Sliding windows and NoPE layers are honoured by the chunk prefill, the fused prefill and
-    decoding: full_prefill == transformers' generate, and every exact limit of a policy (the
+    decoding: full_prefill == the model's own forward, and every exact limit of a policy (the
     whole prompt recomputed) generates the same tokens from the cache."""
     h = tiny_llama(seed=0, model_type=model_type, **overrides)
-    assert (any(w for w in h.arch.windows) if overrides else not all(h.arch.rope_layers))
+    assert any(w for w in h.arch.windows) == windowed
+    if model_type == "smollm3":
+        assert not all(h.arch.rope_layers)
     rag = KVRag(h, cache_dir=tmp_path / "kv")
     rag.precompute(DOCS)
     prompt = prompt_for(DOCS)
     full = rag.generate(prompt, policy="full_prefill", max_new_tokens=12)
     assert len(full.prompt_ids) > 12 * 4  # the window binds
-    assert full.token_ids == hf_greedy(h, full.prompt_ids, len(full.token_ids))
+    if windowed or model_type != "llama":
+        assert full.token_ids == hf_greedy(h, full.prompt_ids, len(full.token_ids))
+    else:  # transformers' generate crops its cache to the stray window; the model's forward does not
+        ids = list(full.prompt_ids)
+        with torch.no_grad():
+            for _ in full.token_ids:
+                ids.append(int(h.model(torch.tensor([ids]), use_cache=False).logits[0, -1].argmax()))
+        assert full.token_ids == ids[len(full.prompt_ids):]
     exact = [("cacheblend", {"recompute_ratio": 1.0}), ("a3", {"recompute_ratio": 1.0}),
              ("epic", {"k_head": 10_000}),
              ("samkv", {"recompute_ratio": 1.0, "keep_ratio": 1.0, "adaptive_p": False, "update": "overwrite"})]
@@ -227,6 +238,40 @@ def test_bad_chunks_rejected(rag, handle):
     with pytest.raises(ChunkError, match="exceeds the model context"):
         rag.precompute(["word " * (handle.max_context + 10)])
     assert rag.store.stats()["entries"] == 0
+
+
+def test_bad_input_names_the_problem_and_stores_nothing(rag, handle, tmp_path):
+    # A bare string is one text, not an iterable of one-character chunks.
+    with pytest.raises(TypeError, match="single str"):
+        rag.precompute(DOCS[0])
+    # A lone surrogate is not Unicode: named, not the tokenizer's obscure TypeError.
+    with pytest.raises(ChunkError, match="surrogate"):
+        rag.precompute(["Kelvar \udcff peak"])
+    with pytest.raises(ChunkError, match="surrogate"):
+        rag.is_cached("Kelvar \udcff peak")
+    assert rag.store.stats()["entries"] == 0
+    rag.precompute(DOCS)
+    for prompt, err, msg in [("Question \udcff?", ValueError, "surrogate"), (b"bytes", TypeError, "bytes"),
+                             (None, TypeError, "NoneType"), (5, TypeError, "int")]:
+        with pytest.raises(err, match=msg):
+            rag.generate(prompt, max_new_tokens=1)
+    for kw, msg in [(dict(max_new_tokens=None), "max_new_tokens"), (dict(max_new_tokens="3"), "max_new_tokens"),
+                    (dict(top_k=-1, temperature=1.0), "top_k"), (dict(temperature=float("nan")), "temperature"),
+                    (dict(stop=[3]), "stop"), (dict(recompute_ratio="0.5"), "recompute_ratio"),
+                    (dict(recompute_ratio=True), "recompute_ratio")]:
+        with pytest.raises(ValueError, match=msg):
+            rag.generate(prompt_for(DOCS), **kw)
+    assert rag.generate(prompt_for(DOCS), max_new_tokens=2, stop=None).stats.chunks_hit == 3
+    # A constructor refusing its options leaves the store as it was (no size limit recorded).
+    before = rag.store.size_limit
+    for kw in (dict(storage_dtype="fp16"), dict(ingest_policies=["typo"])):
+        with pytest.raises(ValueError):
+            KVRag(handle, cache_dir=tmp_path / "kv", size_limit=20_000, **kw)
+        with pytest.raises(ValueError):
+            KVRag(handle, cache_dir=tmp_path / "fresh", size_limit=20_000, **kw)
+    assert not (tmp_path / "fresh").exists()
+    assert KVRag(handle, cache_dir=tmp_path / "kv").store.size_limit == before
+    assert rag.store.stats()["entries"] == 3
 
 
 def test_corrupt_blob_falls_back_to_recompute(rag, tmp_path):

@@ -31,16 +31,38 @@ def test_rerotated_key_equals_key_at_position(model_type):
 @pytest.mark.parametrize("model_type", list(CONFIGS))
 def test_shifted_query_equals_query_at_the_shifted_position(model_type):
     """``arch.shift`` moves an already rotated query by an offset: the same as computing it
-    there (RoPE composition, attention factor once; the identity on NoPE layers)."""
+    there (RoPE composition, attention factor once; the identity on NoPE layers), all with
+    the tables of one 64-token prompt (a length-dependent RoPE has other frequencies at 8)."""
     model = tiny(model_type)
     arch = Arch(model)
     hidden = torch.randn(5, arch.hidden_size, generator=torch.Generator().manual_seed(9))
-    at = lambda p: arch.cos_sin(torch.arange(p, p + 5))  # noqa: E731
+    at = lambda p: arch.cos_sin(torch.arange(p, p + 5), length=64)  # noqa: E731
     for layer in range(arch.n_layers):
         q3, _, _, _ = arch.qkv(layer, hidden, at(3))
         q40, _, _, _ = arch.qkv(layer, hidden, at(40))
-        moved = arch.shift(q3, arch.cos_sin(torch.tensor([37])), layer)
+        moved = arch.shift(q3, arch.cos_sin(torch.tensor([37]), length=64), layer)
         torch.testing.assert_close(moved, q40, atol=1e-4, rtol=1e-4)
+        # Undoing the rotation of rows of that prompt, and of rows decoded one by one (each
+        # rotated in a sequence ending at itself), recovers the same position-free query.
+        q_pre = arch.unrotate(q40, torch.arange(40, 45), layer, length=64)
+        one_by_one = torch.stack([arch.qkv(layer, hidden[i:i + 1], arch.cos_sin(torch.tensor([40 + i])))[0][:, 0]
+                                  for i in range(5)], dim=1)
+        torch.testing.assert_close(
+            arch.unrotate(one_by_one, torch.arange(40, 45), layer, length=torch.arange(41, 46)), q_pre,
+            atol=1e-4, rtol=1e-4)
+
+
+def test_a_chunk_gets_the_same_kv_whatever_it_is_packed_with():
+    """A length-dependent RoPE (LongRoPE) picks its frequencies from the sequence length: a
+    short chunk packed with a long one must still get exactly what it gets alone."""
+    arch = Arch(tiny("llama-longrope"))
+    assert arch.length_dependent_rope
+    g = torch.Generator().manual_seed(2)
+    short, long_ = rand_ids(9, g), rand_ids(40, g)
+    k_alone, v_alone = compute_chunk_kv(arch, [short], anchor=[1])[0]
+    k_packed, v_packed = compute_chunk_kv(arch, [short, long_], anchor=[1])[0]
+    torch.testing.assert_close(k_packed, k_alone, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(v_packed, v_alone, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("model_type", list(CONFIGS))

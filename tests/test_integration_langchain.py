@@ -20,11 +20,14 @@ from langchain_core.output_parsers import StrOutputParser  # noqa: E402
 from langchain_core.prompts import ChatPromptTemplate  # noqa: E402
 from langchain_core.runnables import RunnablePassthrough  # noqa: E402
 from langchain_huggingface import HuggingFaceEmbeddings  # noqa: E402
-from langchain_kvrag import ChatKVRag, KVPrecomputeHook, KVWarmingRetriever, precompute_on_add  # noqa: E402
+from langchain_kvrag import (  # noqa: E402
+    ChatKVRag, KVPrecomputeHook, KVWarmingRetriever, precompute_on_add, to_kvrag_messages,
+)
 
 from kvrag.engine import KVRag  # noqa: E402
 from kvrag.errors import ChunkError  # noqa: E402
 from kvrag.testing import tiny_llama  # noqa: E402
+from stream_helpers import cancel_mid_step  # noqa: E402
 
 TEXTS = [
     "The red fox lives in the northern forest and hunts small rodents at dawn.",
@@ -272,6 +275,111 @@ def test_messages_and_misuse(llm):
     # Per-call overrides: another policy, a stop string from LangChain's `stop`.
     over = llm.invoke("Hi", policy="naive_reuse", max_new_tokens=3)
     assert over.response_metadata["policy"] == "naive_reuse" and over.usage_metadata["output_tokens"] <= 3
+
+
+# ---- streaming lifecycle, finish reason, options ----------------------------------------------------
+def test_an_unfinished_stream_does_not_hold_back_precompute(llm):
+    """The query is in the foreground only while the model computes: a stream read partly and
+    kept (not exhausted, not collected) lets background precompute run."""
+    pc = llm.precomputer
+    it = llm.stream("Hi")
+    next(it)
+    pc.submit(TEXTS[0])
+    assert pc.wait_until_idle(timeout=10)  # was held back for max_defer_s (30 s) per pack
+    assert llm.rag.is_cached(TEXTS[0])
+    assert list(it)[-1].usage_metadata["output_tokens"] == 6  # the stream still completes normally
+
+
+def test_cancelling_an_async_stream_mid_step(llm, monkeypatch):
+    """astream cancelled while a step runs in the executor: CancelledError, and the generator
+    is closed once that step returns (no further step, the query leaves the foreground)."""
+    async def open_stream():
+        return llm.astream("Hi")
+
+    cancel_mid_step(llm.rag, monkeypatch, open_stream, llm.precomputer)
+
+
+def test_finish_reason_is_recorded_not_guessed(llm):
+    """EOS or a stop string on the last allowed token is "stop", not "length"."""
+    full = llm.invoke("Hi")
+    toks = llm.last_generation.token_ids
+    assert len(toks) == 6 and full.response_metadata["finish_reason"] == "length"
+    assert llm.last_generation.finish_reason == "length"
+    # A stop string completed by the last allowed token.
+    last = llm.rag.tokenizer.decode(toks[-1:]).strip()
+    assert last and last not in full.content[:-len(last) - 1]
+    msg = llm.invoke("Hi", stop=[last])
+    assert msg.usage_metadata["output_tokens"] == 6 and msg.response_metadata["finish_reason"] == "stop"
+    chunks = list(llm.stream("Hi", stop=[last]))
+    assert chunks[-1].response_metadata["finish_reason"] == "stop"
+    # An EOS token as the last allowed token.
+    assert toks[-1] not in toks[:-1]
+    llm.rag.eos = set(llm.rag.eos) | {toks[-1]}
+    msg = llm.invoke("Hi")
+    assert msg.usage_metadata["output_tokens"] == 6 and msg.response_metadata["finish_reason"] == "stop"
+    # Fewer tokens than allowed: stopped.
+    assert llm.invoke("Hi", max_new_tokens=7).response_metadata["finish_reason"] == "stop"
+
+
+def test_max_tokens_is_max_new_tokens(llm):
+    assert llm.bind(max_tokens=3).invoke("Hi").usage_metadata["output_tokens"] == 3
+    assert llm.invoke("Hi", max_tokens=2).usage_metadata["output_tokens"] == 2
+    own = ChatKVRag(rag=llm.rag, max_tokens=3)
+    assert own.max_new_tokens == 3 == own.max_tokens and own.invoke("Hi").usage_metadata["output_tokens"] == 3
+    assert llm._get_ls_params()["ls_max_tokens"] == 6
+    with pytest.raises(ValueError, match="disagree"):
+        ChatKVRag(rag=llm.rag, max_tokens=3, max_new_tokens=4)
+
+
+def test_policy_settings_are_not_lost(llm, handle, tmp_path):
+    llm.rag.precompute(TEXTS)
+    msgs = [HumanMessage(content="Context:\n\n" + "\n\n".join(TEXTS) + f"\n\nQuestion: {QUESTION}")]
+    # Flat policy parameters, as KVRag takes them, at construction and per call.
+    flat = ChatKVRag(rag=llm.rag, recompute_ratio=1.0, max_new_tokens=1)
+    assert flat.policy == "cacheblend" and flat.policy_params["recompute_ratio"] == 1.0
+    flat.invoke(msgs)
+    assert flat.last_stats.cached_tokens > 0 and flat.last_stats.recomputed_tokens == flat.last_stats.cached_tokens
+    llm.invoke(msgs, recompute_ratio=1.0, max_new_tokens=1)
+    assert llm.last_stats.recomputed_tokens == llm.last_stats.cached_tokens > 0
+    # A typo is an error naming it, not a silent default.
+    with pytest.raises(ValueError, match=r"unknown option\(s\) \['recompute_ratoi'\].*recompute_ratio"):
+        ChatKVRag(rag=llm.rag, recompute_ratoi=1.0)
+    with pytest.raises(ValueError, match="naive_reuse"):
+        ChatKVRag(rag=llm.rag, policy="naive_reuse", recompute_ratio=1.0)
+    # No policy given: the wrapped KVRag's own policy and parameters.
+    for kw, policy in (({"policy": "naive_reuse"}, "naive_reuse"), ({"recompute_ratio": 1.0}, "cacheblend"),
+                       ({"policy": "kvlink"}, "kvlink")):
+        rag = KVRag(handle, cache_dir=tmp_path / "kv", **kw)
+        inherited = ChatKVRag(rag=rag, max_new_tokens=1)
+        assert inherited.policy == policy
+        inherited.invoke(msgs)
+        s = inherited.last_stats
+        assert s.policy == policy and s.cached_tokens > 0
+        prompt = rag.render(to_kvrag_messages(msgs))
+        assert s.recomputed_tokens == rag.generate(prompt, max_new_tokens=1).stats.recomputed_tokens
+        if policy == "cacheblend":
+            assert s.recomputed_tokens == s.cached_tokens
+    assert ChatKVRag(rag=KVRag(handle, cache_dir=tmp_path / "kv", policy="naive_reuse"), policy="cacheblend").policy_params == {}
+
+
+def test_from_documents_store_is_backfilled(tmp_path, embed, llm):
+    """``Chroma.from_documents`` adds its documents before any hook exists: ``backfill=True``
+    schedules what the store already holds (paged), and new additions are hooked as usual."""
+    client = chromadb.PersistentClient(path=str(tmp_path / "chroma"), settings=ChromaSettings(anonymized_telemetry=False))
+    store = Chroma.from_documents([Document(page_content=t) for t in TEXTS[:3]], embed, client=client,
+                                  collection_name="docs")
+    hook = KVPrecomputeHook(llm)
+    assert hook.backfill(store, page_size=2) == 3  # two pages
+    assert llm.precomputer.wait_until_idle(timeout=120) and all(llm.rag.is_cached(t) for t in TEXTS[:3])
+    store = precompute_on_add(store, llm, backfill=True)  # already cached: found, not recomputed
+    store.add_texts([TEXTS[3]])
+    assert llm.precomputer.wait_until_idle(timeout=120) and llm.rag.is_cached(TEXTS[3])
+    p = llm.precomputer.progress()
+    assert p.computed == 4 and p.already_cached + p.deduplicated == 3
+    from langchain_core.vectorstores import InMemoryVectorStore
+
+    with pytest.raises(TypeError, match="KVWarmingRetriever"):
+        precompute_on_add(InMemoryVectorStore(embed), llm, backfill=True)
 
 
 # ---- the real model ---------------------------------------------------------------------------------

@@ -4,7 +4,6 @@ all-MiniLM-L6-v2 embeddings; the LLM is a tiny random-weight model with SmolLM2'
 import asyncio
 import logging
 import pickle
-import threading
 import time
 
 import pytest
@@ -27,6 +26,7 @@ from llama_index.vector_stores.chroma import ChromaVectorStore  # noqa: E402
 from kvrag.engine import KVRag  # noqa: E402
 from kvrag.errors import ChunkError  # noqa: E402
 from kvrag.testing import tiny_llama  # noqa: E402
+from stream_helpers import cancel_mid_step  # noqa: E402
 
 DOCS = [
     ("The red fox lives in the northern forest and hunts small rodents at dawn.", "animals.txt"),
@@ -329,6 +329,70 @@ def test_ingestion_returns_at_once_and_queries_run_meanwhile(tmp_path, embed, ll
     assert llm.precomputer.progress().computed == 34
     index.as_query_engine(llm=llm, similarity_top_k=2).query(QUESTION)
     assert llm.last_stats.chunks_hit == 2
+
+
+# ---- streaming lifecycle, policy settings ------------------------------------------------------------
+@pytest.mark.parametrize("api", ["astream_complete", "astream_chat"])
+def test_cancelling_an_async_stream_mid_step(llm, monkeypatch, api):
+    """A client that disconnects while a step runs in the worker thread: the task ends with
+    CancelledError (not "generator already executing"), and the generator is closed as soon as
+    that step returns (no further step runs, the query leaves the foreground)."""
+    arg = "Say hi." if api == "astream_complete" else [ChatMessage(role=MessageRole.USER, content="Say hi.")]
+    cancel_mid_step(llm.rag, monkeypatch, lambda: getattr(llm, api)(arg), llm.precomputer)
+
+
+@pytest.mark.parametrize("api", ["stream_complete", "stream_chat"])
+def test_an_unfinished_stream_does_not_hold_back_precompute(llm, api):
+    """The query is in the foreground only while the model computes: a stream read partly and
+    kept (not exhausted, not collected) lets background precompute run."""
+    pc = llm.precomputer
+    arg = "Say hi." if api == "stream_complete" else [ChatMessage(role=MessageRole.USER, content="Say hi.")]
+    it = getattr(llm, api)(arg)
+    next(it)
+    pc.submit(DOCS[0][0])
+    assert pc.wait_until_idle(timeout=10)  # was held back for max_defer_s (30 s) per pack
+    assert llm.rag.is_cached(DOCS[0][0])
+    rest = list(it)  # the stream still completes normally
+    assert rest[-1].additional_kwargs["completion_tokens"] == 6 and rest[-1].additional_kwargs["finish_reason"]
+
+
+def _context_prompt(rag, texts):
+    body = "\n\n".join(texts)
+    return rag.render([{"role": "user", "content": f"Context:\n\n{body}\n\nQuestion: {QUESTION}"}])
+
+
+def test_policy_settings_are_not_lost(llm, handle, tmp_path):
+    texts = [t for t, _ in DOCS]
+    llm.rag.precompute(texts)
+    prompt = _context_prompt(llm.rag, texts)
+    # Flat policy parameters, as KVRag takes them, at construction and per call.
+    flat = KVRagLLM(llm.rag, recompute_ratio=1.0, max_new_tokens=1)
+    assert flat.policy == "cacheblend" and flat.policy_params["recompute_ratio"] == 1.0
+    flat.complete(prompt, formatted=True)
+    assert flat.last_stats.cached_tokens > 0 and flat.last_stats.recomputed_tokens == flat.last_stats.cached_tokens
+    llm.complete(prompt, formatted=True, recompute_ratio=1.0)
+    assert llm.last_stats.recomputed_tokens == llm.last_stats.cached_tokens > 0
+    # A typo is an error naming it, not a silent default.
+    with pytest.raises(ValueError, match=r"unknown option\(s\) \['recompute_ratoi'\].*recompute_ratio"):
+        KVRagLLM(llm.rag, recompute_ratoi=1.0)
+    with pytest.raises(ValueError, match="naive_reuse"):
+        KVRagLLM(llm.rag, policy="naive_reuse", recompute_ratio=1.0)
+    # max_tokens, the usual name, is max_new_tokens.
+    assert KVRagLLM(llm.rag, max_tokens=3).max_new_tokens == 3
+    # No policy given: the wrapped KVRag's own policy and parameters.
+    for kw, policy in (({"policy": "naive_reuse"}, "naive_reuse"), ({"recompute_ratio": 1.0}, "cacheblend"),
+                       ({"policy": "kvlink"}, "kvlink")):
+        rag = KVRag(handle, cache_dir=tmp_path / "kv", **kw)
+        inherited = KVRagLLM(rag, max_new_tokens=1)
+        assert inherited.policy == policy
+        inherited.complete(prompt, formatted=True)
+        s = inherited.last_stats
+        assert s.policy == policy and s.cached_tokens > 0
+        assert s.recomputed_tokens == rag.generate(prompt, max_new_tokens=1).stats.recomputed_tokens
+        if policy == "cacheblend":
+            assert s.recomputed_tokens == s.cached_tokens
+    # An explicit policy is the LLM's own (with its defaults), whatever the KVRag's.
+    assert KVRagLLM(KVRag(handle, cache_dir=tmp_path / "kv", policy="naive_reuse"), policy="cacheblend").policy_params == {}
 
 
 # ---- the real model ---------------------------------------------------------------------------------

@@ -1,5 +1,6 @@
 """ModelHandle: loading (default GGUF with its safetensors cache, HF dirs), fingerprint, errors."""
 import importlib.util
+import json
 import os
 
 import pytest
@@ -177,6 +178,29 @@ def test_hf_directory_weights_change_fingerprint(tmp_path):
     a = ModelHandle.load(dirs[0], cache_dir=tmp_path / "home")
     b = ModelHandle.load(dirs[1], cache_dir=tmp_path / "home")
     assert _differing_parts(a, b) == {"weights"}
+
+
+def test_hf_directory_config_edit_changes_fingerprint(tmp_path):
+    """Same weight files, a config.json edited in a field kvrag does not read itself but the
+    model's modules do (the activation): another model, whose caches must not be reused."""
+    h = tiny_llama(seed=0)
+    d = tmp_path / "m"
+    h.model.save_pretrained(d)
+    h.tokenizer.save_pretrained(d)
+    a = ModelHandle.load(d, cache_dir=tmp_path / "home")
+    cfg = json.loads((d / "config.json").read_text())
+    assert cfg["hidden_act"] == "silu"
+    cfg["hidden_act"] = "gelu"
+    (d / "config.json").write_text(json.dumps(cfg))
+    b = ModelHandle.load(d, cache_dir=tmp_path / "home")
+    assert _differing_parts(a, b) == {"arch"}
+    assert a.fingerprint_parts["weights"] == b.fingerprint_parts["weights"]
+    # Bookkeeping fields do not make another model.
+    cfg["hidden_act"] = "silu"
+    cfg["transformers_version"] = "0.0.1"
+    cfg["eos_token_id"] = 7
+    (d / "config.json").write_text(json.dumps(cfg))
+    assert ModelHandle.load(d, cache_dir=tmp_path / "home").fingerprint == a.fingerprint
 
 
 # ---- tokenization ---------------------------------------------------------------------------

@@ -92,7 +92,9 @@ def test_link_tokens_see_every_earlier_document_and_documents_stay_local():
         assert layer == 0 or not torch.allclose(pert2.K[layer][:, link2], ref.K[layer][:, link2], atol=1e-4)
 
 
-@pytest.mark.parametrize("model_type", list(CONFIGS))
+# Not LongRoPE: its frequencies follow the sequence length, so a document cached alone (short
+# factors) and the same document inside the training sequence (long factors) differ by design.
+@pytest.mark.parametrize("model_type", [m for m in CONFIGS if m != "llama-longrope"])
 @pytest.mark.parametrize("anchor", [(), (7, 9)])
 def test_fused_prefill_equals_the_training_forward_with_the_kvlink_mask(model_type, anchor):
     # The engine (cached documents + link tokens computed at query time) and the training

@@ -240,6 +240,7 @@ def test_per_document_memo_gives_the_same_decision():
     for i, p in enumerate(layout.pieces):
         if p.entry is not None:
             p.key = f"test-samkv-doc-{i}-{id(layout)}"
+            p.span = (0, int(p.token_ids.numel()))
     res1, first = _run(arch, layout, keep_ratio=0.4)
     res2, second = _run(arch, layout, keep_ratio=0.4)
     # The second query only prefills its own tokens: the local rows come from the memo.
@@ -249,6 +250,25 @@ def test_per_document_memo_gives_the_same_decision():
     torch.testing.assert_close(second.context_attn, first.context_attn, atol=1e-5, rtol=1e-4)
     assert torch.equal(second.keep, first.keep) and torch.equal(second.recompute, first.recompute)
     torch.testing.assert_close(res2.logits, res1.logits)
+
+
+def test_memo_tells_apart_the_parts_of_a_chunk_prompts_reuse(tmp_path):
+    """One prompt reuses a chunk whole, the next only from its second token on (its first word
+    merges with the space before it): the second must not be served the first one's
+    per-document results (different length and tokens), and gives what a fresh memo gives."""
+    from kvrag.engine import KVRag
+    from kvrag.testing import tiny_llama
+
+    doc = "The red fox lives in the northern forest and hunts small rodents at dawn."
+    rag = KVRag(tiny_llama(seed=0), cache_dir=tmp_path / "kv")
+    rag.precompute([doc])
+    whole = rag.generate("Docs:\n" + doc + "\n\nQuestion: where?", policy="samkv", max_new_tokens=3)
+    part_prompt = "Context: " + doc + " Q?"
+    part = rag.generate(part_prompt, policy="samkv", max_new_tokens=3)
+    assert whole.stats.chunks_hit == part.stats.chunks_hit == 1
+    assert part.stats.cached_tokens < whole.stats.cached_tokens
+    sk._DOC_MEMO.clear()
+    assert rag.generate(part_prompt, policy="samkv", max_new_tokens=3).token_ids == part.token_ids
 
 
 def test_bad_params():

@@ -421,3 +421,137 @@ def test_defer_s_holds_work_until_the_query_ends(rag):
     assert pc.wait_until_idle(timeout=30)
     assert pc.progress().computed == 2
     pc.shutdown()
+
+
+# ---- shutdown / exit: nothing acknowledged dies with the daemon workers ----------------------
+_CHILD = """
+import json, sys, threading, time
+import torch
+torch.set_num_threads(1)
+from kvrag.engine import KVRag
+from kvrag.precompute import Precomputer
+from kvrag.testing import tiny_llama
+cfg = json.loads(sys.argv[2])
+rag = KVRag(tiny_llama(seed=0), cache_dir=sys.argv[1], policy="naive_reuse")
+texts = cfg["texts"]
+real = rag.precompute
+entered = threading.Event()
+def slow(batch, **kw):  # each pack takes a while: the process exits with work left
+    entered.set()
+    time.sleep(cfg["slow_s"])
+    return real(batch, **kw)
+rag.precompute = slow
+"""
+
+
+def _run_child(rag, body, **cfg):
+    import json
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-c", _CHILD + body, str(rag.store.directory), json.dumps(cfg)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    return r
+
+
+def test_shutdown_nowait_still_drains_before_exit(rag):
+    body = """
+pc = Precomputer(rag, batch_tokens=8)  # one text per pack
+pc.submit_many(texts)
+print("returned", pc.shutdown(wait=False))
+"""
+    r = _run_child(rag, body, texts=DOCS, slow_s=0.3)
+    assert "returned []" in r.stdout
+    assert [rag.is_cached(d) for d in DOCS] == [True] * 4  # the exit hook waited for the queue
+    assert set(rag.store.texts(rag.fingerprint).values()) == set(DOCS)
+
+
+def test_shutdown_timeout_finishes_the_pack_in_flight_before_exit(rag):
+    import json
+
+    # DOCS[0] is computed, DOCS[1] overflows the pack (carried: in flight too), DOCS[2:] wait.
+    budget = max(len(rag.chunk_ids(d)) for d in DOCS[:2]) + 1
+    body = """
+pc = Precomputer(rag, batch_tokens=cfg["budget"], start=False)
+futs = pc.submit_many(texts)
+pc.start()
+assert entered.wait(30)
+left = pc.shutdown(timeout=0.05)
+print("LEFT", json.dumps(left), pc.progress().in_flight)
+"""
+    r = _run_child(rag, body, texts=DOCS, slow_s=1.0, budget=budget)
+    (line,) = [ln for ln in r.stdout.splitlines() if ln.startswith("LEFT ")]
+    left, in_flight = line[5:].rsplit(" ", 1)
+    assert json.loads(left) == DOCS[2:] and in_flight == "2"  # queued texts handed back
+    # ... and the in-flight ones were neither handed back nor lost: stored before exit.
+    assert [rag.is_cached(d) for d in DOCS] == [True, True, False, False]
+
+
+def test_exit_without_drain_still_finishes_the_pack_in_flight(rag):
+    budget = max(len(rag.chunk_ids(d)) for d in DOCS[:2]) + 1
+    body = """
+pc = Precomputer(rag, batch_tokens=cfg["budget"], drain_on_exit=False, start=False)
+pc.submit_many(texts)
+pc.start()
+assert entered.wait(30)
+"""
+    r = _run_child(rag, body, texts=DOCS, slow_s=1.0, budget=budget)
+    assert [rag.is_cached(d) for d in DOCS] == [True, True, False, False]
+    assert "2 queued chunk(s) were not precomputed at exit" in r.stderr  # dropped, not silently
+
+
+# ---- bad arguments ------------------------------------------------------------------------
+def test_submit_many_rejects_a_single_text(rag):
+    pc = Precomputer(rag, start=False)
+    for bad in ("Kelvar", b"Kelvar", bytearray(b"Kelvar")):
+        with pytest.raises(TypeError, match=f"iterable of texts, got a single {type(bad).__name__}"):
+            pc.submit_many(bad, skip_invalid=True)
+    with pytest.raises(TypeError, match="iterable of texts, got int"):
+        pc.submit_many(3)
+    assert pc.progress().submitted == 0 and pc.progress().queued == 0  # nothing queued
+    with pytest.raises(ChunkError, match="got list: submit\\(\\) takes one text; use submit_many"):
+        pc.submit(DOCS[:2])
+    with pytest.raises(ChunkError, match="must be a str, got int"):
+        pc.submit(3)
+    assert pc.progress().rejected == 2
+    assert len(pc.submit_many(iter(DOCS[:2]))) == 2  # any iterable of texts is fine
+    pc.shutdown(cancel_pending=True)
+
+
+# ---- a writer killed between the blob and the text-index write -----------------------------------
+def test_resubmit_relists_a_chunk_missing_from_the_text_index(rag, monkeypatch, caplog):
+    def killed(*a, **k):  # what `kill -9` between KVStore.put's two writes leaves behind
+        raise SystemExit("killed")
+
+    monkeypatch.setattr(rag.store._index, "set", killed)
+    with pytest.raises(SystemExit):
+        rag.precompute([DOCS[0]])
+    monkeypatch.undo()
+    key = rag.chunk_key(DOCS[0])
+    assert key in rag.store and key not in rag.store.texts(rag.fingerprint)
+    other = KVRag(rag.handle, cache_dir=rag.store.directory, policy="naive_reuse")  # another process
+    assert other.generate(prompt_for(DOCS[:1]), max_new_tokens=1).stats.chunks_hit == 0
+
+    pc = Precomputer(rag)  # the ingestion job runs again
+    with caplog.at_level(logging.WARNING, logger="kvrag.store"):
+        assert pc.submit(DOCS[0]).result(timeout=60) == key
+        assert pc.submit(DOCS[1]).result(timeout=60) == rag.chunk_key(DOCS[1])
+    pc.shutdown()
+    p = pc.progress()
+    assert (p.already_cached, p.computed, p.failed) == (1, 1, 0)  # re-listed, not recomputed
+    assert rag.store.texts(rag.fingerprint) == {key: DOCS[0], rag.chunk_key(DOCS[1]): DOCS[1]}
+    assert any("not listed in the text index" in r.getMessage() for r in caplog.records)
+    fresh = KVRag(rag.handle, cache_dir=rag.store.directory, policy="naive_reuse")
+    assert fresh.generate(prompt_for(DOCS[:2]), max_new_tokens=1).stats.chunks_hit == 2
+
+    # KVRag.precompute re-lists such a chunk the same way, without recomputing it.
+    monkeypatch.setattr(rag.store._index, "set", killed)
+    with pytest.raises(SystemExit):
+        rag.precompute([DOCS[2]])
+    monkeypatch.undo()
+    key2 = rag.chunk_key(DOCS[2])
+    assert key2 not in rag.store.texts(rag.fingerprint)
+    monkeypatch.setattr("kvrag.engine.compute_chunk_kv", lambda *a, **k: pytest.fail("recomputed"))
+    assert rag.precompute([DOCS[2]]) == [key2]
+    assert rag.store.texts(rag.fingerprint)[key2] == DOCS[2]

@@ -4,6 +4,7 @@ index, stats, several processes at once, and clear errors for bad input."""
 import logging
 import multiprocessing as mp
 import os
+import sqlite3
 from pathlib import Path
 
 import diskcache
@@ -113,6 +114,21 @@ def test_miss_returns_none(store):
     assert (s["hits"], s["misses"], s["corrupt"]) == (0, 1, 0)
 
 
+def test_a_read_the_database_refuses_is_a_miss_and_keeps_the_entry(store, monkeypatch, caplog):
+    """A read also records the access (LRU order); on a full disk that write fails: the query
+    must compute the chunk, not crash, and the sound entry must stay."""
+    key = put(store, make_entry(fp=FP_A))
+
+    def disk_full(*a, **k):
+        raise sqlite3.OperationalError("database or disk is full")
+
+    monkeypatch.setattr(store._blobs, "get", disk_full)
+    assert store.get(key, FP_A) is None and "cannot read entry" in caplog.text
+    monkeypatch.undo()
+    assert store.get(key, FP_A) is not None
+    assert store.stats()["corrupt"] == 0
+
+
 def test_wrong_fingerprint_returns_none_and_keeps_entry(store):
     e = make_entry(fp=FP_A)
     key = put(store, e)
@@ -186,11 +202,40 @@ def test_blobs_tagged_with_sha256_by_older_stores_still_verify(store, tmp_path):
 
 def test_old_format_version_is_not_used(store, monkeypatch):
     e = make_entry()
-    monkeypatch.setattr(store_mod, "CACHE_FORMAT_VERSION", CACHE_FORMAT_VERSION + 1)
+    monkeypatch.setattr(store_mod, "CACHE_FORMAT_VERSION", CACHE_FORMAT_VERSION - 1)
     key = put(store, e)
     monkeypatch.setattr(store_mod, "CACHE_FORMAT_VERSION", CACHE_FORMAT_VERSION)
     assert store.get(key, FP_A) is None
     assert key not in store and store.stats()["corrupt"] == 1
+    # gc --verify drops one too, without a get.
+    monkeypatch.setattr(store_mod, "CACHE_FORMAT_VERSION", CACHE_FORMAT_VERSION - 1)
+    key = put(store, e)
+    monkeypatch.setattr(store_mod, "CACHE_FORMAT_VERSION", CACHE_FORMAT_VERSION)
+    assert store.gc(verify=True)["corrupt"] == 1 and key not in store
+
+
+def test_newer_format_version_is_a_miss_and_kept(store, tmp_path, monkeypatch, caplog):
+    """A store shared with a newer kvrag: its entries are not served, and neither get nor
+    gc --verify deletes them (even with a checksum scheme this version does not know)."""
+    e = make_entry(T=16)
+    monkeypatch.setattr(store_mod, "CACHE_FORMAT_VERSION", CACHE_FORMAT_VERSION + 1)
+    key = put(store, e)
+    other = put(store, make_entry(T=16, seed=1, text="other"))
+    monkeypatch.setattr(store_mod, "CACHE_FORMAT_VERSION", CACHE_FORMAT_VERSION)
+    path = next(f for f in blob_files(tmp_path) if b"other" not in f.read_bytes()[:4096])
+    data = path.read_bytes()
+    store._blobs.set(other, store._read(other)[0], tag="xxh64:0123456789abcdef")
+    with caplog.at_level(logging.WARNING, logger="kvrag.store"):
+        assert store.get(key, FP_A) is None and store.get(other, FP_A) is None
+    assert "newer than this kvrag" in caplog.text
+    s = store.stats()
+    assert (s["misses"], s["corrupt"], s["entries"]) == (2, 0, 2)
+    with diskcache.Cache(str(tmp_path / "index")) as raw:
+        assert raw.delete(key)
+    report = store.gc(verify=True)
+    assert (report["corrupt"], report["reindexed"], report["entries"]) == (0, 0, 2)
+    assert key in store and other in store and path.read_bytes() == data
+    assert store.stats()["corrupt"] == 0
 
 
 def test_gc_verify_finds_corrupt_blob_without_a_get(store, tmp_path):
@@ -202,6 +247,71 @@ def test_gc_verify_finds_corrupt_blob_without_a_get(store, tmp_path):
     report = store.gc(verify=True)
     assert report["corrupt"] == 1 and report["entries"] == 0
     assert store.texts(FP_A) == {}
+
+
+def test_gc_verify_repairs_lost_files_and_old_unreferenced_files(store, tmp_path):
+    kept = put(store, make_entry(T=16, text="kept"))
+    lost = put(store, make_entry(T=16, seed=1, text="lost"))
+    (lost_file,) = [f for f in blob_files(tmp_path) if b"lost" in f.read_bytes()[:4096]]
+    lost_file.unlink()
+    # Files no row points at: one left by a writer that died long ago, one just written.
+    stale = tmp_path / "blobs" / "ab" / "cd" / "0123456789abcdef0123456789.val"
+    fresh = tmp_path / "blobs" / "ef" / "01" / "fedcba98765432100123456789.val"
+    for f in (stale, fresh):
+        f.parent.mkdir(parents=True)
+        f.write_bytes(b"x" * 100)
+    old = os.stat(stale).st_mtime - 2 * store_mod._ORPHAN_GRACE_S
+    os.utime(stale, (old, old))
+    report = store.gc(verify=True)
+    assert report["check_warnings"] == 2 and report["entries"] == 1 and report["corrupt"] == 0
+    assert lost not in store and store.texts(FP_A) == {kept: "kept"}
+    assert not stale.exists() and not stale.parent.exists()
+    assert fresh.exists()  # possibly a concurrent write that has not committed its row yet
+    assert store.get(kept, FP_A) is not None
+    assert store.gc(verify=True)["check_warnings"] == 0
+
+
+def _writer_paused_before_commit(directory: str, file_written, may_commit) -> None:
+    """put() one entry, stopping after diskcache has written the blob file and before it
+    commits the row pointing at it."""
+    s = KVStore(directory)
+    disk = s._blobs.disk
+    store_file = disk.store
+
+    def store_then_wait(*args, **kwargs):
+        result = store_file(*args, **kwargs)
+        file_written.set()
+        assert may_commit.wait(60)
+        return result
+
+    disk.store = store_then_wait
+    put(s, make_entry(T=16, text="written during gc"))
+    s.close()
+
+
+def test_gc_verify_keeps_the_file_of_a_write_in_progress(tmp_path):
+    """gc --verify in one process must not delete the blob file another process has written
+    and is about to commit (diskcache's check(fix=True) did: the entry was then lost)."""
+    KVStore(tmp_path).close()
+    ctx = mp.get_context("spawn")
+    file_written, may_commit = ctx.Event(), ctx.Event()
+    p = ctx.Process(target=_writer_paused_before_commit, args=(str(tmp_path), file_written, may_commit))
+    p.start()
+    try:
+        assert file_written.wait(60)
+        (path,) = blob_files(tmp_path)
+        with KVStore(tmp_path) as s:
+            assert s.stats()["entries"] == 0  # no row yet
+            s.gc(verify=True)
+            assert path.exists()
+    finally:
+        may_commit.set()
+        p.join(60)
+    assert p.exitcode == 0
+    e = make_entry(T=16, text="written during gc")
+    with KVStore(tmp_path) as s:
+        assert_same(e, s.get(KVStore.make_key(FP_A, e.token_ids), FP_A))
+        assert s.stats()["corrupt"] == 0
 
 
 # ---- eviction --------------------------------------------------------------------------
@@ -230,7 +340,7 @@ def test_entry_larger_than_limit_is_not_kept(tmp_path, caplog):
     s = KVStore(tmp_path / "s", size_limit=base + 1024)
     with caplog.at_level(logging.WARNING, logger="kvrag.store"):
         key = put(s, make_entry(T=64, D=64))
-    assert key not in s and "larger than the size limit" in caplog.text
+    assert key not in s and "leaves no room for it" in caplog.text
     assert s.texts(FP_A) == {}
 
 

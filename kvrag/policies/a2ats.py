@@ -189,7 +189,7 @@ class A2ATS(Policy):
             rows = ((~cached) | (counts > layer)).nonzero().squeeze(1)
             if rows.numel():
                 k = state.K[layer][:, rows.to(state.K[layer].device)]
-                k_pre = arch.unrotate(k, positions[rows], layer)
+                k_pre = arch.unrotate(k, positions[rows], layer, length=int(positions.max()) + 1)
                 codes[layer][:, rows] = cb.codes_layer(layer, k_pre).long()
         stats["a2ats.codes_computed"] += int((~cached).sum())
         keep = state.keep.cpu().nonzero().squeeze(1)
@@ -223,7 +223,10 @@ class A2ATS(Policy):
             m0 = sc["m0"]
             pos = torch.where(rows < m0, sc["positions"][rows.clamp(max=max(m0 - 1, 0))], sc["next_position"] + rows - m0)
             k = stepper.K[layer][:, rows.to(stepper.K[layer].device)]
-            k_pre = stepper.arch.unrotate(k, pos, layer)
+            # Each row was rotated with the tables of its sequence: the prompt's for prefill rows,
+            # a decoded token's own (position + 1) for the others (matters for LongRoPE).
+            length = torch.where(rows < m0, torch.full_like(pos, sc["next_position"]), pos + 1)
+            k_pre = stepper.arch.unrotate(k, pos, layer, length=length)
             new = sc["codebooks"].codes_layer(layer, k_pre).long()
             codes = torch.cat([codes, new], dim=1)
             sc["codes"][layer] = codes

@@ -20,6 +20,7 @@ chunk's K/V (A2ATS codes).
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
@@ -117,8 +118,11 @@ class RecomputeParams:
     recompute_ratio: float = param(0.15, "fraction of cached tokens recomputed (0..1)")
 
     def __post_init__(self) -> None:
-        if not 0.0 <= float(self.recompute_ratio) <= 1.0:
-            raise ValueError(f"recompute_ratio must be in [0, 1], got {self.recompute_ratio}")
+        r = self.recompute_ratio
+        # A string such as "0.5" would pass float() here and fail deep inside a policy.
+        if isinstance(r, bool) or not isinstance(r, numbers.Real) or not 0.0 <= r <= 1.0:
+            raise ValueError(f"recompute_ratio must be a number in [0, 1], got {r!r}")
+        self.recompute_ratio = float(r)
 
 
 def top_indices(scores: torch.Tensor, k: int) -> torch.Tensor:

@@ -328,13 +328,18 @@ class SamKV(Policy):
         fit = int(p.keep_ratio * doc_tokens / (2 * (p.initial_blocks + p.local_blocks)))
         return max(1, min(p.block_size, fit))
 
-    def _memo_key(self, piece, stable: list[int], span: int):
+    def _memo_key(self, piece, stable: list[int], span: int, arch=None, n: int = 0):
         """Memo key of a document's query-independent results, None = do not memoize. The
-        chunk key already binds model and token ids; the storage dtype changes the cached
-        K/V, and the local span and stable layers change what is computed from them."""
-        if piece.key is None or piece.entry is None:
+        chunk key already binds model and token ids, and the piece's span which of its tokens
+        the prompt reuses (two prompts may reuse different parts of one chunk); the storage
+        dtype changes the cached K/V, and the local span and stable layers change what is
+        computed from them. Under a length-dependent RoPE (LongRoPE, dynamic NTK) the local
+        queries carry the frequencies of the prompt's length ``n``, so only a prompt of that
+        length may reuse them."""
+        if piece.key is None or piece.entry is None or piece.span is None:
             return None
-        return (piece.key, str(piece.entry.keys.dtype), span, tuple(stable))
+        freq = n if arch is not None and arch.length_dependent_rope else None
+        return (piece.key, tuple(piece.span), str(piece.entry.keys.dtype), span, tuple(stable), freq)
 
     # ---- step 1-2: preliminary prefill against the compressed cache ---------------------
     def _preliminary(self, state, docs: list[DocBlocks], doc_keys: list, stable: list[int]):
@@ -370,7 +375,7 @@ class SamKV(Policy):
                 continue
             # Stored rotated to chunk positions 0..T-1; R(start) moves it to the prompt (RoPE
             # rotations compose, so rotating the mean equals the mean of rotated vectors).
-            q_loc[j] = self._shift(arch, hit[0], d.start)
+            q_loc[j] = self._shift(arch, hit[0], d.start, n)
             context_attn[d.start:d.end] = hit[1]
 
         compressed = torch.zeros(n, dtype=torch.bool, device=dev)
@@ -427,7 +432,7 @@ class SamKV(Policy):
             q_loc[j] = q_new[t].cpu()
             context_attn[d.start:d.end] = ctx_new[d.start:d.end]
             if doc_keys[j] is not None:
-                value = (self._shift(arch, q_loc[j], -d.start), ctx_new[d.start:d.end].clone())
+                value = (self._shift(arch, q_loc[j], -d.start, n), ctx_new[d.start:d.end].clone())
                 with _MEMO_LOCK:
                     _DOC_MEMO[doc_keys[j]] = value
                     while len(_DOC_MEMO) > DOC_MEMO_SIZE:
@@ -436,10 +441,11 @@ class SamKV(Policy):
         return q_que.cpu(), q_loc, query_attn.cpu(), context_attn
 
     @staticmethod
-    def _shift(arch, q: torch.Tensor, delta: int) -> torch.Tensor:
+    def _shift(arch, q: torch.Tensor, delta: int, length: int) -> torch.Tensor:
         """Move rotated query vectors q [L, H, D] by ``delta`` positions (RoPE composition;
-        NoPE layers' queries carry no position and stay as they are)."""
-        cs = arch.cos_sin(torch.tensor([delta], device=arch.device))
+        NoPE layers' queries carry no position and stay as they are), with the RoPE tables of
+        a ``length``-token prompt (``Arch.cos_sin``)."""
+        cs = arch.cos_sin(torch.tensor([delta], device=arch.device), length)
         cs = (cs[0].float().cpu(), cs[1].float().cpu())
         return torch.stack([arch.shift(q[layer].float().unsqueeze(-2), cs, layer).squeeze(-2)
                             for layer in range(q.shape[0])])
@@ -461,7 +467,7 @@ class SamKV(Policy):
         L = state.arch.n_layers
         stable = self.stable_layers(L)
         docs = [doc_blocks(s, e, self.block_size_for(e - s), p.initial_blocks, p.local_blocks) for _, s, e in spans]
-        doc_keys = [self._memo_key(lay.pieces[si], stable, p.local_blocks * d.block_size)
+        doc_keys = [self._memo_key(lay.pieces[si], stable, p.local_blocks * d.block_size, state.arch, lay.n)
                     for (si, _, _), d in zip(spans, docs)]
         q_que, q_loc, query_attn, context_attn = self._preliminary(state, docs, doc_keys, stable)
         sq, sl = q_que[stable], q_loc[:, stable]

@@ -4,10 +4,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any, Optional
 
-from langchain_core.callbacks import CallbackManagerForLLMRun
+from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
 from langchain_core.language_models.chat_models import BaseChatModel
 from langchain_core.messages import (
     AIMessage,
@@ -22,16 +22,13 @@ from langchain_core.messages import (
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
 from pydantic import ConfigDict, Field, PrivateAttr, model_validator
 
+from kvrag.adapters import aiter_in_thread, call_options, foreground_steps, max_tokens_alias, resolve_policy
 from kvrag.engine import Generation, KVRag
-from kvrag.policies import get_policy
 from kvrag.precompute import Precomputer
 
 __all__ = ["ChatKVRag", "to_kvrag_messages"]
 
 log = logging.getLogger("kvrag.langchain")
-
-_GEN_KEYS = ("policy", "max_new_tokens", "temperature", "top_p", "top_k", "stop", "seed")
-
 
 def _content_text(m: BaseMessage) -> str:
     c = m.content
@@ -87,7 +84,10 @@ class ChatKVRag(BaseChatModel):
     (SmolLM2-135M-Instruct) or ``model=`` (HF directory / .gguf); ``ChatKVRag(rag=rag)`` wraps
     an existing :class:`kvrag.engine.KVRag`. ``policy="full_prefill"`` is the plain model.
     Messages are rendered with the tokenizer's chat template; the retrieved chunks found
-    verbatim in it are served from their precomputed KV caches.
+    verbatim in it are served from their precomputed KV caches. Policy parameters may be passed
+    flat (``ChatKVRag(rag=rag, recompute_ratio=0.3)``); another unknown keyword is a ValueError.
+    Without ``policy``, ``ChatKVRag(rag=rag)`` runs the wrapped KVRag's own policy and
+    parameters. LangChain's ``max_tokens`` is ``max_new_tokens``.
 
     Every ``AIMessage`` carries ``usage_metadata`` (``input_token_details.cache_read``: tokens
     served from the cache, ``.recomputed``: of those, recomputed by the policy) and
@@ -111,17 +111,31 @@ class ChatKVRag(BaseChatModel):
     _precomputer: Any = PrivateAttr(default=None)
     _last: Any = PrivateAttr(default=None)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _policy_and_aliases(cls, data: Any) -> Any:
+        """``max_tokens`` -> ``max_new_tokens``; flat policy parameters; the wrapped KVRag's
+        policy when none is given (see ``_resolve_policy``). Checked before a model is loaded."""
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        max_tokens_alias(data, "ChatKVRag")
+        known = set(cls.model_fields) | {f.alias for f in cls.model_fields.values() if f.alias}
+        flat = {k: data.pop(k) for k in list(data) if k not in known}
+        data["policy"], data["policy_params"] = resolve_policy(
+            data.get("policy"), data.get("policy_params"), flat, data.get("rag"), "ChatKVRag")
+        return data
+
     @model_validator(mode="after")
     def _build(self) -> "ChatKVRag":
         if self.rag is None:
             # The chat model's policy is also the KVRag's: a KVRag built for kvlink loads the
             # KVLink model (trained adapter) where one exists for this model.
-            self.rag = KVRag(self.model, cache_dir=self.cache_dir, policy=self.policy)
+            self.rag = KVRag(self.model, cache_dir=self.cache_dir, policy=self.policy, **self.policy_params)
         elif not isinstance(self.rag, KVRag):
             raise TypeError(f"rag must be a kvrag.engine.KVRag, got {type(self.rag).__name__}")
         elif self.model is not None or self.cache_dir is not None:
             raise ValueError("pass either an existing `rag` or `model`/`cache_dir`, not both")
-        get_policy(self.policy, **self.policy_params)  # fail now on an unknown policy/parameter
         return self
 
     # ---- kvrag objects ---------------------------------------------------------------
@@ -142,6 +156,11 @@ class ChatKVRag(BaseChatModel):
         return self._last
 
     @property
+    def max_tokens(self) -> int:
+        """LangChain's name for ``max_new_tokens`` (read by its tracing)."""
+        return self.max_new_tokens
+
+    @property
     def _llm_type(self) -> str:
         return "kvrag-chat"
 
@@ -153,22 +172,11 @@ class ChatKVRag(BaseChatModel):
 
     # ---- core --------------------------------------------------------------------------
     def _options(self, stop: Optional[list[str]], kwargs: dict[str, Any]) -> dict[str, Any]:
-        opts: dict[str, Any] = dict(
-            policy=self.policy, max_new_tokens=self.max_new_tokens, temperature=self.temperature,
-            top_p=self.top_p, top_k=self.top_k, stop=list(self.stop or []), seed=self.seed,
-        )
-        params = dict(self.policy_params)
-        for k, v in kwargs.items():
-            if k in _GEN_KEYS:
-                opts[k] = v
-            elif k == "policy_params":
-                params = dict(v or {})
-            else:
-                log.debug("ChatKVRag: ignoring unsupported option %r", k)
-        if opts["policy"] != self.policy and "policy_params" not in kwargs:
-            params = {}  # this model's parameters belong to its own policy, not the override
-        opts["stop"] = list(opts["stop"] or []) + list(stop or [])
-        return {**opts, **params}
+        defaults = dict(policy=self.policy, max_new_tokens=self.max_new_tokens, temperature=self.temperature,
+                        top_p=self.top_p, top_k=self.top_k, stop=list(self.stop or []), seed=self.seed)
+        opts = call_options(defaults, self.policy_params, kwargs, "ChatKVRag", log)
+        opts["stop"] = list(opts["stop"]) + list(stop or [])  # LangChain's per-call stop adds to ours
+        return opts
 
     @contextlib.contextmanager
     def _foreground(self):
@@ -179,13 +187,14 @@ class ChatKVRag(BaseChatModel):
         with pc.foreground():
             yield
 
-    def _metadata(self, gen_stats, max_new_tokens: int) -> dict[str, Any]:
+    def _metadata(self, gen: Generation) -> dict[str, Any]:
         return {
             "model_name": self._identifying_params["model"],
-            "policy": gen_stats.policy,
-            "ttft_s": gen_stats.ttft_s,
-            "finish_reason": "length" if gen_stats.new_tokens >= max_new_tokens else "stop",
-            "kvrag_stats": gen_stats.as_dict(),
+            "policy": gen.stats.policy,
+            "ttft_s": gen.stats.ttft_s,
+            # Recorded by the decoder: EOS or a stop string on the last allowed token is "stop".
+            "finish_reason": gen.finish_reason,
+            "kvrag_stats": gen.stats.as_dict(),
         }
 
     def _generate(self, messages: list[BaseMessage], stop: Optional[list[str]] = None,
@@ -195,7 +204,7 @@ class ChatKVRag(BaseChatModel):
         with self._foreground():
             gen = self.rag.generate(prompt, **opts)
         self._last = gen
-        meta = self._metadata(gen.stats, opts["max_new_tokens"])
+        meta = self._metadata(gen)
         msg = AIMessage(content=gen.text, usage_metadata=_usage(gen.stats), response_metadata=meta)
         return ChatResult(generations=[ChatGeneration(message=msg, generation_info={"finish_reason": meta["finish_reason"]})],
                           llm_output={"model_name": meta["model_name"], "policy": meta["policy"]})
@@ -204,17 +213,26 @@ class ChatKVRag(BaseChatModel):
                 run_manager: Optional[CallbackManagerForLLMRun] = None, **kwargs: Any) -> Iterator[ChatGenerationChunk]:
         opts = self._options(stop, kwargs)
         prompt = self.rag.render(to_kvrag_messages(messages))
-        with self._foreground():
-            s = self.rag.stream(prompt, **opts)
-            for delta in s:
-                chunk = ChatGenerationChunk(message=AIMessageChunk(content=delta))
-                if run_manager is not None:
-                    run_manager.on_llm_new_token(delta, chunk=chunk)
-                yield chunk
-        self._last = Generation(s.text, s.token_ids, s.stats, s.prompt_ids)
-        meta = self._metadata(s.stats, opts["max_new_tokens"])
+        s = self.rag.stream(prompt, **opts)
+        for delta in foreground_steps(s, self._foreground):
+            chunk = ChatGenerationChunk(message=AIMessageChunk(content=delta))
+            if run_manager is not None:
+                run_manager.on_llm_new_token(delta, chunk=chunk)
+            yield chunk
+        self._last = gen = Generation(s.text, s.token_ids, s.stats, s.prompt_ids, s.finish_reason)
+        meta = self._metadata(gen)
         yield ChatGenerationChunk(
             message=AIMessageChunk(content="", usage_metadata=_usage(s.stats), response_metadata=meta,
                                    chunk_position="last"),
             generation_info={"finish_reason": meta["finish_reason"]},
         )
+
+    async def _astream(self, messages: list[BaseMessage], stop: Optional[list[str]] = None,
+                       run_manager: Optional[AsyncCallbackManagerForLLMRun] = None,
+                       **kwargs: Any) -> AsyncIterator[ChatGenerationChunk]:
+        # LangChain's default steps ``_stream`` in an executor too, but a cancelled consumer
+        # leaves the generator open until garbage collection; here it raises CancelledError
+        # and the generator is closed as soon as the step in flight returns.
+        async for chunk in aiter_in_thread(self._stream(messages, stop, run_manager.get_sync() if run_manager else None,
+                                                        **kwargs)):
+            yield chunk

@@ -35,6 +35,16 @@ log = logging.getLogger("kvrag.langchain")
 _ATTR = "_kvrag_precompute_hook"
 
 
+def _lister(vectorstore):
+    """The store's Chroma-style ``get(limit=, offset=, include=)`` (TypeError if it has none)."""
+    get = getattr(vectorstore, "get", None)
+    if not callable(get):
+        raise TypeError(
+            f"cannot list the documents of a {type(vectorstore).__name__} (no Chroma-style get()): "
+            "pass their texts to KVPrecomputeHook.schedule(texts), or wrap its retriever in KVWarmingRetriever")
+    return get
+
+
 class KVPrecomputeHook:
     """Schedules precompute of the texts a vector store stores.
 
@@ -61,10 +71,33 @@ class KVPrecomputeHook:
             texts = [self.text_fn(t) for t in texts]
         self.precomputer.submit_many(list(texts), block=self.block, skip_invalid=True)
 
-    def attach(self, vectorstore):
-        """Patch ``vectorstore`` (in place) and return it. Attaching twice replaces the hook."""
+    def backfill(self, vectorstore, *, page_size: int = 1000) -> int:
+        """Schedule the texts ``vectorstore`` already holds (filled by ``Chroma.from_documents``,
+        before the hook was attached, or by another process); returns how many were submitted.
+
+        Reads a store with Chroma's ``get(limit=, offset=, include=["documents"])``
+        (``langchain-chroma``); texts already cached are found by the worker and not computed
+        again. Other stores: ``schedule(texts)`` with the texts, or a :class:`KVWarmingRetriever`
+        (each document is precomputed after the first query that retrieves it)."""
+        get = _lister(vectorstore)
+        n, offset = 0, 0
+        while True:
+            page = get(limit=page_size, offset=offset, include=["documents"])
+            texts = [t for t in (page.get("documents") or []) if t is not None]
+            ids = page.get("ids") or []
+            self.schedule(texts)
+            n += len(texts)
+            if len(ids) < page_size:
+                return n
+            offset += len(ids)
+
+    def attach(self, vectorstore, *, backfill: bool = False):
+        """Patch ``vectorstore`` (in place) and return it. Attaching twice replaces the hook.
+        ``backfill``: also schedule what it already holds (:meth:`backfill`)."""
         if not hasattr(vectorstore, "add_texts"):
             raise TypeError(f"expected a LangChain VectorStore, got {type(vectorstore).__name__}")
+        if backfill:
+            _lister(vectorstore)  # a store that cannot be listed fails before it is patched
         self.detach(vectorstore)
         originals = {}
         add_texts = vectorstore.add_texts
@@ -91,6 +124,8 @@ class KVPrecomputeHook:
 
             vectorstore.update_documents = hooked_update_documents
         setattr(vectorstore, _ATTR, (self, originals))
+        if backfill:
+            self.backfill(vectorstore)
         return vectorstore
 
     @staticmethod
@@ -106,12 +141,15 @@ class KVPrecomputeHook:
 
 
 def precompute_on_add(vectorstore, target: Any, *, text_fn: Optional[Callable[[str], str]] = None,
-                      block: bool = True):
+                      block: bool = True, backfill: bool = False):
     """Make ``vectorstore.add_documents``/``add_texts`` (and async variants, and
     ``update_documents``) schedule the KV precompute of what they store; returns the store.
 
-    ``store = precompute_on_add(Chroma(...), llm)`` with ``llm`` a :class:`ChatKVRag`."""
-    return KVPrecomputeHook(target, text_fn=text_fn, block=block).attach(vectorstore)
+    ``store = precompute_on_add(Chroma(...), llm)`` with ``llm`` a :class:`ChatKVRag`.
+    ``backfill=True`` also schedules the documents the store already holds — for a store made
+    by ``Chroma.from_documents(...)``, which adds its documents before any hook can be attached:
+    ``precompute_on_add(Chroma.from_documents(docs, emb), llm, backfill=True)``."""
+    return KVPrecomputeHook(target, text_fn=text_fn, block=block).attach(vectorstore, backfill=backfill)
 
 
 def _schedule_retrieved(pc: Precomputer, texts: Sequence[str], defer_s: float) -> None:

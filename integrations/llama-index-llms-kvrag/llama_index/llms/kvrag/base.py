@@ -44,20 +44,14 @@ from llama_index.core.llms.llm import LLM
 from llama_index.core.postprocessor.types import BaseNodePostprocessor
 from llama_index.core.schema import BaseNode, Document, MetadataMode, NodeWithScore, QueryBundle, TransformComponent
 
+from kvrag.adapters import aiter_in_thread, call_options, foreground_steps, max_tokens_alias, resolve_policy
 from kvrag.engine import Generation, KVRag
 from kvrag.errors import ChunkError
-from kvrag.policies import get_policy
 from kvrag.precompute import Precomputer, PrecomputerClosedError, QueueFullError
 
 __all__ = ["KVRagLLM", "KVPrecompute", "KVCacheWarmer", "KVWarmingRetriever", "node_texts"]
 
 log = logging.getLogger("kvrag.llama_index")
-
-# Per-call options KVRagLLM passes to KVRag.generate/stream; anything else LlamaIndex passes
-# along (it sometimes forwards framework kwargs) is ignored.
-_GEN_KEYS = ("policy", "max_new_tokens", "temperature", "top_p", "top_k", "stop", "seed")
-_END = object()
-
 
 # ---- prompt rendering ----------------------------------------------------------------------
 def _message_text(m: ChatMessage) -> str:
@@ -96,10 +90,11 @@ def _has_chat_template(rag: KVRag) -> bool:
     return bool(getattr(rag.tokenizer, "chat_template", None))
 
 
-def _info(gen_stats) -> dict[str, Any]:
+def _info(gen: Generation) -> dict[str, Any]:
     """What a response carries in ``additional_kwargs``: the headline numbers + all stats."""
-    s = gen_stats
+    s = gen.stats
     return {
+        "finish_reason": gen.finish_reason,
         "ttft_s": s.ttft_s,
         "prompt_tokens": s.prompt_tokens,
         "cached_tokens": s.cached_tokens,
@@ -121,6 +116,10 @@ class KVRagLLM(LLM):
     (exact HF forward, no cache). Chat messages are rendered with the tokenizer's chat
     template. After each call, :attr:`last_stats` holds the prefill stats (TTFT, cached and
     recomputed tokens); every response carries them in ``additional_kwargs``.
+
+    Policy parameters may be passed flat (``KVRagLLM(rag, recompute_ratio=0.3)``), as ``KVRag``
+    takes them; another unknown keyword is a ValueError. Without ``policy``, ``KVRagLLM(rag)``
+    runs the wrapped KVRag's own policy and parameters. ``max_tokens`` = ``max_new_tokens``.
 
     Per-call overrides: ``llm.complete(prompt, policy="naive_reuse", max_new_tokens=32,
     policy_params={...})``."""
@@ -150,23 +149,26 @@ class KVRagLLM(LLM):
         rag_options: Optional[dict[str, Any]] = None,
         **kwargs: Any,
     ) -> None:
+        if rag is not None and (model is not None or cache_dir is not None or rag_options):
+            raise ValueError("pass either an existing `rag` or `model`/`cache_dir`/`rag_options`, not both")
+        if rag is not None and not isinstance(rag, KVRag):
+            raise TypeError(f"rag must be a kvrag.engine.KVRag, got {type(rag).__name__}")
+        max_tokens_alias(kwargs, "KVRagLLM")
+        flat = {k: kwargs.pop(k) for k in list(kwargs) if k not in type(self).model_fields}
+        # Checked before a model is loaded.
+        kwargs["policy"], kwargs["policy_params"] = resolve_policy(
+            kwargs.get("policy"), kwargs.get("policy_params"), flat, rag, "KVRagLLM")
         if rag is None:
             # The LLM's policy is also the KVRag's: a KVRag built for kvlink loads the KVLink
             # model (trained adapter) where one exists for this model.
-            rag_options = {"policy": kwargs.get("policy", "cacheblend"), **(rag_options or {})}
+            rag_options = {"policy": kwargs["policy"], **kwargs["policy_params"], **(rag_options or {})}
             rag = KVRag(model, cache_dir=cache_dir, **rag_options)
-        elif model is not None or cache_dir is not None or rag_options:
-            raise ValueError("pass either an existing `rag` or `model`/`cache_dir`/`rag_options`, not both")
-        elif not isinstance(rag, KVRag):
-            raise TypeError(f"rag must be a kvrag.engine.KVRag, got {type(rag).__name__}")
         chat = _has_chat_template(rag)
         if kwargs.get("messages_to_prompt") is None:
             kwargs["messages_to_prompt"] = _ChatTemplate(rag) if chat else generic_messages_to_prompt
         if kwargs.get("completion_to_prompt") is None and chat:
             kwargs["completion_to_prompt"] = _UserTurn(rag)
         super().__init__(**kwargs)
-        # Fail now, with the registry's message, on an unknown policy or parameter.
-        get_policy(self.policy, **self.policy_params)
         self._rag = rag
         self._precomputer = precomputer
         self._precompute_options = dict(precompute_options or {})
@@ -210,23 +212,9 @@ class KVRagLLM(LLM):
 
     # ---- core --------------------------------------------------------------------------
     def _options(self, kwargs: dict[str, Any]) -> dict[str, Any]:
-        opts: dict[str, Any] = dict(
-            policy=self.policy, max_new_tokens=self.max_new_tokens, temperature=self.temperature,
-            top_p=self.top_p, top_k=self.top_k, stop=list(self.stop), seed=self.seed,
-        )
-        params = dict(self.policy_params)
-        for k, v in kwargs.items():
-            if k in _GEN_KEYS:
-                opts[k] = v
-            elif k == "policy_params":
-                params = dict(v or {})
-            else:
-                log.debug("KVRagLLM: ignoring unsupported option %r", k)
-        if opts["policy"] != self.policy and "policy_params" not in kwargs:
-            params = {}  # this LLM's parameters belong to its own policy, not to the override
-        if opts["stop"] is None:
-            opts["stop"] = []
-        return {**opts, **params}
+        defaults = dict(policy=self.policy, max_new_tokens=self.max_new_tokens, temperature=self.temperature,
+                        top_p=self.top_p, top_k=self.top_k, stop=list(self.stop), seed=self.seed)
+        return call_options(defaults, self.policy_params, kwargs, "KVRagLLM", log)
 
     @contextlib.contextmanager
     def _foreground(self):
@@ -246,12 +234,10 @@ class KVRagLLM(LLM):
 
     def _stream(self, prompt: str, kwargs: dict[str, Any]) -> Iterator[tuple[str, Any]]:
         """Yields (delta, None) per text delta, then ("", Generation) once at the end."""
-        opts = self._options(kwargs)
-        with self._foreground():
-            s = self._rag.stream(prompt, **opts)
-            for delta in s:
-                yield delta, None
-        gen = Generation(s.text, s.token_ids, s.stats, s.prompt_ids)
+        s = self._rag.stream(prompt, **self._options(kwargs))
+        for delta in foreground_steps(s, self._foreground):
+            yield delta, None
+        gen = Generation(s.text, s.token_ids, s.stats, s.prompt_ids, s.finish_reason)
         self._last = gen
         yield "", gen
 
@@ -260,7 +246,7 @@ class KVRagLLM(LLM):
 
     def _complete_impl(self, prompt: str, formatted: bool, kwargs) -> CompletionResponse:
         gen = self._generate(self._completion_prompt(prompt, formatted), kwargs)
-        return CompletionResponse(text=gen.text, additional_kwargs=_info(gen.stats),
+        return CompletionResponse(text=gen.text, additional_kwargs=_info(gen),
                                   raw={"token_ids": gen.token_ids, "prompt_ids": gen.prompt_ids})
 
     def _stream_complete_impl(self, prompt: str, formatted: bool, kwargs) -> CompletionResponseGen:
@@ -273,14 +259,14 @@ class KVRagLLM(LLM):
                 if final is None:
                     yield CompletionResponse(text=acc, delta=delta)
                 else:
-                    yield CompletionResponse(text=acc, delta="", additional_kwargs=_info(final.stats),
+                    yield CompletionResponse(text=acc, delta="", additional_kwargs=_info(final),
                                              raw={"token_ids": final.token_ids, "prompt_ids": final.prompt_ids})
 
         return gen()
 
     def _chat_impl(self, messages: Sequence[ChatMessage], kwargs) -> ChatResponse:
         gen = self._generate(self.messages_to_prompt(messages), kwargs)
-        info = _info(gen.stats)
+        info = _info(gen)
         return ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=gen.text),
                             additional_kwargs=info, raw={"token_ids": gen.token_ids, "prompt_ids": gen.prompt_ids})
 
@@ -295,7 +281,7 @@ class KVRagLLM(LLM):
                 if final is None:
                     yield ChatResponse(message=msg, delta=delta)
                 else:
-                    yield ChatResponse(message=msg, delta="", additional_kwargs=_info(final.stats),
+                    yield ChatResponse(message=msg, delta="", additional_kwargs=_info(final),
                                        raw={"token_ids": final.token_ids, "prompt_ids": final.prompt_ids})
 
         return gen()
@@ -324,7 +310,7 @@ class KVRagLLM(LLM):
 
     @llm_completion_callback()
     async def astream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseAsyncGen:
-        return _aiter_in_thread(self._stream_complete_impl(prompt, formatted, kwargs))
+        return aiter_in_thread(self._stream_complete_impl(prompt, formatted, kwargs))
 
     @llm_chat_callback()
     async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
@@ -332,23 +318,7 @@ class KVRagLLM(LLM):
 
     @llm_chat_callback()
     async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
-        return _aiter_in_thread(self._stream_chat_impl(messages, kwargs))
-
-
-def _aiter_in_thread(it):
-    """An async generator stepping a sync generator in a worker thread (one step per item)."""
-
-    async def agen():
-        try:
-            while True:
-                item = await asyncio.to_thread(next, it, _END)
-                if item is _END:
-                    return
-                yield item
-        finally:
-            it.close()
-
-    return agen()
+        return aiter_in_thread(self._stream_chat_impl(messages, kwargs))
 
 
 # ---- which text a node contributes to the prompt ---------------------------------------------

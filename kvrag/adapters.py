@@ -1,0 +1,159 @@
+"""What every framework adapter (LlamaIndex, LangChain) does the same way, kept in the core so
+the adapters stay thin and cannot drift apart: which policy an LLM wrapper runs, how per-call
+options merge into it, and stepping a kvrag stream from threads and async code.
+
+Imports no framework.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import threading
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import AbstractContextManager
+from typing import Any
+
+from kvrag.policies import get_policy
+
+#: Generation options a wrapper passes to ``KVRag.stream`` (plus the policy's own parameters).
+GEN_KEYS = ("policy", "max_new_tokens", "temperature", "top_p", "top_k", "stop", "seed")
+#: Returned by a step when the stream is over.
+END = object()
+
+
+def policy_param_names(policy) -> set[str]:
+    """The hyper-parameter names of ``policy`` (a name or a Policy); ValueError if unknown."""
+    return {f.name for f in dataclasses.fields(type(get_policy(policy)).Params)}
+
+
+def resolve_policy(policy, policy_params: dict | None, flat: dict[str, Any], rag, owner: str):
+    """The (policy name, parameters) a wrapper runs by default.
+
+    No ``policy`` given and an existing KVRag ``rag``: that KVRag's own policy and parameters
+    (what ``rag.generate`` runs), so a wrapper of ``KVRag(policy="kvlink")`` runs kvlink, not a
+    silent cacheblend; ``policy_params`` then update them. ``flat``: the keyword arguments the
+    wrapper does not know itself, taken as policy parameters, as ``KVRag(policy=...,
+    recompute_ratio=...)`` takes them; any other name is a typo, reported here rather than
+    dropped (pydantic models would drop it silently)."""
+    own = getattr(rag, "policy", None) if policy is None else None
+    if own is not None:
+        policy = own.name
+        params = {f.name: getattr(own.params, f.name) for f in dataclasses.fields(own.params)}
+    else:
+        policy = "cacheblend" if policy is None else policy
+        params = {}
+    params.update(policy_params or {})
+    names = policy_param_names(policy)
+    unknown = sorted(set(flat) - names)
+    if unknown:
+        raise ValueError(f"{owner} got unknown option(s) {unknown}: neither an option of {owner} nor a "
+                         f"parameter of policy {policy!r} (its parameters: {sorted(names) or 'none'})")
+    params.update(flat)
+    get_policy(policy, **params)  # fail now, with the registry's message, on a bad value
+    return policy, params
+
+
+def max_tokens_alias(kwargs: dict[str, Any], owner: str) -> None:
+    """In place: ``max_tokens`` (the name most LLM classes use) becomes ``max_new_tokens``."""
+    if kwargs.get("max_tokens") is None:
+        kwargs.pop("max_tokens", None)
+        return
+    mt = kwargs.pop("max_tokens")
+    if kwargs.get("max_new_tokens") not in (None, mt):
+        raise ValueError(f"{owner}: max_tokens={mt} and max_new_tokens={kwargs['max_new_tokens']} disagree; pass one")
+    kwargs["max_new_tokens"] = mt
+
+
+def call_options(defaults: dict[str, Any], policy_params: dict[str, Any], kwargs: dict[str, Any],
+                 owner: str, log: logging.Logger) -> dict[str, Any]:
+    """Keyword arguments for ``KVRag.stream``: the wrapper's ``defaults`` (the ``GEN_KEYS``)
+    and ``policy_params``, overridden by a call's ``kwargs``. A call naming another policy
+    without ``policy_params`` drops the wrapper's (they belong to its own policy); policy
+    parameters may come flat; other keywords (frameworks forward their own) are ignored."""
+    opts = dict(defaults)
+    kwargs = dict(kwargs)
+    max_tokens_alias(kwargs, owner)
+    params = dict(policy_params)
+    flat = {}
+    for k, v in kwargs.items():
+        if k in GEN_KEYS:
+            opts[k] = v
+        elif k == "policy_params":
+            params = dict(v or {})
+        else:
+            flat[k] = v
+    if opts["policy"] != defaults["policy"] and "policy_params" not in kwargs:
+        params = {}
+    names = policy_param_names(opts["policy"]) if flat else set()
+    for k, v in flat.items():
+        if k in names:
+            params[k] = v
+        else:
+            log.debug("%s: ignoring unsupported option %r", owner, k)
+    if opts.get("stop") is None:
+        opts["stop"] = []
+    return {**opts, **params}
+
+
+def foreground_steps(it: Iterator, foreground: Callable[[], AbstractContextManager]) -> Iterator:
+    """Items of ``it``, each computed inside ``foreground()`` (the precomputer's "a query
+    runs" flag): the query holds background precompute back only while the model computes a
+    step, not while the stream waits for its consumer — a stream read slowly, or abandoned
+    unfinished, must not stall ingestion."""
+    while True:
+        with foreground():
+            item = next(it, END)
+        if item is END:
+            return
+        yield item
+
+
+class ThreadStepper:
+    """Steps a sync generator in worker threads, one ``next`` at a time, and closes it safely.
+
+    A cancelled ``await asyncio.to_thread(next, it)`` does not stop the thread: it is still
+    inside ``next(it)``, and ``it.close()`` from the event loop then fails with "generator
+    already executing" (replacing the CancelledError, and leaving the generator open). So
+    ``close`` only marks it while a step runs; that step closes it when it returns."""
+
+    def __init__(self, it: Iterator):
+        self._it = it
+        self._lock = threading.Lock()
+        self._running = False
+        self._closed = False
+
+    def step(self):  # in a worker thread
+        with self._lock:
+            if self._closed:
+                return END
+            self._running = True
+        try:
+            return next(self._it, END)
+        finally:
+            with self._lock:
+                self._running = False
+                close = self._closed
+            if close:
+                self._it.close()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            if self._running:
+                return  # the running step closes it
+        self._it.close()
+
+
+async def aiter_in_thread(it: Iterator) -> AsyncIterator:
+    """An async generator stepping a sync generator in a worker thread (one step per item).
+    Cancelled mid-step, it raises CancelledError and ``it`` is closed once that step returns."""
+    stepper = ThreadStepper(it)
+    try:
+        while True:
+            item = await asyncio.to_thread(stepper.step)
+            if item is END:
+                return
+            yield item
+    finally:
+        stepper.close()
