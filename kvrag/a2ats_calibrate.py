@@ -428,24 +428,36 @@ def _strings(obj) -> Iterable[str]:
 
 def read_texts(paths: Sequence[str | os.PathLike]) -> list[str]:
     """Calibration texts from files: ``.json`` -> every string in it (e.g. a dataset's
-    passages), ``.jsonl`` -> every string of every line, anything else -> the file's text."""
+    passages) longer than 32 characters, ``.jsonl`` -> the same for every line, anything else
+    -> the file's text. A file that yields no text is an error (CodebookError), not a
+    codebook fitted on uuids alone."""
     out: list[str] = []
     for p in paths:
         p = Path(p)
         if not p.is_file():
-            raise CodebookError(f"calibration text file {str(p)!r} does not exist")
-        raw = p.read_text(encoding="utf-8", errors="replace")
+            raise CodebookError(f"calibration text file {str(p)!r} "
+                                + ("is a directory, not a file" if p.is_dir() else "does not exist"))
+        try:
+            raw = p.read_text(encoding="utf-8", errors="replace")
+        except OSError as e:
+            raise CodebookError(f"cannot read calibration text file {str(p)!r}: {e.strerror or e}") from None
+        got: list[str] = []
         try:
             if p.suffix.lower() == ".json":
-                out.extend(s for s in _strings(json.loads(raw)) if len(s.strip()) > 32)
+                got.extend(s for s in _strings(json.loads(raw)) if len(s.strip()) > 32)
             elif p.suffix.lower() == ".jsonl":
                 for line in raw.splitlines():
                     if line.strip():
-                        out.extend(s for s in _strings(json.loads(line)) if len(s.strip()) > 32)
-            else:
-                out.append(raw)
+                        got.extend(s for s in _strings(json.loads(line)) if len(s.strip()) > 32)
+            elif raw.strip():
+                got.append(raw)
         except json.JSONDecodeError as e:
             raise CodebookError(f"calibration text file {str(p)!r} is not valid JSON: {e}") from e
+        if not got:
+            what = ("holds no string longer than 32 characters" if p.suffix.lower() in (".json", ".jsonl")
+                    else "is empty")
+            raise CodebookError(f"calibration text file {str(p)!r} {what}: no calibration text in it")
+        out.extend(got)
     return out
 
 
@@ -499,6 +511,8 @@ def calibration_sequences(
         return seqs
 
     seqs: list[list[int]] = []
+    if n_text and not any(t.strip() for t in texts):
+        raise CodebookError("no calibration text (every text is empty); pass text, or uuid_fraction=1")
     if n_text:
         ids: list[int] = []
         for t in texts:
@@ -594,15 +608,25 @@ def calibrate(
     """Fit codebooks for a ``ModelHandle`` and save them to ``out`` (default
     ``$KVRAG_HOME/a2ats/<fingerprint>.safetensors``). ``texts`` None = ``builtin_texts()``."""
     texts = builtin_texts() if texts is None else list(texts)
+    if not 1 <= n_codes <= MAX_CODES:
+        raise ValueError(f"n_codes must be in 1..{MAX_CODES}, got {n_codes}")
+    from kvrag.outpaths import check_file
+
+    path = Path(out) if out is not None else codebook_path(handle.fingerprint)
+    check_file(path, "codebook file", CodebookError)  # now, not after the model pass
     seqs = calibration_sequences(
         handle.encode, texts, n_tokens, seq_len=seq_len, uuid_fraction=uuid_fraction, seed=seed,
         prefix=handle.prefix_ids(),
     )
+    # Too few tokens (asked for, or the text ran out): caught before the model pass, not after.
+    n = sum(len(s) for s in seqs)
+    if n < n_codes:
+        raise ValueError(f"{n} calibration tokens cannot fit {n_codes} codewords; use more tokens (or text) "
+                         "or fewer codes")
     cb = fit_codebooks(
         handle.arch, seqs, n_codes=n_codes, iters=iters, rope_offset=rope_offset, seed=seed,
         meta={"fingerprint": handle.fingerprint, "uuid_fraction": uuid_fraction, "seq_len": seq_len},
         progress=progress,
     )
-    path = Path(out) if out is not None else codebook_path(handle.fingerprint)
     cb.save(path)
     return cb, path

@@ -586,6 +586,9 @@ def train_kvlink(
     out_dir = Path(out).expanduser() if out is not None else default_adapter_dirs(handle)[0]
     if (out_dir / META_FILE).exists() and not force:
         raise KVLinkError(f"{out_dir} already holds a KVLink adapter; pass force=True (--force) to overwrite it")
+    from kvrag.outpaths import check_dir
+
+    check_dir(out_dir, "adapter directory", KVLinkError)  # now, not after the training
     data = list(items) if items is not None else load_qa(cfg.data)
     if cfg.holdout >= len(data):
         raise KVLinkError(f"holdout={cfg.holdout} leaves no training examples out of {len(data)}")

@@ -19,6 +19,7 @@ Nothing here ever contacts a model hub.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import importlib.util
 import json
@@ -320,7 +321,16 @@ def convert_gguf(gguf: Path, target: Path, gguf_sha: str) -> None:
     leaves a half-written model that a later load would trust."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
-    target.parent.mkdir(parents=True, exist_ok=True)
+    # An unusable cache dir (a file, read-only) fails now, before seconds of GGUF reading.
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if not os.access(target.parent, os.W_OK | os.X_OK):
+            raise PermissionError(errno.EACCES, "directory not writable", str(target.parent))
+    except OSError as e:
+        raise ModelLoadError(
+            f"cannot store the conversion of {gguf} under {target.parent}: {e.strerror or e}; kvrag's cache dir "
+            "($KVRAG_HOME, or --cache-dir / cache_dir=) must be a writable directory"
+        ) from None
     # A process killed mid-conversion leaves a ~0.5 GB temp dir behind; one older than an
     # hour cannot belong to a live conversion (it takes seconds), so reclaim it.
     for stale in target.parent.glob(f".tmp-{target.name}-*"):
@@ -363,6 +373,19 @@ def convert_gguf(gguf: Path, target: Path, gguf_sha: str) -> None:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _convert(gguf: Path, target: Path, gguf_sha: str, root: Path) -> None:
+    """``convert_gguf`` with a failure to write the conversion (disk full, read-only or
+    vanished cache dir) turned into a ModelLoadError naming the cache dir."""
+    try:
+        convert_gguf(gguf, target, gguf_sha)
+    except OSError as e:
+        where = f" ({e.filename})" if getattr(e, "filename", None) else ""
+        raise ModelLoadError(
+            f"cannot store the conversion of {gguf} in kvrag's cache dir {root}: {e.strerror or e}{where}; "
+            "point $KVRAG_HOME (or --cache-dir / cache_dir=) at a writable directory"
+        ) from e
 
 
 def default_tokenizer(cache_dir: str | os.PathLike | None = None):
@@ -461,7 +484,7 @@ class ModelHandle:
             weight_digest = file_digest(p, root)
             weights_dir = _conversion_dir(root, weight_digest)
             if not _is_complete_conversion(weights_dir):
-                convert_gguf(p, weights_dir, weight_digest)
+                _convert(p, weights_dir, weight_digest, root)
                 converted = True
             try:
                 model, tokenizer = _load_hf_dir(weights_dir, torch_dtype)
@@ -471,7 +494,7 @@ class ModelHandle:
                 # A damaged cached conversion (disk full, manual edits): rebuild it once.
                 log.warning("cached conversion %s is unreadable; converting %s again", weights_dir, p)
                 shutil.rmtree(weights_dir, ignore_errors=True)
-                convert_gguf(p, weights_dir, weight_digest)
+                _convert(p, weights_dir, weight_digest, root)
                 converted = True
                 model, tokenizer = _load_hf_dir(weights_dir, torch_dtype)
         elif p.is_dir():

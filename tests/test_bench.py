@@ -158,6 +158,76 @@ def test_bench_synthetic_types_option():
     assert {ex.qtype for ex in examples} == {"single_hop"}
 
 
+def _bench_args(*argv):
+    import argparse
+
+    from kvrag.cli import bench as cli
+
+    p = argparse.ArgumentParser()
+    cli.register(p.add_subparsers())
+    return p.parse_args(["bench", *argv])
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--limit", "0"], "--limit must be >= 1"),
+    (["--limit", "-1"], "--limit must be >= 1"),
+    (["--passages", "0"], "--passages must be >= 1"),
+    (["--passages", "-2"], "--passages must be >= 1"),
+    (["--sweep-limit", "-1"], "--sweep-limit must be >= 0"),
+    (["--synthetic-passages", "2"], "--synthetic-passages must be >= 3"),
+    (["--synthetic-passage-tokens", "29"], "--synthetic-passage-tokens must be >= 30"),
+    (["--repeats", "0"], "--repeats must be >= 1"),
+    (["--synthetic", "-3"], "--synthetic must be >= 0"),
+])
+def test_bench_rejects_bad_counts_before_loading(tmp_path, argv, needle):
+    """Negative counts would slice from the end (items[:-1]), 0 would run nothing; the
+    synthetic generator's own limits are checked in the config, not after the model load."""
+    from kvrag.cli.bench import BenchError, config_from_args
+
+    with pytest.raises(BenchError) as e:
+        config_from_args(_bench_args("--synthetic", "2", "--out", str(tmp_path / "o"), *argv))
+    assert needle in str(e.value)
+    assert not (tmp_path / "o").exists()
+
+
+def test_bench_zero_sweep_limit_means_no_sweep(tmp_path):
+    from kvrag.cli.bench import config_from_args
+
+    cfg = config_from_args(_bench_args("--synthetic", "--out", str(tmp_path / "o"), "--sweep-limit", "0"))
+    assert cfg.sweep_limit == 0 and cfg.limit is None and cfg.passages is None  # None: all
+
+
+def test_bench_checks_output_paths_before_loading(tmp_path, capsys, monkeypatch):
+    """--out / --report / --cache-dir that cannot be written fail at once, not after the run."""
+    from kvrag.cli import main
+    from kvrag.cli.bench import BenchError, config_from_args
+    from kvrag.model import ModelHandle
+
+    a_file = tmp_path / "a-file"
+    a_file.write_text("x")
+    out = str(tmp_path / "o")
+    for argv, needle in [
+        (["--out", str(a_file)], "--out"),
+        (["--out", str(a_file / "sub")], f"{a_file} is not a directory"),
+        (["--out", out, "--report", str(tmp_path)], "--report"),
+        (["--out", out, "--report", str(a_file / "r.md")], f"{a_file} is not a directory"),
+        (["--out", out, "--cache-dir", str(a_file)], "--cache-dir"),
+    ]:
+        with pytest.raises(BenchError, match="directory") as e:
+            config_from_args(_bench_args("--synthetic", *argv))
+        assert needle in str(e.value)
+    (tmp_path / "rep").mkdir()
+    (tmp_path / "rep" / "bench").write_text("a file where the plots go")
+    with pytest.raises(BenchError, match="plots"):
+        config_from_args(_bench_args("--synthetic", "--out", out, "--report", str(tmp_path / "rep" / "r.md")))
+    # Through the command: exit code 2, one line, no model load.
+    monkeypatch.setattr(ModelHandle, "load", lambda *a, **k: pytest.fail("model loaded"))
+    assert main(["bench", "--synthetic", "1", "--out", str(a_file / "x")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvrag: error: --out") and "Traceback" not in err
+    assert not (tmp_path / "o").exists()
+
+
 def test_synthetic_bad_arguments():
     with pytest.raises(ValueError, match="question type"):
         S.generate(2, types=["three_hop"])

@@ -388,6 +388,28 @@ def test_cli_calibrate_a2ats(tiny_handle, tmp_path, capsys):
     assert "codewords" in capsys.readouterr().err
 
 
+def test_calibrate_checks_text_tokens_and_output_before_the_model_pass(tiny_handle, tmp_path, monkeypatch):
+    def boom(*a, **k):
+        raise AssertionError("the model pass ran before the input was checked")
+
+    monkeypatch.setattr(cal, "collect_statistics", boom)
+    out = tmp_path / "cb.safetensors"
+    # Text that runs out: fewer tokens than codewords.
+    with pytest.raises(ValueError, match="codewords"):
+        cal.calibrate(tiny_handle, texts=["a few words"], n_tokens=400, n_codes=64, uuid_fraction=0.0, out=out)
+    with pytest.raises(cal.CodebookError, match="no calibration text"):
+        cal.calibrate(tiny_handle, texts=["", "  "], n_tokens=400, n_codes=16, out=out)
+    with pytest.raises(cal.CodebookError, match="is a directory"):
+        cal.calibrate(tiny_handle, texts=[" ".join(DOCS)], n_tokens=400, n_codes=16, out=tmp_path)
+    assert not out.exists()
+    # read_texts: a file that yields no text is an error, not a codebook fitted on uuids.
+    (tmp_path / "nostr.json").write_text('[1, {"a": "short"}]')
+    (tmp_path / "empty.txt").write_text("")
+    for name in ("nostr.json", "empty.txt"):
+        with pytest.raises(cal.CodebookError, match="no calibration text"):
+            cal.read_texts([tmp_path / name])
+
+
 # ---- the real default model ---------------------------------------------------------------
 PASSAGES = [
     "The Nile is a major north-flowing river in northeastern Africa. It flows into the "

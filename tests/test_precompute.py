@@ -401,11 +401,57 @@ def test_cli_cache_errors_are_clear(tmp_path, capsys):
 
 
 def test_parse_size():
-    from kvrag.cli.cache import parse_size
+    from kvrag.cli.cache import MAX_SIZE, parse_size
 
     assert parse_size("512M") == 512 * 2**20 and parse_size("1.5G") == int(1.5 * 2**30) and parse_size("10") == 10
     with pytest.raises(ValueError):
         parse_size("-1G")
+    # An upper bound: the limit is an SQLite INTEGER (signed 64-bit); no OverflowError either.
+    assert parse_size(str(2**63 - 1)) == MAX_SIZE == 2**63 - 1
+    for huge in (str(2**63), "99999999999999999999999T", "1" + "0" * 400):
+        with pytest.raises(ValueError, match="too large"):
+            parse_size(huge)
+
+
+def _store(tmp_path):
+    from kvrag.store import KVStore
+
+    d = tmp_path / "store"
+    KVStore(d).close()
+    return str(d)
+
+
+def test_cli_cache_gc_huge_size_limit_is_a_clear_error(tmp_path, capsys):
+    code, _, err = _cli(["cache", "gc", "--cache-dir", _store(tmp_path), "--size-limit", "99999999999999999999999T"],
+                        capsys)
+    assert code == 2 and err.startswith("kvrag: error: ") and "too large" in err and "Traceback" not in err
+
+
+def test_cli_cache_gc_prints_check_warnings(tmp_path, capsys):
+    d = _store(tmp_path)
+    code, out, _ = _cli(["cache", "gc", "--cache-dir", d], capsys)
+    assert code == 0 and "check warnings   0 (not checked: use --verify)" in out
+    code, out, _ = _cli(["cache", "gc", "--cache-dir", d, "--verify"], capsys)
+    assert code == 0 and "check warnings   0\n" in out
+
+
+@pytest.mark.parametrize("answer", [EOFError, KeyboardInterrupt, "n"])
+def test_cli_cache_clear_eof_or_interrupt_at_the_prompt_is_a_no(rag, capsys, monkeypatch, answer):
+    import builtins
+
+    rag.precompute(DOCS[:1])
+    d = str(rag.store.directory)
+    monkeypatch.setattr("sys.stdin.isatty", lambda: True)
+
+    def reply(prompt=""):
+        if isinstance(answer, str):
+            return answer
+        raise answer
+
+    monkeypatch.setattr(builtins, "input", reply)
+    code, out, err = _cli(["cache", "clear", "--cache-dir", d], capsys)
+    assert code == 1 and "aborted" in out and "Traceback" not in err
+    assert rag.store.stats()["entries"] == 1  # nothing deleted
 
 
 def test_defer_s_holds_work_until_the_query_ends(rag):

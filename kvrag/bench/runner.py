@@ -89,6 +89,23 @@ class BenchConfig:
 
     def __post_init__(self) -> None:
         self.out = Path(self.out)
+        # Counts that slice the data: a negative one would slice from the end, 0 would run
+        # nothing. None (the default) means all.
+        for name in ("limit", "passages", "passage_words"):
+            v = getattr(self, name)
+            if v is not None and v < 1:
+                raise ValueError(f"{name} must be >= 1 (or unset: all), got {v}")
+        if self.synthetic < 0:
+            raise ValueError(f"synthetic must be >= 0, got {self.synthetic}")
+        if self.sweep_limit < 0:
+            raise ValueError(f"sweep_limit must be >= 0 (0 = no sweep), got {self.sweep_limit}")
+        # The synthetic generator's own limits (the synthetic set and the single-hop check).
+        if self.synthetic_passages < synthetic.MIN_PASSAGES:
+            raise ValueError(f"synthetic_passages must be >= {synthetic.MIN_PASSAGES} (facts + distractors), "
+                             f"got {self.synthetic_passages}")
+        if self.synthetic_passage_tokens < synthetic.MIN_PASSAGE_TOKENS:
+            raise ValueError(f"synthetic_passage_tokens must be >= {synthetic.MIN_PASSAGE_TOKENS}, "
+                             f"got {self.synthetic_passage_tokens}")
         if self.repeats < 1:
             raise ValueError(f"repeats must be >= 1, got {self.repeats}")
         if self.max_new_tokens < 1:

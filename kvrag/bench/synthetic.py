@@ -25,6 +25,10 @@ import random
 from collections.abc import Callable, Sequence
 
 QUESTION_TYPES = ("single_hop", "two_hop", "cross_passage")
+# The smallest item the generator can build: the fact passages plus a distractor, each long
+# enough to hold its fact sentence.
+MIN_PASSAGES = 3
+MIN_PASSAGE_TOKENS = 30
 
 _ONSETS = ["b", "br", "d", "dr", "f", "g", "gr", "h", "k", "kr", "l", "m", "n", "p", "qu", "r", "s",
            "st", "t", "th", "tr", "v", "w", "z"]
@@ -174,10 +178,10 @@ def make_item(
     """One QA item of question type ``kind`` with ``n_passages`` passages of ~``passage_tokens``."""
     if kind not in QUESTION_TYPES:
         raise ValueError(f"unknown question type {kind!r}; choose from {', '.join(QUESTION_TYPES)}")
-    if n_passages < 3:
-        raise ValueError(f"n_passages must be >= 3 (facts + distractors), got {n_passages}")
-    if passage_tokens < 30:
-        raise ValueError(f"passage_tokens must be >= 30, got {passage_tokens}")
+    if n_passages < MIN_PASSAGES:
+        raise ValueError(f"n_passages must be >= {MIN_PASSAGES} (facts + distractors), got {n_passages}")
+    if passage_tokens < MIN_PASSAGE_TOKENS:
+        raise ValueError(f"passage_tokens must be >= {MIN_PASSAGE_TOKENS}, got {passage_tokens}")
     count = count_tokens or _approx_tokens
     namer = _Namer(rng)
     p = _person(rng, namer)

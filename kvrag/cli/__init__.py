@@ -6,8 +6,10 @@ Sub-commands are discovered, not listed: every module in this package that defin
 returns an int exit code. So a new sub-command is one new file, with no edit here.
 
 A :class:`kvrag.errors.KVRagError` (bad input, missing model, ...) is printed as
-``kvrag: error: <message>`` with exit code 2, like argparse's own usage errors; anything else
-is a bug and keeps its traceback.
+``kvrag: error: <message>`` with exit code 2, like argparse's own usage errors. As a safety net,
+so is a ``ValueError`` or ``OSError`` that a sub-command lets through (a bad value or an
+unusable path it did not check itself). Anything else is a bug and keeps its traceback.
+``kvrag --debug COMMAND ...`` shows the traceback of every error.
 """
 from __future__ import annotations
 
@@ -37,6 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Precompute per-chunk KV caches and fuse them at query time to cut RAG time-to-first-token.",
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    parser.add_argument("--debug", action="store_true",
+                        help="show the full traceback of an error instead of the one-line 'kvrag: error: ...'")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
         if info.name.startswith("_"):
@@ -57,7 +61,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"command {args.command!r} has no handler")
     try:
         code = func(args)
-    except KVRagError as e:
-        print(f"kvrag: error: {e}", file=sys.stderr)
+    except (KVRagError, ValueError, OSError) as e:
+        # KVRagError: the user's problem, by design. ValueError / OSError: a bad value or an
+        # unusable path a sub-command did not check itself; still the user's to fix, and a
+        # traceback would hide the message. Everything else is a bug: traceback.
+        if getattr(args, "debug", False):
+            raise
+        print(f"kvrag: error: {_message(e)}", file=sys.stderr)
         return 2
     return int(code or 0)
+
+
+def _message(e: BaseException) -> str:
+    return str(e).strip() or type(e).__name__

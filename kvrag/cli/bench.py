@@ -5,6 +5,7 @@ markdown report (``benchmarks/run_default.sh`` makes ``docs/benchmarks.md``)."""
 from __future__ import annotations
 
 import json
+import re
 import shlex
 
 from kvrag.errors import KVRagError
@@ -33,8 +34,9 @@ def register(sub) -> None:
     g.add_argument("--data", metavar="FILE", help="QA JSON: a list of {question, answers, ctxs[{title, text}]}")
     g.add_argument("--synthetic", nargs="?", type=int, const=-1, default=0, metavar="N",
                    help="add N synthetic multi-document QA items (default N: 12; quick: 3)")
-    g.add_argument("--limit", type=int, metavar="N", help="first N examples of --data (quick: 2)")
-    g.add_argument("--passages", type=int, metavar="K", help="first K passages of each example (quick: 3)")
+    g.add_argument("--limit", type=int, metavar="N", help="first N >= 1 examples of --data (default all; quick: 2)")
+    g.add_argument("--passages", type=int, metavar="K", help="first K >= 1 passages of each example (default all; "
+                   "quick: 3)")
     g.add_argument("--seed", type=int, default=0, help="seed of the synthetic data")
     g = p.add_argument_group("policies")
     g.add_argument("--policies", metavar="LIST", help="comma-separated policies (default: every registered one); "
@@ -52,21 +54,22 @@ def register(sub) -> None:
     g.add_argument("--sweep-policies", default=DEFAULT_SWEEP_POLICIES, metavar="LIST",
                    help=f"policies swept over --sweep-ratios (default {DEFAULT_SWEEP_POLICIES}; 'none' to skip)")
     g.add_argument("--sweep-ratios", metavar="LIST", help=f"recompute ratios (default {FULL['sweep_ratios']})")
-    g.add_argument("--sweep-limit", type=int, metavar="N", help="examples in the sweep (default 3; quick 1)")
+    g.add_argument("--sweep-limit", type=int, metavar="N", help="examples in the sweep (default 3; quick 1; 0: no sweep)")
     g.add_argument("--sweep-data", choices=("synthetic", "data"), default="synthetic",
                    help="data set of the sweep when both are given (default synthetic)")
-    g.add_argument("--synthetic-passages", type=int, help="passages per synthetic item (default 6)")
+    g.add_argument("--synthetic-passages", type=int, help="passages per synthetic item, >= 3 (default 6; quick 3)")
     g.add_argument("--synthetic-types", metavar="LIST",
                    help="question types of the synthetic items, round-robin (default: single_hop,two_hop,"
                         "cross_passage); e.g. single_hop alone measures QA where the model itself can answer")
-    g.add_argument("--synthetic-passage-tokens", type=int, help="tokens per synthetic passage (default 200)")
+    g.add_argument("--synthetic-passage-tokens", type=int, help="tokens per synthetic passage, >= 30 (default 200; "
+                   "quick 60)")
     g.add_argument("--check-items", type=int, metavar="N",
                    help="with --synthetic: full_prefill alone on N single-hop items of their own seed, to check "
                         "that the model can answer them (default 24; quick 2; 0 to skip)")
     g.add_argument("--no-footprint", action="store_true", help="skip the KV disk footprint measurement")
     g.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up run")
-    g.add_argument("--quick", action="store_true", help="smoke test: 2 examples, 3 short passages, 8 new tokens, "
-                   "1 repeat, tiny scaling and sweep")
+    g.add_argument("--quick", action="store_true", help="smoke test: 2 examples, 3 passages cut to their first 40 words, "
+                   "8 new tokens, 1 repeat, tiny scaling and sweep")
     g = p.add_argument_group("model and output")
     g.add_argument("--model", help="HF model dir or .gguf (default: SmolLM2-135M-Instruct)")
     g.add_argument("--device", default="auto", help="comma-separated devices; 'auto' = cpu, plus cuda if present")
@@ -173,6 +176,11 @@ def config_from_args(args):
         synthetic = 3 if args.quick else 12
     elif synthetic < 0:
         raise BenchError(f"--synthetic must be >= 0, got {synthetic}")
+    for opt in ("limit", "passages"):  # None = all; 0 would run nothing, < 0 slice from the end
+        v = getattr(args, opt)
+        if v is not None and v < 1:
+            raise BenchError(f"--{opt} must be >= 1 (leave it out for all), got {v}")
+    check_outputs(args)
     try:
         return BenchConfig(
             out=args.out, data=args.data, synthetic=synthetic,
@@ -191,7 +199,32 @@ def config_from_args(args):
             quick=args.quick,
         )
     except ValueError as e:
-        raise BenchError(str(e)) from None
+        raise BenchError(_option_names(str(e), args)) from None
+
+
+def _option_names(msg: str, args) -> str:
+    """'limit must be >= 1 ...' (a BenchConfig field) -> '--limit must be >= 1 ...'."""
+    m = re.match(r"(\w+) must ", msg)
+    if m and hasattr(args, m.group(1)):
+        return f"--{m.group(1).replace('_', '-')}{msg[len(m.group(1)):]}"
+    return msg
+
+
+def check_outputs(args) -> None:
+    """Where the run writes (--out, --report and the plots beside it, --cache-dir) must be
+    writable now: finding out after an hour of benchmarking loses the results."""
+    from kvrag.outpaths import check_dir, check_file
+
+    out = check_dir(args.out, "--out", BenchError)
+    if args.report:
+        report = check_file(args.report, "--report", BenchError)
+        if report.resolve().parent != out.resolve():
+            check_dir(report.resolve().parent / "bench", "--report (plots go beside it under bench/)", BenchError)
+    if args.cache_dir:
+        check_dir(args.cache_dir, "--cache-dir", BenchError)
+    for name in ("results.json",) + (() if args.report else ("benchmarks.md",)):
+        if (out / name).is_dir():
+            raise BenchError(f"--out {out}: {out / name} is a directory")
 
 
 def run(args) -> int:

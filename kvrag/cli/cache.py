@@ -4,22 +4,28 @@ from __future__ import annotations
 import json
 import re
 import sys
+from decimal import Decimal
 from pathlib import Path
 
 from kvrag.errors import StoreError
 
 _UNITS = {"": 1, "B": 1, "K": 2**10, "KB": 2**10, "KIB": 2**10, "M": 2**20, "MB": 2**20, "MIB": 2**20,
           "G": 2**30, "GB": 2**30, "GIB": 2**30, "T": 2**40, "TB": 2**40, "TIB": 2**40}
+# The store records its size limit in SQLite, whose INTEGER is a signed 64-bit number.
+MAX_SIZE = 2**63 - 1
 
 
 def parse_size(text: str) -> int:
-    """'512M', '16G', '1.5GiB', '1000000' -> bytes (binary units)."""
+    """'512M', '16G', '1.5GiB', '1000000' -> bytes (binary units), 1 .. ``MAX_SIZE``."""
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(text))
     if not m or m.group(2).upper() not in _UNITS:
         raise ValueError(f"bad size {text!r}: use a number of bytes or e.g. 512M, 16G")
-    n = int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+    # Decimal, not float: exact for any length of digits (a float overflows to inf).
+    n = int(Decimal(m.group(1)) * _UNITS[m.group(2).upper()])
     if n <= 0:
         raise ValueError(f"size must be positive, got {text!r}")
+    if n > MAX_SIZE:
+        raise ValueError(f"size {text!r} is too large: at most {MAX_SIZE} bytes (8 EiB)")
     return n
 
 
@@ -121,6 +127,7 @@ def run_gc(args) -> int:
         f"index dropped    {res['index_dropped']}",
         f"re-indexed       {res['reindexed']}",
         f"corrupt deleted  {res['corrupt']}" + ("" if args.verify else " (not checked: use --verify)"),
+        f"check warnings   {res.get('check_warnings', 0)}" + ("" if args.verify else " (not checked: use --verify)"),
         f"entries          {res['entries']} ({human(st['bytes'])})",
     ])
     return 0
@@ -133,7 +140,11 @@ def run_clear(args) -> int:
             if not sys.stdin.isatty():
                 raise StoreError(f"refusing to clear {n} entries in {store.directory} without --yes "
                                  "(stdin is not a terminal)")
-            answer = input(f"delete all {n} entries in {store.directory}? [y/N] ")
+            try:
+                answer = input(f"delete all {n} entries in {store.directory}? [y/N] ")
+            except (EOFError, KeyboardInterrupt):  # Ctrl-D / Ctrl-C at the prompt: a "no"
+                print()
+                answer = ""
             if answer.strip().lower() not in ("y", "yes"):
                 print("aborted")
                 return 1

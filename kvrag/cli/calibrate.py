@@ -61,9 +61,20 @@ def _a2ats(args: argparse.Namespace) -> int:
         raise KVRagError(f"--uuid-fraction must be in [0, 1], got {args.uuid_fraction}")
     if args.rope_offset < 0:
         raise KVRagError(f"--rope-offset must be >= 0, got {args.rope_offset}")
+    if args.tokens < args.codes:
+        raise KVRagError(f"--tokens {args.tokens} cannot fit --codes {args.codes} codewords (k-means needs a "
+                         "calibration token per codeword at least); use more tokens or fewer codes")
+    # The output and the text are checked before the model load and the model pass: a wrong
+    # path must not cost a calibration, nor an empty text file replace a model's codebooks.
+    from kvrag.outpaths import check_dir, check_file
+
+    if args.out is not None:
+        check_file(args.out, "--out")
+    else:
+        check_dir(cal.codebook_dir(), "the codebook directory ($KVRAG_HOME/a2ats)")
+    texts = cal.read_texts(args.text) if args.text else None
     t0 = time.perf_counter()
     handle = ModelHandle.load(args.model, dtype=args.dtype, device=args.device, cache_dir=args.cache_dir)
-    texts = cal.read_texts(args.text) if args.text else None
     bars: dict = {}
 
     def progress(stage: str, n: int) -> None:

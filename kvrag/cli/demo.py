@@ -5,6 +5,9 @@ import json
 import tempfile
 import time
 from importlib import resources
+from pathlib import Path
+
+from kvrag.errors import KVRagError
 
 DEFAULT_POLICIES = "full_prefill,naive_reuse,cacheblend,kvlink"
 
@@ -13,30 +16,85 @@ def register(sub) -> None:
     p = sub.add_parser("demo", help="ingest a demo corpus, ask questions, print answers and TTFT per policy")
     p.add_argument("--model", default=None, help="HF model dir or .gguf (default: SmolLM2-135M-Instruct)")
     p.add_argument("--cache-dir", default=None, help="KV store directory (default: a fresh temporary one)")
-    p.add_argument("--corpus", default=None, help="JSON with instruction, documents, questions")
+    p.add_argument("--corpus", default=None, help="JSON object with instruction (optional), documents and "
+                   "questions (non-empty lists of strings)")
     p.add_argument("--policies", default=DEFAULT_POLICIES, help="comma-separated policy names")
-    p.add_argument("--max-new-tokens", type=int, default=24)
+    p.add_argument("--max-new-tokens", type=int, default=24, help="answer length cap (>= 1; default 24)")
     p.set_defaults(func=run)
 
 
 def load_corpus(path: str | None) -> dict:
-    if path:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    return json.loads(resources.files("kvrag.data").joinpath("demo_corpus.json").read_text(encoding="utf-8"))
+    """The demo corpus (``path``, default the packaged one), checked: a JSON object with a
+    non-empty ``documents`` and ``questions`` list of non-empty strings and an optional
+    ``instruction`` string. Raises KVRagError naming the problem."""
+    if not path:
+        return json.loads(resources.files("kvrag.data").joinpath("demo_corpus.json").read_text(encoding="utf-8"))
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise KVRagError(f"--corpus {path}: file not found")
+    if not p.is_file():
+        raise KVRagError(f"--corpus {path}: not a file")
+    try:
+        corpus = json.loads(p.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise KVRagError(f"--corpus {path}: cannot read it: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise KVRagError(f"--corpus {path}: not UTF-8 text ({e.reason})") from None
+    except json.JSONDecodeError as e:
+        raise KVRagError(f"--corpus {path}: not valid JSON ({e})") from None
+    if not isinstance(corpus, dict):
+        raise KVRagError(f"--corpus {path}: expected a JSON object with 'documents' and 'questions', "
+                         f"got a {type(corpus).__name__}")
+    for key in ("documents", "questions"):
+        if key not in corpus:
+            raise KVRagError(f"--corpus {path}: no {key!r} (a non-empty list of strings)")
+        v = corpus[key]
+        if not isinstance(v, list) or not v or not all(isinstance(x, str) and x.strip() for x in v):
+            raise KVRagError(f"--corpus {path}: {key!r} must be a non-empty list of non-empty strings")
+    if corpus.get("instruction") is not None and not isinstance(corpus["instruction"], str):
+        raise KVRagError(f"--corpus {path}: 'instruction' must be a string")
+    return corpus
+
+
+def parse_policies(text: str) -> list[str]:
+    """Comma-separated policy names, checked against the registry; duplicates dropped (order kept)."""
+    from kvrag.policies import policy_names
+
+    policies = list(dict.fromkeys(p.strip() for p in text.split(",") if p.strip()))
+    if not policies:
+        raise KVRagError(f"--policies {text!r}: no policy named; give e.g. {DEFAULT_POLICIES}")
+    unknown = [p for p in policies if p not in policy_names()]
+    if unknown:
+        raise KVRagError(f"--policies: unknown {', '.join(map(repr, unknown))}; registered: {', '.join(policy_names())}")
+    return policies
 
 
 def run(args) -> int:
-    from kvrag.engine import KVRag
-    from kvrag.prompt import DEFAULT_INSTRUCTION, rag_messages
+    from kvrag.outpaths import check_dir
 
+    # Every check before the model load: a typo must not cost one.
+    if args.max_new_tokens < 1:
+        raise KVRagError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     corpus = load_corpus(args.corpus)
-    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    policies = parse_policies(args.policies)
+    if args.cache_dir is not None:
+        check_dir(args.cache_dir, "--cache-dir")
     tmp = None
     cache_dir = args.cache_dir
     if cache_dir is None:
         tmp = tempfile.TemporaryDirectory(prefix="kvrag-demo-")
         cache_dir = tmp.name
+    try:
+        return _run(args, corpus, policies, cache_dir)
+    finally:
+        if tmp is not None:
+            tmp.cleanup()
+
+
+def _run(args, corpus: dict, policies: list[str], cache_dir: str) -> int:
+    from kvrag.engine import KVRag
+    from kvrag.prompt import DEFAULT_INSTRUCTION, rag_messages
+
     print("loading model ...", flush=True)
     rag = KVRag(args.model, cache_dir=cache_dir)
     # kvlink runs as a user gets it with KVRag(policy="kvlink"): with the model's KVLink adapter
@@ -74,6 +132,4 @@ def run(args) -> int:
         med = sorted(xs)[len(xs) // 2]
         ratio = f"  x{base[len(base) // 2] / med:5.1f}" if base and med > 0 else ""
         print(f"  {pol:<13} {med * 1000:7.0f} ms{ratio}")
-    if tmp is not None:
-        tmp.cleanup()
     return 0

@@ -58,11 +58,15 @@ def register(sub) -> None:
 def run_kvlink(args) -> int:
     import torch
 
-    from kvrag.kvlink_train import TrainConfig, command_line, train_kvlink
-    from kvrag.model import ModelHandle
+    from kvrag.outpaths import check_dir
+    from kvrag.kvlink_train import META_FILE, KVLinkError, TrainConfig, command_line, load_qa, train_kvlink
+    from kvrag.model import ModelHandle, default_home
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    # Every check before the model load (and long before the adapter is saved).
+    if args.threads is not None and args.threads < 1:
+        raise KVLinkError(f"--threads must be >= 1, got {args.threads}")
+    if not args.max_minutes >= 0:  # also NaN
+        raise KVLinkError(f"--max-minutes must be >= 0 (0 = run all --steps), got {args.max_minutes}")
     cfg = TrainConfig(
         data=args.data, steps=args.steps, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
         lora_targets=tuple(t.strip() for t in args.lora_targets.split(",") if t.strip()),
@@ -72,7 +76,21 @@ def run_kvlink(args) -> int:
         max_tokens=args.max_tokens, seed=args.seed, log_every=args.log_every,
         max_seconds=60.0 * args.max_minutes,
     )
-    cfg.validate()  # fail on bad options before the model load
+    try:
+        cfg.validate()
+    except KVLinkError as e:  # name the option, not the TrainConfig field
+        raise KVLinkError(_option_names(str(e), args)) from None
+    items = load_qa(args.data)  # read again by train_kvlink (which records its digest); cheap
+    if args.holdout >= len(items):
+        raise KVLinkError(f"--holdout {args.holdout} leaves no training examples out of {len(items)} in {args.data}")
+    if args.out is not None:
+        out = check_dir(args.out, "--out", KVLinkError)
+        if (out / META_FILE).exists() and not args.force:
+            raise KVLinkError(f"--out {out} already holds a KVLink adapter; pass --force to overwrite it")
+    else:  # $KVRAG_HOME/kvlink/<model key>/: the key needs the model, its parent does not
+        check_dir(default_home() / "kvlink", "the adapter directory ($KVRAG_HOME/kvlink)", KVLinkError)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     print("loading model ...", flush=True)
     handle = ModelHandle.load(args.model, dtype=args.dtype)
     res = train_kvlink(handle, cfg, args.out, command=command_line(), force=args.force,
@@ -81,3 +99,13 @@ def run_kvlink(args) -> int:
     last = sum(res.losses[-10:]) / min(10, len(res.losses))
     print(f"loss {first:.4f} (first 10 steps) -> {last:.4f} (last 10); adapter: {res.out}")
     return 0
+
+
+def _option_names(msg: str, args) -> str:
+    """'lora_rank must be >= 0 ...' (a TrainConfig field) -> '--lora-rank must be >= 0 ...'."""
+    import re
+
+    m = re.match(r"(\w+) (must|is) ", msg)
+    if m and hasattr(args, m.group(1)):
+        return f"--{m.group(1).replace('_', '-')}{msg[len(m.group(1)):]}"
+    return msg
