@@ -145,7 +145,10 @@ def test_bench_synthetic_types_option():
     cfg = cli.config_from_args(args)
     assert cfg.synthetic_types == ["single_hop"]
     assert "--synthetic-types single_hop" in cfg.command
-    assert cli.config_from_args(p.parse_args(["bench", "--synthetic", "--out", "x"])).synthetic_types == list(S.QUESTION_TYPES)
+    bare = cli.config_from_args(p.parse_args(["bench", "--synthetic", "--out", "x"]))
+    assert bare.synthetic_types == list(S.QUESTION_TYPES)
+    assert bare.synthetic == 12 and "--synthetic 12" in bare.command  # bare = the default N, recorded
+    assert cli.config_from_args(p.parse_args(["bench", "--synthetic", "--quick", "--out", "x"])).synthetic == 3
     with pytest.raises(BenchError, match="synthetic types.*three_hop"):
         cli.config_from_args(p.parse_args(["bench", "--synthetic", "--synthetic-types", "three_hop", "--out", "x"]))
     from types import SimpleNamespace
@@ -178,6 +181,7 @@ def _bench_args(*argv):
     (["--synthetic-passage-tokens", "29"], "--synthetic-passage-tokens must be >= 30"),
     (["--repeats", "0"], "--repeats must be >= 1"),
     (["--synthetic", "-3"], "--synthetic must be >= 0"),
+    (["--synthetic", "-1"], "--synthetic must be >= 0"),  # not taken for a bare --synthetic
 ])
 def test_bench_rejects_bad_counts_before_loading(tmp_path, argv, needle):
     """Negative counts would slice from the end (items[:-1]), 0 would run nothing; the

@@ -32,7 +32,7 @@ def register(sub) -> None:
     )
     g = p.add_argument_group("data")
     g.add_argument("--data", metavar="FILE", help="QA JSON: a list of {question, answers, ctxs[{title, text}]}")
-    g.add_argument("--synthetic", nargs="?", type=int, const=-1, default=0, metavar="N",
+    g.add_argument("--synthetic", nargs="?", type=int, const=None, default=0, metavar="N",
                    help="add N synthetic multi-document QA items (default N: 12; quick: 3)")
     g.add_argument("--limit", type=int, metavar="N", help="first N >= 1 examples of --data (default all; quick: 2)")
     g.add_argument("--passages", type=int, metavar="K", help="first K >= 1 passages of each example (default all; "
@@ -152,7 +152,7 @@ def config_from_args(args):
 
     from kvrag.bench.runner import BenchConfig
 
-    if not args.data and not args.synthetic:
+    if not args.data and args.synthetic == 0:
         raise BenchError("nothing to run: give --data FILE and/or --synthetic [N]")
     d = QUICK if args.quick else FULL
     pick = lambda name: getattr(args, name) if getattr(args, name, None) is not None else d[name]  # noqa: E731
@@ -171,10 +171,10 @@ def config_from_args(args):
             raise BenchError(f"--device {dev}: CUDA is not available on this machine")
         else:
             devices.append(dev)
+    if args.synthetic is None:  # bare --synthetic; written back, so the recorded command has N
+        args.synthetic = 3 if args.quick else 12
     synthetic = args.synthetic
-    if synthetic == -1:  # bare --synthetic
-        synthetic = 3 if args.quick else 12
-    elif synthetic < 0:
+    if synthetic < 0:
         raise BenchError(f"--synthetic must be >= 0, got {synthetic}")
     for opt in ("limit", "passages"):  # None = all; 0 would run nothing, < 0 slice from the end
         v = getattr(args, opt)
