@@ -7,6 +7,7 @@ Imports no framework.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import threading
@@ -15,6 +16,7 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 from kvrag.policies import get_policy
+from kvrag.precompute import Precomputer
 
 #: Generation options a wrapper passes to ``KVRag.stream`` (plus the policy's own parameters).
 GEN_KEYS = ("policy", "max_new_tokens", "temperature", "top_p", "top_k", "stop", "seed")
@@ -94,6 +96,18 @@ def call_options(defaults: dict[str, Any], policy_params: dict[str, Any], kwargs
     if opts.get("stop") is None:
         opts["stop"] = []
     return {**opts, **params}
+
+
+@contextlib.contextmanager
+def foreground(precomputer: Precomputer | None, rag) -> Iterator[None]:
+    """A query computes: ``precomputer`` (else the shared one of ``rag``, if there is one)
+    starts no new pack meanwhile."""
+    pc = precomputer if precomputer is not None else Precomputer.for_rag(rag, create=False)
+    if pc is None:
+        yield
+        return
+    with pc.foreground():
+        yield
 
 
 def foreground_steps(it: Iterator, foreground: Callable[[], AbstractContextManager]) -> Iterator:

@@ -28,7 +28,7 @@ from kvrag.errors import ChunkError
 from kvrag.fusion import CACHED, PLAIN, FusionEngine, FusionResult, FusionStats, Layout, Piece
 from kvrag.model import ModelHandle
 from kvrag.policies import Policy, get_policy
-from kvrag.precompute import validate_chunk_text
+from kvrag.precompute import check_texts_iterable, validate_chunk_text
 from kvrag.segment import Segmenter, render_messages
 from kvrag.store import ChunkEntry, KVStore
 
@@ -209,23 +209,20 @@ class KVRag:
         """Compute and store the KV of every text not cached yet; returns their keys.
 
         Chunks are packed ``batch_tokens`` at a time (one pass per pack)."""
-        if isinstance(texts, (str, bytes, bytearray)):
-            # Iterating it would cache every character as a chunk of its own.
-            raise TypeError(f"precompute() takes an iterable of texts, got a single {type(texts).__name__}; "
-                            "wrap it in a list: precompute([text])")
+        check_texts_iterable(texts, "precompute")
         texts = list(texts)
         ids = [self.chunk_ids(t) for t in texts]
         keys = [KVStore.make_key(self.fingerprint, i) for i in ids]
-        todo, seen = [], set()
+        todo, stored = [], {}
         for j, k in enumerate(keys):
-            # Stored and listed in the text index, re-listed if a writer killed mid-put left
-            # it out: other processes find chunks through the index only.
-            stored = self.store.ensure_indexed(k)
-            if k not in seen and not stored:
-                todo.append(j)
-            elif stored:
+            if k not in stored:
+                # Stored and listed in the text index, re-listed if a writer killed mid-put
+                # left it out: other processes find chunks through the index only.
+                stored[k] = self.store.ensure_indexed(k)
+                if not stored[k]:
+                    todo.append(j)
+            if stored[k]:
                 self.segmenter.add(k, texts[j])
-            seen.add(k)
         packs = list(pack([len(ids[j]) for j in todo], batch_tokens))
         bar = None
         if progress and todo:

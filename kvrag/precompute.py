@@ -160,13 +160,14 @@ class _Job:
         self.waiters: list[_Job] = []  # other texts with the same key, finished with this one
 
 
-def _check_texts_iterable(texts: Any, where: str) -> None:
+def check_texts_iterable(texts: Any, where: str, hint: str = "") -> None:
     """Raise TypeError unless ``texts`` is an iterable of texts: a bare str/bytes is iterable
-    too, and would be queued one character (or byte) at a time."""
+    too, and would be cached one character (or byte) at a time. ``hint``: appended to the
+    message for a single text (another call that takes one)."""
     if isinstance(texts, (str, bytes, bytearray, memoryview)):
         raise TypeError(
             f"{where}() takes an iterable of texts, got a single {type(texts).__name__}: "
-            f"pass a list ({where}([text])) or use submit(text)"
+            f"pass a list ({where}([text])){hint}"
         )
     try:
         iter(texts)
@@ -463,7 +464,7 @@ class Precomputer:
 
         ``texts`` must be an iterable of texts: a single ``str`` (or ``bytes``) raises
         TypeError before anything is queued, rather than queueing each character."""
-        _check_texts_iterable(texts, "submit_many")
+        check_texts_iterable(texts, "submit_many", " or use submit(text)")
         out: list[Future | None] = []
         for t in texts:
             try:

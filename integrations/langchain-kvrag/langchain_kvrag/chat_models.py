@@ -1,7 +1,6 @@
 """``ChatKVRag``: a LangChain chat model backed by kvrag's fused KV-cache prefill."""
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 from collections.abc import AsyncIterator, Iterator, Sequence
@@ -22,7 +21,7 @@ from langchain_core.messages import (
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
 from pydantic import ConfigDict, Field, PrivateAttr, model_validator
 
-from kvrag.adapters import aiter_in_thread, call_options, foreground_steps, max_tokens_alias, resolve_policy
+from kvrag.adapters import aiter_in_thread, call_options, foreground, foreground_steps, max_tokens_alias, resolve_policy
 from kvrag.engine import Generation, KVRag
 from kvrag.precompute import Precomputer
 
@@ -178,14 +177,9 @@ class ChatKVRag(BaseChatModel):
         opts["stop"] = list(opts["stop"]) + list(stop or [])  # LangChain's per-call stop adds to ours
         return opts
 
-    @contextlib.contextmanager
     def _foreground(self):
-        pc = self._precomputer if self._precomputer is not None else Precomputer.for_rag(self.rag, create=False)
-        if pc is None:
-            yield
-            return
-        with pc.foreground():
-            yield
+        """Tell the shared precomputer (if any) that a query runs: no new pack starts."""
+        return foreground(self._precomputer, self.rag)
 
     def _metadata(self, gen: Generation) -> dict[str, Any]:
         return {

@@ -18,7 +18,6 @@ ingestion and queries do not compete with two workers.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 from collections.abc import Iterator, Sequence
@@ -44,7 +43,7 @@ from llama_index.core.llms.llm import LLM
 from llama_index.core.postprocessor.types import BaseNodePostprocessor
 from llama_index.core.schema import BaseNode, Document, MetadataMode, NodeWithScore, QueryBundle, TransformComponent
 
-from kvrag.adapters import aiter_in_thread, call_options, foreground_steps, max_tokens_alias, resolve_policy
+from kvrag.adapters import aiter_in_thread, call_options, foreground, foreground_steps, max_tokens_alias, resolve_policy
 from kvrag.engine import Generation, KVRag
 from kvrag.errors import ChunkError
 from kvrag.precompute import Precomputer, PrecomputerClosedError, QueueFullError
@@ -216,15 +215,9 @@ class KVRagLLM(LLM):
                         top_p=self.top_p, top_k=self.top_k, stop=list(self.stop), seed=self.seed)
         return call_options(defaults, self.policy_params, kwargs, "KVRagLLM", log)
 
-    @contextlib.contextmanager
     def _foreground(self):
         """Tell the shared precomputer (if any) that a query runs: no new pack starts."""
-        pc = self._precomputer if self._precomputer is not None else Precomputer.for_rag(self._rag, create=False)
-        if pc is None:
-            yield
-            return
-        with pc.foreground():
-            yield
+        return foreground(self._precomputer, self._rag)
 
     def _generate(self, prompt: str, kwargs: dict[str, Any]) -> Generation:
         with self._foreground():
