@@ -305,9 +305,11 @@ def model_probe(arch) -> torch.Tensor:
     return probe
 
 
-def probe_matches(stored: torch.Tensor, probe: torch.Tensor, rtol: float = 1e-3) -> bool:
-    """Same model? Relative L2 distance of the probe keys below ``rtol`` (fp32 vs itself is ~1e-7;
-    another model is ~1)."""
+def probe_matches(stored: torch.Tensor, probe: torch.Tensor, rtol: float = 0.05) -> bool:
+    """Same model? Relative L2 distance of the probe keys below ``rtol``. The same weights give
+    ~1e-7 in one precision, up to ~0.013 when one side ran in bfloat16 (measured: SmolLM2 0.009,
+    tiny Llama 0.013; float16 0.001-0.002), another model ~1: a codebook fitted in float32 must
+    serve the model run in half precision too."""
     if stored.shape != probe.shape:
         return False
     return float((stored - probe).norm()) <= rtol * float(probe.norm()) + 1e-12
@@ -555,7 +557,7 @@ def collect_statistics(arch, sequences: Sequence[Sequence[int]], rope_offset: in
         for layer in range(L):
             q, k, v, k_pre = arch.qkv(layer, hidden, cs)
             qb = arch.rotate(q, None, cs_b, layer=layer).double().reshape(hkv, g * t, d)
-            hsum[layer] += torch.matmul(qb.transpose(1, 2), qb)
+            hsum[layer] += torch.matmul(qb.transpose(1, 2), qb).cpu()  # hsum stays on the CPU
             keys[layer].append(k_pre.float().cpu())
             if layer < L - 1:
                 hidden = arch.attend(layer, hidden, q, k, v, arch.windowed(layer, mask, pos, pos))

@@ -52,7 +52,10 @@ def resolve_policy(policy, policy_params: dict | None, flat: dict[str, Any], rag
         raise ValueError(f"{owner} got unknown option(s) {unknown}: neither an option of {owner} nor a "
                          f"parameter of policy {policy!r} (its parameters: {sorted(names) or 'none'})")
     params.update(flat)
-    get_policy(policy, **params)  # fail now, with the registry's message, on a bad value
+    pol = get_policy(policy, **params)  # fail now, with the registry's message, on a bad value
+    arch = getattr(rag, "arch", None)
+    if arch is not None:
+        pol.check_model(arch)  # and on a policy the wrapped model cannot run (a2ats, no codebook)
     return policy, params
 
 
@@ -93,9 +96,18 @@ def call_options(defaults: dict[str, Any], policy_params: dict[str, Any], kwargs
             params[k] = v
         else:
             log.debug("%s: ignoring unsupported option %r", owner, k)
-    if opts.get("stop") is None:
-        opts["stop"] = []
+    opts["stop"] = stop_list(opts.get("stop"))
     return {**opts, **params}
+
+
+def stop_list(stop) -> list:
+    """Stop strings as a list: None -> [], one string -> [it] (``list("Paris")`` would stop at
+    any of its letters), any other iterable -> its items (checked by ``Sampling``)."""
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        return [stop]
+    return list(stop)
 
 
 @contextlib.contextmanager

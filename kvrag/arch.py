@@ -59,6 +59,9 @@ class Arch:
         self.rope_gain = float(getattr(self.body.rotary_emb, "attention_scaling", 1.0) or 1.0)
         # LongRoPE and dynamic NTK choose their frequencies from the sequence length (cos_sin).
         self.length_dependent_rope = getattr(self.body.rotary_emb, "rope_type", "default") in ("longrope", "dynamic")
+        # Masked attention with grouped-query heads (see ``_sdpa``): None = expand K/V only on
+        # CUDA; True/False force it (tests check the expanded path on the CPU).
+        self.expand_kv_for_masks: bool | None = None
 
     def _sliding_window(self, attn) -> int | None:
         """Keys a query of this layer sees (itself included), or None for full attention.
@@ -231,8 +234,18 @@ class Arch:
     def _sdpa(self, q, keys, values, mask, causal=False) -> torch.Tensor:
         """q [H, A, D], keys/values [Hkv, N, D], mask bool [A, N], [H, A, N] (per query head)
         or None -> [A, H*D]."""
+        gqa = self.n_heads != self.n_kv_heads
         if mask is not None:
             mask = mask.unsqueeze(0) if mask.dim() == 3 else mask.unsqueeze(0).unsqueeze(0)
+            expand = self.expand_kv_for_masks
+            if gqa and (q.is_cuda if expand is None else expand):
+                # On CUDA the flash kernel takes no mask and the memory-efficient one no GQA,
+                # so a masked GQA call falls back to the math kernel, which materialises the
+                # float32 scores [H, A, N] (GBs for a long chunk). K/V expanded to every query
+                # head keep the memory-efficient kernel (transformers' SDPA does the same).
+                group = self.n_heads // self.n_kv_heads
+                keys, values = keys.repeat_interleave(group, 0), values.repeat_interleave(group, 0)
+                gqa = False
         out = F.scaled_dot_product_attention(
             q.unsqueeze(0),
             keys.unsqueeze(0).to(q.dtype),
@@ -240,7 +253,7 @@ class Arch:
             attn_mask=mask,
             is_causal=causal and mask is None,
             scale=self.scaling,
-            enable_gqa=self.n_heads != self.n_kv_heads,
+            enable_gqa=gqa,
         )[0]
         return out.transpose(0, 1).reshape(q.shape[1], -1)
 
@@ -256,12 +269,15 @@ class Arch:
         n_groups = max(1, min(self.ATTN_GROUPS, a // self.MIN_GROUP_ROWS))
         if n_groups == 1:
             return self._sdpa(q, keys, values, mask)
-        bounds = torch.linspace(0, a, n_groups + 1).round().long().tolist()
+        bounds = torch.linspace(0, a, n_groups + 1).round().long()
+        # One host read for all groups (each int() of a CUDA tensor would be a sync).
+        limits = key_limits[(bounds[1:] - 1).clamp_min(0).to(key_limits.device)].tolist()
+        bounds = bounds.tolist()
         outs = []
-        for lo, hi in zip(bounds[:-1], bounds[1:]):
+        for lo, hi, lim in zip(bounds[:-1], bounds[1:], limits):
             if hi <= lo:
                 continue
-            kmax = max(1, int(key_limits[hi - 1]))
+            kmax = max(1, int(lim))
             outs.append(self._sdpa(q[:, lo:hi], keys[:, :kmax], values[:, :kmax], mask[lo:hi, :kmax]))
         return torch.cat(outs)
 
@@ -271,8 +287,10 @@ class Arch:
         Policies that score tokens by attention (A3, SamKV) use this explicitly, since the
         fused SDPA kernel does not return weights."""
         group = self.n_heads // self.n_kv_heads
-        k = keys.to(q.dtype).repeat_interleave(group, dim=0)
-        scores = torch.matmul(q, k.transpose(-1, -2)) * self.scaling
+        # float32 scores: half-precision ones would round (bf16) or overflow (fp16) the
+        # rankings the policies take from them.
+        k = keys.float().repeat_interleave(group, dim=0)
+        scores = torch.matmul(q.float(), k.transpose(-1, -2)) * self.scaling
         if mask is not None:
             scores = scores.masked_fill(~mask.unsqueeze(0), float("-inf"))
         return torch.softmax(scores.float(), dim=-1)

@@ -106,7 +106,8 @@ class KVRag:
     the default reuse policy (overridable per call). storage_dtype: dtype of stored K/V.
     size_limit: bytes of the store's blob cache, recorded in the store; None keeps the limit
     the store already has (16 GiB for a new one).
-    ingest_policies: policies whose per-chunk extras are computed at precompute time.
+    ingest_policies: policies whose per-chunk extras are computed at precompute time (the
+    default ``policy`` is one when it has extras: ``KVRag(policy="a2ats")`` stores A2ATS codes).
     kvlink_adapter: ``"auto"`` or a directory: load the model with a KVLink adapter (trained
     link tokens, maybe a LoRA merged into a copy of the model, with its own fingerprint and
     so its own chunk caches). The default ``"default"`` applies the adapter found for this
@@ -159,6 +160,12 @@ class KVRag:
             else:
                 self.handle = apply_adapter(self.handle, kvlink_adapter)
         self.arch = Arch(self.handle.model)
+        pol.check_model(self.arch)  # e.g. a2ats without a codebook: now, not at the first hit
+        # The default policy's per-chunk extras (A2ATS codes) are computed at precompute time,
+        # with its own configuration (codebook=...): an ingest policy of the same name is it.
+        ingest = [pol if q.name == pol.name else q for q in ingest]
+        if type(pol).chunk_extras is not Policy.chunk_extras and pol not in ingest:
+            ingest.append(pol)
         self.tokenizer = self.handle.tokenizer
         self.anchor = resolve_anchor(self.handle, chunk_anchor)
         # Chunk K/V depend on the anchor they were computed behind: it is part of the cache
@@ -267,6 +274,18 @@ class KVRag:
                 "valid Unicode text; decode its source with errors='replace'") from None
         return text
 
+    def _prefix_for(self, text: str) -> list[int]:
+        """The BOS ids the tokenizer would add before ``text`` (none if it starts with BOS)."""
+        prefix = self.handle.prefix_ids()
+        bos = self.tokenizer.bos_token
+        return [] if bos and text.startswith(bos) else list(prefix)
+
+    def count_tokens(self, prompt: str | Sequence[dict]) -> int:
+        """Tokens the model reads for ``prompt`` (a string, or chat messages rendered with the
+        chat template), as ``generate`` would read them."""
+        text = self.render(prompt)
+        return len(self._prefix_for(text)) + len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
     def _refresh_segmenter(self) -> None:
         # Other processes (or an earlier session) may have added chunks: re-read the store's
         # text index now and then, not on every query (it is a disk read).
@@ -290,9 +309,8 @@ class KVRag:
         sequence from the tokenizer's."""
         stats = FusionStats()
         pieces: list[Piece] = []
-        prefix = self.handle.prefix_ids()
-        bos = self.tokenizer.bos_token
-        if prefix and not (bos and prompt.startswith(bos)):
+        prefix = self._prefix_for(prompt)
+        if prefix:
             pieces.append(Piece(torch.tensor(prefix, dtype=torch.long)))
         enc = self.tokenizer(prompt, add_special_tokens=False, return_offsets_mapping=True)
         ids, offsets = list(enc["input_ids"]), [tuple(o) for o in enc["offset_mapping"]]
@@ -305,6 +323,12 @@ class KVRag:
                 start, end = pos, pos + len(seg.text)
                 pos = end
                 if seg.key is None:
+                    continue
+                first = bisect.bisect_left(starts, start, lo=tok)
+                if first >= len(ids) or offsets[first][1] > end:
+                    # No prompt token lies inside it (a short chunk text found inside a word):
+                    # nothing can be reused, so its entry is not even read from disk.
+                    stats.chunks_unaligned += 1
                     continue
                 entry = self.store.get(seg.key, self.fingerprint)
                 if entry is None:
@@ -386,6 +410,8 @@ class KVRag:
         stats.chunks_unaligned = seg_stats.chunks_unaligned
         stats.bytes_loaded = seg_stats.bytes_loaded
         stats.load_s = t_load - t0
+        if logits.is_cuda:  # kernels run asynchronously: wait for the logits before the clock
+            torch.cuda.synchronize(logits.device)
         stats.prefill_s = time.perf_counter() - t_load
         return logits, stepper, stats, prompt_ids, t0
 

@@ -400,12 +400,14 @@ def prompt_pieces(handle: ModelHandle, prompt: str, documents: Sequence[str]) ->
 
 
 def rag_prompt(handle: ModelHandle, passages: Sequence[str], question: str) -> str:
-    """kvrag's RAG chat prompt (``kvrag.prompt.rag_messages``) rendered with the chat template;
-    the same layout the demo and the benchmark use, so training matches inference."""
-    from kvrag.prompt import rag_messages
+    """kvrag's RAG prompt (``kvrag.prompt.rag_prompt``: chat messages rendered with the chat
+    template, plain text without one); the same layout the demo and the benchmark use, so
+    training matches inference."""
+    from kvrag.prompt import rag_prompt as layout
     from kvrag.segment import render_messages
 
-    return render_messages(handle.tokenizer, rag_messages(list(passages), question))
+    prompt = layout(handle.tokenizer, list(passages), question)
+    return prompt if isinstance(prompt, str) else render_messages(handle.tokenizer, prompt)
 
 
 def answer_ids(handle: ModelHandle, answer: str) -> list[int]:

@@ -109,12 +109,13 @@ def file_digest(path: str | os.PathLike, cache_dir: str | os.PathLike | None = N
     """sha256 hex of a file's bytes, memoized in ``<cache_dir>/digests.json``.
 
     Hashing multi-GB weights on every load would cost seconds to minutes, so the digest is
-    remembered under (absolute path, size, mtime_ns): editing or replacing the file changes
-    the key and forces a re-hash. A lost update from two concurrent writers only costs a
-    re-hash later, never a wrong digest."""
+    remembered under (absolute path, size, mtime_ns, inode, ctime_ns): editing or replacing
+    the file changes the key and forces a re-hash -- also a copy that keeps size and mtime
+    (``cp -p``, ``rsync -a``), since no user tool can set the inode change time. A lost update
+    from two concurrent writers only costs a re-hash later, never a wrong digest."""
     p = Path(path).resolve()
     st = p.stat()
-    key = f"{p}|{st.st_size}|{st.st_mtime_ns}"
+    key = f"{p}|{st.st_size}|{st.st_mtime_ns}|{st.st_ino}|{st.st_ctime_ns}"
     sidecar = Path(cache_dir) if cache_dir is not None else default_home()
     sidecar = sidecar / "digests.json"
     table: dict[str, str] = {}
@@ -286,14 +287,35 @@ def resolve_device(device: str | torch.device) -> torch.device:
     return dev
 
 
+#: Files one of which a local tokenizer directory holds (fast, SentencePiece, BPE vocab).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+
+
 def _load_hf_dir(directory: Path, dtype: torch.dtype):
     """(model, tokenizer) from a local HF directory, never touching the hub."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+    from kvrag.arch import SUPPORTED_MODEL_TYPES
+
+    # Refusals that need no weights come before loading them (GBs for a real model).
+    try:
+        config = AutoConfig.from_pretrained(str(directory), local_files_only=True)
+    except Exception as e:
+        raise ModelLoadError(f"could not read the model config of {directory}: {e}") from e
+    if config.model_type not in SUPPORTED_MODEL_TYPES:
+        raise ModelLoadError(f"model_type {config.model_type!r} of {directory} is not supported (kvrag handles "
+                             f"Llama-family decoders: {', '.join(SUPPORTED_MODEL_TYPES)})")
+    if not any((directory / f).is_file() for f in TOKENIZER_FILES):
+        raise ModelLoadError(f"no tokenizer files in {directory} (looked for {', '.join(TOKENIZER_FILES)}); "
+                             "save the model's tokenizer there with tokenizer.save_pretrained(DIR)")
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
     except Exception as e:
         raise ModelLoadError(f"could not load the tokenizer from {directory}: {e}") from e
+    vocab = getattr(config, "vocab_size", None)
+    if isinstance(vocab, int) and len(tokenizer) > vocab:
+        raise ModelLoadError(f"tokenizer has {len(tokenizer)} tokens but the model's vocabulary is {vocab}: "
+                             "they do not belong together")
     try:
         model = AutoModelForCausalLM.from_pretrained(
             str(directory), local_files_only=True, dtype=dtype, attn_implementation="sdpa"
@@ -311,6 +333,18 @@ def _conversion_dir(root: Path, gguf_sha: str) -> Path:
 
 def _is_complete_conversion(d: Path) -> bool:
     return (d / _CONVERSION_MARKER).is_file() and (d / "config.json").is_file()
+
+
+def _gguf_architecture(gguf: Path) -> str | None:
+    """``general.architecture`` from the GGUF header (None if it cannot be read: transformers
+    then reports the file)."""
+    try:
+        from gguf import GGUFReader
+
+        field = GGUFReader(str(gguf)).fields.get("general.architecture")
+        return None if field is None else bytes(field.parts[field.data[0]]).decode("utf-8")
+    except Exception:  # noqa: BLE001 - a damaged or fake file: the real reader names the problem
+        return None
 
 
 def convert_gguf(gguf: Path, target: Path, gguf_sha: str) -> None:
@@ -331,6 +365,13 @@ def convert_gguf(gguf: Path, target: Path, gguf_sha: str) -> None:
             f"cannot store the conversion of {gguf} under {target.parent}: {e.strerror or e}; kvrag's cache dir "
             "($KVRAG_HOME, or --cache-dir / cache_dir=) must be a writable directory"
         ) from None
+    from kvrag.arch import SUPPORTED_MODEL_TYPES
+
+    # GGUF architecture names are the model types (a Mistral GGUF says "llama").
+    arch = _gguf_architecture(gguf)
+    if arch is not None and arch not in SUPPORTED_MODEL_TYPES:
+        raise ModelLoadError(f"GGUF file {gguf} holds a {arch!r} model, which kvrag does not support "
+                             f"(Llama-family decoders: {', '.join(SUPPORTED_MODEL_TYPES)})")
     # A process killed mid-conversion leaves a ~0.5 GB temp dir behind; one older than an
     # hour cannot belong to a live conversion (it takes seconds), so reclaim it.
     for stale in target.parent.glob(f".tmp-{target.name}-*"):
@@ -618,10 +659,26 @@ class ModelHandle:
             "head_dim": a["head_dim"],
             "vocab_size": a["vocab_size"],
             "max_context": self.max_context,
+            **self._attention_summary(),
             "dtype": str(self.dtype).removeprefix("torch."),
             "device": str(self.device),
             "fingerprint": self.fingerprint,
             "kv_bytes_per_token": self.kv_bytes_per_token(),
+        }
+
+    def _attention_summary(self) -> dict[str, Any]:
+        """What kvrag's layer step honours per layer: RoPE type, sliding windows, NoPE layers."""
+        from kvrag.arch import Arch
+
+        arch = Arch(self.model)
+        windowed = {}
+        for i, w in enumerate(arch.windows):
+            if w:
+                windowed.setdefault(w, []).append(i)
+        return {
+            "rope_type": getattr(arch.body.rotary_emb, "rope_type", "default"),
+            "sliding_windows": {str(w): layers for w, layers in windowed.items()},
+            "nope_layers": [i for i, r in enumerate(arch.rope_layers) if not r],
         }
 
     def __repr__(self) -> str:

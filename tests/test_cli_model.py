@@ -66,6 +66,21 @@ def test_model_info_on_default_model(capsys):
     assert lines["model"].strip() == handle.source
     assert lines["layers"].strip() == "30"
     assert lines["KV bytes/token"].split()[0] == "46080"  # 2 x 30 x 3 x 64 x 4 bytes (SmolLM2, fp32)
+    assert lines["attention"].strip() == "RoPE default, full attention on every layer"
+
+
+def test_model_info_shows_windows_and_nope_layers(capsys):
+    from kvrag.cli.model import _attention
+
+    for model_type, extra, expect in [
+        ("qwen2", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 2},
+         "sliding window 8 on layers 2-3"),
+        ("smollm3", {}, "no RoPE on layers 3"),
+    ]:
+        from kvrag.testing import tiny_llama
+
+        d = tiny_llama(model_type=model_type, num_hidden_layers=4, **extra).describe()
+        assert expect in _attention(d), (model_type, _attention(d))
 
 
 # ---- bad input: one line on stderr, exit code 2, before any model load ------------------------

@@ -112,6 +112,20 @@ def test_every_policy_reads_the_tokenizers_own_ids_of_the_prompt(rag, handle):
         assert out.stats.cached_tokens == sum(len(rag.chunk_ids(d)) for d in DOCS)
 
 
+def test_a_short_chunk_inside_words_is_not_loaded(rag, handle, monkeypatch):
+    """A one-word chunk found inside longer words ("fox" in "foxes") holds no whole prompt
+    token: it is counted as unaligned without reading its entry from disk; found as a word
+    of its own it is served."""
+    rag.precompute(["fox", DOCS[1]])
+    reads = []
+    get = rag.store.get
+    monkeypatch.setattr(rag.store, "get", lambda key, fp: reads.append(key) or get(key, fp))
+    out = rag.generate("Foxes: the foxes and " + DOCS[1] + "\nQ: ok?", policy="naive_reuse", max_new_tokens=1)
+    assert out.stats.chunks_hit == 1 and out.stats.chunks_unaligned == 1 and len(reads) == 1
+    out = rag.generate("A word:\nfox\n" + DOCS[1], policy="naive_reuse", max_new_tokens=1)
+    assert out.stats.chunks_hit == 2 and out.stats.chunks_unaligned == 0
+
+
 def test_chunk_edges_the_prompt_tokenizes_otherwise_are_computed(rag, handle):
     """A chunk whose first token merges with a preceding space, or whose last merges with the
     line break after it, is reused for the tokens both tokenizations share; its edge tokens

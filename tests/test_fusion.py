@@ -1,4 +1,6 @@
 """Fusion-engine invariants on tiny random-weight models of every supported family."""
+from unittest.mock import patch
+
 import pytest
 import torch
 
@@ -223,6 +225,40 @@ def test_grouped_partial_attention_equals_one_masked_call(policy):
     torch.testing.assert_close(grouped.logits, single.logits, atol=1e-5, rtol=1e-5)
     for kg, ks in zip(grouped.K, single.K):
         torch.testing.assert_close(kg, ks, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("ratio", [0.5, 1.0])
+def test_masked_attention_with_kv_expanded_per_query_head_is_the_same(ratio):
+    """On CUDA a masked attention with grouped-query heads expands K/V to every query head
+    (else SDPA falls back to its math kernel); forced here on the CPU, the chunk K/V, the
+    fused prefill and the scores must be what the GQA call gives."""
+    arch = Arch(tiny("llama"))
+    assert arch.n_heads != arch.n_kv_heads and arch.expand_kv_for_masks is None
+    g = torch.Generator().manual_seed(12)
+    segs = [(rand_ids(8, g), False), (rand_ids(150, g), True), (rand_ids(150, g), True), (rand_ids(12, g), False)]
+    layout = Layout.build(pieces_for(arch, segs))
+    pol = get_policy("cacheblend", recompute_ratio=ratio)
+    chunks = [rand_ids(20, g), rand_ids(30, g)]
+    ref, ref_kv = FusionEngine(arch).prefill(layout, pol), compute_chunk_kv(arch, chunks)
+    arch.expand_kv_for_masks = True
+    calls = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(q, k, v, attn_mask=None, **kw):
+        calls.append((attn_mask is not None, kw["enable_gqa"], k.shape[1]))
+        return sdpa(q, k, v, attn_mask=attn_mask, **kw)
+
+    with patch("kvrag.arch.F.scaled_dot_product_attention", spy):
+        out, kv = FusionEngine(arch).prefill(layout, pol), compute_chunk_kv(arch, chunks)
+    # Every masked call ran on K/V with one head per query head, without enable_gqa.
+    masked = [c for c in calls if c[0]]
+    assert masked and all(not gqa and heads == arch.n_heads for _, gqa, heads in masked)
+    torch.testing.assert_close(out.logits, ref.logits, atol=1e-5, rtol=1e-5)
+    for ko, kr in zip(out.K, ref.K):
+        torch.testing.assert_close(ko, kr, atol=1e-5, rtol=1e-5)
+    for (k1, v1), (k2, v2) in zip(kv, ref_kv):
+        torch.testing.assert_close(k1, k2, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(v1, v2, atol=1e-5, rtol=1e-5)
 
 
 def test_decode_cache_holds_the_fused_kv_without_copying_and_continues_exactly():

@@ -194,6 +194,45 @@ def test_async_update_and_detach(tmp_path, embed, llm):
     assert llm.precomputer.progress().submitted == 2
 
 
+def test_in_memory_store_add_documents_schedules_each_text_once(embed, llm):
+    """LangChain's InMemoryVectorStore has its own add_documents / aadd_documents (not going
+    through add_texts) and its add_texts calls add_documents: every path schedules, once."""
+    from langchain_core.vectorstores import InMemoryVectorStore
+
+    store = precompute_on_add(InMemoryVectorStore(embed), llm)
+    store.add_documents([Document(page_content=TEXTS[0])])
+    asyncio.run(store.aadd_documents([Document(page_content=TEXTS[1])]))
+    store.add_texts(iter([TEXTS[2]]))  # a one-shot iterable reaches the store whole
+    asyncio.run(store.aadd_texts([TEXTS[3]]))
+    assert llm.precomputer.wait_until_idle(timeout=120)
+    assert all(llm.rag.is_cached(t) for t in TEXTS)
+    assert llm.precomputer.progress().submitted == 4
+    assert sorted(d.page_content for d in store.similarity_search(QUESTION, k=4)) == sorted(TEXTS)
+
+
+def test_stop_given_as_one_string_is_one_stop_string(llm):
+    """``stop="ab"`` is the string "ab", not the letters "a" and "b" (``list("ab")``)."""
+    full = llm.invoke("Hi", max_new_tokens=8).content
+    assert len(full) >= 4
+    word = full[1:4]  # a stop string whose letters occur earlier than it does
+    assert full.index(word) == 1
+    expect = llm.invoke("Hi", max_new_tokens=8, stop=[word]).content
+    assert expect == full[:1]
+    assert llm.invoke("Hi", max_new_tokens=8, stop=word).content == expect
+    assert llm.bind(stop=word).invoke("Hi", max_new_tokens=8).content == expect
+    assert ChatKVRag(rag=llm.rag, stop=[word], max_new_tokens=8).invoke("Hi").content == expect
+
+
+def test_token_counts_are_the_models(llm):
+    tok = llm.rag.tokenizer
+    text = "The red fox lives in the northern forest."
+    assert llm.get_token_ids(text) == tok.encode(text, add_special_tokens=False)
+    assert llm.get_num_tokens(text) == len(tok.encode(text, add_special_tokens=False)) > 0
+    msgs = [SystemMessage(content="Be brief."), HumanMessage(content=text)]
+    llm.invoke(msgs)
+    assert llm.get_num_tokens_from_messages(msgs) == llm.last_stats.prompt_tokens
+
+
 def test_hooks_outlive_a_shut_down_precomputer(tmp_path, embed, llm):
     store = precompute_on_add(chroma(tmp_path, embed), llm)
     warm = KVWarmingRetriever(store.as_retriever(search_kwargs={"k": 1}), llm)

@@ -291,6 +291,29 @@ def test_unwritable_store_is_a_clear_error_and_nothing_is_lost(tmp_path, embed, 
     assert llm.last_stats.chunks_hit == 2
 
 
+def test_prompts_are_sized_with_the_models_tokenizer(handle, tmp_path, monkeypatch):
+    """LlamaIndex packs nodes into ``context_window`` tokens counted by its global tokenizer
+    (tiktoken): KVRagLLM makes it the model's own, unless the user chose one."""
+    import llama_index.core as core
+    from llama_index.core import Settings
+    from llama_index.llms.kvrag import base
+
+    monkeypatch.setattr(core, "global_tokenizer", None)
+    monkeypatch.setattr(base, "_installed_tokenizer", None)
+    text = "Mount Kelvar is the tallest peak of the Arden range, at 4,210 metres."
+    rag = KVRag(handle, cache_dir=tmp_path / "kv")
+    KVRagLLM(rag, set_tokenizer=False)
+    assert core.global_tokenizer is None
+    tiktoken_count = len(Settings.tokenizer(text))  # installs LlamaIndex's lazy default
+    assert core.global_tokenizer is not None and tiktoken_count != len(handle.encode(text))
+    KVRagLLM(rag)
+    assert Settings.tokenizer(text) == handle.encode(text)
+    mine = str.split
+    Settings.tokenizer = mine
+    KVRagLLM(rag)
+    assert core.global_tokenizer is mine
+
+
 def test_api_misuse_is_reported(llm):
     with pytest.raises(TypeError, match="needs a target"):
         KVPrecompute()

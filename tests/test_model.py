@@ -2,6 +2,7 @@
 import importlib.util
 import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -167,6 +168,29 @@ def test_hf_directory_round_trip(tmp_path, monkeypatch):
     assert len(calls) == n + 1
 
 
+def test_weights_replaced_with_size_and_mtime_kept_are_rehashed(tmp_path):
+    """``cp -p`` / ``rsync -a`` of another checkpoint of the same shapes keeps the size and
+    the mtime: the digest memo must still see a new file (and so a new fingerprint)."""
+    dirs = []
+    for seed in (0, 1):
+        h = tiny_llama(seed=seed)
+        d = tmp_path / f"m{seed}"
+        h.model.save_pretrained(d)
+        h.tokenizer.save_pretrained(d)
+        dirs.append(d)
+    home = tmp_path / "home"
+    first = ModelHandle.load(dirs[0], cache_dir=home).fingerprint
+    target, other = dirs[0] / "model.safetensors", dirs[1] / "model.safetensors"
+    st = os.stat(target)
+    assert os.stat(other).st_size == st.st_size
+    tmp = dirs[0] / "incoming"
+    shutil.copyfile(other, tmp)
+    os.replace(tmp, target)  # as an atomic copy tool does
+    os.utime(target, ns=(st.st_atime_ns, st.st_mtime_ns))
+    again = ModelHandle.load(dirs[0], cache_dir=home).fingerprint
+    assert again != first and again == ModelHandle.load(dirs[1], cache_dir=home).fingerprint
+
+
 def test_hf_directory_weights_change_fingerprint(tmp_path):
     dirs = []
     for seed in (0, 1):
@@ -287,3 +311,55 @@ def test_from_objects_rejects_mismatches():
     gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=49152))
     with pytest.raises(ModelLoadError, match="'gpt2'.*not supported"):
         ModelHandle.from_objects(gpt2, smollm2_tokenizer())
+
+
+def test_directory_refusals_come_before_the_weights_load(tmp_path, monkeypatch):
+    """An unsupported architecture, a directory without tokenizer files and a tokenizer larger
+    than the model's vocabulary are named from config.json and the tokenizer files alone."""
+    import transformers
+
+    def no_weights(*a, **k):
+        raise AssertionError("weights loaded")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", no_weights)
+    from safetensors.torch import save_file
+
+    def weights(d):  # a weight file to hash (never loaded here)
+        save_file({"w": torch.zeros(2)}, str(d / "model.safetensors"))
+
+    tok = smollm2_tokenizer()
+    gpt2 = tmp_path / "gpt2"
+    transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=49152).save_pretrained(gpt2)
+    tok.save_pretrained(gpt2)
+    weights(gpt2)
+    with pytest.raises(ModelLoadError, match="'gpt2'.*not supported"):
+        ModelHandle.load(gpt2, cache_dir=tmp_path / "home")
+    bare = tmp_path / "bare"
+    cfg = transformers.LlamaConfig(vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                   num_attention_heads=2)
+    cfg.save_pretrained(bare)
+    weights(bare)
+    with pytest.raises(ModelLoadError, match="no tokenizer files in .*tokenizer.save_pretrained"):
+        ModelHandle.load(bare, cache_dir=tmp_path / "home")
+    small = tmp_path / "small"
+    transformers.LlamaConfig(vocab_size=1000, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                             num_attention_heads=2).save_pretrained(small)
+    tok.save_pretrained(small)
+    weights(small)
+    with pytest.raises(ModelLoadError, match="tokenizer has 49152 tokens"):
+        ModelHandle.load(small, cache_dir=tmp_path / "home")
+
+
+def test_gguf_of_another_architecture_is_refused_before_converting(tmp_path):
+    import gguf
+
+    path = tmp_path / "gpt2.gguf"
+    w = gguf.GGUFWriter(str(path), "gpt2")
+    w.add_block_count(1)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ModelLoadError, match="holds a 'gpt2' model"):
+        ModelHandle.load(path, cache_dir=tmp_path / "home")
+    assert not list((tmp_path / "home" / "models").glob("*"))  # nothing converted or left behind

@@ -135,6 +135,19 @@ def test_calibrate_tiny_model_shapes_and_reload_by_fingerprint(tiny_handle, tmp_
         get_policy("a2ats", codebook=str(path)).codebooks(other.arch)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_codebook_probe_matches_the_same_model_in_half_precision(dtype):
+    """A codebook fitted in float32 serves the same weights run in half precision (its probe
+    keys differ by rounding only), and never another model."""
+    fp32 = cal.model_probe(tiny_llama(seed=0).arch)
+    half = tiny_llama(seed=0)
+    half.model.to(dtype)
+    probe = cal.model_probe(half.arch)
+    assert not torch.equal(probe, fp32)  # rounding did change the keys
+    assert cal.probe_matches(fp32, probe) and cal.probe_matches(probe, fp32)
+    assert not cal.probe_matches(fp32, cal.model_probe(tiny_llama(seed=1).arch))
+
+
 def test_broken_codebook_file_is_a_clear_error(tmp_path):
     bad = tmp_path / "bad.safetensors"
     bad.write_bytes(b"not a safetensors file")
@@ -343,6 +356,26 @@ DOCS = [
 ]
 
 
+def test_kvrag_for_a2ats_checks_its_codebook_up_front_and_stores_codes_with_it(tiny_handle, tmp_path, monkeypatch):
+    """KVRag(policy="a2ats") without a codebook fails at construction (not once chunks are
+    cached and the first prompt hits them); with codebook=PATH, its chunk codes are stored
+    at precompute by that configured policy, with no ingest_policies given."""
+    from kvrag.engine import KVRag
+
+    monkeypatch.setenv("KVRAG_HOME", str(tmp_path / "home"))  # no codebook to find
+    with pytest.raises(cal.CodebookError, match="kvrag calibrate a2ats"):
+        KVRag(tiny_handle, cache_dir=tmp_path / "kv", policy="a2ats")
+    _, path = cal.calibrate(tiny_handle, texts=DOCS * 4, n_tokens=400, n_codes=16, iters=2, seq_len=128,
+                            out=tmp_path / "books.safetensors")
+    rag = KVRag(tiny_handle, cache_dir=tmp_path / "kv", policy="a2ats", codebook=str(path), **SMALL)
+    assert rag.ingest_policies == [rag.policy]
+    keys = rag.precompute(DOCS)
+    assert all("a2ats.codes" in rag.store.get(k, rag.fingerprint).extras for k in keys)
+    prompt = "Answer from the passages.\n\n" + "\n\n".join(DOCS) + "\n\nQuestion: Where does the fox live?\nAnswer:"
+    out = rag.generate(prompt, max_new_tokens=2)
+    assert out.stats.chunks_hit == 3 and out.stats.policy_stats["a2ats.codes_reused"] == out.stats.cached_tokens
+
+
 def test_kvrag_precompute_stores_codes_and_decode_reports_bytes(tiny_handle, tmp_path, monkeypatch):
     from kvrag.engine import KVRag
 
@@ -426,10 +459,13 @@ def test_real_model_a2ats(tmp_path, monkeypatch):
     from kvrag.engine import KVRag
 
     monkeypatch.setenv("KVRAG_HOME", str(tmp_path))
-    rag = KVRag(cache_dir=tmp_path / "kv", policy="a2ats", ingest_policies=["a2ats"], window=16)
+    from kvrag.model import ModelHandle
+
+    handle = ModelHandle.load()
     # A small, fast calibration (the CLI default is 8192 tokens x 512 codes).
-    cb, _ = cal.calibrate(rag.handle, n_tokens=2048, n_codes=128, iters=3)
+    cb, _ = cal.calibrate(handle, n_tokens=2048, n_codes=128, iters=3)
     assert cb.codebook.shape == (30, 3, 128, 64)
+    rag = KVRag(handle, cache_dir=tmp_path / "kv", policy="a2ats", window=16)  # stores codes (its own extras)
     rag.precompute(PASSAGES)
     messages = [
         {"role": "system", "content": "Answer the question using the passages. Be brief."},

@@ -106,7 +106,8 @@ def mean_logprob(logits: torch.Tensor, token_ids: Sequence[int]) -> float:
     if ids.numel() == 0:
         raise ValueError("mean_logprob: empty continuation")
     _check_rows(logits, ids.numel(), "mean_logprob")
-    logp = torch.log_softmax(logits[: ids.numel()].double(), dim=-1)
+    # On the CPU: the logits may come from a CUDA model, the ids are a CPU tensor.
+    logp = torch.log_softmax(logits[: ids.numel()].detach().cpu().double(), dim=-1)
     return float(logp.gather(1, ids.unsqueeze(1)).mean())
 
 
@@ -122,8 +123,8 @@ def next_token_agreement(reference: torch.Tensor, logits: torch.Tensor, position
     _check_rows(logits, n, "next_token_agreement (policy)")
     if reference.shape[1] != logits.shape[1]:
         raise ValueError(f"vocabulary mismatch: reference has {reference.shape[1]} logits, policy {logits.shape[1]}")
-    ref = torch.log_softmax(reference[:n].double(), dim=-1)
-    pol = torch.log_softmax(logits[:n].double(), dim=-1)
+    ref = torch.log_softmax(reference[:n].detach().cpu().double(), dim=-1)
+    pol = torch.log_softmax(logits[:n].detach().cpu().double(), dim=-1)
     top1 = float((ref.argmax(-1) == pol.argmax(-1)).double().mean())
     kl = torch.nn.functional.kl_div(pol, ref, log_target=True, reduction="none").sum(-1)
     return top1, float(kl.mean().clamp_min(0.0))

@@ -11,7 +11,8 @@ Scenarios (each one a list of records, one per example x policy):
 * ``sweep``: quality vs recompute ratio, for the policies that have a ``recompute_ratio``.
 
 The prompt is CacheBlend's (fixed instruction, passages, question) as chat messages
-(:func:`kvrag.prompt.rag_messages`), rendered with the model's chat template; every passage is
+(:func:`kvrag.prompt.rag_prompt`), rendered with the model's chat template (plain text for a
+model without one); every passage is
 precomputed as one chunk and appears verbatim in the prompt. Precompute is never part of TTFT
 (its throughput is reported on its own). TTFT ratios are computed per example, within the run.
 """
@@ -428,7 +429,7 @@ class Bench:
                                    count_tokens=lambda s: len(rag.handle.encode(s)))
         answered = 0
         for i, ex in enumerate(examples_from_items(items, source="check"), 1):
-            out = rag.generate(self.messages(ex), policy=REFERENCE, max_new_tokens=cfg.max_new_tokens, stop=STOP)
+            out = rag.generate(self.messages(ex, rag), policy=REFERENCE, max_new_tokens=cfg.max_new_tokens, stop=STOP)
             answer = out.text.strip()
             answered += bool(M.best_acc(answer, ex.answers) or M.best_em(answer, ex.answers))
             if i % 8 == 0 or i == len(items):
@@ -437,10 +438,12 @@ class Bench:
                       "passages": cfg.synthetic_passages, "passage_tokens": cfg.synthetic_passage_tokens}
 
     # -- one prompt --
-    def messages(self, ex: Example) -> list[dict]:
-        from kvrag.prompt import rag_messages
+    def messages(self, ex: Example, rag) -> list[dict] | str:
+        """The example's RAG prompt (``kvrag.prompt.rag_prompt``: chat messages, or plain text
+        for a model without a chat template)."""
+        from kvrag.prompt import rag_prompt
 
-        return rag_messages(ex.passages, ex.question)
+        return rag_prompt(rag.tokenizer, ex.passages, ex.question)
 
     def precompute(self, rag, texts: list[str], scenario: str, runs: list[Run] | None = None) -> None:
         """Precompute ``texts`` on every KVRag that ``runs`` (default: all) are measured on."""
@@ -473,7 +476,7 @@ class Bench:
     def time_policies(self, rag, scenario, dataset, ex: Example, runs: list[Run], index: int,
                       repeats: int, max_new: int) -> dict[str, dict]:
         """Timed, interleaved runs of every policy on one example: {label: record}."""
-        msgs = self.messages(ex)
+        msgs = self.messages(ex, rag)
         recs = {r.label: self._base_record(scenario, dataset, ex, r) for r in runs}
         ttfts: dict[str, list[float]] = {r.label: [] for r in runs}
         for rnd in range(repeats):
@@ -540,7 +543,7 @@ class Bench:
         fp = recs.get(REFERENCE)
         if fp is None or fp["error"]:
             return
-        msgs = self.messages(ex)
+        msgs = self.messages(ex, rag)
         gold_ids = rag.handle.encode(ex.answers[0])
         # Rows 0..n-1 of continuation_logits predict the reference answer's tokens 0..n-1.
         ans_ids = fp["answer_token_ids"][: self.cfg.kl_positions]
@@ -655,7 +658,7 @@ class Bench:
         self.precompute_log = [p for p in self.precompute_log if p["scenario"] != "warmup"]
         for run in self.runs:
             try:
-                self.rag_for(run, rag).generate(self.messages(short), policy=run.policy, max_new_tokens=2, stop=STOP,
+                self.rag_for(run, rag).generate(self.messages(short, rag), policy=run.policy, max_new_tokens=2, stop=STOP,
                                                 **run.params)
             except Exception as e:  # noqa: BLE001 - the timed run records it
                 log.debug("warm-up of %s failed: %s", run.label, e)

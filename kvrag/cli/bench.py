@@ -250,4 +250,10 @@ def run(args) -> int:
             f"(measured {t['measured'] if t['measured'] is None else round(t['measured'], 3)})")
     say(f"\n{len(result['records'])} records in {time.strftime('%M:%S', time.gmtime(result['meta']['wall_s']))} "
         f"-> {cfg.out}/results.json; report {report}")
+    failed = [r for r in result["records"] if r.get("error")]
+    if failed:
+        # A failing policy is a result (its row says so), but a run where nothing ran is not.
+        say(f"{len(failed)} of {len(result['records'])} runs failed, e.g. {failed[0]['label']}: {failed[0]['error']}")
+        if len(failed) == len(result["records"]):
+            return 1
     return 0

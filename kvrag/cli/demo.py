@@ -93,7 +93,7 @@ def run(args) -> int:
 
 def _run(args, corpus: dict, policies: list[str], cache_dir: str) -> int:
     from kvrag.engine import KVRag
-    from kvrag.prompt import DEFAULT_INSTRUCTION, rag_messages
+    from kvrag.prompt import DEFAULT_INSTRUCTION, rag_prompt
 
     print("loading model ...", flush=True)
     rag = KVRag(args.model, cache_dir=cache_dir)
@@ -114,10 +114,10 @@ def _run(args, corpus: dict, policies: list[str], cache_dir: str) -> int:
     print(f"ingested {len(docs)} documents ({n_tok} tokens) in {time.perf_counter() - t0:.1f}s\n")
     # Warm-up: the first call pays one-off costs (allocations, kernels) for every policy alike.
     for pol, r in rags.items():
-        r.generate(rag_messages(docs, "warm-up", instruction), policy=pol, max_new_tokens=1)
+        r.generate(rag_prompt(rag.tokenizer, docs, "warm-up", instruction), policy=pol, max_new_tokens=1)
     ttft = {p: [] for p in policies}
     for q in corpus["questions"]:
-        msgs = rag_messages(docs, q, instruction)
+        msgs = rag_prompt(rag.tokenizer, docs, q, instruction)
         print(f"Q: {q}")
         for pol in policies:
             out = rags[pol].generate(msgs, policy=pol, max_new_tokens=args.max_new_tokens, stop=["\n"])

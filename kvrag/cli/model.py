@@ -21,6 +21,26 @@ def register(subparsers) -> None:
     info.set_defaults(func=_info)
 
 
+def _layers(ids: list[int]) -> str:
+    """[0, 1, 2, 5] -> '0-2, 5'."""
+    runs, start = [], None
+    for i, x in enumerate(ids):
+        if start is None:
+            start = x
+        if i + 1 == len(ids) or ids[i + 1] != x + 1:
+            runs.append(f"{start}-{x}" if x > start else f"{x}")
+            start = None
+    return ", ".join(runs)
+
+
+def _attention(d: dict) -> str:
+    parts = [f"RoPE {d['rope_type']}"]
+    parts += [f"sliding window {w} on layers {_layers(layers)}" for w, layers in d["sliding_windows"].items()]
+    if d["nope_layers"]:
+        parts.append(f"no RoPE on layers {_layers(d['nope_layers'])}")
+    return "; ".join(parts) if len(parts) > 1 else f"{parts[0]}, full attention on every layer"
+
+
 def _info(args: argparse.Namespace) -> int:
     # Imported here so `kvrag --help` stays fast (torch/transformers take seconds to import).
     from kvrag.model import ModelHandle
@@ -40,6 +60,7 @@ def _info(args: argparse.Namespace) -> int:
         ("hidden size", d["hidden_size"]),
         ("vocab size", d["vocab_size"]),
         ("max context", d["max_context"]),
+        ("attention", _attention(d)),
         ("dtype", d["dtype"]),
         ("device", d["device"]),
         ("fingerprint", d["fingerprint"]),

@@ -95,9 +95,14 @@ def run_kvlink(args) -> int:
     handle = ModelHandle.load(args.model, dtype=args.dtype)
     res = train_kvlink(handle, cfg, args.out, command=command_line(), force=args.force,
                        progress=lambda m: print(m, flush=True))
-    first = sum(res.losses[:10]) / min(10, len(res.losses))
-    last = sum(res.losses[-10:]) / min(10, len(res.losses))
-    print(f"loss {first:.4f} (first 10 steps) -> {last:.4f} (last 10); adapter: {res.out}")
+    # Means over the first and last w steps (w <= 10 and at most half the run: never overlapping).
+    n = len(res.losses)
+    w = max(1, min(10, n // 2))
+    if n >= 2:
+        first, last = sum(res.losses[:w]) / w, sum(res.losses[-w:]) / w
+        print(f"loss {first:.4f} (first {w} steps) -> {last:.4f} (last {w}); adapter: {res.out}")
+    else:
+        print(f"loss {res.losses[0]:.4f} (1 step); adapter: {res.out}" if n else f"no step trained; adapter: {res.out}")
     return 0
 
 

@@ -134,6 +134,10 @@ class A2ATS(Policy):
     def insertions(self, layout, arch):
         return self.inner.insertions(layout, arch)
 
+    def check_model(self, arch) -> None:
+        self.codebooks(arch)  # CodebookError naming `kvrag calibrate a2ats` if there is none
+        self.inner.check_model(arch)
+
     def prepare(self, state) -> None:
         # Fail before any layer runs if there is no codebook.
         cb = self.codebooks(state.arch)

@@ -115,11 +115,14 @@ class A3(Policy):
         return int(base * self.params.recompute_ratio)
 
     # ---- hooks -----------------------------------------------------------------------
+    def check_model(self, arch) -> None:
+        L = arch.n_layers
+        if self.params.score_layer >= L:
+            raise ValueError(f"score_layer={self.params.score_layer} but the model has only {L} layers (0..{L - 1})")
+
     def prepare(self, state) -> None:
         p = self.params
-        L = state.arch.n_layers
-        if p.score_layer >= L:
-            raise ValueError(f"score_layer={p.score_layer} but the model has only {L} layers (0..{L - 1})")
+        self.check_model(state.arch)
         if p.evict_budget is not None:
             protected = self.system_prompt(state)
             protected[state.layout.query] = True

@@ -68,6 +68,13 @@ class Policy:
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.params})"
 
+    def check_model(self, arch: "Arch") -> None:
+        """Raise (ValueError, or a KVRagError naming the fix) if this policy cannot run on
+        ``arch``'s model: a layer it names that the model lacks, a per-model artefact it needs.
+        ``prepare`` runs it on every fused prefill; a ``KVRag`` also runs it when it adopts the
+        policy as its default, so a misconfiguration fails at construction rather than at the
+        first prompt with a cached chunk (prompts without one never reach the policy)."""
+
     # ---- ingestion -------------------------------------------------------------------
     def chunk_extras(self, arch: "Arch", keys: torch.Tensor, values: torch.Tensor) -> dict[str, torch.Tensor]:
         """Extra per-chunk tensors to store with the chunk. keys/values: [L, Hkv, T, D]
@@ -81,7 +88,9 @@ class Policy:
         return {}
 
     def prepare(self, state: "FusionState") -> None:
-        """Called once before layer 0; may set ``state.keep`` or stash data in ``state.scratch``."""
+        """Called once before layer 0; may set ``state.keep`` or stash data in ``state.scratch``.
+        The default runs ``check_model``."""
+        self.check_model(state.arch)
 
     def initial_active(self, state: "FusionState") -> torch.Tensor:
         """bool [N]: tokens whose hidden states are computed from layer 0 on. The engine adds

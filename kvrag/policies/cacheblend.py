@@ -44,8 +44,8 @@ class CacheBlend(Policy):
     summary = "recompute the ~15% cached tokens with the largest KV deviation at the check layer(s)"
     Params = CacheBlendParams
 
-    def prepare(self, state) -> None:
-        L = state.arch.n_layers
+    def check_model(self, arch) -> None:
+        L = arch.n_layers
         if self.params.check_layers[-1] >= L:
             raise ValueError(f"check_layers={self.params.check_layers} but the model has only {L} layers (0..{L - 1})")
 

@@ -21,9 +21,12 @@ from langchain_core.messages import (
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
 from pydantic import ConfigDict, Field, PrivateAttr, model_validator
 
-from kvrag.adapters import aiter_in_thread, call_options, foreground, foreground_steps, max_tokens_alias, resolve_policy
+from kvrag.adapters import (
+    aiter_in_thread, call_options, foreground, foreground_steps, max_tokens_alias, resolve_policy, stop_list,
+)
 from kvrag.engine import Generation, KVRag
 from kvrag.precompute import Precomputer
+from kvrag.prompt import has_chat_template, plain_chat_prompt
 
 __all__ = ["ChatKVRag", "to_kvrag_messages"]
 
@@ -82,7 +85,8 @@ class ChatKVRag(BaseChatModel):
     ``ChatKVRag(cache_dir="./kv", policy="cacheblend")`` loads the default model
     (SmolLM2-135M-Instruct) or ``model=`` (HF directory / .gguf); ``ChatKVRag(rag=rag)`` wraps
     an existing :class:`kvrag.engine.KVRag`. ``policy="full_prefill"`` is the plain model.
-    Messages are rendered with the tokenizer's chat template; the retrieved chunks found
+    Messages are rendered with the tokenizer's chat template (as ``role: content`` lines for a
+    model without one); the retrieved chunks found
     verbatim in it are served from their precomputed KV caches. Policy parameters may be passed
     flat (``ChatKVRag(rag=rag, recompute_ratio=0.3)``); another unknown keyword is a ValueError.
     Without ``policy``, ``ChatKVRag(rag=rag)`` runs the wrapped KVRag's own policy and
@@ -159,6 +163,18 @@ class ChatKVRag(BaseChatModel):
         """LangChain's name for ``max_new_tokens`` (read by its tracing)."""
         return self.max_new_tokens
 
+    def get_token_ids(self, text: str) -> list[int]:
+        """Token ids of ``text`` by the model's own tokenizer (LangChain's fallback is GPT-2's,
+        which counts wrong, or nothing offline)."""
+        return self.rag.handle.encode(text)
+
+    def get_num_tokens_from_messages(self, messages: list[BaseMessage], tools: Optional[Sequence] = None) -> int:
+        """Prompt tokens of ``messages`` as the model reads them (chat template included), so
+        ``trim_messages(token_counter=llm)`` trims to the real budget."""
+        if tools:
+            raise NotImplementedError("ChatKVRag does not support tools")
+        return self.rag.count_tokens(self._prompt(messages))
+
     @property
     def _llm_type(self) -> str:
         return "kvrag-chat"
@@ -172,10 +188,18 @@ class ChatKVRag(BaseChatModel):
     # ---- core --------------------------------------------------------------------------
     def _options(self, stop: Optional[list[str]], kwargs: dict[str, Any]) -> dict[str, Any]:
         defaults = dict(policy=self.policy, max_new_tokens=self.max_new_tokens, temperature=self.temperature,
-                        top_p=self.top_p, top_k=self.top_k, stop=list(self.stop or []), seed=self.seed)
+                        top_p=self.top_p, top_k=self.top_k, stop=stop_list(self.stop), seed=self.seed)
         opts = call_options(defaults, self.policy_params, kwargs, "ChatKVRag", log)
-        opts["stop"] = list(opts["stop"]) + list(stop or [])  # LangChain's per-call stop adds to ours
+        opts["stop"] = opts["stop"] + stop_list(stop)  # LangChain's per-call stop adds to ours
         return opts
+
+    def _prompt(self, messages: list[BaseMessage]) -> str:
+        """The prompt string: the messages rendered with the chat template, or, for a model
+        without one (a base model), as ``role: content`` lines (``kvrag.prompt.plain_chat_prompt``)."""
+        msgs = to_kvrag_messages(messages)
+        if not has_chat_template(self.rag.tokenizer):
+            return plain_chat_prompt(msgs)
+        return self.rag.render(msgs)
 
     def _foreground(self):
         """Tell the shared precomputer (if any) that a query runs: no new pack starts."""
@@ -194,7 +218,7 @@ class ChatKVRag(BaseChatModel):
     def _generate(self, messages: list[BaseMessage], stop: Optional[list[str]] = None,
                   run_manager: Optional[CallbackManagerForLLMRun] = None, **kwargs: Any) -> ChatResult:
         opts = self._options(stop, kwargs)
-        prompt = self.rag.render(to_kvrag_messages(messages))
+        prompt = self._prompt(messages)
         with self._foreground():
             gen = self.rag.generate(prompt, **opts)
         self._last = gen
@@ -206,7 +230,7 @@ class ChatKVRag(BaseChatModel):
     def _stream(self, messages: list[BaseMessage], stop: Optional[list[str]] = None,
                 run_manager: Optional[CallbackManagerForLLMRun] = None, **kwargs: Any) -> Iterator[ChatGenerationChunk]:
         opts = self._options(stop, kwargs)
-        prompt = self.rag.render(to_kvrag_messages(messages))
+        prompt = self._prompt(messages)
         s = self.rag.stream(prompt, **opts)
         for delta in foreground_steps(s, self._foreground):
             chunk = ChatGenerationChunk(message=AIMessageChunk(content=delta))

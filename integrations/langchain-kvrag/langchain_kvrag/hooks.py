@@ -1,9 +1,8 @@
 """Ingestion and retriever hooks that schedule kvrag's background KV precompute.
 
 * :func:`precompute_on_add` / :class:`KVPrecomputeHook` — after a vector store's
-  ``add_texts`` (which ``add_documents``, ``aadd_documents`` and ``aadd_texts`` go through in
-  ``langchain-chroma`` and most LangChain stores) and ``update_documents``, every stored text is
-  handed to the precomputer. The store object is patched in place (its class is untouched),
+  ``add_texts``, ``add_documents`` (and their async variants) or ``update_documents``, every
+  stored text is handed to the precomputer, once (whichever of them calls which). The store object is patched in place (its class is untouched),
   so it stays what it was (``isinstance(store, Chroma)``), and ``detach`` undoes it.
 * :class:`KVWarmingRetriever` — wraps any retriever; every retrieved document whose KV is not
   cached yet (ingested before kvrag, or evicted) is scheduled, after the current query, so the
@@ -16,7 +15,9 @@ kvrag finds cached chunks by exact text.
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
+from contextvars import ContextVar
 from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
@@ -33,6 +34,20 @@ __all__ = ["KVPrecomputeHook", "precompute_on_add", "KVWarmingRetriever"]
 log = logging.getLogger("kvrag.langchain")
 
 _ATTR = "_kvrag_precompute_hook"
+#: Store methods the hook wraps: name -> (position of the items argument, its keyword name,
+#: whether the items are Documents). Stores differ in which of them call which (Chroma's
+#: ``add_documents`` goes through ``add_texts``, ``InMemoryVectorStore``'s ``add_texts``
+#: through ``add_documents``), so each is wrapped, and a flag set by the outermost call keeps
+#: the inner ones from scheduling again.
+_ADD_METHODS = {
+    "add_texts": (0, "texts", False),
+    "aadd_texts": (0, "texts", False),
+    "add_documents": (0, "documents", True),
+    "aadd_documents": (0, "documents", True),
+    "update_documents": (1, "documents", True),
+}
+#: True inside a hooked add: set per thread / asyncio task (LangChain's executor copies it).
+_IN_ADD: ContextVar[bool] = ContextVar("kvrag_in_hooked_add", default=False)
 
 
 def _lister(vectorstore):
@@ -100,33 +115,64 @@ class KVPrecomputeHook:
             _lister(vectorstore)  # a store that cannot be listed fails before it is patched
         self.detach(vectorstore)
         originals = {}
-        add_texts = vectorstore.add_texts
-        originals["add_texts"] = add_texts
-        hook = self
-
-        @functools.wraps(add_texts)
-        def hooked_add_texts(texts, *args, **kwargs):
-            texts = list(texts)  # may be a one-shot iterable: read it once, hand it on
-            ids = add_texts(texts, *args, **kwargs)
-            hook.schedule(texts)  # only what the store accepted
-            return ids
-
-        vectorstore.add_texts = hooked_add_texts
-        update = getattr(vectorstore, "update_documents", None)
-        if callable(update):
-            originals["update_documents"] = update
-
-            @functools.wraps(update)
-            def hooked_update_documents(ids, documents, *args, **kwargs):
-                out = update(ids, documents, *args, **kwargs)
-                hook.schedule([d.page_content for d in documents])
-                return out
-
-            vectorstore.update_documents = hooked_update_documents
+        for name, (pos, kw, docs) in _ADD_METHODS.items():
+            method = getattr(vectorstore, name, None)
+            if callable(method):
+                originals[name] = method
+                setattr(vectorstore, name, self._hooked(method, pos, kw, docs))
         setattr(vectorstore, _ATTR, (self, originals))
         if backfill:
             self.backfill(vectorstore)
         return vectorstore
+
+    def _hooked(self, method, pos: int, kw: str, docs: bool):
+        """``method`` wrapped: once it returns, the texts it was given are scheduled -- by the
+        outermost hooked call only (Chroma's ``add_documents`` calls ``add_texts``,
+        ``InMemoryVectorStore``'s ``add_texts`` calls ``add_documents``: each text once)."""
+        hook = self
+
+        def take(args, kwargs):
+            # The items may be a one-shot iterable: read it once and hand the list on.
+            args = list(args)
+            if len(args) > pos:
+                items = args[pos] = list(args[pos])
+            elif kw in kwargs:
+                items = kwargs[kw] = list(kwargs[kw])
+            else:
+                items = []
+            texts = [d.page_content for d in items] if docs else items
+            return args, kwargs, texts
+
+        if inspect.iscoroutinefunction(method):
+            @functools.wraps(method)
+            async def hooked_async(*args, **kwargs):
+                args, kwargs, texts = take(args, kwargs)
+                outer = not _IN_ADD.get()
+                token = _IN_ADD.set(True)
+                try:
+                    out = await method(*args, **kwargs)
+                finally:
+                    _IN_ADD.reset(token)
+                if outer:
+                    hook.schedule(texts)  # only what the store accepted
+                return out
+
+            return hooked_async
+
+        @functools.wraps(method)
+        def hooked(*args, **kwargs):
+            args, kwargs, texts = take(args, kwargs)
+            outer = not _IN_ADD.get()
+            token = _IN_ADD.set(True)
+            try:
+                out = method(*args, **kwargs)
+            finally:
+                _IN_ADD.reset(token)
+            if outer:
+                hook.schedule(texts)  # only what the store accepted
+            return out
+
+        return hooked
 
     @staticmethod
     def detach(vectorstore) -> None:

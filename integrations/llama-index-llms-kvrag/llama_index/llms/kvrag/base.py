@@ -18,11 +18,13 @@ ingestion and queries do not compete with two workers.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 from collections.abc import Iterator, Sequence
 from typing import Any, Optional
 
+from llama_index.core import Settings
 from llama_index.core.base.base_retriever import BaseRetriever
 from llama_index.core.base.llms.generic_utils import messages_to_prompt as generic_messages_to_prompt
 from llama_index.core.base.llms.types import (
@@ -47,6 +49,7 @@ from kvrag.adapters import aiter_in_thread, call_options, foreground, foreground
 from kvrag.engine import Generation, KVRag
 from kvrag.errors import ChunkError
 from kvrag.precompute import Precomputer, PrecomputerClosedError, QueueFullError
+from kvrag.prompt import has_chat_template
 
 __all__ = ["KVRagLLM", "KVPrecompute", "KVCacheWarmer", "KVWarmingRetriever", "node_texts"]
 
@@ -85,8 +88,39 @@ class _UserTurn:
         return self.rag.render([{"role": "user", "content": prompt}])
 
 
+_installed_tokenizer: Any = None
+
+
+def _install_tokenizer(rag: KVRag) -> None:
+    """Make ``rag``'s tokenizer LlamaIndex's global one, unless the user set their own.
+
+    LlamaIndex packs retrieved nodes into prompts of ``metadata.context_window`` tokens counted
+    with its global tokenizer (tiktoken by default), while the window counts this model's
+    tokens: prompts it believes fit may not (kvrag refuses them with a ValueError that the
+    refine synthesizer logs and skips, silently dropping those nodes), and its truncation cuts
+    node texts where the model's tokens do not end."""
+    global _installed_tokenizer
+    import llama_index.core as core
+
+    current = core.global_tokenizer
+    if current is not None and current is not _installed_tokenizer and not _is_default_tokenizer(current):
+        return  # the user's choice
+    if _installed_tokenizer is not None and getattr(_installed_tokenizer, "__self__", None) is rag.handle:
+        return
+    _installed_tokenizer = rag.handle.encode
+    Settings.tokenizer = _installed_tokenizer
+    log.info("KVRagLLM: LlamaIndex's global tokenizer is now the model's (Settings.tokenizer); "
+             "pass set_tokenizer=False to keep LlamaIndex's default")
+
+
+def _is_default_tokenizer(tok: Any) -> bool:
+    """LlamaIndex's own default (``get_tokenizer()`` installs a tiktoken ``partial`` lazily)."""
+    owner = getattr(getattr(tok, "func", None), "__self__", None)
+    return isinstance(tok, functools.partial) and type(owner).__module__.split(".")[0] == "tiktoken"
+
+
 def _has_chat_template(rag: KVRag) -> bool:
-    return bool(getattr(rag.tokenizer, "chat_template", None))
+    return has_chat_template(rag.tokenizer)
 
 
 def _info(gen: Generation) -> dict[str, Any]:
@@ -146,6 +180,7 @@ class KVRagLLM(LLM):
         precomputer: Optional[Precomputer] = None,
         precompute_options: Optional[dict[str, Any]] = None,
         rag_options: Optional[dict[str, Any]] = None,
+        set_tokenizer: bool = True,
         **kwargs: Any,
     ) -> None:
         if rag is not None and (model is not None or cache_dir is not None or rag_options):
@@ -168,6 +203,8 @@ class KVRagLLM(LLM):
         if kwargs.get("completion_to_prompt") is None and chat:
             kwargs["completion_to_prompt"] = _UserTurn(rag)
         super().__init__(**kwargs)
+        if set_tokenizer:
+            _install_tokenizer(rag)
         self._rag = rag
         self._precomputer = precomputer
         self._precompute_options = dict(precompute_options or {})
