@@ -149,6 +149,7 @@ class FusedStepper:
         None = 0..M-1); read only by the layers with a sliding window."""
         self.arch, self.policy, self.state = arch, policy, state
         self.K, self.V = list(K), list(V)
+        self._bufs: dict[int, tuple] = {}  # layer -> (K, V, key positions or None) with spare rows
         self.pos = next_position
         # Per-layer key positions [Hkv, M] for the sliding-window layers only.
         self.kpos: dict[int, torch.Tensor] = {}
@@ -158,6 +159,34 @@ class FusedStepper:
             if w is not None:
                 p = positions[layer] if positions.dim() == 3 else positions.expand(self.K[layer].shape[0], -1)
                 self.kpos[layer] = p.to(self.K[layer].device).long()
+
+    def _append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Add one token's k/v [Hkv, 1, D] (and its key position) after the layer's rows.
+
+        Rows live in buffers with spare capacity that double when full, ``self.K[layer]`` being
+        the filled view: a ``torch.cat`` per token would copy the whole cache at every step.
+        The first step copies the prefill's K/V into a buffer (not done at construction,
+        which is on the TTFT path)."""
+        n = self.K[layer].shape[1]
+        bufs = self._bufs.get(layer)
+        if bufs is None or bufs[0].shape[1] == n:
+            cap = max(2 * n, n + 64)
+            grown = []
+            for t in (self.K[layer], self.V[layer], self.kpos.get(layer)):
+                if t is None:
+                    grown.append(None)
+                    continue
+                b = t.new_empty((t.shape[0], cap, *t.shape[2:]))
+                b[:, :n] = t
+                grown.append(b)
+            bufs = self._bufs[layer] = tuple(grown)
+        kb, vb, pb = bufs
+        kb[:, n:n + 1] = k
+        vb[:, n:n + 1] = v
+        self.K[layer], self.V[layer] = kb[:, :n + 1], vb[:, :n + 1]
+        if pb is not None:
+            pb[:, n] = self.pos
+            self.kpos[layer] = pb[:, :n + 1]
 
     def _window_mask(self, layer: int, idx) -> torch.Tensor | None:
         """bool [H, 1, R] (True = inside the layer's sliding window) for the rows read, or None."""
@@ -181,11 +210,7 @@ class FusedStepper:
             hidden = self.arch.embed(torch.tensor([tok]))
             for layer in range(self.arch.n_layers):
                 q, k, v, _ = self.arch.qkv(layer, hidden, cs)
-                self.K[layer] = torch.cat([self.K[layer], k], dim=1)
-                self.V[layer] = torch.cat([self.V[layer], v], dim=1)
-                if layer in self.kpos:
-                    kp = self.kpos[layer]
-                    self.kpos[layer] = torch.cat([kp, kp.new_full((kp.shape[0], 1), self.pos)], dim=1)
+                self._append(layer, k, v)
                 idx = self.policy.decode_select(layer, q, self)
                 keys, vals = self.K[layer], self.V[layer]
                 if idx is not None and idx.dim() == 2:

@@ -227,21 +227,25 @@ class FusionEngine:
         # Uninitialised on purpose (zero-filling ~100 MB costs tens of ms of TTFT): cached rows
         # are filled here, and every other row is a required token, computed -- and so written
         # -- at each layer before any attention reads it.
-        K = torch.empty(L, hkv, n, d, dtype=dt, device=dev)
-        V = torch.empty(L, hkv, n, d, dtype=dt, device=dev)
-        nope_layers = [layer for layer in range(L) if not arch.rope_layers[layer]]
+        # One tensor per layer, not one [L, ...] block: the decoder's cache replaces them layer
+        # by layer as it grows, and a shared block would stay alive (twice the KV memory)
+        # until the last layer's was replaced.
+        K = [torch.empty(hkv, n, d, dtype=dt, device=dev) for _ in range(L)]
+        V = [torch.empty(hkv, n, d, dtype=dt, device=dev) for _ in range(L)]
         entries = {}
         for si, start, end in layout.spans(CACHED):
             e = layout.pieces[si].entry
             entries[si] = e
             k = e.keys.to(device=dev, dtype=dt)
-            arch.rotate(k, None, (cos[start:end], sin[start:end]), out=K[:, :, start:end])
-            for layer in nope_layers:  # NoPE layers (SmolLM3) keep the position-free key
-                K[layer, :, start:end] = k[layer]
-            V[:, :, start:end] = e.values.to(device=dev, dtype=dt)
+            v = e.values.to(device=dev, dtype=dt)
+            cs = (cos[start:end], sin[start:end])
+            for layer in range(L):
+                # NoPE layers (SmolLM3) keep the position-free key.
+                arch.rotate(k[layer], None, cs, out=K[layer][:, start:end], layer=layer)
+                V[layer][:, start:end] = v[layer]
 
         state = FusionState(
-            arch=arch, layout=layout, policy=policy, K=list(K.unbind(0)), V=list(V.unbind(0)),
+            arch=arch, layout=layout, policy=policy, K=K, V=V,
             keep=torch.ones(n, dtype=torch.bool, device=dev), active=torch.empty(0, dtype=torch.long),
             cos=cos, sin=sin, layer_counts=torch.zeros(n, dtype=torch.long), entries=entries,
         )

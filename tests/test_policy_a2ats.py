@@ -202,6 +202,29 @@ def test_topk_all_equals_naive_reuse_decode(model_type, tmp_path):
         assert res.stats.policy_stats["a2ats.kv_read_fraction"] == 1.0
 
 
+@pytest.mark.parametrize("model_type", ["llama", "mistral-window"])
+def test_long_decode_through_growing_buffers_equals_the_models(model_type, tmp_path):
+    """The fused decoder appends each token's K/V into buffers that grow when full (no copy of
+    the cache per token): 120 single-token steps (the buffer grows once) still equal HF's decode, key
+    positions of a sliding-window layer included."""
+    model = tiny(model_type)
+    arch = Arch(model)
+    path = fit_tiny(arch, n_codes=16).save(tmp_path / "b.safetensors")
+    g = torch.Generator().manual_seed(8)
+    layout = Layout.build(pieces_for(arch, segments(g, n_chunks=1, chunk=20)))
+    eng = FusionEngine(arch)
+    pol = get_policy("a2ats", codebook=str(path), topk=1.0, **SMALL)
+    res = eng.prefill(layout, pol, keep_state=True)
+    naive = eng.prefill(layout, get_policy("naive_reuse"))
+    fused = FusedStepper(arch, res.K, res.V, res.next_position, pol, res.state)
+    hf = HFStepper(model, naive.K, naive.V, naive.next_position)
+    n = layout.n
+    for i, tok in enumerate(rand_ids(120, g)):
+        torch.testing.assert_close(fused.step([tok]), hf.step([tok]), atol=1e-4, rtol=1e-4)
+        assert fused.K[0].shape[1] == n + i + 1
+    assert fused._bufs[0][0].shape[1] >= n + 120 > 2 * n  # grown more than once
+
+
 def test_decode_reads_topk_rows_per_head(llama_books):
     model, arch, path = llama_books
     g = torch.Generator().manual_seed(6)
