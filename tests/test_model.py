@@ -168,16 +168,22 @@ def test_hf_directory_round_trip(tmp_path, monkeypatch):
     assert len(calls) == n + 1
 
 
-def test_weights_replaced_with_size_and_mtime_kept_are_rehashed(tmp_path):
-    """``cp -p`` / ``rsync -a`` of another checkpoint of the same shapes keeps the size and
-    the mtime: the digest memo must still see a new file (and so a new fingerprint)."""
+def _saved_tiny_models(tmp_path, seeds=(0, 1)):
+    """HF directories of tiny models that differ in their weights only: [dir per seed]."""
     dirs = []
-    for seed in (0, 1):
+    for seed in seeds:
         h = tiny_llama(seed=seed)
         d = tmp_path / f"m{seed}"
         h.model.save_pretrained(d)
         h.tokenizer.save_pretrained(d)
         dirs.append(d)
+    return dirs
+
+
+def test_weights_replaced_with_size_and_mtime_kept_are_rehashed(tmp_path):
+    """``cp -p`` / ``rsync -a`` of another checkpoint of the same shapes keeps the size and
+    the mtime: the digest memo must still see a new file (and so a new fingerprint)."""
+    dirs = _saved_tiny_models(tmp_path)
     home = tmp_path / "home"
     first = ModelHandle.load(dirs[0], cache_dir=home).fingerprint
     target, other = dirs[0] / "model.safetensors", dirs[1] / "model.safetensors"
@@ -192,13 +198,7 @@ def test_weights_replaced_with_size_and_mtime_kept_are_rehashed(tmp_path):
 
 
 def test_hf_directory_weights_change_fingerprint(tmp_path):
-    dirs = []
-    for seed in (0, 1):
-        h = tiny_llama(seed=seed)
-        d = tmp_path / f"m{seed}"
-        h.model.save_pretrained(d)
-        h.tokenizer.save_pretrained(d)
-        dirs.append(d)
+    dirs = _saved_tiny_models(tmp_path)
     a = ModelHandle.load(dirs[0], cache_dir=tmp_path / "home")
     b = ModelHandle.load(dirs[1], cache_dir=tmp_path / "home")
     assert _differing_parts(a, b) == {"weights"}

@@ -14,11 +14,12 @@ kvrag finds cached chunks by exact text.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import logging
 from contextvars import ContextVar
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Optional
 
 from langchain_core.callbacks import AsyncCallbackManagerForRetrieverRun, CallbackManagerForRetrieverRun
@@ -48,6 +49,17 @@ _ADD_METHODS = {
 }
 #: True inside a hooked add: set per thread / asyncio task (LangChain's executor copies it).
 _IN_ADD: ContextVar[bool] = ContextVar("kvrag_in_hooked_add", default=False)
+
+
+@contextlib.contextmanager
+def _outermost_add() -> Iterator[bool]:
+    """Marks a hooked add as running; yields whether it is the outermost one."""
+    outer = not _IN_ADD.get()
+    token = _IN_ADD.set(True)
+    try:
+        yield outer
+    finally:
+        _IN_ADD.reset(token)
 
 
 def _lister(vectorstore):
@@ -147,12 +159,8 @@ class KVPrecomputeHook:
             @functools.wraps(method)
             async def hooked_async(*args, **kwargs):
                 args, kwargs, texts = take(args, kwargs)
-                outer = not _IN_ADD.get()
-                token = _IN_ADD.set(True)
-                try:
+                with _outermost_add() as outer:
                     out = await method(*args, **kwargs)
-                finally:
-                    _IN_ADD.reset(token)
                 if outer:
                     hook.schedule(texts)  # only what the store accepted
                 return out
@@ -162,12 +170,8 @@ class KVPrecomputeHook:
         @functools.wraps(method)
         def hooked(*args, **kwargs):
             args, kwargs, texts = take(args, kwargs)
-            outer = not _IN_ADD.get()
-            token = _IN_ADD.set(True)
-            try:
+            with _outermost_add() as outer:
                 out = method(*args, **kwargs)
-            finally:
-                _IN_ADD.reset(token)
             if outer:
                 hook.schedule(texts)  # only what the store accepted
             return out
