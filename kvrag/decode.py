@@ -52,6 +52,8 @@ class Sampling:
         if self.stop is None:
             self.stop = ()
         elif isinstance(self.stop, str):
+            if not self.stop:
+                raise ValueError("stop must be a non-empty string (or a sequence of them, or None), got ''")
             self.stop = (self.stop,)
         else:
             self.stop = tuple(self.stop)

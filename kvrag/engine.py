@@ -26,7 +26,7 @@ from kvrag.chunk import compute_chunk_kv, pack
 from kvrag.decode import FusedStepper, HFStepper, Sampling, TextStream, eos_ids, generate_tokens
 from kvrag.errors import ChunkError
 from kvrag.fusion import CACHED, PLAIN, FusionEngine, FusionResult, FusionStats, Layout, Piece
-from kvrag.model import ModelHandle
+from kvrag.model import ModelHandle, default_home
 from kvrag.policies import Policy, get_policy
 from kvrag.precompute import check_texts_iterable, validate_chunk_text
 from kvrag.segment import Segmenter, render_messages
@@ -35,10 +35,6 @@ from kvrag.store import ChunkEntry, KVStore
 log = logging.getLogger("kvrag")
 
 STORAGE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-def default_home() -> Path:
-    return Path(os.environ.get("KVRAG_HOME", Path.home() / ".cache" / "kvrag"))
 
 
 @dataclass
@@ -428,13 +424,23 @@ class KVRag:
         seed: int | None = None,
         **policy_params,
     ) -> Stream:
-        """Generate token by token; iterate for text deltas. TTFT is measured from the call
-        to the first sampled token (segmentation, loading and prefill included)."""
+        """Generate token by token; iterate for text deltas. Bad options, policy parameters
+        and prompts raise here, at the call. TTFT is the work from the call to the first
+        sampled token (rendering, segmentation, loading and prefill; not the time a lazily
+        read stream waits for its first ``next()``)."""
         sampling = Sampling(max_new_tokens, temperature, top_p, top_k, stop, seed)
+        # Bad policy options and prompts fail at the call, not at the first iteration; the
+        # time this takes (rendering a chat template) still counts in TTFT and load_s.
+        t_call = time.perf_counter()
+        pol = get_policy(policy if policy is not None else self.policy, **policy_params)
+        rendered = self.render(prompt)
+        prep_s = time.perf_counter() - t_call
         holder: Stream
 
         def run() -> Iterator[str]:
-            logits, stepper, stats, prompt_ids, t0 = self.prefill(prompt, policy, **policy_params)
+            logits, stepper, stats, prompt_ids, t0 = self.prefill(rendered, pol)
+            t0 -= prep_s
+            stats.load_s += prep_s
             text = TextStream(self.tokenizer, sampling.stop)
             t_first = None
             for tok in generate_tokens(logits, stepper, sampling, self.eos):

@@ -457,10 +457,15 @@ class Precomputer:
         return job.future
 
     def submit_many(self, texts: Iterable[str], *, block: bool = True, timeout: float | None = None,
-                    skip_invalid: bool = False, defer_s: float = 0.0) -> list[Future | None]:
+                    skip_invalid: bool = False, skip_full: bool = False,
+                    defer_s: float = 0.0) -> list[Future | None]:
         """``submit`` each text. ``skip_invalid``: a text that can never be cached (empty,
         invalid Unicode) is logged, counted as rejected and gets None instead of raising —
         what ingestion hooks want, so one empty node does not fail a whole pipeline run.
+        ``skip_full``: a text refused because the queue is full (``block=False``, or the
+        ``timeout`` passed) is counted as dropped and gets None, and the rest are still tried,
+        instead of a ``QueueFullError`` — ingestion hooks run after the vector store stored
+        the documents, so raising would only lose the rest of the batch.
 
         ``texts`` must be an iterable of texts: a single ``str`` (or ``bytes``) raises
         TypeError before anything is queued, rather than queueing each character."""
@@ -473,6 +478,11 @@ class Precomputer:
                 if not skip_invalid:
                     raise
                 log.warning("kvrag precompute: skipped a chunk that cannot be cached: %s", e)
+                out.append(None)
+            except QueueFullError as e:
+                if not skip_full:
+                    raise
+                log.debug("kvrag precompute: dropped (counted): %s", e)
                 out.append(None)
         return out
 

@@ -1,9 +1,9 @@
 """Helpers for tests: tiny random-weight causal LMs with a real tokenizer.
 
 Tiny models keep the test suite fast on a 2-core CPU while still exercising every supported
-architecture (Llama, Mistral, Qwen2 with q/k/v biases, Qwen3 with q/k norms) through the real
-transformers modules. They use SmolLM2's tokenizer so that text-level code (segmentation,
-chunk keys, stop strings) runs on real token ids.
+architecture (Llama, Mistral, Qwen2 with q/k/v biases, Qwen3 with q/k norms, SmolLM3 with
+NoPE layers) through the real transformers modules. They use SmolLM2's tokenizer so that
+text-level code (segmentation, chunk keys, stop strings) runs on real token ids.
 """
 from __future__ import annotations
 

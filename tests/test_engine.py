@@ -232,6 +232,15 @@ def test_several_continuations_from_one_prefill(rag, policy, tmp_path):
         torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
 
 
+def test_stream_rejects_bad_options_at_the_call(rag):
+    """Not at the first next(): a stream handed on unread would fail far from its cause."""
+    for kw in (dict(policy="bogus"), dict(recompute_ratio="0.5"), dict(stop="")):
+        with pytest.raises(ValueError):
+            rag.stream("Hello", **kw)
+    with pytest.raises(TypeError):
+        rag.stream(b"Hello")
+
+
 def test_stream_matches_generate_and_stops(rag):
     rag.precompute(DOCS)
     prompt = prompt_for(DOCS)

@@ -108,6 +108,11 @@ def test_back_pressure(rag):
         pc.submit(DOCS[2], timeout=0.2)
     assert time.perf_counter() - t0 >= 0.2
     assert pc.progress().dropped == 2 and pc.progress().queued == 2
+    # Ingestion hooks' mode: a full queue drops and counts each text, the rest are tried.
+    with pytest.raises(QueueFullError):
+        pc.submit_many([DOCS[2], DOCS[0]], block=False)
+    assert pc.submit_many([DOCS[2], DOCS[0], "extra text"], block=False, skip_full=True)[::2] == [None, None]
+    assert pc.progress().dropped == 5 and pc.progress().queued == 2
     # A blocked submit goes through as soon as the worker makes room.
     done = []
     th = threading.Thread(target=lambda: done.append(pc.submit(DOCS[2])))

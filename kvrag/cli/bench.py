@@ -1,5 +1,5 @@
 """``kvrag bench``: TTFT and quality of every reuse policy against ``full_prefill``, on a QA
-file (the format of ``../shared/data/musique_dev.json``) and/or synthetic QA, plus TTFT vs
+file (MuSiQue format: ``question``, ``answers``, ``ctxs`` of ``{title, text}``) and/or synthetic QA, plus TTFT vs
 context length and quality vs recompute ratio; writes results.json, CSVs, PNG plots and a
 markdown report (``benchmarks/run_default.sh`` makes ``docs/benchmarks.md``)."""
 from __future__ import annotations
@@ -53,7 +53,7 @@ def register(sub) -> None:
     g.add_argument("--chunk-tokens", metavar="LIST", help="chunk lengths for --chunks, e.g. 256,512")
     g.add_argument("--sweep-policies", default=DEFAULT_SWEEP_POLICIES, metavar="LIST",
                    help=f"policies swept over --sweep-ratios (default {DEFAULT_SWEEP_POLICIES}; 'none' to skip)")
-    g.add_argument("--sweep-ratios", metavar="LIST", help=f"recompute ratios (default {FULL['sweep_ratios']})")
+    g.add_argument("--sweep-ratios", metavar="LIST", help=f"recompute ratios (default {FULL['sweep_ratios']}; quick: {QUICK['sweep_ratios']})")
     g.add_argument("--sweep-limit", type=int, metavar="N", help="examples in the sweep (default 3; quick 1; 0: no sweep)")
     g.add_argument("--sweep-data", choices=("synthetic", "data"), default="synthetic",
                    help="data set of the sweep when both are given (default synthetic)")
@@ -74,7 +74,8 @@ def register(sub) -> None:
     g.add_argument("--model", help="HF model dir or .gguf (default: SmolLM2-135M-Instruct)")
     g.add_argument("--device", default="auto", help="comma-separated devices; 'auto' = cpu, plus cuda if present")
     g.add_argument("--dtype", default="float32", help="compute dtype (default float32)")
-    g.add_argument("--storage-dtype", default="float16", choices=("float32", "float16", "bfloat16"))
+    g.add_argument("--storage-dtype", default="float16", choices=("float32", "float16", "bfloat16"),
+                   help="dtype the chunks' K/V are stored in (default float16)")
     g.add_argument("--chunk-anchor", default="auto", choices=("auto", "none"),
                    help="precompute chunks behind the model's attention-sink token (auto, the default) "
                         "or alone from position 0 (none)")

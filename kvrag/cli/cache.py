@@ -39,7 +39,7 @@ def human(n: int) -> str:
 
 def default_cache_dir() -> Path:
     """Where ``KVRag`` puts its store when no ``cache_dir`` is given."""
-    from kvrag.engine import default_home
+    from kvrag.model import default_home
 
     return default_home() / "store"
 

@@ -18,7 +18,8 @@ def register(sub) -> None:
     p.add_argument("--cache-dir", default=None, help="KV store directory (default: a fresh temporary one)")
     p.add_argument("--corpus", default=None, help="JSON object with instruction (optional), documents and "
                    "questions (non-empty lists of strings)")
-    p.add_argument("--policies", default=DEFAULT_POLICIES, help="comma-separated policy names")
+    p.add_argument("--policies", default=DEFAULT_POLICIES,
+                   help=f"comma-separated policy names (default: {DEFAULT_POLICIES})")
     p.add_argument("--max-new-tokens", type=int, default=24, help="answer length cap (>= 1; default 24)")
     p.set_defaults(func=run)
 

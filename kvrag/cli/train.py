@@ -9,6 +9,17 @@ from __future__ import annotations
 import argparse
 
 
+class _DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
+    """Adds "(default: X)" to an option's help unless the help states its default itself or
+    there is none to show (None, False, a required option)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "default" in text or action.required or action.default in (None, False, argparse.SUPPRESS):
+            return text
+        return super()._get_help_string(action)
+
+
 def register(sub) -> None:
     p = sub.add_parser("train", help="fine-tune a model for a policy that needs training (kvlink)")
     methods = p.add_subparsers(dest="method", metavar="METHOD", required=True)
@@ -19,14 +30,14 @@ def register(sub) -> None:
                     "each document and the question/answer attend to everything before them; loss on "
                     "the answer tokens. Writes link embeddings, LoRA weights and kvlink.json (command, "
                     "steps, losses) to --out.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_DefaultsHelp,
     )
     k.add_argument("--data", required=True, help="QA examples, MuSiQue format: JSON list or JSON lines of "
                    "{question, answers, ctxs: [{title, text}]}")
     k.add_argument("--model", default=None, help="HF model dir or .gguf (default: SmolLM2-135M-Instruct)")
     k.add_argument("--dtype", default="float32", help="training dtype of the base model")
     k.add_argument("--out", default=None, help="adapter directory (default: $KVRAG_HOME/kvlink/<model key>/, "
-                   "where kvlink_adapter='auto' finds it)")
+                   "where KVRag(policy='kvlink') finds it)")
     k.add_argument("--force", action="store_true", help="overwrite an existing adapter in --out")
     k.add_argument("--steps", type=int, default=200, help="optimizer steps")
     k.add_argument("--batch", type=int, default=1, help="examples per step (gradient accumulation)")

@@ -2,8 +2,9 @@
 LegoLink; Hu et al., "EPIC: Efficient Position-Independent Context Caching for Serving Large
 Language Models", arXiv 2410.15332).
 
-Every chunk was prefilled alone from position 0, so its first tokens became attention sinks
-that soak up attention in the fused prompt. LegoLink recomputes those few tokens at every
+Every chunk was prefilled without its context (from position 0, or behind kvrag's anchor
+token), so its first tokens carry what a prompt start carries (attention sinks, with no
+anchor) and soak up or misdirect attention in the fused prompt. LegoLink recomputes those few tokens at every
 layer (a static choice: no check layer, no scoring), together with the non-cached tokens
 (template, question), and reuses everything else. A3's paper describes LegoLink as
 recomputing "a few initial and final tokens within each text chunk", hence ``k_tail``.

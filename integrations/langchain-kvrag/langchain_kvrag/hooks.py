@@ -96,7 +96,7 @@ class KVPrecomputeHook:
         """Queue ``texts`` (after ``text_fn``); empty or invalid ones are logged and skipped."""
         if self.text_fn is not None:
             texts = [self.text_fn(t) for t in texts]
-        self.precomputer.submit_many(list(texts), block=self.block, skip_invalid=True)
+        self.precomputer.submit_many(list(texts), block=self.block, skip_invalid=True, skip_full=True)
 
     def backfill(self, vectorstore, *, page_size: int = 1000) -> int:
         """Schedule the texts ``vectorstore`` already holds (filled by ``Chroma.from_documents``,

@@ -429,7 +429,7 @@ class KVPrecompute(_Unpicklable, TransformComponent):
         texts, skipped = node_texts(nodes, self.metadata_mode, self.include_stripped)
         if skipped:
             log.warning("KVPrecompute: skipped %d node(s) without text", skipped)
-        self.precomputer.submit_many(texts, block=self.block, skip_invalid=True)
+        self.precomputer.submit_many(texts, block=self.block, skip_invalid=True, skip_full=True)
         return nodes
 
 
