@@ -36,6 +36,7 @@ from langchain_kvrag import ChatKVRag, KVWarmingRetriever, precompute_on_add  # 
 from transformers import pipeline  # noqa: E402
 
 from kvrag.engine import KVRag  # noqa: E402
+from kvrag.policies import policy_names  # noqa: E402
 
 COLLECTION = "kvrag_example"
 PROMPT = ChatPromptTemplate.from_messages([
@@ -69,7 +70,8 @@ def ask(chain, question: str):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data-dir", default="./kvrag-example-data", help="Chroma + KV cache directory")
-    ap.add_argument("--policy", default="cacheblend", help="kvrag reuse policy (see `kvrag policies`)")
+    ap.add_argument("--policy", default="cacheblend", choices=policy_names(),
+                    help="kvrag reuse policy (see `kvrag policies`)")
     ap.add_argument("--top-k", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=32)
     args = ap.parse_args()
@@ -101,7 +103,9 @@ def main() -> None:
     else:
         print(f"reusing Chroma collection {COLLECTION!r} ({store._collection.count()} chunks)")
     kv_llm.precomputer.wait_until_idle()  # only so the first query below already hits
-    print(f"precompute: {kv_llm.precomputer.progress().as_dict()}\n")
+    pr = kv_llm.precomputer.progress()
+    print(f"precompute: {pr.computed} chunks computed ({pr.tokens_computed} tokens, {pr.busy_s:.1f}s), "
+          f"{pr.already_cached} already cached, {pr.failed} failed\n")
 
     # ---- querying: the same LCEL chain, two chat models -----------------------------------------
     retriever = store.as_retriever(search_kwargs={"k": args.top_k})
@@ -118,11 +122,12 @@ def main() -> None:
         print(f"  plain transformers    TTFT {t * 1000:6.0f} ms  | {a!r}")
         a, t, last = ask(kv_chain, q)
         u, meta = last.usage_metadata, last.response_metadata
-        print(f"  kvrag ({args.policy:<12}) TTFT {t * 1000:6.0f} ms  | {a!r}\n"
+        print(f"  {'kvrag (' + args.policy + ')':<21} TTFT {t * 1000:6.0f} ms  | {a!r}\n"
               f"      {u['input_token_details']['cache_read']}/{u['input_tokens']} prompt tokens from the cache, "
               f"{u['input_token_details']['recomputed']} recomputed, prefill TTFT {meta['ttft_s'] * 1000:.0f} ms")
     # Like any chat model: `kv_chain | StrOutputParser()` gives plain strings.
-    print("\n" + (kv_chain | StrOutputParser()).invoke(corpus["questions"][0]).split("\n")[0])
+    answer = (kv_chain | StrOutputParser()).invoke(corpus["questions"][0]).split("\n")[0]
+    print(f"\nas a plain string (kv_chain | StrOutputParser()): {answer!r}")
     kv_llm.precomputer.shutdown()
 
 

@@ -38,6 +38,7 @@ from llama_index.llms.kvrag import KVCacheWarmer, KVPrecompute, KVRagLLM  # noqa
 from llama_index.vector_stores.chroma import ChromaVectorStore  # noqa: E402
 
 from kvrag.engine import KVRag  # noqa: E402
+from kvrag.policies import policy_names  # noqa: E402
 
 COLLECTION = "kvrag_example"
 
@@ -61,7 +62,8 @@ def ask(query_engine, question: str):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data-dir", default="./kvrag-example-data", help="Chroma + KV cache directory")
-    ap.add_argument("--policy", default="cacheblend", help="kvrag reuse policy (see `kvrag policies`)")
+    ap.add_argument("--policy", default="cacheblend", choices=policy_names(),
+                    help="kvrag reuse policy (see `kvrag policies`)")
     ap.add_argument("--top-k", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=32)
     args = ap.parse_args()
@@ -95,7 +97,9 @@ def main() -> None:
     else:
         print(f"reusing Chroma collection {COLLECTION!r} ({vector_store._collection.count()} chunks)")
     kv_llm.precomputer.wait_until_idle()  # only so the first query below already hits
-    print(f"precompute: {kv_llm.precomputer.progress().as_dict()}\n")
+    pr = kv_llm.precomputer.progress()
+    print(f"precompute: {pr.computed} chunks computed ({pr.tokens_computed} tokens, {pr.busy_s:.1f}s), "
+          f"{pr.already_cached} already cached, {pr.failed} failed\n")
 
     # ---- querying: the same query engine, two LLMs -------------------------------------------
     index = VectorStoreIndex.from_vector_store(vector_store, embed_model=embed)
@@ -112,7 +116,7 @@ def main() -> None:
         print(f"  plain (full prefill)  TTFT {t * 1000:6.0f} ms  | {a!r}")
         a, t = ask(kv_qe, q)
         s = kv_llm.last_stats
-        print(f"  kvrag ({args.policy:<12}) TTFT {t * 1000:6.0f} ms  | {a!r}\n"
+        print(f"  {'kvrag (' + args.policy + ')':<21} TTFT {t * 1000:6.0f} ms  | {a!r}\n"
               f"      {s.chunks_hit} chunks from the cache, {s.cached_tokens}/{s.prompt_tokens} prompt tokens cached, "
               f"{s.recompute_fraction:.0%} recomputed, prefill TTFT {s.ttft_s * 1000:.0f} ms")
     kv_llm.precomputer.shutdown()

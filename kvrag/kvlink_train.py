@@ -42,6 +42,7 @@ import os
 import random
 import sys
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -229,7 +230,11 @@ def apply_adapter(handle: ModelHandle, adapter: str | os.PathLike | KVLinkAdapte
         from peft import PeftModel
 
         model = copy.deepcopy(handle.model)
-        model = PeftModel.from_pretrained(model, str(ad.path), is_trainable=False).merge_and_unload()
+        with warnings.catch_warnings():
+            # peft calls a transformers API deprecated in v5 (is_gradient_checkpointing): not
+            # the user's concern, and printed at every adapted model load.
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+            model = PeftModel.from_pretrained(model, str(ad.path), is_trainable=False).merge_and_unload()
         weights = hashlib.sha256(f"{base_weights}|kvlink-lora|{ad.lora_digest}".encode()).hexdigest()
     else:
         # A shallow copy shares every parameter and submodule but has its own attribute

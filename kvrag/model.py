@@ -316,12 +316,21 @@ def _load_hf_dir(directory: Path, dtype: torch.dtype):
     if isinstance(vocab, int) and len(tokenizer) > vocab:
         raise ModelLoadError(f"tokenizer has {len(tokenizer)} tokens but the model's vocabulary is {vocab}: "
                              "they do not belong together")
+    from transformers.utils import logging as hf_logging
+
+    # transformers draws a "Loading weights" bar at every load (a second for SmolLM2): noise in
+    # the demo, examples and every KVRag(...). The one-off GGUF conversion keeps its bar.
+    bar = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
     try:
         model = AutoModelForCausalLM.from_pretrained(
             str(directory), local_files_only=True, dtype=dtype, attn_implementation="sdpa"
         )
     except Exception as e:
         raise ModelLoadError(f"could not load the model from {directory}: {e}") from e
+    finally:
+        if bar:
+            hf_logging.enable_progress_bar()
     return model, tokenizer
 
 

@@ -97,3 +97,10 @@ def test_demo_runs_every_policy_and_kvlink_trained(tmp_path, capsys, corpus):
         line = next(ln for ln in out.splitlines() if ln.strip().startswith(pol) and "TTFT" in ln)
         cached = int(line.split("cached")[1].split()[0])
         assert (cached == 0) == (pol == "full_prefill"), line
+    # The summary compares every policy's answers with full_prefill's.
+    summary = out.split("median TTFT")[1]
+    for pol in ("naive_reuse", "cacheblend", "kvlink"):
+        row = next(ln for ln in summary.splitlines() if ln.strip().startswith(pol))
+        k = int(row.split("same answer")[1].split("/")[0])
+        assert 0 <= k <= 1 and (k == 1) == ("= full" in next(
+            ln for ln in out.splitlines() if ln.strip().startswith(pol) and "TTFT" in ln)), row

@@ -77,7 +77,10 @@ def _open(args, size_limit: int | None = None):
 
     directory = Path(args.cache_dir).expanduser() if args.cache_dir else default_cache_dir()
     if not directory.exists():
-        raise StoreError(f"no KV store at {directory} (the directory does not exist)")
+        hint = "" if args.cache_dir else (
+            "; pass the store's directory with --cache-dir (the cache_dir of your KVRag; kvrag demo and "
+            "bench use a temporary store unless given --cache-dir)")
+        raise StoreError(f"no KV store at {directory} (the directory does not exist){hint}")
     if not directory.is_dir():
         raise StoreError(f"{directory} is not a directory")
     if not (directory / "blobs").is_dir():

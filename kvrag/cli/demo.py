@@ -110,6 +110,8 @@ def _run(args, corpus: dict, policies: list[str], cache_dir: str) -> int:
     instruction = corpus.get("instruction") or DEFAULT_INSTRUCTION
     t0 = time.perf_counter()
     for r in {id(r): r for r in rags.values()}.values():
+        print("chunk KV of the " + ("base model" if r is rag else "KVLink-adapted model (kvlink's own caches)"),
+              flush=True)
         r.precompute(docs, progress=True)
     n_tok = sum(len(rag.chunk_ids(d)) for d in docs)
     print(f"ingested {len(docs)} documents ({n_tok} tokens) in {time.perf_counter() - t0:.1f}s\n")
@@ -117,20 +119,34 @@ def _run(args, corpus: dict, policies: list[str], cache_dir: str) -> int:
     for pol, r in rags.items():
         r.generate(rag_prompt(rag.tokenizer, docs, "warm-up", instruction), policy=pol, max_new_tokens=1)
     ttft = {p: [] for p in policies}
+    print("recomputed = share of the cached (token, layer) pairs the policy computed again "
+          "(layers before its selection count in full); = full: the same answer as full_prefill\n")
+    # full_prefill first: every other answer is compared with its answer.
+    order = sorted(policies, key=lambda p: p != "full_prefill")
+    same = {p: 0 for p in policies}
     for q in corpus["questions"]:
         msgs = rag_prompt(rag.tokenizer, docs, q, instruction)
         print(f"Q: {q}")
-        for pol in policies:
+        reference = None
+        for pol in order:
             out = rags[pol].generate(msgs, policy=pol, max_new_tokens=args.max_new_tokens, stop=["\n"])
-            s = out.stats
+            s, answer = out.stats, out.text.strip()
             ttft[pol].append(s.ttft_s)
+            if pol == "full_prefill":
+                reference = answer
+            agree = reference is not None and pol != "full_prefill" and answer == reference
+            same[pol] += agree
+            cut = "..." if out.finish_reason == "length" else ""
             print(f"  {pol:<13} TTFT {s.ttft_s * 1000:7.0f} ms  cached {s.cached_tokens:5d}  "
-                  f"recomputed {s.recompute_fraction:5.1%}  | {out.text.strip()!r}")
+                  f"recomputed {s.recompute_fraction:5.1%}  | {answer!r}{cut}{'  = full' if agree else ''}")
         print()
     base = sorted(ttft.get("full_prefill", []))
-    print("median TTFT" + (" (speed-up vs full_prefill)" if base else ""))
-    for pol, xs in ttft.items():
-        med = sorted(xs)[len(xs) // 2]
+    n = len(corpus["questions"])
+    print("median TTFT" + (f" (speed-up vs full_prefill; answers equal to full_prefill's, of {n})" if base else ""))
+    for pol in order:
+        xs = sorted(ttft[pol])
+        med = xs[len(xs) // 2]
         ratio = f"  x{base[len(base) // 2] / med:5.1f}" if base and med > 0 else ""
-        print(f"  {pol:<13} {med * 1000:7.0f} ms{ratio}")
+        agree = f"  same answer {same[pol]}/{n}" if base and pol != "full_prefill" else ""
+        print(f"  {pol:<13} {med * 1000:7.0f} ms{ratio}{agree}")
     return 0
