@@ -287,6 +287,21 @@ def resolve_device(device: str | torch.device) -> torch.device:
     return dev
 
 
+def check_config(config, tokenizer=None, where: str = "") -> None:
+    """Refuse, from the config (and tokenizer) alone, a model kvrag cannot run: a model type
+    outside the Llama family, or a tokenizer with more tokens than the model's vocabulary."""
+    from kvrag.arch import SUPPORTED_MODEL_TYPES
+
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ModelLoadError(f"model_type {model_type!r}{where} is not supported (kvrag handles "
+                             f"Llama-family decoders: {', '.join(SUPPORTED_MODEL_TYPES)})")
+    vocab = getattr(config, "vocab_size", None)
+    if tokenizer is not None and isinstance(vocab, int) and len(tokenizer) > vocab:
+        raise ModelLoadError(f"tokenizer has {len(tokenizer)} tokens but the model's vocabulary is {vocab}: "
+                             "they do not belong together")
+
+
 #: Files one of which a local tokenizer directory holds (fast, SentencePiece, BPE vocab).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 
@@ -295,16 +310,12 @@ def _load_hf_dir(directory: Path, dtype: torch.dtype):
     """(model, tokenizer) from a local HF directory, never touching the hub."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from kvrag.arch import SUPPORTED_MODEL_TYPES
-
     # Refusals that need no weights come before loading them (GBs for a real model).
     try:
         config = AutoConfig.from_pretrained(str(directory), local_files_only=True)
     except Exception as e:
         raise ModelLoadError(f"could not read the model config of {directory}: {e}") from e
-    if config.model_type not in SUPPORTED_MODEL_TYPES:
-        raise ModelLoadError(f"model_type {config.model_type!r} of {directory} is not supported (kvrag handles "
-                             f"Llama-family decoders: {', '.join(SUPPORTED_MODEL_TYPES)})")
+    check_config(config, where=f" of {directory}")
     if not any((directory / f).is_file() for f in TOKENIZER_FILES):
         raise ModelLoadError(f"no tokenizer files in {directory} (looked for {', '.join(TOKENIZER_FILES)}); "
                              "save the model's tokenizer there with tokenizer.save_pretrained(DIR)")
@@ -312,10 +323,7 @@ def _load_hf_dir(directory: Path, dtype: torch.dtype):
         tokenizer = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
     except Exception as e:
         raise ModelLoadError(f"could not load the tokenizer from {directory}: {e}") from e
-    vocab = getattr(config, "vocab_size", None)
-    if isinstance(vocab, int) and len(tokenizer) > vocab:
-        raise ModelLoadError(f"tokenizer has {len(tokenizer)} tokens but the model's vocabulary is {vocab}: "
-                             "they do not belong together")
+    check_config(config, tokenizer)
     from transformers.utils import logging as hf_logging
 
     # transformers draws a "Loading weights" bar at every load (a second for SmolLM2): noise in
@@ -463,22 +471,12 @@ class ModelHandle:
     GGUF conversion or read a cached one)."""
 
     def __init__(self, model, tokenizer, *, weight_digest: str, source: str | None = None, load_info=None):
-        from kvrag.arch import SUPPORTED_MODEL_TYPES
-
         config = getattr(model, "config", None)
         if config is None:
             raise ModelLoadError(f"expected a transformers causal LM, got {type(model).__name__}")
-        model_type = getattr(config, "model_type", None)
-        if model_type not in SUPPORTED_MODEL_TYPES or not hasattr(model, "model"):
-            raise ModelLoadError(
-                f"model_type {model_type!r} ({type(model).__name__}) is not supported (kvrag handles "
-                f"Llama-family decoders: {', '.join(SUPPORTED_MODEL_TYPES)})"
-            )
-        if len(tokenizer) > config.vocab_size:
-            raise ModelLoadError(
-                f"tokenizer has {len(tokenizer)} tokens but the model's vocabulary is {config.vocab_size}: "
-                "they do not belong together"
-            )
+        check_config(config, tokenizer, where=f" ({type(model).__name__})")
+        if not hasattr(model, "model"):
+            raise ModelLoadError(f"{type(model).__name__} has no decoder body (.model): not a supported causal LM")
         max_context = getattr(config, "max_position_embeddings", None)
         if not isinstance(max_context, int) or max_context <= 0:
             raise ModelLoadError(f"model config has no usable max_position_embeddings ({max_context!r})")
