@@ -299,7 +299,9 @@ class KVRag:
         The ids are the tokenizer's own for the whole prompt (what ``model.generate`` on the
         tokenized prompt reads), for every policy alike, ``full_prefill`` included. A chunk
         found in the prompt text is served from the cache only where that tokenization holds
-        exactly the chunk's ids (``chunk_ids``) on its characters. Where the two tokenizations
+        exactly the chunk's ids (``chunk_ids``) on its characters; a chunk the prompt holds only
+        in part (cut, or without its edge whitespace: ``Segmenter(partial=True)``) is served
+        for the tokens it shares on that part (``chunks_partial``). Where the two tokenizations
         part at the chunk's edges — its last token merges with the next line break, its first
         with a preceding space (" The" after "Context:") — only the run of tokens they share is
         reused and the edge tokens are computed (``_match``); a chunk they share no run of is

@@ -135,7 +135,11 @@ class Segmenter:
     ``texts`` maps store key -> chunk text. Several keys may share one text; the most recently
     added key wins, and removing it falls back to the previous one still registered.
     Thread-safe: ``split`` may run in several threads while another ``add``s; the automaton is
-    (re)built lazily, under the lock, by the first ``split`` after a change."""
+    (re)built lazily, under the lock, by the first ``split`` after a change.
+
+    ``partial``: also match a text the prompt holds only in part (see ``split``);
+    ``min_partial_chars``: the shortest cut match taken (>= ``anchor_chars``, below which a
+    cut text could not be found by its anchor)."""
 
     # The delta automaton is rebuilt on each split after a change, the main one only when the
     # delta passes ~DELTA_FACTOR*sqrt(N) texts: that balances the per-query delta rebuild
