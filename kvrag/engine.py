@@ -173,7 +173,9 @@ class KVRag:
         self.policy = pol
         self.ingest_policies = ingest
         self.engine = FusionEngine(self.arch)
-        self.segmenter = Segmenter()
+        # Partial matches: a chunk the framework cut or whose edge whitespace it trimmed is
+        # still served for the tokens the prompt shares with it (kvrag.segment).
+        self.segmenter = Segmenter(partial=True)
         self.query_tokens = query_tokens
         self._newline_ids = self.handle.encode("\n")
         self.eos = eos_ids(self.handle.model, self.tokenizer)
@@ -297,7 +299,9 @@ class KVRag:
         The ids are the tokenizer's own for the whole prompt (what ``model.generate`` on the
         tokenized prompt reads), for every policy alike, ``full_prefill`` included. A chunk
         found in the prompt text is served from the cache only where that tokenization holds
-        exactly the chunk's ids (``chunk_ids``) on its characters. Where the two tokenizations
+        exactly the chunk's ids (``chunk_ids``) on its characters; a chunk the prompt holds only
+        in part (cut, or without its edge whitespace: ``Segmenter(partial=True)``) is served
+        for the tokens it shares on that part (``chunks_partial``). Where the two tokenizations
         part at the chunk's edges — its last token merges with the next line break, its first
         with a preceding space (" The" after "Context:") — only the run of tokens they share is
         reused and the edge tokens are computed (``_match``); a chunk they share no run of is
@@ -330,10 +334,12 @@ class KVRag:
                 if entry is None:
                     stats.chunks_missed += 1  # evicted/corrupt: fall back to computing it
                     continue
-                j, k, m = self._match(entry, start, end, ids, offsets, starts, tok)
+                j, k, m = self._match(entry, start, end, ids, offsets, starts, tok, seg.offset)
                 if m == 0:
                     stats.chunks_unaligned += 1
                     continue
+                if seg.partial:
+                    stats.chunks_partial += 1
                 if m < entry.token_ids.numel():
                     entry = entry.span(k, k + m)
                 stats.bytes_loaded += entry.nbytes
@@ -351,30 +357,50 @@ class KVRag:
         return pieces, stats
 
     def _match(self, entry, start: int, end: int, ids: list[int], offsets: list[tuple[int, int]],
-               starts: list[int], lo: int) -> tuple[int, int, int]:
-        """Where the prompt's tokens reuse ``entry``, a chunk found at characters [start, end):
-        prompt tokens ``j..j+m-1`` are its tokens ``k..k+m-1`` (m = 0: nowhere). ``ids`` /
-        ``offsets`` / ``starts``: the prompt's tokens, their character spans and span starts;
-        ``lo``: the first token not placed yet."""
+               starts: list[int], lo: int, offset: int = 0) -> tuple[int, int, int]:
+        """Where the prompt's tokens reuse ``entry``, whose characters ``offset ..`` were found
+        at the prompt's characters [start, end): prompt tokens ``j..j+m-1`` are its tokens
+        ``k..k+m-1`` (m = 0: nowhere). ``ids`` / ``offsets`` / ``starts``: the prompt's tokens,
+        their character spans and span starts; ``lo``: the first token not placed yet."""
         chunk = entry.token_ids.tolist()
         j, k = bisect.bisect_left(starts, start, lo=lo), 0
-        if j > 0 and offsets[j - 1][1] > start:
-            # The chunk's first token merged with what precedes it (" The" after "Context:"):
-            # resume at the first token boundary both tokenizations share; the tokens there on
-            # are the chunk's (their K/V were computed behind its own first word).
-            enc = self.tokenizer(entry.text, add_special_tokens=False, return_offsets_mapping=True)
-            if list(enc["input_ids"]) != chunk:
+        if offset or (j > 0 and offsets[j - 1][1] > start):
+            # The chunk's first token merged with what precedes it (" The" after "Context:"),
+            # or the prompt holds the chunk from a later character on (its leading whitespace
+            # trimmed): resume at the first token boundary both tokenizations share; the
+            # tokens there on are the chunk's (their K/V were computed behind the chunk's own
+            # beginning).
+            starts_in_chunk = self._chunk_token_starts(entry.text, chunk)
+            if starts_in_chunk is None:
                 return j, 0, 0
-            at = {s: i for i, (s, _) in reversed(list(enumerate(enc["offset_mapping"])))}
-            while j < len(ids) and starts[j] < end and starts[j] - start not in at:
+            at = {s: i for i, s in reversed(list(enumerate(starts_in_chunk)))}
+            while j < len(ids) and starts[j] < end and starts[j] - start + offset not in at:
                 j += 1
             if j >= len(ids) or starts[j] >= end:
                 return j, 0, 0
-            k = at[starts[j] - start]
+            k = at[starts[j] - start + offset]
         m = 0
+        # Equal ids from one shared boundary on cover equal characters, so a run that ends
+        # inside [start, end) in the prompt ends inside the matched part of the chunk: a cut
+        # chunk is served only up to its last whole token the prompt holds.
         while k + m < len(chunk) and j + m < len(ids) and ids[j + m] == chunk[k + m] and offsets[j + m][1] <= end:
             m += 1
         return j, k, m
+
+    def _chunk_token_starts(self, text: str, chunk: list[int]) -> list[int] | None:
+        """The character where each of a stored chunk's tokens (``chunk``, spelled as
+        ``chunk_ids`` spells it) starts in ``text``; None if no tokenization of the text gives
+        exactly these ids (then no token boundary of it can be trusted)."""
+        enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        if list(enc["input_ids"]) == chunk:
+            return [s for s, _ in enc["offset_mapping"]]
+        # Spelled after a line break (SentencePiece tokenizers, without the first-word mark).
+        nl = self._newline_ids
+        enc = self.tokenizer("\n" + text, add_special_tokens=False, return_offsets_mapping=True)
+        ids = list(enc["input_ids"])
+        if nl and ids[:len(nl)] == nl and ids[len(nl):] == chunk:
+            return [max(s - 1, 0) for s, _ in enc["offset_mapping"][len(nl):]]
+        return None
 
     def prefill(self, prompt: str | Sequence[dict], policy: str | Policy | None = None, **policy_params):
         """Fused prefill of a prompt. Returns (FusionResult or HF output wrapper, stepper, stats)."""
@@ -404,6 +430,7 @@ class KVRag:
         stats.chunks_hit = sum(p.kind == CACHED for p in pieces)
         stats.chunks_missed = seg_stats.chunks_missed
         stats.chunks_unaligned = seg_stats.chunks_unaligned
+        stats.chunks_partial = seg_stats.chunks_partial
         stats.bytes_loaded = seg_stats.bytes_loaded
         stats.load_s = t_load - t0
         if logits.is_cuda:  # kernels run asynchronously: wait for the logits before the clock

@@ -8,6 +8,17 @@ because its stored K/V belong to exactly those tokens.
 
 Matching rule: non-overlapping, leftmost-first, and at one start the longest registered text.
 
+Partial matches (``Segmenter(partial=True)``, what ``KVRag`` uses): frameworks hand over chunk
+texts that are *almost* the registered ones -- cut to fit a context window (LlamaIndex repacking,
+a ``[:n]`` in a format function), or with their edge whitespace trimmed (``strip()`` in a
+format function or a synthesizer, a chat template's ``| trim``). Whole-text matching loses the
+whole chunk then. In partial mode a registered text also matches where the prompt holds only
+its beginning (a prefix of at least ``min_partial_chars`` characters, or all of its
+non-whitespace content), and its leading whitespace may be missing. The segment then says
+which characters of the chunk it holds (``offset``) and that it is ``partial``; the engine
+serves only the chunk tokens the prompt's own tokenization shares on those characters. A prefix
+of a chunk is exact reuse: a token's K/V depend only on the tokens before it.
+
 Why not ``Automaton.iter_long``: in pyahocorasick 2.3.1 it drops matches (e.g. patterns
 ``{"b", "abb"}`` on ``"xab"`` find nothing: it follows the ``ab…`` path, hits the end, and never
 falls back to ``b``), so we take every occurrence from ``iter()`` and pick leftmost-longest
@@ -35,37 +46,57 @@ __all__ = ["Segment", "Segmenter", "render_messages"]
 
 @dataclass(frozen=True)
 class Segment:
-    """One piece of a prompt: ``key`` is the store key of a cached chunk, None for plain text."""
+    """One piece of a prompt: ``key`` is the store key of a cached chunk, None for plain text.
+
+    A cached segment's ``text`` is the chunk's characters ``offset .. offset + len(text)``;
+    ``partial``: the prompt holds only that part of the chunk (a partial match), not all of it."""
 
     text: str
     key: str | None = None
+    offset: int = 0
+    partial: bool = False
 
     @property
     def cached(self) -> bool:
         return self.key is not None
 
 
+def _lead(text: str) -> int:
+    """Length of ``text``'s leading whitespace."""
+    return len(text) - len(text.lstrip())
+
+
 class _Index:
     """An immutable Aho-Corasick automaton over the anchors of a fixed set of texts.
 
-    ``groups[i] = (anchor_len, texts)``: the texts sharing anchor ``i``, longest first. Never
-    mutated after construction (pyahocorasick invalidates running iterators on mutation)."""
+    ``groups[i] = (anchor_len, members)``: the ``(text, offset)`` variants sharing anchor
+    ``i``, longest ``text[offset:]`` first. A text's variant at offset 0 is the text itself; in
+    partial mode a text with leading whitespace also gets one at the end of that whitespace (the
+    text as a ``strip()`` leaves it), and anchors stop before trailing whitespace, so a text
+    whose trailing whitespace was cut is still found. Never mutated after construction
+    (pyahocorasick invalidates running iterators on mutation)."""
 
     __slots__ = ("automaton", "groups", "texts")
 
-    def __init__(self, texts, anchor_chars: int):
+    def __init__(self, texts, anchor_chars: int, partial: bool = False):
         self.texts = frozenset(texts)
-        by_anchor: dict[str, list[str]] = {}
+        by_anchor: dict[str, list[tuple[str, int]]] = {}
         for t in self.texts:
-            by_anchor.setdefault(t[:anchor_chars], []).append(t)
-        self.groups: list[tuple[int, tuple[str, ...]]] = []
+            if not partial:
+                by_anchor.setdefault(t[:anchor_chars], []).append((t, 0))
+                continue
+            lead = _lead(t)
+            core = len(t.rstrip())  # the anchor must not need trailing whitespace
+            for off in ((0, lead) if lead else (0,)):
+                by_anchor.setdefault(t[off:off + min(anchor_chars, core - off)], []).append((t, off))
+        self.groups: list[tuple[int, tuple[tuple[str, int], ...]]] = []
         self.automaton = None
         if not by_anchor:
             return
         # STORE_INTS keeps one machine int per word instead of a Python object.
         a = ahocorasick.Automaton(ahocorasick.STORE_INTS)
         for anchor, members in by_anchor.items():
-            members.sort(key=len, reverse=True)
+            members.sort(key=lambda m: len(m[0]) - m[1], reverse=True)
             a.add_word(anchor, len(self.groups))
             self.groups.append((len(anchor), tuple(members)))
         a.make_automaton()
@@ -74,7 +105,7 @@ class _Index:
     def __len__(self) -> int:
         return len(self.texts)
 
-    def candidates(self, prompt: str, out: dict[int, list[tuple[str, ...]]]) -> None:
+    def candidates(self, prompt: str, out: dict[int, list[tuple[tuple[str, int], ...]]]) -> None:
         """Append, per start offset in ``prompt``, the text groups whose anchor occurs there."""
         if self.automaton is None:
             return
@@ -104,7 +135,11 @@ class Segmenter:
     ``texts`` maps store key -> chunk text. Several keys may share one text; the most recently
     added key wins, and removing it falls back to the previous one still registered.
     Thread-safe: ``split`` may run in several threads while another ``add``s; the automaton is
-    (re)built lazily, under the lock, by the first ``split`` after a change."""
+    (re)built lazily, under the lock, by the first ``split`` after a change.
+
+    ``partial``: also match a text the prompt holds only in part (see ``split``);
+    ``min_partial_chars``: the shortest cut match taken (>= ``anchor_chars``, below which a
+    cut text could not be found by its anchor)."""
 
     # The delta automaton is rebuilt on each split after a change, the main one only when the
     # delta passes ~DELTA_FACTOR*sqrt(N) texts: that balances the per-query delta rebuild
@@ -112,16 +147,23 @@ class Segmenter:
     DELTA_MIN = 256
     DELTA_FACTOR = 4
 
-    def __init__(self, texts: Mapping[str, str] | None = None, *, anchor_chars: int = 32):
+    def __init__(self, texts: Mapping[str, str] | None = None, *, anchor_chars: int = 32,
+                 partial: bool = False, min_partial_chars: int = 64):
         if not isinstance(anchor_chars, int) or anchor_chars < 1:
             raise ValueError(f"anchor_chars must be an int >= 1, got {anchor_chars!r}")
+        if not isinstance(min_partial_chars, int) or min_partial_chars < anchor_chars:
+            # Below the anchor length a partial match could not be found by its anchor.
+            raise ValueError(f"min_partial_chars must be an int >= anchor_chars ({anchor_chars}), "
+                             f"got {min_partial_chars!r}")
         self.anchor_chars = anchor_chars
+        self.partial = bool(partial)
+        self.min_partial_chars = min_partial_chars
         self._lock = threading.Lock()
         self._key_text: dict[str, str] = {}
         # text -> its keys in add order (dict as an ordered set); the last one is the winner.
         self._text_keys: dict[str, dict[str, None]] = {}
-        self._main = _Index((), anchor_chars)
-        self._delta = _Index((), anchor_chars)
+        self._main = _Index((), anchor_chars, self.partial)
+        self._delta = _Index((), anchor_chars, self.partial)
         self._delta_texts: set[str] = set()   # live texts not in the main index
         self._stale = 0                       # texts in the main index that are no longer live
         self._delta_dirty = False
@@ -209,13 +251,13 @@ class Segmenter:
         n = len(self._main)
         cap = max(self.DELTA_MIN, self.DELTA_FACTOR * math.isqrt(n))
         if len(self._delta_texts) > cap or self._stale > max(self.DELTA_MIN, n // 2):
-            self._main = _Index(self._text_keys.keys(), self.anchor_chars)
-            self._delta = _Index((), self.anchor_chars)
+            self._main = _Index(self._text_keys.keys(), self.anchor_chars, self.partial)
+            self._delta = _Index((), self.anchor_chars, self.partial)
             self._delta_texts.clear()
             self._stale = 0
             self._delta_dirty = False
         elif self._delta_dirty:
-            self._delta = _Index(self._delta_texts, self.anchor_chars)
+            self._delta = _Index(self._delta_texts, self.anchor_chars, self.partial)
             self._delta_dirty = False
 
     # ---- search ----------------------------------------------------------------------
@@ -224,12 +266,20 @@ class Segmenter:
 
         Cached segments are the registered texts found verbatim, non-overlapping,
         leftmost-first and longest at one start; plain text between them is one segment; no
-        segment is empty (an empty prompt gives ``[]``)."""
+        segment is empty (an empty prompt gives ``[]``).
+
+        Partial mode (``partial=True``): at a start, a registered text ``t`` also matches
+        ``t[o:]`` (``o``: 0, or the end of ``t``'s leading whitespace) where the prompt holds
+        only a prefix of it, of at least ``min(min_partial_chars, len(t[o:].rstrip()))``
+        characters (a cut chunk, or one whose edge whitespace was trimmed). The longest match
+        at a start, not counting its trailing whitespace, wins; among equally long ones one at
+        offset 0, then a whole ``t[o:]`` over a cut one, then the shorter text, then the
+        smaller one (so the choice never depends on the order texts were added)."""
         if not isinstance(prompt, str):
             raise TypeError(f"prompt must be a str, got {type(prompt).__name__}")
         with self._lock:
             self._refresh()
-            cands: dict[int, list[tuple[str, ...]]] = {}
+            cands: dict[int, list[tuple[tuple[str, int], ...]]] = {}
             self._main.candidates(prompt, cands)
             self._delta.candidates(prompt, cands)
             live = self._text_keys
@@ -238,24 +288,70 @@ class Segmenter:
             for start in sorted(cands):
                 if start < pos:
                     continue  # inside the match just taken: matches never overlap
-                best = None
-                for members in cands[start]:
-                    for t in members:  # longest first: the first exact hit is this group's best
-                        if best is not None and len(t) <= len(best):
-                            break
-                        # `in live` drops texts removed since the main automaton was built.
-                        if t in live and prompt.startswith(t, start):
-                            best = t
-                            break
+                best = self._best(prompt, start, cands[start], live) if self.partial else \
+                    self._best_whole(prompt, start, cands[start], live)
                 if best is None:
                     continue
+                t, off, n = best
                 if start > pos:
                     out.append(Segment(prompt[pos:start]))
-                out.append(Segment(best, next(reversed(live[best]))))
-                pos = start + len(best)
+                whole = off == 0 and n == len(t)
+                out.append(Segment(prompt[start:start + n] if not whole else t, next(reversed(live[t])),
+                                   off, not whole))
+                pos = start + n
             if pos < len(prompt):
                 out.append(Segment(prompt[pos:]))
             return out
+
+    @staticmethod
+    def _best_whole(prompt, start, groups, live):
+        best = None
+        for members in groups:
+            for t, _ in members:  # longest first: the first exact hit is this group's best
+                if best is not None and len(t) <= len(best):
+                    break
+                # `in live` drops texts removed since the main automaton was built.
+                if t in live and prompt.startswith(t, start):
+                    best = t
+                    break
+        return None if best is None else (best, 0, len(best))
+
+    def _best(self, prompt, start, groups, live):
+        """The (text, offset, matched chars) that wins at ``start`` in partial mode."""
+        best, best_rank = None, None
+        for members in groups:
+            for t, off in members:
+                if t not in live:
+                    continue
+                full = len(t) - off
+                if best_rank is not None and full < best_rank[0]:
+                    break  # longest first: no later member of this group can match more
+                if prompt.startswith(t[off:] if off else t, start):
+                    n, whole = full, 1
+                else:
+                    n, whole = _common_prefix(prompt, start, t, off), 0
+                    if n < min(self.min_partial_chars, len(t[off:].rstrip())):
+                        continue
+                # Trailing whitespace a match takes along does not make it better: a text
+                # registered both bare and padded ("\n\nX\n") is served bare where the prompt
+                # holds it bare, from its own first character (off == 0: K/V computed in the
+                # exact context), whole before cut.
+                rank = (len(prompt[start:start + n].rstrip()), off == 0, whole, -len(t))
+                if best_rank is None or rank > best_rank or (rank == best_rank and t < best[0]):
+                    best, best_rank = (t, off, n), rank
+        return best
+
+
+def _common_prefix(prompt: str, start: int, text: str, off: int) -> int:
+    """How many characters of ``text[off:]`` ``prompt`` holds from ``start`` on."""
+    lo, hi = 0, min(len(text) - off, len(prompt) - start)
+    while lo < hi:  # binary search on "prompt holds text[off:off+mid]" (C-speed compares)
+        mid = (lo + hi + 1) // 2
+        if prompt.startswith(text[off:off + mid], start):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 def render_messages(tokenizer, messages: Sequence[Mapping]) -> str:

@@ -146,6 +146,81 @@ def test_chunk_edges_the_prompt_tokenizes_otherwise_are_computed(rag, handle):
     assert exact.token_ids == full.token_ids and exact.stats.chunks_hit == 3
 
 
+def served(rag, prompt):
+    """(key, span, ids) of each cached piece of ``prompt``; checks that the pieces spell the
+    prompt's own ids and that each cached piece's ids are its chunk's ids on its span."""
+    pieces, stats = rag.pieces(prompt)
+    ids = [t for p in pieces for t in p.token_ids.tolist()]
+    assert ids == rag.tokenizer(prompt)["input_ids"]
+    out = []
+    for p in pieces:
+        if p.entry is not None:
+            a, b = p.span
+            assert p.token_ids.tolist() == rag.chunk_ids(p.entry.text)[a:b]
+            out.append((p.key, p.span, p.token_ids.tolist()))
+    return out, stats
+
+
+def test_a_chunk_cut_by_the_framework_is_served_for_its_prefix(rag, handle):
+    """A framework that cuts a chunk to fit its window (LlamaIndex repacking, a ``[:n]`` in a
+    format function) leaves the chunk's beginning in the prompt: its tokens are served from
+    the cache -- exactly, a token's K/V depending only on the tokens before it -- up to the
+    last whole token the prompt shares with the chunk; the rest of the prompt is computed."""
+    long_doc = DOCS[0] + " Its den is dug under the roots of old oaks, and a litter of cubs is born in spring."
+    rag.precompute([long_doc, DOCS[1]])
+    cut = long_doc[:100]  # ends inside a word ("...old oa")
+    assert not cut.endswith(" ") and long_doc[100] != " "
+    prompt = "Context:\n" + cut + "\n\n" + DOCS[1] + "\n\nQuestion: where?"
+    pieces, stats = served(rag, prompt)
+    assert stats.chunks_partial == 1 and stats.chunks_unaligned == 0
+    (k0, span0, ids0), (k1, span1, _) = pieces
+    assert k0 == rag.chunk_key(long_doc) and span0[0] == 0
+    # Up to the last token wholly inside the cut: " oa" is not the chunk's " oaks".
+    assert ids0 == rag.chunk_ids(long_doc)[:span0[1]] and rag.tokenizer.decode(ids0) == cut[:cut.rfind(" ")]
+    assert k1 == rag.chunk_key(DOCS[1]) and span1 == (0, len(rag.chunk_ids(DOCS[1])))
+    full = rag.generate(prompt, policy="full_prefill", max_new_tokens=8)
+    exact = rag.generate(prompt, policy="cacheblend", recompute_ratio=1.0, max_new_tokens=8)
+    assert exact.stats.chunks_hit == 2 and exact.stats.chunks_partial == 1
+    assert exact.prompt_ids == full.prompt_ids and exact.token_ids == full.token_ids
+    # Less than 64 characters of it left: not worth a load, computed.
+    _, stats = served(rag, "Context:\n" + long_doc[:50] + "\nQ?")
+    assert stats.chunks_partial == 0
+
+
+def test_a_chunk_whose_edge_whitespace_was_trimmed_is_served(rag, handle):
+    """Documents often carry leading/trailing whitespace (loaders, hand-made chunks) and chains
+    or chat templates strip it (``d.page_content.strip()``, Llama 3's ``| trim``): the chunk is
+    served from its first non-whitespace token on, and never beyond the prompt's text."""
+    padded = "\n\n" + DOCS[2] + "  \n\n"
+    spaced = "\n\t " + DOCS[0] + "\n"
+    rag.precompute([padded, spaced])
+    prompt = "Context:\n" + padded.strip() + "\n" + spaced.strip() + "\nQuestion: where?"
+    pieces, stats = served(rag, prompt)
+    assert stats.chunks_partial == 2 and len(pieces) == 2
+    (key, (a, b), ids), (key2, (a2, _), ids2) = pieces
+    assert key == rag.chunk_key(padded) and a > 0
+    assert rag.tokenizer.decode(ids) == DOCS[2]
+    # Stored, its first word was " The" (merged with the space before it); the prompt's "The"
+    # is another token: served from the next shared boundary on (to its own "\n", which the
+    # prompt has too).
+    assert key2 == rag.chunk_key(spaced) and rag.tokenizer.decode(ids2) == DOCS[0][len("The"):] + "\n"
+    full = rag.generate(prompt, policy="full_prefill", max_new_tokens=8)
+    exact = rag.generate(prompt, policy="cacheblend", recompute_ratio=1.0, max_new_tokens=8)
+    assert exact.stats.chunks_hit == 2 and exact.token_ids == full.token_ids
+
+
+def test_a_different_chunk_sharing_a_beginning_is_served_only_where_equal(rag, handle):
+    """Two versions of a text that part after their first sentence: only the shared tokens
+    come from the cache, the rest is the prompt's own text, computed."""
+    v1 = DOCS[1] + " It was first climbed in 1871 by three guides from Oster."
+    v2 = DOCS[1] + " It has never been climbed in winter, the guides of Oster say."
+    rag.precompute([v1])
+    pieces, stats = served(rag, "Context:\n" + v2 + "\nQ?")
+    (key, (a, b), ids), = pieces
+    assert key == rag.chunk_key(v1) and a == 0 and stats.chunks_partial == 1
+    assert rag.tokenizer.decode(ids) == DOCS[1] + " It"
+
+
 def sentencepiece_style_tokenizer():
     """A character-level tokenizer that marks the first word of a text as Llama 2 / Mistral's
     SentencePiece tokenizers do (normalizer: prepend "▁", spaces -> "▁")."""

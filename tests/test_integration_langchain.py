@@ -210,6 +210,25 @@ def test_in_memory_store_add_documents_schedules_each_text_once(embed, llm):
     assert sorted(d.page_content for d in store.similarity_search(QUESTION, k=4)) == sorted(TEXTS)
 
 
+def test_chains_that_strip_or_cut_documents_still_hit(embed, llm):
+    """Loaders leave whitespace around page_content; a chain that strips it, or cuts long
+    documents to a budget, no longer holds the stored text whole. The chunks are still served,
+    for the tokens the prompt shares with them (counted in ``chunks_partial``)."""
+    from langchain_core.vectorstores import InMemoryVectorStore
+
+    store = precompute_on_add(InMemoryVectorStore(embed), llm)
+    store.add_documents([Document(page_content=f"\n\n{t}\n  \n") for t in TEXTS])
+    assert llm.precomputer.wait_until_idle(timeout=120)
+    retriever = store.as_retriever(search_kwargs={"k": 3})
+    for fmt in (lambda docs: "\n\n".join(d.page_content.strip() for d in docs),
+                lambda docs: "\n\n".join(d.page_content.strip()[:64] for d in docs)):
+        chain = {"context": retriever | fmt, "question": RunnablePassthrough()} | PROMPT | llm
+        msg = chain.invoke(QUESTION)
+        s = msg.response_metadata["kvrag_stats"]
+        assert s["chunks_hit"] == 3 and s["chunks_partial"] == 3 and s["chunks_unaligned"] == 0
+        assert msg.usage_metadata["input_token_details"]["cache_read"] > 0
+
+
 def test_stop_given_as_one_string_is_one_stop_string(llm):
     """``stop="ab"`` is the string "ab", not the letters "a" and "b" (``list("ab")``)."""
     full = llm.invoke("Hi", max_new_tokens=8).content

@@ -288,11 +288,12 @@ def test_concurrent_add_and_split():
 
 
 # ---- scale -----------------------------------------------------------------------------
-def test_100k_chunks():
+@pytest.mark.parametrize("partial", [False, True])
+def test_100k_chunks(partial):
     rng = random.Random(7)
     alphabet = string.ascii_letters + string.digits + " .,"
     texts = {f"key{i}": "".join(rng.choices(alphabet, k=30)) for i in range(100_000)}
-    seg = Segmenter(texts)
+    seg = Segmenter(texts, partial=partial)
     assert len(seg) == 100_000
     planted = [f"key{i}" for i in rng.sample(range(100_000), 20)]
     # Filler from characters no chunk contains, so the only matches are the planted ones.
@@ -366,3 +367,121 @@ def test_render_messages_errors():
     # A template refusal that folding the system message cannot fix is named, not swallowed.
     with pytest.raises(ValueError, match="refused.*user/assistant"):
         render_messages(_tiny_tokenizer(NO_SYSTEM_TEMPLATE), [{"role": "tool", "content": "x"}])
+
+
+# ---- partial mode: cut chunks and trimmed edge whitespace ---------------------------------
+def reference_split_partial(texts: dict[str, str], prompt: str, min_partial: int) -> list[Segment]:
+    """Brute force of the partial-mode contract (``Segmenter.split`` docstring): at each offset,
+    every live text ``t`` at offset 0 and, if it has leading whitespace, at the end of it,
+    matched whole or by a prefix of >= min(min_partial, len(t[o:].rstrip())) characters; best =
+    longest match not counting trailing whitespace, then offset 0, then whole, then shorter
+    text, then smaller text."""
+    winner = {}
+    for k, t in texts.items():
+        winner[t] = k
+    out, plain, pos = [], [], 0
+    while pos < len(prompt):
+        best, best_rank = None, None
+        for t in winner:
+            lead = len(t) - len(t.lstrip())
+            for off in ((0, lead) if lead else (0,)):
+                rest = t[off:]
+                n = 0
+                while n < len(rest) and pos + n < len(prompt) and prompt[pos + n] == rest[n]:
+                    n += 1
+                whole = n == len(rest)
+                if not whole and n < min(min_partial, len(rest.rstrip())):
+                    continue
+                if n == 0:
+                    continue
+                rank = (len(prompt[pos:pos + n].rstrip()), off == 0, whole, -len(t))
+                if best is None or rank > best_rank or (rank == best_rank and t < best[0]):
+                    best, best_rank = (t, off, n), rank
+        if best is None:
+            plain.append(prompt[pos])
+            pos += 1
+            continue
+        if plain:
+            out.append(Segment("".join(plain)))
+            plain = []
+        t, off, n = best
+        exact = off == 0 and n == len(t)
+        out.append(Segment(prompt[pos:pos + n], winner[t], off, not exact))
+        pos += n
+    if plain:
+        out.append(Segment("".join(plain)))
+    return out
+
+
+def test_partial_mode_serves_a_cut_chunk_and_a_stripped_one():
+    chunk = "Mount Kelvar is the tallest peak of the Arden range, at 4,210 metres high."
+    padded = "\n\n  The river Lenne flows from the Varn Mountains to the eastern sea.\n"
+    seg = Segmenter({"k": chunk, "p": padded}, partial=True)
+    # Cut by a framework to fit a window (the first 40 characters are left, below 64: no match).
+    cut = chunk[:70]
+    assert seg.split(f"ctx: {cut}\nQ") == [Segment("ctx: "), Segment(cut, "k", 0, True), Segment("\nQ")]
+    assert all(not s.cached for s in seg.split(f"ctx: {chunk[:40]}\nQ"))
+    # strip()ped: found from the end of its leading whitespace on, trailing whitespace missing.
+    core = padded.strip()
+    assert seg.split(f"ctx: {core}") == [Segment("ctx: "), Segment(core, "p", 4, True)]
+    # Whole, as registered: an ordinary match.
+    assert seg.split(f"[{padded}]") == [Segment("["), Segment(padded, "p"), Segment("]")]
+    # A short chunk is matched partially only for all of its non-whitespace content.
+    short = Segmenter({"s": "\tShort chunk text.\n\n"}, partial=True)
+    assert short.split("x Short chunk text. y") == [Segment("x "), Segment("Short chunk text.", "s", 1, True),
+                                                     Segment(" y")]
+    assert all(not s.cached for s in short.split("x Short chunk tex y"))
+    # Off by default: whole texts only.
+    assert all(not s.cached for s in Segmenter({"k": chunk}).split(cut))
+
+
+def test_partial_mode_prefers_the_bare_text_and_whole_chunks():
+    bare = "The red fox lives in the northern forest and hunts small rodents at dawn."
+    seg = Segmenter({"padded": "  \n" + bare + "\n\n", "bare": bare}, partial=True)
+    # Both match as much non-whitespace text: the one registered bare, at its own offset 0.
+    assert seg.split(f"A\n{bare}\n\nB") == [Segment("A\n"), Segment(bare, "bare"), Segment("\n\nB")]
+    # A longer chunk cut in the prompt still beats a shorter whole one at the same start.
+    long_ = bare + " Its den is dug under the roots of old oaks, and cubs are born in spring."
+    seg2 = Segmenter({"bare": bare, "long": long_}, partial=True)
+    cut = long_[:len(bare) + 30]
+    assert seg2.split(cut) == [Segment(cut, "long", 0, True)]
+
+
+def test_min_partial_chars_is_checked():
+    with pytest.raises(ValueError, match="min_partial_chars"):
+        Segmenter(anchor_chars=32, min_partial_chars=10, partial=True)
+
+
+@pytest.mark.parametrize("anchor_chars", [1, 3, 8])
+def test_random_prompts_match_reference_partial(anchor_chars):
+    rng = random.Random(99 + anchor_chars)
+    alphabet = "ab c\n"
+    min_partial = max(anchor_chars, 4)
+    seg = Segmenter(anchor_chars=anchor_chars, partial=True, min_partial_chars=min_partial)
+    seg.DELTA_MIN = 3
+    seg.DELTA_FACTOR = 1
+    live: dict[str, str] = {}
+    for _ in range(500):
+        if rng.random() < 0.4 or not live:
+            text = "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 9)))
+            if not text.strip():
+                continue
+            key = f"k{rng.randint(0, 20)}"
+            seg.add(key, text)
+            live.pop(key, None)
+            live[key] = text
+        elif rng.random() < 0.3:
+            key = rng.choice(list(live))
+            seg.remove(key)
+            del live[key]
+        prompt = "".join(rng.choice(alphabet + "xz") for _ in range(rng.randint(0, 30)))
+        if live and rng.random() < 0.7:  # plant registered texts, some cut or stripped
+            parts = [prompt]
+            for _ in range(rng.randint(1, 3)):
+                t = rng.choice(list(live.values()))
+                t = rng.choice([t, t.strip(), t.lstrip(), t[:rng.randint(1, len(t))]])
+                parts.insert(rng.randint(0, len(parts)), t)
+            prompt = "".join(parts)
+        segs = seg.split(prompt)
+        check_invariants(segs, prompt)
+        assert segs == reference_split_partial(live, prompt, min_partial), (prompt, live)
