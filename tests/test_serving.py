@@ -1,0 +1,128 @@
+"""Serving one KVRag concurrently: queries from many threads and from asyncio, with ingestion
+running at the same time. Tiny random-weight models; answers under concurrency must equal
+the sequential (greedy) ones."""
+import asyncio
+import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from kvrag.engine import KVRag
+from kvrag.precompute import Precomputer
+from kvrag.segment import Segmenter
+from kvrag.testing import tiny_llama
+
+DOCS = [
+    "The red fox lives in the northern forest and hunts small rodents at dawn.",
+    "Mount Kelvar is the tallest peak of the Arden range, at 4,210 metres.",
+    "The river Lenne flows from the Varn Mountains to the eastern sea.",
+    "Queen Ilsa founded the harbour town of Brisk in the year 1204.",
+]
+
+
+def prompt_for(docs, question="Where does the red fox live?"):
+    return "Answer from the passages.\n\n" + "\n\n".join(docs) + f"\n\nQuestion: {question}\nAnswer:"
+
+
+@pytest.fixture(scope="module")
+def handle():
+    return tiny_llama(seed=0)
+
+
+@pytest.fixture
+def rag(handle, tmp_path):
+    return KVRag(handle, cache_dir=tmp_path / "kv")
+
+
+# ---- ingestion while queries run -----------------------------------------------------------
+def test_segmenter_update_since_keeps_keys_added_after_the_snapshot():
+    seg = Segmenter({"k1": "alpha beta", "k2": "gamma delta"})
+    since = seg.version()
+    snapshot = {"k1": "alpha beta"}  # read before k3 was added, and after k2 was evicted
+    seg.add("k3", "epsilon zeta")
+    seg.update(snapshot, since=since)
+    assert [s.key for s in seg.split("alpha beta | gamma delta | epsilon zeta") if s.key] == ["k1", "k3"]
+    seg.update(snapshot)  # without since: exactly the snapshot
+    assert [s.key for s in seg.split("alpha beta | epsilon zeta") if s.key] == ["k1"]
+
+
+def test_chunk_stored_while_a_query_rereads_the_index_is_found_by_the_next_query(handle, tmp_path):
+    # A query re-reads the store's text index; meanwhile the precompute worker stores chunk
+    # B and registers it. The query's older snapshot must not unregister B: the next query
+    # (before the next re-read) has to find it.
+    rag = KVRag(handle, cache_dir=tmp_path / "kv", refresh_s=3600)
+    rag.precompute([DOCS[0]])
+    real_texts = rag.store.texts
+    stored_meanwhile = []
+
+    def texts(fingerprint):
+        snapshot = real_texts(fingerprint)
+        if not stored_meanwhile:
+            stored_meanwhile.append(rag.precompute([DOCS[1]]))  # the worker, between read and update
+        return snapshot
+
+    rag.store.texts = texts
+    assert rag.generate(prompt_for([DOCS[0]]), max_new_tokens=2).stats.chunks_hit == 1
+    assert stored_meanwhile
+    out = rag.generate(prompt_for([DOCS[1]]), max_new_tokens=2)
+    assert out.stats.chunks_hit == 1 and out.stats.chunks_missed == 0
+
+
+# ---- async ingestion must not block the event loop -------------------------------------------
+def _event_loop_runs_while_ingestion_waits_for_room(rag, add):
+    """``add(pc)``: a coroutine that ingests DOCS[0] and DOCS[1] through an async hook with
+    ``block=True``. The precomputer's queue holds one text and has no worker yet, so the second
+    submission must wait for room; meanwhile the event loop must keep serving other coroutines
+    (here: the one that then starts the worker)."""
+    pc = Precomputer(rag, max_queued=1, start=False)
+    rescued = []
+    # Only reached when the loop is blocked (the defect): nothing would ever start the worker,
+    # so this watchdog does, and the test fails instead of hanging.
+    watchdog = threading.Timer(20, lambda: (rescued.append(True), pc.start()))
+    watchdog.start()
+
+    async def main():
+        task = asyncio.create_task(add(pc))
+        while pc.progress().submitted < 1:
+            await asyncio.sleep(0)
+        waiting = not task.done()  # the add waits for room, and this coroutine runs meanwhile
+        pc.start()
+        await task
+        return waiting
+
+    try:
+        waiting = asyncio.run(main())
+    finally:
+        watchdog.cancel()
+    try:
+        assert not rescued and waiting
+        assert pc.wait_until_idle(60)
+        assert pc.progress().computed == 2 and rag.is_cached(DOCS[1])
+    finally:
+        pc.shutdown(cancel_pending=True, timeout=30)
+
+
+def test_langchain_async_add_waits_for_queue_room_off_the_event_loop(rag):
+    pytest.importorskip("langchain_kvrag")
+    from langchain_kvrag import precompute_on_add
+
+    class Store:  # the smallest vector store the hook patches
+        def add_texts(self, texts, **kwargs):
+            return [str(i) for i, _ in enumerate(texts)]
+
+        async def aadd_texts(self, texts, **kwargs):
+            return self.add_texts(texts)
+
+    _event_loop_runs_while_ingestion_waits_for_room(
+        rag, lambda pc: precompute_on_add(Store(), pc).aadd_texts(DOCS[:2]))
+
+
+def test_llamaindex_async_transform_waits_for_queue_room_off_the_event_loop(rag):
+    pytest.importorskip("llama_index.llms.kvrag")
+    from llama_index.core.schema import TextNode
+    from llama_index.llms.kvrag import KVPrecompute
+
+    _event_loop_runs_while_ingestion_waits_for_room(
+        rag, lambda pc: KVPrecompute(pc).acall([TextNode(text=t) for t in DOCS[:2]]))
