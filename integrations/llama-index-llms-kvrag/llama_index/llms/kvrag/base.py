@@ -421,7 +421,7 @@ class KVPrecompute(_Unpicklable, TransformComponent):
         # by a live one (an explicit Precomputer stays the caller's).
         return Precomputer.of(self._target)
 
-    def __call__(self, nodes: Sequence[BaseNode], **kwargs: Any) -> Sequence[BaseNode]:
+    def _texts(self, nodes: Sequence[BaseNode]) -> list[str]:
         if not self._warned and any(isinstance(n, Document) for n in nodes):
             self._warned = True
             log.warning("KVPrecompute received Document objects: place it after the node parser "
@@ -429,7 +429,24 @@ class KVPrecompute(_Unpicklable, TransformComponent):
         texts, skipped = node_texts(nodes, self.metadata_mode, self.include_stripped)
         if skipped:
             log.warning("KVPrecompute: skipped %d node(s) without text", skipped)
+        return texts
+
+    def _submit(self, texts: list[str]) -> None:
         self.precomputer.submit_many(texts, block=self.block, skip_invalid=True, skip_full=True)
+
+    def __call__(self, nodes: Sequence[BaseNode], **kwargs: Any) -> Sequence[BaseNode]:
+        self._submit(self._texts(nodes))
+        return nodes
+
+    async def acall(self, nodes: Sequence[BaseNode], **kwargs: Any) -> Sequence[BaseNode]:
+        # LlamaIndex's default acall runs __call__ on the event loop; with block=True a full
+        # queue makes the submission wait for the worker (packs of seconds each), stalling
+        # every other request on the loop. That wait runs in a worker thread instead.
+        texts = self._texts(nodes)
+        if self.block:
+            await asyncio.to_thread(self._submit, texts)
+        else:
+            self._submit(texts)  # never waits
         return nodes
 
 
