@@ -126,3 +126,73 @@ def test_llamaindex_async_transform_waits_for_queue_room_off_the_event_loop(rag)
 
     _event_loop_runs_while_ingestion_waits_for_room(
         rag, lambda pc: KVPrecompute(pc).acall([TextNode(text=t) for t in DOCS[:2]]))
+
+
+# ---- one model, several threads: length-dependent RoPE ---------------------------------------
+def test_longrope_rotary_is_safe_to_call_from_several_threads():
+    # LongRoPE picks short or long frequencies by the sequence length and HF writes them into
+    # the module's shared buffer before reading them back: a thread rotating a long sequence
+    # and one rotating a short one must each get their own tables (kvrag's Arch serialises it).
+    from kvrag.arch import Arch
+
+    handle = tiny_llama(seed=0, max_position_embeddings=256, rope_parameters={
+        "rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 16,
+        "short_factor": [1.0] * 8, "long_factor": [4.0] * 8})
+    Arch(handle.model)
+    rotary = handle.model.model.rotary_emb
+    x = torch.zeros(1)
+    short, long_ = torch.arange(8)[None], torch.arange(64)[None]
+    want_short, want_long = rotary(x, short)[0][0, :8], rotary(x, long_)[0][0, :8]
+    assert not torch.equal(want_short, want_long)
+    wrong = []
+
+    def work(pos, want):
+        for _ in range(1000):
+            if not torch.equal(rotary(x, pos)[0][0, :8], want):
+                wrong.append(1)
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads often: the unprotected race shows at once
+    try:
+        threads = [threading.Thread(target=work, args=a) for a in [(short, want_short), (long_, want_long)] * 2]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert not wrong, f"{len(wrong)} of 4000 rotary calls used another thread's frequencies"
+
+
+LONGROPE = {"max_position_embeddings": 256, "rope_parameters": {
+    "rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 16,
+    "short_factor": [1.0] * 8, "long_factor": [4.0] * 8}}
+
+
+@pytest.mark.parametrize("overrides", [{}, LONGROPE], ids=["llama", "llama-longrope"])
+def test_threads_sharing_one_kvrag_get_the_sequential_answers(tmp_path, overrides):
+    # Short prompts (one passage) and long ones (all of them), several policies, from 4 threads
+    # at once; streams abandoned half-way in between must not disturb anyone.
+    rag = KVRag(tiny_llama(seed=0, **overrides), cache_dir=tmp_path / "kv")
+    rag.precompute(DOCS)
+    prompts = [prompt_for([d], f"Q{i}?") for i, d in enumerate(DOCS)] + [prompt_for(DOCS, "Where?")]
+    calls = [(p, pol) for p in prompts for pol in ("cacheblend", "naive_reuse", "full_prefill")]
+    want = {c: rag.generate(c[0], policy=c[1], max_new_tokens=8).token_ids for c in calls}
+
+    def run(c):
+        abandoned = rag.stream(c[0], policy=c[1], max_new_tokens=8)
+        next(abandoned)  # left unfinished: a client that went away
+        s = rag.stream(c[0], policy=c[1], max_new_tokens=8)
+        text = "".join(s)
+        g = rag.generate(c[0], policy=c[1], max_new_tokens=8)
+        assert text == g.text
+        return c, s.token_ids, g.token_ids
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)
+    try:
+        with ThreadPoolExecutor(4) as ex:
+            got = list(ex.map(run, calls))
+    finally:
+        sys.setswitchinterval(interval)
+    assert [(c, a, b) for c, a, b in got if a != want[c] or b != want[c]] == []
