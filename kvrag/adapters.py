@@ -171,6 +171,18 @@ class ThreadStepper:
         self._it.close()
 
 
+async def arun_stream(stream: Iterator, foreground: Callable[[], AbstractContextManager]) -> None:
+    """Run a kvrag ``Stream`` to its end from async code (``acomplete`` / ``ainvoke``), one step
+    per worker-thread hop, inside ``foreground()`` all along (a whole answer holds background
+    precompute back, as the sync call does). ``asyncio.to_thread(rag.generate, ...)`` could
+    not be stopped: a cancelled request (a client that went away) went on decoding up to
+    ``max_new_tokens`` in the background. Here cancellation raises CancelledError at once, the
+    step in flight finishes and the stream is closed; the foreground ends with the call."""
+    with foreground():
+        async for _ in aiter_in_thread(stream):
+            pass
+
+
 async def aiter_in_thread(it: Iterator) -> AsyncIterator:
     """An async generator stepping a sync generator in a worker thread (one step per item).
     Cancelled mid-step, it raises CancelledError and ``it`` is closed once that step returns."""

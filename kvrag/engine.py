@@ -68,6 +68,11 @@ class Stream:
     def __next__(self) -> str:
         return next(self._gen)
 
+    def close(self) -> None:
+        """Stop generating now (a reader that went away) and free the decode cache; further
+        ``next`` raises StopIteration, and ``stats`` stays None."""
+        self._gen.close()
+
 
 def resolve_anchor(handle: ModelHandle, anchor: str | Sequence[int]) -> list[int]:
     """``KVRag(chunk_anchor=...)`` -> token ids (see ``KVRag``)."""

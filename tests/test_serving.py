@@ -196,3 +196,77 @@ def test_threads_sharing_one_kvrag_get_the_sequential_answers(tmp_path, override
     finally:
         sys.setswitchinterval(interval)
     assert [(c, a, b) for c, a, b in got if a != want[c] or b != want[c]] == []
+
+
+# ---- a cancelled async request stops generating ----------------------------------------------
+def _llamaindex_complete(rag):
+    pytest.importorskip("llama_index.llms.kvrag")
+    from llama_index.llms.kvrag import KVRagLLM
+
+    llm = KVRagLLM(rag, max_new_tokens=64, set_tokenizer=False)
+    return llm, lambda: llm.acomplete(prompt_for(DOCS[:2]))
+
+
+def _llamaindex_chat(rag):
+    pytest.importorskip("llama_index.llms.kvrag")
+    from llama_index.core.base.llms.types import ChatMessage
+    from llama_index.llms.kvrag import KVRagLLM
+
+    llm = KVRagLLM(rag, max_new_tokens=64, set_tokenizer=False)
+    return llm, lambda: llm.achat([ChatMessage(role="user", content=prompt_for(DOCS[:2]))])
+
+
+def _langchain_ainvoke(rag):
+    pytest.importorskip("langchain_kvrag")
+    from langchain_core.messages import HumanMessage
+    from langchain_kvrag import ChatKVRag
+
+    llm = ChatKVRag(rag=rag, max_new_tokens=64)
+    return llm, lambda: llm.ainvoke([HumanMessage(prompt_for(DOCS[:2]))])
+
+
+@pytest.mark.parametrize("make", [_llamaindex_complete, _llamaindex_chat, _langchain_ainvoke],
+                         ids=["acomplete", "achat", "ainvoke"])
+def test_cancelled_async_call_stops_generating_and_leaves_the_foreground(rag, monkeypatch, make):
+    # A client disconnects while its (non-streaming) answer is generated: the task is cancelled
+    # while the second decode step runs in the worker thread. The generation must stop after
+    # that step (not decode up to max_new_tokens in the background) and the query must leave
+    # the precomputer's foreground at once, so ingestion resumes.
+    from stream_helpers import GatedStream
+
+    llm, call = make(rag)
+    rag.precompute(DOCS[:2])
+    pc = Precomputer.for_rag(rag)
+    entered, release, closed = threading.Event(), threading.Event(), threading.Event()
+    streams = []
+    real_stream = rag.stream
+
+    class Gated(GatedStream):
+        def close(self):
+            self.inner.close()
+            closed.set()
+
+    def gated(*a, **k):
+        streams.append(Gated(real_stream(*a, **k), entered, release))
+        return streams[-1]
+
+    monkeypatch.setattr(rag, "stream", gated)
+
+    async def run():
+        task = asyncio.create_task(call())
+        assert await asyncio.to_thread(entered.wait, 30)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        foreground = pc._foreground
+        release.set()  # before asyncio.run ends: it waits for its executor's threads
+        return foreground
+
+    try:
+        assert asyncio.run(run()) == 0
+        # Only a failing run waits this long: the step in flight returns at once after release.
+        assert closed.wait(15), "the cancelled generation was not closed"
+        assert streams[0].calls == 2 and len(streams[0].inner.token_ids) < 64
+    finally:
+        release.set()
+        pc.shutdown(cancel_pending=True, timeout=30)
