@@ -113,8 +113,11 @@ def stop_list(stop) -> list:
 @contextlib.contextmanager
 def foreground(precomputer: Precomputer | None, rag) -> Iterator[None]:
     """A query computes: ``precomputer`` (else the shared one of ``rag``, if there is one)
-    starts no new pack meanwhile."""
-    pc = precomputer if precomputer is not None else Precomputer.for_rag(rag, create=False)
+    starts no new pack meanwhile. A shut-down ``precomputer`` runs nothing more: the shared
+    one that replaced it (hooks built on the KVRag create it) is held back instead."""
+    pc = precomputer if precomputer is not None and not precomputer.closed else None
+    if pc is None:
+        pc = Precomputer.for_rag(rag, create=False)
     if pc is None:
         yield
         return

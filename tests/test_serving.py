@@ -270,3 +270,28 @@ def test_cancelled_async_call_stops_generating_and_leaves_the_foreground(rag, mo
     finally:
         release.set()
         pc.shutdown(cancel_pending=True, timeout=30)
+
+
+def test_queries_hold_back_the_precomputer_that_replaced_a_shut_down_one(rag):
+    # An LLM's precomputer is shut down (redeploy of the ingestion side) and a hook built on
+    # the KVRag creates the new shared one: the LLM's queries must hold back that one, not
+    # the dead one they knew.
+    pytest.importorskip("llama_index.llms.kvrag")
+    from llama_index.llms.kvrag import KVRagLLM
+
+    llm = KVRagLLM(rag, max_new_tokens=2, set_tokenizer=False)
+    llm.precomputer.shutdown()
+    fresh = Precomputer.for_rag(rag)  # what KVPrecompute(rag) / KVCacheWarmer(rag) resolve to
+    seen = []
+    real_prefill = rag.prefill
+
+    def prefill(*a, **k):
+        seen.append(fresh._foreground)
+        return real_prefill(*a, **k)
+
+    rag.prefill = prefill
+    try:
+        llm.complete(prompt_for(DOCS[:1]))
+        assert seen == [1]
+    finally:
+        fresh.shutdown(cancel_pending=True, timeout=30)
