@@ -113,8 +113,11 @@ def stop_list(stop) -> list:
 @contextlib.contextmanager
 def foreground(precomputer: Precomputer | None, rag) -> Iterator[None]:
     """A query computes: ``precomputer`` (else the shared one of ``rag``, if there is one)
-    starts no new pack meanwhile."""
-    pc = precomputer if precomputer is not None else Precomputer.for_rag(rag, create=False)
+    starts no new pack meanwhile. A shut-down ``precomputer`` runs nothing more: the shared
+    one that replaced it (hooks built on the KVRag create it) is held back instead."""
+    pc = precomputer if precomputer is not None and not precomputer.closed else None
+    if pc is None:
+        pc = Precomputer.for_rag(rag, create=False)
     if pc is None:
         yield
         return
@@ -169,6 +172,18 @@ class ThreadStepper:
             if self._running:
                 return  # the running step closes it
         self._it.close()
+
+
+async def arun_stream(stream: Iterator, foreground: Callable[[], AbstractContextManager]) -> None:
+    """Run a kvrag ``Stream`` to its end from async code (``acomplete`` / ``ainvoke``), one step
+    per worker-thread hop, inside ``foreground()`` all along (a whole answer holds background
+    precompute back, as the sync call does). ``asyncio.to_thread(rag.generate, ...)`` could
+    not be stopped: a cancelled request (a client that went away) went on decoding up to
+    ``max_new_tokens`` in the background. Here cancellation raises CancelledError at once, the
+    step in flight finishes and the stream is closed; the foreground ends with the call."""
+    with foreground():
+        async for _ in aiter_in_thread(stream):
+            pass
 
 
 async def aiter_in_thread(it: Iterator) -> AsyncIterator:

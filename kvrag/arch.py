@@ -11,12 +11,43 @@ KV heads, ``D`` head dim, ``E`` hidden size.
 """
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm3")
+
+
+# Held around every forward of a length-dependent rotary module (see ``serialize_rotary``). One
+# lock for all of them: a forward is microseconds, and a lock cannot live on the module
+# (``copy.deepcopy(model)``, as the KVLink adapter does, cannot copy a lock).
+_ROPE_LOCK = threading.Lock()
+
+
+class _LockedForward:
+    """A rotary module's own forward, run under ``_ROPE_LOCK`` (installed as the module's
+    ``forward``). A small object rather than a closure, so that ``copy.deepcopy`` and pickle
+    of the model give the copy a forward of its own module."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.module = module
+
+    def __call__(self, *args, **kwargs):
+        with _ROPE_LOCK:
+            return type(self.module).forward(self.module, *args, **kwargs)
+
+
+def serialize_rotary(rotary: torch.nn.Module) -> None:
+    """Make concurrent forwards of a length-dependent rotary module (LongRoPE, dynamic NTK)
+    safe: HF's ``dynamic_rope_update`` first writes the frequencies for this call's sequence
+    length into the module's shared ``inv_freq`` buffer, then reads them back; a thread
+    serving a long prompt and one serving a short prompt interleave there and rotate with each
+    other's frequencies (wrong answers, measured on a tiny LongRoPE Llama). The update and the
+    read then run under one lock. Idempotent."""
+    if not isinstance(rotary.__dict__.get("forward"), _LockedForward):
+        rotary.forward = _LockedForward(rotary)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -59,6 +90,8 @@ class Arch:
         self.rope_gain = float(getattr(self.body.rotary_emb, "attention_scaling", 1.0) or 1.0)
         # LongRoPE and dynamic NTK choose their frequencies from the sequence length (cos_sin).
         self.length_dependent_rope = getattr(self.body.rotary_emb, "rope_type", "default") in ("longrope", "dynamic")
+        if self.length_dependent_rope:
+            serialize_rotary(self.body.rotary_emb)  # one model served from several threads
         # Masked attention with grouped-query heads (see ``_sdpa``): None = expand K/V only on
         # CUDA; True/False force it (tests check the expanded path on the CPU).
         self.expand_kv_for_masks: bool | None = None

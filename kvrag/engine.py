@@ -68,6 +68,11 @@ class Stream:
     def __next__(self) -> str:
         return next(self._gen)
 
+    def close(self) -> None:
+        """Stop generating now (a reader that went away) and free the decode cache; further
+        ``next`` raises StopIteration, and ``stats`` stays None."""
+        self._gen.close()
+
 
 def resolve_anchor(handle: ModelHandle, anchor: str | Sequence[int]) -> list[int]:
     """``KVRag(chunk_anchor=...)`` -> token ids (see ``KVRag``)."""
@@ -181,7 +186,9 @@ class KVRag:
         self.eos = eos_ids(self.handle.model, self.tokenizer)
         self._refresh_s = refresh_s
         self._last_refresh = -1e9
-        self._lock = threading.Lock()
+        # One re-read of the text index at a time: concurrent queries that are due at once
+        # wait for the one reading it (and then skip theirs) instead of all reading it.
+        self._refresh_lock = threading.Lock()
 
     # ---- chunks ----------------------------------------------------------------------
     def chunk_ids(self, text: str) -> list[int]:
@@ -287,9 +294,16 @@ class KVRag:
     def _refresh_segmenter(self) -> None:
         # Other processes (or an earlier session) may have added chunks: re-read the store's
         # text index now and then, not on every query (it is a disk read).
-        now = time.monotonic()
-        if now - self._last_refresh >= self._refresh_s:
-            self.segmenter.update(self.store.texts(self.fingerprint))
+        if time.monotonic() - self._last_refresh < self._refresh_s:
+            return
+        with self._refresh_lock:
+            now = time.monotonic()
+            if now - self._last_refresh < self._refresh_s:
+                return  # another query re-read it while this one waited
+            # The index is read while precompute (this process's worker) may store and register
+            # chunks: those registered after ``since`` are newer than the snapshot, kept.
+            since = self.segmenter.version()
+            self.segmenter.update(self.store.texts(self.fingerprint), since=since)
             self._last_refresh = now
 
     def pieces(self, prompt: str, use_cache: bool = True) -> tuple[list[Piece], FusionStats]:

@@ -160,6 +160,10 @@ class Segmenter:
         self.min_partial_chars = min_partial_chars
         self._lock = threading.Lock()
         self._key_text: dict[str, str] = {}
+        # key -> ``_version`` of its latest add: ``update(since=)`` keeps keys added after a
+        # snapshot was taken (see ``update``).
+        self._added_at: dict[str, int] = {}
+        self._version = 0
         # text -> its keys in add order (dict as an ordered set); the last one is the winner.
         self._text_keys: dict[str, dict[str, None]] = {}
         self._main = _Index((), anchor_chars, self.partial)
@@ -182,20 +186,35 @@ class Segmenter:
         with self._lock:
             self._remove(key)
 
-    def update(self, texts: Mapping[str, str]) -> None:
+    def version(self) -> int:
+        """A counter that every ``add`` advances: take it *before* reading a snapshot that is
+        then passed to ``update(..., since=...)``."""
+        with self._lock:
+            return self._version
+
+    def update(self, texts: Mapping[str, str], *, since: int | None = None) -> None:
         """Make the registered mapping exactly ``texts``: add new/changed keys, drop missing ones.
 
-        Unchanged keys keep their order, and nothing is rebuilt when nothing changed."""
+        Unchanged keys keep their order, and nothing is rebuilt when nothing changed.
+
+        ``since``: the ``version()`` taken before ``texts`` was read. A key added after that
+        is newer than the snapshot and is left as it is, neither dropped nor changed: a query
+        re-reading the store's text index while the precompute worker stores and adds a chunk
+        would otherwise drop that chunk again, and queries would miss it until the next
+        re-read."""
         if not isinstance(texts, Mapping):
             raise TypeError(f"update() takes a Mapping key -> text, got {type(texts).__name__}")
         # Validate everything first so a bad entry leaves the segmenter untouched.
         for k, t in texts.items():
             _check_text(k, t)
         with self._lock:
-            for k in [k for k in self._key_text if k not in texts]:
+            def older(k: str) -> bool:
+                return since is None or self._added_at.get(k, -1) <= since
+
+            for k in [k for k in self._key_text if k not in texts and older(k)]:
                 self._remove(k)
             for k, t in texts.items():
-                if self._key_text.get(k) != t:
+                if self._key_text.get(k) != t and older(k):
                     self._add(k, t)
 
     def __len__(self) -> int:
@@ -204,6 +223,8 @@ class Segmenter:
             return len(self._key_text)
 
     def _add(self, key: str, text: str) -> None:
+        self._version += 1
+        self._added_at[key] = self._version
         old = self._key_text.get(key)
         if old == text:
             keys = self._text_keys[text]
@@ -221,6 +242,7 @@ class Segmenter:
             keys[key] = None  # appended last: this key now wins for the text
 
     def _remove(self, key: str) -> None:
+        self._added_at.pop(key, None)
         text = self._key_text.pop(key, None)
         if text is None:
             return

@@ -22,7 +22,8 @@ from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResu
 from pydantic import ConfigDict, Field, PrivateAttr, model_validator
 
 from kvrag.adapters import (
-    aiter_in_thread, call_options, foreground, foreground_steps, max_tokens_alias, resolve_policy, stop_list,
+    aiter_in_thread, arun_stream, call_options, foreground, foreground_steps, max_tokens_alias, resolve_policy,
+    stop_list,
 )
 from kvrag.engine import Generation, KVRag
 from kvrag.precompute import Precomputer
@@ -221,6 +222,19 @@ class ChatKVRag(BaseChatModel):
         prompt = self._prompt(messages)
         with self._foreground():
             gen = self.rag.generate(prompt, **opts)
+        return self._result(gen)
+
+    async def _agenerate(self, messages: list[BaseMessage], stop: Optional[list[str]] = None,
+                         run_manager: Optional[AsyncCallbackManagerForLLMRun] = None, **kwargs: Any) -> ChatResult:
+        # LangChain's default runs ``_generate`` in an executor, which a cancelled ``ainvoke``
+        # (a client that went away) cannot stop: it decoded up to max_new_tokens in the
+        # background. Stepped here, it stops after the step in flight.
+        opts = self._options(stop, kwargs)
+        s = self.rag.stream(self._prompt(messages), **opts)  # bad options raise here
+        await arun_stream(s, self._foreground)
+        return self._result(Generation(s.text, s.token_ids, s.stats, s.prompt_ids, s.finish_reason))
+
+    def _result(self, gen: Generation) -> ChatResult:
         self._last = gen
         meta = self._metadata(gen)
         msg = AIMessage(content=gen.text, usage_metadata=_usage(gen.stats), response_metadata=meta)

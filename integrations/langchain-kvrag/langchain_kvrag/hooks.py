@@ -14,6 +14,7 @@ kvrag finds cached chunks by exact text.
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import inspect
@@ -98,6 +99,15 @@ class KVPrecomputeHook:
             texts = [self.text_fn(t) for t in texts]
         self.precomputer.submit_many(list(texts), block=self.block, skip_invalid=True, skip_full=True)
 
+    async def aschedule(self, texts: Sequence[str]) -> None:
+        """``schedule`` for async code: with ``block=True`` a full queue makes ``submit`` wait
+        for room, which may take as long as the worker needs to compute packs; that wait runs
+        in a worker thread, so the event loop (and every other request on it) keeps running."""
+        if self.block:
+            await asyncio.to_thread(self.schedule, texts)
+        else:
+            self.schedule(texts)  # never waits
+
     def backfill(self, vectorstore, *, page_size: int = 1000) -> int:
         """Schedule the texts ``vectorstore`` already holds (filled by ``Chroma.from_documents``,
         before the hook was attached, or by another process); returns how many were submitted.
@@ -162,7 +172,7 @@ class KVPrecomputeHook:
                 with _outermost_add() as outer:
                     out = await method(*args, **kwargs)
                 if outer:
-                    hook.schedule(texts)  # only what the store accepted
+                    await hook.aschedule(texts)  # only what the store accepted; off the event loop
                 return out
 
             return hooked_async

@@ -45,7 +45,9 @@ from llama_index.core.llms.llm import LLM
 from llama_index.core.postprocessor.types import BaseNodePostprocessor
 from llama_index.core.schema import BaseNode, Document, MetadataMode, NodeWithScore, QueryBundle, TransformComponent
 
-from kvrag.adapters import aiter_in_thread, call_options, foreground, foreground_steps, max_tokens_alias, resolve_policy
+from kvrag.adapters import (
+    aiter_in_thread, arun_stream, call_options, foreground, foreground_steps, max_tokens_alias, resolve_policy,
+)
 from kvrag.engine import Generation, KVRag
 from kvrag.errors import ChunkError
 from kvrag.precompute import Precomputer, PrecomputerClosedError, QueueFullError
@@ -262,6 +264,14 @@ class KVRagLLM(LLM):
         self._last = gen
         return gen
 
+    async def _agenerate(self, prompt: str, kwargs: dict[str, Any]) -> Generation:
+        """``_generate`` for async callers: steps in a worker thread, stopped when cancelled."""
+        s = self._rag.stream(prompt, **self._options(kwargs))  # bad options raise here
+        await arun_stream(s, self._foreground)
+        gen = Generation(s.text, s.token_ids, s.stats, s.prompt_ids, s.finish_reason)
+        self._last = gen
+        return gen
+
     def _stream(self, prompt: str, kwargs: dict[str, Any]) -> Iterator[tuple[str, Any]]:
         """Yields (delta, None) per text delta, then ("", Generation) once at the end."""
         s = self._rag.stream(prompt, **self._options(kwargs))
@@ -275,7 +285,10 @@ class KVRagLLM(LLM):
         return prompt if formatted else self.completion_to_prompt(prompt)
 
     def _complete_impl(self, prompt: str, formatted: bool, kwargs) -> CompletionResponse:
-        gen = self._generate(self._completion_prompt(prompt, formatted), kwargs)
+        return self._completion_response(self._generate(self._completion_prompt(prompt, formatted), kwargs))
+
+    @staticmethod
+    def _completion_response(gen: Generation) -> CompletionResponse:
         return CompletionResponse(text=gen.text, additional_kwargs=_info(gen),
                                   raw={"token_ids": gen.token_ids, "prompt_ids": gen.prompt_ids})
 
@@ -295,7 +308,10 @@ class KVRagLLM(LLM):
         return gen()
 
     def _chat_impl(self, messages: Sequence[ChatMessage], kwargs) -> ChatResponse:
-        gen = self._generate(self.messages_to_prompt(messages), kwargs)
+        return self._chat_response(self._generate(self.messages_to_prompt(messages), kwargs))
+
+    @staticmethod
+    def _chat_response(gen: Generation) -> ChatResponse:
         info = _info(gen)
         return ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=gen.text),
                             additional_kwargs=info, raw={"token_ids": gen.token_ids, "prompt_ids": gen.prompt_ids})
@@ -333,10 +349,11 @@ class KVRagLLM(LLM):
     def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
         return self._stream_chat_impl(messages, kwargs)
 
-    # Async: the model runs in a worker thread so the event loop stays responsive.
+    # Async: the model runs in a worker thread so the event loop stays responsive; a cancelled
+    # call stops after the step in flight (arun_stream).
     @llm_completion_callback()
     async def acomplete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
-        return await asyncio.to_thread(self._complete_impl, prompt, formatted, kwargs)
+        return self._completion_response(await self._agenerate(self._completion_prompt(prompt, formatted), kwargs))
 
     @llm_completion_callback()
     async def astream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseAsyncGen:
@@ -344,7 +361,7 @@ class KVRagLLM(LLM):
 
     @llm_chat_callback()
     async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        return await asyncio.to_thread(self._chat_impl, messages, kwargs)
+        return self._chat_response(await self._agenerate(self.messages_to_prompt(messages), kwargs))
 
     @llm_chat_callback()
     async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
@@ -421,7 +438,7 @@ class KVPrecompute(_Unpicklable, TransformComponent):
         # by a live one (an explicit Precomputer stays the caller's).
         return Precomputer.of(self._target)
 
-    def __call__(self, nodes: Sequence[BaseNode], **kwargs: Any) -> Sequence[BaseNode]:
+    def _texts(self, nodes: Sequence[BaseNode]) -> list[str]:
         if not self._warned and any(isinstance(n, Document) for n in nodes):
             self._warned = True
             log.warning("KVPrecompute received Document objects: place it after the node parser "
@@ -429,7 +446,24 @@ class KVPrecompute(_Unpicklable, TransformComponent):
         texts, skipped = node_texts(nodes, self.metadata_mode, self.include_stripped)
         if skipped:
             log.warning("KVPrecompute: skipped %d node(s) without text", skipped)
+        return texts
+
+    def _submit(self, texts: list[str]) -> None:
         self.precomputer.submit_many(texts, block=self.block, skip_invalid=True, skip_full=True)
+
+    def __call__(self, nodes: Sequence[BaseNode], **kwargs: Any) -> Sequence[BaseNode]:
+        self._submit(self._texts(nodes))
+        return nodes
+
+    async def acall(self, nodes: Sequence[BaseNode], **kwargs: Any) -> Sequence[BaseNode]:
+        # LlamaIndex's default acall runs __call__ on the event loop; with block=True a full
+        # queue makes the submission wait for the worker (packs of seconds each), stalling
+        # every other request on the loop. That wait runs in a worker thread instead.
+        texts = self._texts(nodes)
+        if self.block:
+            await asyncio.to_thread(self._submit, texts)
+        else:
+            self._submit(texts)  # never waits
         return nodes
 
 
