@@ -40,12 +40,74 @@ def hf_attentions(model, ids):
     return [a[0].float() for a in out.attentions], out.past_key_values
 
 
+def hf_query_keys(model, ids, layer):
+    """HF's own post-RoPE query [H, N, D] and key [Hkv, N, D] states entering ``layer``'s
+    attention on the full prompt, its boolean mask [N, N] (causal, sliding window) and its
+    scaling: captured from the attention call (with eager-style masks)."""
+    from transformers import AttentionInterface, AttentionMaskInterface
+
+    sdpa = AttentionInterface._global_mapping["sdpa"]
+    got = {}
+
+    def capture(module, query, key, value, attention_mask, scaling=None, **kw):
+        if module.layer_idx == layer:
+            got.update(q=query[0].float(), k=key[0].float(), mask=attention_mask, scaling=scaling)
+        return sdpa(module, query, key, value, attention_mask, scaling=scaling, **kw)
+
+    AttentionInterface.register("kvrag_capture", capture)
+    AttentionMaskInterface.register("kvrag_capture", AttentionMaskInterface._global_mapping["eager"])
+    model.set_attn_implementation("kvrag_capture")
+    try:
+        with torch.no_grad():
+            model(torch.tensor([ids]), use_cache=False)
+    finally:
+        model.set_attn_implementation("sdpa")
+    n = len(ids)
+    mask = got["mask"]
+    if mask is None:
+        mask = torch.ones(n, n, dtype=torch.bool).tril()
+    else:
+        mask = mask[0, 0, :, :n]
+        mask = mask if mask.dtype == torch.bool else mask == 0
+    return got["q"], got["k"], mask, got["scaling"]
+
+
 def recomputed(res, layout, L):
     """bool [N]: cached tokens computed at every layer (from the engine's per-token counts)."""
     return layout.cached & (res.state.layer_counts == L)
 
 
 # ---- A3: selection ------------------------------------------------------------------------
+@pytest.mark.parametrize("model_type", list(CONFIGS))
+@pytest.mark.parametrize("pool,query_tokens", [(1, None), (5, None), (1, 3)])
+def test_a3_default_scores_with_one_softmax_over_concatenated_heads(model_type, pool, query_tokens):
+    # Paper eq. 3: s(d_i) = sum_j softmax(q_j K_true^T / sqrt(h))|d_i with full-width q_j and K
+    # rows (h = hidden size): one softmax per question row over the heads' summed dot products,
+    # as the reference code's compute_attention_sum_wo_head (KV heads repeated for GQA, scale
+    # 1/sqrt(H*D)). Reference: HF's own layer-1 query/key states of the full prompt.
+    model, arch, layout, ids = build(model_type, query_tokens=query_tokens)
+    n, L = layout.n, arch.n_layers
+    pol = get_policy("a3", recompute_ratio=0.2, pool_kernel=pool)
+    assert pol.params.head_reduce == "concat"
+    res = FusionEngine(arch).prefill(layout, pol, keep_state=True)
+
+    q, k, mask, scaling = hf_query_keys(model, ids, 1)
+    H, _, D = q.shape
+    q_rows = torch.arange(n - (query_tokens or QUESTION), n)
+    k = k.repeat_interleave(H // k.shape[0], dim=0)
+    logits = torch.einsum("hqd,hnd->qn", q[:, q_rows], k) * scaling / H ** 0.5
+    score = torch.softmax(logits.masked_fill(~mask[q_rows], float("-inf")), dim=-1).sum(0)
+    if pool > 1:
+        score = F.avg_pool1d(score[None, None], pool, stride=1, padding=pool // 2)[0, 0]
+    cand = layout.cached.clone()
+    cand[q_rows] = False
+    p = int(0.2 * n)
+    expected = torch.zeros(n, dtype=torch.bool)
+    expected[torch.topk(score.masked_fill(~cand, float("-inf")), p).indices] = True
+    torch.testing.assert_close(res.state.scratch["a3.scores"].cpu(), score, atol=1e-4, rtol=1e-4)
+    assert torch.equal(recomputed(res, layout, L), expected)
+
+
 @pytest.mark.parametrize("model_type", list(CONFIGS))
 @pytest.mark.parametrize("head_reduce,pool,query_tokens", [
     ("sum", 1, None), ("max", 1, None), ("sum", 5, None), ("mean", 1, 3),

@@ -8,8 +8,11 @@ Paper: "A3: Attention-Aware Accurate KV Cache Fusion for Fast Large Language Mod
 2. Attention recovery (eq. 3-5): the embedding and decoder block 0 run on the *whole* input
    with true positions, which yields the true q/k at layer 1 (``score_layer``). Each cached
    document token ``d_i`` is scored by the question's softmax attention to it,
-   ``s(d_i) = sum_j softmax(q_j K_true^T / sqrt(d))[d_i]`` (summed over question tokens ``j``
-   and heads), and the top ``p = r * n`` tokens (``Re``) plus the question ``Q`` are the only
+   ``s(d_i) = sum_j softmax(q_j K_true^T / sqrt(h))[d_i]`` (summed over question tokens ``j``).
+   ``q_j`` and the rows of ``K_true`` are full-width (all heads concatenated, ``h`` the hidden
+   size): one softmax over the heads' summed dot products, as the reference code's
+   ``compute_attention_sum_wo_head`` (``head_reduce="concat"``; per-head softmaxes combined by
+   sum/mean/max are options). The top ``p = r * n`` tokens (``Re``) plus the question ``Q`` are the only
    tokens computed from that layer on; their fresh K/V overwrite the cached rows and they
    attend to the whole fused K/V.
 3. Extension (``evict_budget``): after the first token's logits, SnapKV-style eviction to a
@@ -25,13 +28,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import math
+
 import torch
 import torch.nn.functional as F
 
 from kvrag.policies.base import Policy, RecomputeParams, param, top_indices
 from kvrag.policies.registry import register
 
-HEAD_REDUCE = ("sum", "mean", "max")
+HEAD_REDUCE = ("concat", "sum", "mean", "max")
 RATIO_BASES = ("input", "context", "cached")
 
 
@@ -44,8 +49,9 @@ class A3Params(RecomputeParams):
         "input", "n in p = recompute_ratio * n: 'input' = prompt length (paper eq. 3), "
                  "'context' = prompt minus question (reference code), 'cached' = cached tokens")
     head_reduce: str = param(
-        "sum", "how per-head attention is combined: 'sum' (paper, GQA-aware), 'mean' (same "
-               "ranking as sum), 'max'")
+        "concat", "how heads are combined: 'concat' = one softmax over the heads' concatenated "
+                  "q.k / sqrt(H*D) (paper eq. 3 with full-width q_j, K and sqrt(h); reference code), "
+                  "or per-head softmaxes combined by 'sum', 'mean' (same ranking as sum) or 'max'")
     pool_kernel: int = param(
         1, "odd width of an average filter over the token scores before top-k (1 = none, as in "
            "eq. 3; a port of the reference code uses 5)")
@@ -139,17 +145,37 @@ class A3(Policy):
         # how the true q/k at the score layer are obtained.
         return torch.ones(state.layout.n, dtype=torch.bool)
 
+    @staticmethod
+    def question_mask(state, layer: int, rows: torch.Tensor, device) -> torch.Tensor:
+        """bool [Q, N]: keys the question rows (token indices ``rows``) may attend to: causal in
+        global positions, within the layer's sliding window if any, restricted to ``state.keep``."""
+        pos = state.layout.positions.to(device)
+        rows = rows.to(device)
+        mask = pos[rows][:, None] >= pos[None, :]
+        mask = mask & state.keep.to(device)[None, :]
+        return state.arch.windowed(layer, mask, pos[rows], pos)
+
     def question_attention(self, state, layer: int, q_obs: torch.Tensor, keys: torch.Tensor,
                            rows: torch.Tensor) -> torch.Tensor:
-        """Softmax attention of question rows at ``layer``. q_obs [H, Q, D], keys [Hkv, N, D],
-        rows [Q] (token indices of the question rows) -> probs [H, Q, N] (causal in global
-        positions, within the layer's sliding window if any, restricted to ``state.keep``)."""
-        pos = state.layout.positions.to(keys.device)
-        rows = rows.to(keys.device)
-        mask = pos[rows][:, None] >= pos[None, :]
-        mask = mask & state.keep.to(keys.device)[None, :]
-        mask = state.arch.windowed(layer, mask, pos[rows], pos)
+        """Per-head softmax attention of question rows at ``layer``. q_obs [H, Q, D], keys
+        [Hkv, N, D], rows [Q] (token indices of the question rows) -> probs [H, Q, N]."""
+        mask = self.question_mask(state, layer, rows, keys.device)
         return state.arch.attention_probs(q_obs, keys, mask)
+
+    def headless_attention(self, state, layer: int, q_obs: torch.Tensor, keys: torch.Tensor,
+                           rows: torch.Tensor) -> torch.Tensor:
+        """Eq. 3's softmax with full-width vectors: each question row's q (all H heads
+        concatenated) against each key (its KV head repeated for the query heads sharing it,
+        GQA), scaled by 1/sqrt(H*D) -- the model's per-head scale / sqrt(H) -- one softmax per
+        row. q_obs [H, Q, D], keys [Hkv, N, D] -> probs [Q, N]."""
+        arch = state.arch
+        H, nq, D = q_obs.shape
+        k = keys.float().repeat_interleave(H // keys.shape[0], dim=0)  # [H, N, D]
+        qf = q_obs.float().transpose(0, 1).reshape(nq, H * D)
+        kf = k.transpose(0, 1).reshape(k.shape[1], H * D)
+        scores = (qf @ kf.T) * (arch.scaling / math.sqrt(H))
+        mask = self.question_mask(state, layer, rows, keys.device)
+        return torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
 
     def select(self, layer, state, q, k, v):
         p = self.params
@@ -170,14 +196,18 @@ class A3(Policy):
         else:
             keys = state.K[layer].clone()
             keys[:, active] = k
-        probs = self.question_attention(state, layer, q[:, q_rows], keys, active[q_rows])  # [H, Q, N]
-        per_head = probs.sum(dim=1)  # [H, N]: summed over question tokens (eq. 3)
-        if p.head_reduce == "sum":
-            score = per_head.sum(0)
-        elif p.head_reduce == "mean":
-            score = per_head.mean(0)
+        if p.head_reduce == "concat":
+            # [Q, N] summed over question tokens (eq. 3)
+            score = self.headless_attention(state, layer, q[:, q_rows], keys, active[q_rows]).sum(0)
         else:
-            score = per_head.amax(0)
+            probs = self.question_attention(state, layer, q[:, q_rows], keys, active[q_rows])  # [H, Q, N]
+            per_head = probs.sum(dim=1)  # [H, N]: summed over question tokens (eq. 3)
+            if p.head_reduce == "sum":
+                score = per_head.sum(0)
+            elif p.head_reduce == "mean":
+                score = per_head.mean(0)
+            else:
+                score = per_head.amax(0)
         score = smooth(score, p.pool_kernel)  # [N]
         state.scratch["a3.scores"] = score
 
