@@ -26,9 +26,8 @@ Shapes: ``N`` prompt tokens, ``A`` active tokens, ``Q`` question tokens, ``H`` q
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
