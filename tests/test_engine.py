@@ -6,15 +6,9 @@ from kvrag.engine import KVRag
 from kvrag.errors import ChunkError
 from kvrag.testing import tiny_llama
 
-DOCS = [
-    "The red fox lives in the northern forest and hunts small rodents at dawn.",
-    "Mount Kelvar is the tallest peak of the Arden range, at 4,210 metres.",
-    "The river Lenne flows from the Varn Mountains to the eastern sea.",
-]
+from corpus_helpers import DOCS as CORPUS, prompt_for
 
-
-def prompt_for(docs, question="Where does the red fox live?"):
-    return "Answer from the passages.\n\n" + "\n\n".join(docs) + f"\n\nQuestion: {question}\nAnswer:"
+DOCS = CORPUS[:3]
 
 
 @pytest.fixture(scope="module")

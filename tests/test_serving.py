@@ -14,16 +14,7 @@ from kvrag.precompute import Precomputer
 from kvrag.segment import Segmenter
 from kvrag.testing import tiny_llama
 
-DOCS = [
-    "The red fox lives in the northern forest and hunts small rodents at dawn.",
-    "Mount Kelvar is the tallest peak of the Arden range, at 4,210 metres.",
-    "The river Lenne flows from the Varn Mountains to the eastern sea.",
-    "Queen Ilsa founded the harbour town of Brisk in the year 1204.",
-]
-
-
-def prompt_for(docs, question="Where does the red fox live?"):
-    return "Answer from the passages.\n\n" + "\n\n".join(docs) + f"\n\nQuestion: {question}\nAnswer:"
+from corpus_helpers import DOCS, prompt_for
 
 
 @pytest.fixture(scope="module")

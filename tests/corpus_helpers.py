@@ -1,0 +1,13 @@
+"""A four-passage toy corpus and its RAG prompt, shared by the engine, precompute and serving
+tests (tiny random-weight models: the texts matter only as distinct token runs)."""
+
+DOCS = [
+    "The red fox lives in the northern forest and hunts small rodents at dawn.",
+    "Mount Kelvar is the tallest peak of the Arden range, at 4,210 metres.",
+    "The river Lenne flows from the Varn Mountains to the eastern sea.",
+    "Queen Ilsa founded the harbour town of Brisk in the year 1204.",
+]
+
+
+def prompt_for(docs, question="Where does the red fox live?"):
+    return "Answer from the passages.\n\n" + "\n\n".join(docs) + f"\n\nQuestion: {question}\nAnswer:"
