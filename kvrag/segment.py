@@ -34,6 +34,7 @@ the delta (or the set of removed-but-still-indexed texts) grows past a size that
 """
 from __future__ import annotations
 
+import bisect
 import math
 import threading
 from collections.abc import Mapping, Sequence
@@ -296,7 +297,10 @@ class Segmenter:
         characters (a cut chunk, or one whose edge whitespace was trimmed). The longest match
         at a start, not counting its trailing whitespace, wins; among equally long ones one at
         offset 0, then a whole ``t[o:]`` over a cut one, then the shorter text, then the
-        smaller one (so the choice never depends on the order texts were added)."""
+        smaller one (so the choice never depends on the order texts were added). A cut match
+        ends before the first start inside it whose own match ends past it (the next chunk,
+        whose beginning the cut text happens to go on with), if it is still long enough then;
+        if not, the later match is taken instead."""
         if not isinstance(prompt, str):
             raise TypeError(f"prompt must be a str, got {type(prompt).__name__}")
         with self._lock:
@@ -307,11 +311,32 @@ class Segmenter:
             live = self._text_keys
             out: list[Segment] = []
             pos = 0
-            for start in sorted(cands):
+            starts = sorted(cands)
+            found: dict[int, tuple[str, int, int] | None] = {}
+
+            def best_at(s: int):
+                if s not in found:
+                    found[s] = self._best(prompt, s, cands[s], live)
+                return found[s]
+
+            for i, start in enumerate(starts):
                 if start < pos:
                     continue  # inside the match just taken: matches never overlap
-                best = self._best(prompt, start, cands[start], live) if self.partial else \
-                    self._best_whole(prompt, start, cands[start], live)
+                if not self.partial:
+                    best = self._best_whole(prompt, start, cands[start], live)
+                else:
+                    best = best_at(start)
+                    # A cut match runs as far as the prompt goes on like the chunk, which may be
+                    # into the next chunk (the cut chunk's next paragraph starts like it: "\n\nThe
+                    # "). A match starting in that tail and ending past it is the prompt's own next
+                    # chunk: the cut ends where it starts instead of swallowing its beginning.
+                    while best is not None and best[2] < len(best[0]) - best[1]:
+                        end = start + best[2]
+                        block = next((s for s in starts[i + 1:bisect.bisect_left(starts, end, i + 1)]
+                                      if (b := best_at(s)) is not None and s + b[2] > end), None)
+                        if block is None:
+                            break
+                        best = self._best(prompt, start, cands[start], live, limit=block - start)
                 if best is None:
                     continue
                 t, off, n = best
@@ -338,8 +363,9 @@ class Segmenter:
                     break
         return None if best is None else (best, 0, len(best))
 
-    def _best(self, prompt, start, groups, live):
-        """The (text, offset, matched chars) that wins at ``start`` in partial mode."""
+    def _best(self, prompt, start, groups, live, limit=None):
+        """The (text, offset, matched chars) that wins at ``start`` in partial mode; ``limit``:
+        a cut match takes at most that many characters."""
         best, best_rank = None, None
         for members in groups:
             for t, off in members:
@@ -352,6 +378,8 @@ class Segmenter:
                     n, whole = full, 1
                 else:
                     n, whole = _common_prefix(prompt, start, t, off), 0
+                    if limit is not None:
+                        n = min(n, limit)
                     if n < min(self.min_partial_chars, len(t[off:].rstrip())):
                         continue
                 # Trailing whitespace a match takes along does not make it better: a text

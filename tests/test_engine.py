@@ -215,6 +215,19 @@ def test_a_different_chunk_sharing_a_beginning_is_served_only_where_equal(rag, h
     assert rag.tokenizer.decode(ids) == DOCS[1] + " It"
 
 
+def test_a_cut_chunk_does_not_swallow_the_start_of_the_next_chunk(rag, handle):
+    """A chunk cut at a paragraph break whose next paragraph starts like the chunk the prompt
+    goes on with: the cut chunk is served up to the cut, the next chunk whole (its beginning
+    is not taken by the cut chunk's matching tail)."""
+    a = DOCS[0] + "\n\nThe den is dug under the roots of old oaks, and cubs are born in spring."
+    b = DOCS[2]  # "The river Lenne ..."
+    rag.precompute([a, b])
+    prompt = "Context:\n" + DOCS[0] + "\n\n" + b + "\n\nQuestion: where?"
+    pieces, stats = served(rag, prompt)
+    assert [k for k, _, _ in pieces] == [rag.chunk_key(a), rag.chunk_key(b)]
+    assert pieces[1][1] == (0, len(rag.chunk_ids(b))) and stats.chunks_partial == 1
+
+
 def sentencepiece_style_tokenizer():
     """A character-level tokenizer that marks the first word of a text as Llama 2 / Mistral's
     SentencePiece tokenizers do (normalizer: prepend "▁", spaces -> "▁")."""

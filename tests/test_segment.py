@@ -375,12 +375,13 @@ def reference_split_partial(texts: dict[str, str], prompt: str, min_partial: int
     every live text ``t`` at offset 0 and, if it has leading whitespace, at the end of it,
     matched whole or by a prefix of >= min(min_partial, len(t[o:].rstrip())) characters; best =
     longest match not counting trailing whitespace, then offset 0, then whole, then shorter
-    text, then smaller text."""
+    text, then smaller text. A cut match is cut short at the first start inside it whose own
+    best match ends past it (the next chunk, not the cut chunk's tail)."""
     winner = {}
     for k, t in texts.items():
         winner[t] = k
-    out, plain, pos = [], [], 0
-    while pos < len(prompt):
+
+    def best_at(pos, limit=None):
         best, best_rank = None, None
         for t in winner:
             lead = len(t) - len(t.lstrip())
@@ -390,6 +391,8 @@ def reference_split_partial(texts: dict[str, str], prompt: str, min_partial: int
                 while n < len(rest) and pos + n < len(prompt) and prompt[pos + n] == rest[n]:
                     n += 1
                 whole = n == len(rest)
+                if not whole and limit is not None:
+                    n = min(n, limit)
                 if not whole and n < min(min_partial, len(rest.rstrip())):
                     continue
                 if n == 0:
@@ -397,6 +400,17 @@ def reference_split_partial(texts: dict[str, str], prompt: str, min_partial: int
                 rank = (len(prompt[pos:pos + n].rstrip()), off == 0, whole, -len(t))
                 if best is None or rank > best_rank or (rank == best_rank and t < best[0]):
                     best, best_rank = (t, off, n), rank
+        return best
+
+    out, plain, pos = [], [], 0
+    while pos < len(prompt):
+        best = best_at(pos)
+        while best is not None and best[2] < len(best[0]) - best[1]:
+            end = pos + best[2]
+            block = next((s for s in range(pos + 1, end) if (b := best_at(s)) and s + b[2] > end), None)
+            if block is None:
+                break
+            best = best_at(pos, limit=block - pos)
         if best is None:
             plain.append(prompt[pos])
             pos += 1
@@ -485,3 +499,27 @@ def test_random_prompts_match_reference_partial(anchor_chars):
         segs = seg.split(prompt)
         check_invariants(segs, prompt)
         assert segs == reference_split_partial(live, prompt, min_partial), (prompt, live)
+
+
+def test_partial_mode_a_cut_chunk_does_not_swallow_the_next_chunk():
+    # The framework cut chunk A after its first paragraph; the prompt goes on with its
+    # separator and chunk B, whose first word is also the first word of A's second paragraph.
+    # A's common prefix with the prompt runs into B ("\n\nThe "): that tail must not take B's
+    # beginning, or B -- there whole -- is lost.
+    a = "The red fox lives in the northern forest and hunts small rodents at dawn.\n\nThe den is dug under oaks."
+    b = "The river Lenne flows from the Varn Mountains to the eastern sea."
+    cut = a[:a.index("\n\n")]
+    prompt = "ctx:\n" + cut + "\n\n" + b + "\nQ?"
+    seg = Segmenter({"a": a, "b": b}, partial=True)
+    assert seg.split(prompt) == [Segment("ctx:\n"), Segment(cut + "\n\n", "a", 0, True), Segment(b, "b"),
+                                 Segment("\nQ?")]
+    # A text registered whole is not beaten by a longer one whose cut only runs on into B.
+    seg = Segmenter({"cut": cut, "long": cut + "\n\nThe lake is deep.", "b": b}, partial=True)
+    assert seg.split(prompt) == [Segment("ctx:\n"), Segment(cut, "cut"), Segment("\n\n"), Segment(b, "b"),
+                                 Segment("\nQ?")]
+    # Cut to less than min_partial_chars before B: not taken, B is.
+    short = "Foxes hunt at dawn. The river is long and wide and deep."
+    seg = Segmenter({"s": short + " More about foxes and rivers here.", "b": b}, partial=True,
+                    min_partial_chars=64)
+    p2 = short[:20] + b
+    assert [s.key for s in seg.split(p2) if s.cached] == ["b"]
