@@ -365,8 +365,13 @@ class Segmenter:
 
     def _best(self, prompt, start, groups, live, limit=None):
         """The (text, offset, matched chars) that wins at ``start`` in partial mode; ``limit``:
-        a cut match takes at most that many characters."""
-        best, best_rank = None, None
+        a cut match takes at most that many characters.
+
+        Many texts can share an anchor (chunks of one file behind the same metadata header),
+        so a cut is measured only where it can still win: whole matches are found first (one
+        compare each), and a cut must then hold at least as many characters as the best so far
+        (one compare of that prefix) before its length is searched for."""
+        best, best_rank, cuts = None, None, []
         for members in groups:
             for t, off in members:
                 if t not in live:
@@ -375,29 +380,55 @@ class Segmenter:
                 if best_rank is not None and full < best_rank[0]:
                     break  # longest first: no later member of this group can match more
                 if prompt.startswith(t[off:] if off else t, start):
-                    n, whole = full, 1
+                    rank = (full - _trail(prompt, start + full, full), off == 0, 1, -len(t))
+                    if best_rank is None or rank > best_rank or (rank == best_rank and t < best[0]):
+                        best, best_rank = (t, off, full), rank
                 else:
-                    n, whole = _common_prefix(prompt, start, t, off), 0
-                    if limit is not None:
-                        n = min(n, limit)
-                    if n < min(self.min_partial_chars, len(t[off:].rstrip())):
-                        continue
+                    cuts.append((t, off, full))
+        mp = self.min_partial_chars
+        for t, off, full in cuts:
+            # The shortest cut taken: min_partial_chars, or all of the text's non-whitespace.
+            need = mp if full > mp and not t[-1].isspace() else min(mp, len(t.rstrip()) - off)
+            if best_rank is not None:
                 # Trailing whitespace a match takes along does not make it better: a text
                 # registered both bare and padded ("\n\nX\n") is served bare where the prompt
                 # holds it bare, from its own first character (off == 0: K/V computed in the
                 # exact context), whole before cut.
-                rank = (len(prompt[start:start + n].rstrip()), off == 0, whole, -len(t))
-                if best_rank is None or rank > best_rank or (rank == best_rank and t < best[0]):
-                    best, best_rank = (t, off, n), rank
+                need = max(need, best_rank[0])
+            if (limit is not None and need > limit) or not prompt.startswith(t[off:off + need], start):
+                continue  # shorter than the shortest cut taken, or than the best so far
+            n = _common_prefix(prompt, start, t, off, need, limit)
+            rank = (n - _trail(prompt, start + n, n), off == 0, 0, -len(t))
+            if best_rank is None or rank > best_rank or (rank == best_rank and t < best[0]):
+                best, best_rank = (t, off, n), rank
         return best
 
 
-def _common_prefix(prompt: str, start: int, text: str, off: int) -> int:
-    """How many characters of ``text[off:]`` ``prompt`` holds from ``start`` on."""
-    lo, hi = 0, min(len(text) - off, len(prompt) - start)
-    while lo < hi:  # binary search on "prompt holds text[off:off+mid]" (C-speed compares)
+def _trail(prompt: str, end: int, n: int) -> int:
+    """How many of the ``n`` characters before ``end`` in ``prompt`` are trailing whitespace."""
+    if not prompt[end - 1].isspace():
+        return 0
+    return n - len(prompt[end - n:end].rstrip())
+
+
+def _common_prefix(prompt: str, start: int, text: str, off: int, lo: int = 0, limit: int | None = None) -> int:
+    """How many characters of ``text[off:]`` ``prompt`` holds from ``start`` on (at most
+    ``limit``), knowing that it holds the first ``lo``."""
+    hi = min(len(text) - off, len(prompt) - start)
+    if limit is not None:
+        hi = min(hi, limit)
+    # Gallop, then binary search, each step comparing only the characters after the ``lo``
+    # known to match (C-speed compares; a mismatch shortly after ``lo`` costs little).
+    step = 64
+    while lo < hi:
+        mid = min(lo + step, hi)
+        if not prompt.startswith(text[off + lo:off + mid], start + lo):
+            hi = mid - 1
+            break
+        lo, step = mid, step * 2
+    while lo < hi:
         mid = (lo + hi + 1) // 2
-        if prompt.startswith(text[off:off + mid], start):
+        if prompt.startswith(text[off + lo:off + mid], start + lo):
             lo = mid
         else:
             hi = mid - 1
