@@ -189,6 +189,7 @@ class KVRag:
         # One re-read of the text index at a time: concurrent queries that are due at once
         # wait for the one reading it (and then skip theirs) instead of all reading it.
         self._refresh_lock = threading.Lock()
+        self._warned_no_reuse = False
 
     # ---- chunks ----------------------------------------------------------------------
     def chunk_ids(self, text: str) -> list[int]:
@@ -416,6 +417,20 @@ class KVRag:
             return [max(s - 1, 0) for s, _ in enc["offset_mapping"][len(nl):]]
         return None
 
+    def _note_no_reuse(self, seg_stats) -> None:
+        """Say why a reuse policy got a prompt with no cached chunk, while chunks are cached:
+        the speed-up is lost silently otherwise (a framework that rewrites the chunk texts, a
+        store another process evicted). A warning the first time per KVRag, debug after."""
+        registered = len(self.segmenter)
+        if not registered:
+            return  # nothing ingested yet: computing in full is the expected path
+        level = logging.DEBUG if self._warned_no_reuse else logging.WARNING
+        self._warned_no_reuse = True
+        log.log(level, "no cached chunk served in this prompt (%d chunk texts cached; %d found but "
+                "unreadable/evicted, %d found but tokenized otherwise): computed in full. "
+                "See docs/segmentation.md for what breaks a match.",
+                registered, seg_stats.chunks_missed, seg_stats.chunks_unaligned)
+
     def prefill(self, prompt: str | Sequence[dict], policy: str | Policy | None = None, **policy_params):
         """Fused prefill of a prompt. Returns (FusionResult or HF output wrapper, stepper, stats)."""
         t0 = time.perf_counter()
@@ -441,6 +456,8 @@ class KVRag:
             else:
                 stepper = HFStepper(self.handle.model, res.K, res.V, res.next_position)
             prompt_ids = layout.token_ids.tolist()
+        if pol.uses_cache and not has_cached:
+            self._note_no_reuse(seg_stats)
         stats.chunks_hit = sum(p.kind == CACHED for p in pieces)
         stats.chunks_missed = seg_stats.chunks_missed
         stats.chunks_unaligned = seg_stats.chunks_unaligned

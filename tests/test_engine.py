@@ -449,3 +449,25 @@ def test_chat_messages_are_rendered(rag):
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": prompt_for(DOCS)}]
     out = rag.generate(msgs, policy="naive_reuse", max_new_tokens=3)
     assert out.stats.chunks_hit == 3
+
+
+def test_a_reuse_query_that_finds_no_cached_chunk_says_so_once(rag, caplog):
+    """The speed-up must not be lost silently: with chunks cached, a prompt in which none is
+    found (here a framework rewrote their text) is computed in full with one warning naming
+    why; later ones log at debug level. Before anything is cached, nothing is said."""
+    import logging
+
+    caplog.set_level(logging.DEBUG, logger="kvrag")
+    rag.generate(prompt_for(DOCS), max_new_tokens=1)
+    assert not [r for r in caplog.records if "no cached chunk" in r.getMessage()]
+    rag.precompute(DOCS)
+    rewritten = prompt_for([d.upper() for d in DOCS])
+    for _ in range(2):
+        out = rag.generate(rewritten, max_new_tokens=1)
+        assert out.stats.cached_tokens == 0
+    notes = [r for r in caplog.records if "no cached chunk" in r.getMessage()]
+    assert [r.levelno for r in notes] == [logging.WARNING, logging.DEBUG]
+    assert "3 chunk texts cached" in notes[0].getMessage()
+    caplog.clear()
+    assert rag.generate(prompt_for(DOCS), max_new_tokens=1).stats.cached_tokens > 0
+    assert not [r for r in caplog.records if "no cached chunk" in r.getMessage()]
