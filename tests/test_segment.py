@@ -14,18 +14,29 @@ def reference_split(texts: dict[str, str], prompt: str) -> list[Segment]:
     winner = {}
     for k, t in texts.items():  # dict order = registration order in these tests
         winner[t] = k
+
+    def match_at(pos):
+        best = max((t for t in winner if prompt.startswith(t, pos)), key=len, default=None)
+        return None if best is None else Segment(best, winner[best])
+
+    return scan_segments(prompt, match_at)
+
+
+def scan_segments(prompt: str, match_at) -> list[Segment]:
+    """Left-to-right scan shared by the brute-force references: ``match_at(pos)`` gives the
+    cached Segment taken at ``pos`` (None: that character is plain text)."""
     out, plain, pos = [], [], 0
     while pos < len(prompt):
-        best = max((t for t in winner if prompt.startswith(t, pos)), key=len, default=None)
-        if best is None:
+        seg = match_at(pos)
+        if seg is None:
             plain.append(prompt[pos])
             pos += 1
             continue
         if plain:
             out.append(Segment("".join(plain)))
             plain = []
-        out.append(Segment(best, winner[best]))
-        pos += len(best)
+        out.append(seg)
+        pos += len(seg.text)
     if plain:
         out.append(Segment("".join(plain)))
     return out
@@ -402,8 +413,7 @@ def reference_split_partial(texts: dict[str, str], prompt: str, min_partial: int
                     best, best_rank = (t, off, n), rank
         return best
 
-    out, plain, pos = [], [], 0
-    while pos < len(prompt):
+    def match_at(pos):
         best = best_at(pos)
         while best is not None and best[2] < len(best[0]) - best[1]:
             end = pos + best[2]
@@ -412,19 +422,12 @@ def reference_split_partial(texts: dict[str, str], prompt: str, min_partial: int
                 break
             best = best_at(pos, limit=block - pos)
         if best is None:
-            plain.append(prompt[pos])
-            pos += 1
-            continue
-        if plain:
-            out.append(Segment("".join(plain)))
-            plain = []
+            return None
         t, off, n = best
         exact = off == 0 and n == len(t)
-        out.append(Segment(prompt[pos:pos + n], winner[t], off, not exact))
-        pos += n
-    if plain:
-        out.append(Segment("".join(plain)))
-    return out
+        return Segment(prompt[pos:pos + n], winner[t], off, not exact)
+
+    return scan_segments(prompt, match_at)
 
 
 def test_partial_mode_serves_a_cut_chunk_and_a_stripped_one():
