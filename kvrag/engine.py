@@ -73,6 +73,10 @@ class Stream:
         ``next`` raises StopIteration, and ``stats`` stays None."""
         self._gen.close()
 
+    def generation(self) -> Generation:
+        """What the stream produced, as ``generate`` returns it (complete once exhausted)."""
+        return Generation(self.text, self.token_ids, self.stats, self.prompt_ids, self.finish_reason)
+
 
 def resolve_anchor(handle: ModelHandle, anchor: str | Sequence[int]) -> list[int]:
     """``KVRag(chunk_anchor=...)`` -> token ids (see ``KVRag``)."""
@@ -532,7 +536,7 @@ class KVRag:
         s = self.stream(prompt, **kwargs)
         for _ in s:
             pass
-        return Generation(s.text, s.token_ids, s.stats, getattr(s, "prompt_ids", []), s.finish_reason)
+        return s.generation()
 
     @torch.no_grad()
     def continuation_logits(

@@ -232,7 +232,7 @@ class ChatKVRag(BaseChatModel):
         opts = self._options(stop, kwargs)
         s = self.rag.stream(self._prompt(messages), **opts)  # bad options raise here
         await arun_stream(s, self._foreground)
-        return self._result(Generation(s.text, s.token_ids, s.stats, s.prompt_ids, s.finish_reason))
+        return self._result(s.generation())
 
     def _result(self, gen: Generation) -> ChatResult:
         self._last = gen
@@ -251,7 +251,7 @@ class ChatKVRag(BaseChatModel):
             if run_manager is not None:
                 run_manager.on_llm_new_token(delta, chunk=chunk)
             yield chunk
-        self._last = gen = Generation(s.text, s.token_ids, s.stats, s.prompt_ids, s.finish_reason)
+        self._last = gen = s.generation()
         meta = self._metadata(gen)
         yield ChatGenerationChunk(
             message=AIMessageChunk(content="", usage_metadata=_usage(s.stats), response_metadata=meta,

@@ -268,7 +268,7 @@ class KVRagLLM(LLM):
         """``_generate`` for async callers: steps in a worker thread, stopped when cancelled."""
         s = self._rag.stream(prompt, **self._options(kwargs))  # bad options raise here
         await arun_stream(s, self._foreground)
-        gen = Generation(s.text, s.token_ids, s.stats, s.prompt_ids, s.finish_reason)
+        gen = s.generation()
         self._last = gen
         return gen
 
@@ -277,7 +277,7 @@ class KVRagLLM(LLM):
         s = self._rag.stream(prompt, **self._options(kwargs))
         for delta in foreground_steps(s, self._foreground):
             yield delta, None
-        gen = Generation(s.text, s.token_ids, s.stats, s.prompt_ids, s.finish_reason)
+        gen = s.generation()
         self._last = gen
         yield "", gen
 
