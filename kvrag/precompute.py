@@ -33,6 +33,7 @@ default is restored at once, so the caller's threads keep theirs (see :func:`_se
 """
 from __future__ import annotations
 
+import asyncio
 import atexit
 import logging
 import threading
@@ -485,6 +486,15 @@ class Precomputer:
                 log.debug("kvrag precompute: dropped (counted): %s", e)
                 out.append(None)
         return out
+
+    async def asubmit_many(self, texts: Iterable[str], **kwargs) -> list[Future | None]:
+        """``submit_many`` for async code (ingestion hooks' ``aadd_*`` / ``acall``): with
+        ``block=True`` (the default) a full queue makes the submission wait for room, which may
+        take as long as the worker needs to compute packs; that wait runs in a worker thread,
+        so the event loop (and every other request on it) keeps running."""
+        if kwargs.get("block", True):
+            return await asyncio.to_thread(self.submit_many, texts, **kwargs)
+        return self.submit_many(texts, **kwargs)  # never waits
 
     # ---- state ------------------------------------------------------------------------
     def progress(self) -> PrecomputeProgress:

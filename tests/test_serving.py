@@ -95,6 +95,10 @@ def _event_loop_runs_while_ingestion_waits_for_room(rag, add):
         pc.shutdown(cancel_pending=True, timeout=30)
 
 
+def test_async_submit_waits_for_queue_room_off_the_event_loop(rag):
+    _event_loop_runs_while_ingestion_waits_for_room(rag, lambda pc: pc.asubmit_many(DOCS[:2]))
+
+
 def test_langchain_async_add_waits_for_queue_room_off_the_event_loop(rag):
     pytest.importorskip("langchain_kvrag")
     from langchain_kvrag import precompute_on_add

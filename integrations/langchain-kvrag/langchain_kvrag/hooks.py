@@ -14,7 +14,6 @@ kvrag finds cached chunks by exact text.
 """
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import functools
 import inspect
@@ -93,20 +92,17 @@ class KVPrecomputeHook:
         # replaced by a live one (an explicit Precomputer stays the caller's).
         return Precomputer.of(self.target)
 
+    def _texts(self, texts: Sequence[str]) -> list[str]:
+        return [self.text_fn(t) for t in texts] if self.text_fn is not None else list(texts)
+
     def schedule(self, texts: Sequence[str]) -> None:
         """Queue ``texts`` (after ``text_fn``); empty or invalid ones are logged and skipped."""
-        if self.text_fn is not None:
-            texts = [self.text_fn(t) for t in texts]
-        self.precomputer.submit_many(list(texts), block=self.block, skip_invalid=True, skip_full=True)
+        self.precomputer.submit_many(self._texts(texts), block=self.block, skip_invalid=True, skip_full=True)
 
     async def aschedule(self, texts: Sequence[str]) -> None:
-        """``schedule`` for async code: with ``block=True`` a full queue makes ``submit`` wait
-        for room, which may take as long as the worker needs to compute packs; that wait runs
-        in a worker thread, so the event loop (and every other request on it) keeps running."""
-        if self.block:
-            await asyncio.to_thread(self.schedule, texts)
-        else:
-            self.schedule(texts)  # never waits
+        """``schedule`` for async code: waiting for queue room never blocks the event loop."""
+        await self.precomputer.asubmit_many(self._texts(texts), block=self.block, skip_invalid=True,
+                                            skip_full=True)
 
     def backfill(self, vectorstore, *, page_size: int = 1000) -> int:
         """Schedule the texts ``vectorstore`` already holds (filled by ``Chroma.from_documents``,

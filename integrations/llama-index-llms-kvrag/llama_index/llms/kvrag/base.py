@@ -17,7 +17,6 @@ ingestion and queries do not compete with two workers.
 """
 from __future__ import annotations
 
-import asyncio
 import functools
 import logging
 import os
@@ -448,22 +447,15 @@ class KVPrecompute(_Unpicklable, TransformComponent):
             log.warning("KVPrecompute: skipped %d node(s) without text", skipped)
         return texts
 
-    def _submit(self, texts: list[str]) -> None:
-        self.precomputer.submit_many(texts, block=self.block, skip_invalid=True, skip_full=True)
-
     def __call__(self, nodes: Sequence[BaseNode], **kwargs: Any) -> Sequence[BaseNode]:
-        self._submit(self._texts(nodes))
+        self.precomputer.submit_many(self._texts(nodes), block=self.block, skip_invalid=True, skip_full=True)
         return nodes
 
     async def acall(self, nodes: Sequence[BaseNode], **kwargs: Any) -> Sequence[BaseNode]:
-        # LlamaIndex's default acall runs __call__ on the event loop; with block=True a full
-        # queue makes the submission wait for the worker (packs of seconds each), stalling
-        # every other request on the loop. That wait runs in a worker thread instead.
-        texts = self._texts(nodes)
-        if self.block:
-            await asyncio.to_thread(self._submit, texts)
-        else:
-            self._submit(texts)  # never waits
+        # LlamaIndex's default acall runs __call__ on the event loop, where waiting for queue
+        # room (block=True) would stall every other request on the loop.
+        await self.precomputer.asubmit_many(self._texts(nodes), block=self.block, skip_invalid=True,
+                                            skip_full=True)
         return nodes
 
 
