@@ -10,7 +10,7 @@ from fusion_helpers import CONFIGS, hf_logits, pieces_for, rand_ids, tiny
 from kvrag.arch import Arch
 from kvrag.bench import metrics as M
 from kvrag.engine import KVRag
-from kvrag.fusion import CACHED, FusionEngine, Layout
+from kvrag.fusion import CACHED, INSERTED, FusionEngine, Layout
 from kvrag.kvlink_train import (
     KVLinkError,
     QAItem,
@@ -24,6 +24,8 @@ from kvrag.kvlink_train import (
     load_adapter,
     load_qa,
     make_sample,
+    prompt_pieces,
+    rag_prompt,
     train_kvlink,
 )
 from kvrag.policies import get_policy
@@ -346,6 +348,48 @@ def test_bad_training_data_is_named(tmp_path, rows, match):
     p.write_text(json.dumps(rows))
     with pytest.raises(KVLinkError, match=match):
         load_qa(p)
+
+
+SERVED_DOCS = [
+    "The Arden range lies north of the capital. Its tallest peak is Mount Kelvar.",
+    "The river Lenne rises in the Varn Mountains and flows east into the Grey Sea. ",  # trailing space
+    "Port Saliva is the largest harbour on the Grey Sea.",
+]
+
+
+@pytest.mark.parametrize("layout", ["rag", "merged-edges"])
+def test_training_sample_is_the_prompt_kvrag_serves(handle, tmp_path, layout):
+    # The trainer must optimise the sequence inference runs: the same token ids (the
+    # tokenizer's ids of the whole prompt, not of each segment alone: SmolLM2 spells a blank
+    # line between passages as one token alone but two inside the prompt), the same tokens
+    # served from the cache (a document's edge token merged with its neighbour is computed as
+    # plain text), link tokens at the same places, and so the same logits.
+    docs, q = SERVED_DOCS, "Where does the river Lenne rise?"
+    if layout == "rag":
+        prompt = rag_prompt(handle, docs, q)
+    else:  # first token of a document merged with the text before it (" The" after "Context:")
+        prompt = f"Context: {docs[0]}\n\n{docs[1]}\nQuestion: {q}\nAnswer:"
+    rag = KVRag(handle, cache_dir=tmp_path / "kv", policy="kvlink", kvlink_adapter=None, storage_dtype="float32")
+    rag.precompute(docs)
+    pieces, _ = rag.pieces(prompt)
+    links = torch.randn(4, 2, rag.arch.hidden_size, generator=torch.Generator().manual_seed(3)) * 0.2
+    setattr(rag.arch.model, ADAPTER_ATTR, SimpleNamespace(link_tokens=2, links_for=lambda i: links[min(i, 3)]))
+    try:
+        pol = get_policy("kvlink", mode="trained")
+        lay = rag.engine.apply_insertions(pieces, pol)
+        res = rag.engine.prefill(lay, pol)
+    finally:
+        delattr(rag.arch.model, ADAPTER_ATTR)
+    assert res.stats.chunks_hit == len([p for p in pieces if p.kind == CACHED]) >= 2
+    sample = build_sample(prompt_pieces(handle, prompt, docs), [42], 2, 4, handle.anchor_ids())
+    shown = ~sample.private if sample.private is not None else torch.ones(sample.n, dtype=torch.bool)
+    n = int(shown[: sample.answer_start].sum())
+    assert sample.ids[shown][:n].tolist() == lay.token_ids.tolist()
+    assert (sample.segment[shown][:n] > 0).tolist() == (lay.kind == CACHED).tolist()
+    assert (sample.link_slot[shown][:n] >= 0).tolist() == (lay.kind == INSERTED).tolist()
+    with torch.no_grad():
+        train_logits = rag.arch.logits(forward_hidden(rag.arch, sample, links)[sample.answer_start - 1:][:1])[0]
+    torch.testing.assert_close(train_logits, res.logits, atol=1e-4, rtol=1e-4)
 
 
 def test_cli_train_kvlink(handle, data_file, tmp_path, capsys):
