@@ -16,7 +16,8 @@ document being the run of its tokens the chunk cache serves (``prompt_pieces``),
 sees the token ids, positions and link-token places inference runs. The loss is on the answer
 tokens. The n-th document's link tokens are their own embeddings (``link<n>-<k>``, A.2), so
 the trainable link table is ``[max_docs, K, E]``; documents past ``max_docs`` reuse the last
-row.
+row. Only the rows training reached are saved (``trained_rows``: at most ``docs`` documents per
+sample), so a later document reuses the last *trained* row, never an untrained initial one.
 
 The forward pass is kvrag's own layer loop (``Arch.qkv`` / ``Arch.attend``) with that mask, run
 with gradients; it is the same function the fusion engine computes at query time (a test holds
@@ -197,6 +198,15 @@ def load_adapter(path: str | os.PathLike) -> KVLinkAdapter:
         lora_digest = hashlib.sha256(
             (_sha256_file(d / LORA_FILE) + _sha256_file(d / LORA_CONFIG)).encode()
         ).hexdigest()
+    # Rows past those training reached are their initial value (the mean embedding), which the
+    # fine-tuned model never saw after a document: serve the last trained row there instead
+    # (``links_for``). Adapters from before ``trained_rows`` was recorded trained at most
+    # ``config.docs`` documents per sample.
+    trained = meta.get("trained_rows")
+    if trained is None:
+        trained = (meta.get("config") or {}).get("docs")
+    if isinstance(trained, int) and not isinstance(trained, bool) and 1 <= trained < links.shape[0]:
+        links = links[:trained]
     return KVLinkAdapter(links=links.float(), meta=meta, path=d, lora_digest=lora_digest)
 
 
@@ -686,6 +696,7 @@ def train_kvlink(
     losses: list[float] = []
     t0 = time.perf_counter()
     skipped = 0
+    trained_rows = 0  # link-table rows some sample used (the rest keep their initial value)
     for step in range(cfg.steps):
         opt.zero_grad(set_to_none=True)
         total = 0.0
@@ -700,6 +711,7 @@ def train_kvlink(
                     raise KVLinkError(f"almost every example exceeds max_tokens={cfg.max_tokens}; "
                                       "use fewer docs or --max-passage-chars")
                 continue
+            trained_rows = max(trained_rows, min(int(sample.segment.max()), cfg.max_docs))
             loss = sample_loss(arch, sample, links, cfg.objective, teacher(sample)) / cfg.batch
             loss.backward()
             total += float(loss.detach())
@@ -723,6 +735,7 @@ def train_kvlink(
         "base_source": handle.source,
         "link_tokens": cfg.link_tokens,
         "max_docs": cfg.max_docs,
+        "trained_rows": max(1, trained_rows),
         "lora": None if peft_model is None else {
             "rank": cfg.lora_rank, "alpha": cfg.lora_alpha or 2 * cfg.lora_rank, "targets": list(cfg.lora_targets),
         },
@@ -736,7 +749,7 @@ def train_kvlink(
         "torch": torch.__version__,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
-    save_adapter(out_dir, links.detach(), peft_model, meta)
+    save_adapter(out_dir, links.detach()[: max(1, trained_rows)], peft_model, meta)
     say(f"saved KVLink adapter to {out_dir}")
     return TrainResult(out_dir, losses, load_adapter(out_dir), meta)
 

@@ -221,7 +221,7 @@ def test_training_reduces_the_loss_and_records_the_run(trained, data_file):
     for f in ("link_embeddings.safetensors", "adapter_model.safetensors", "adapter_config.json"):
         assert (trained.out / f).is_file()
     ad = load_adapter(trained.out)
-    assert ad.links.shape == (4, 2, 64) and ad.has_lora
+    assert ad.links.shape == (2, 2, 64) and ad.has_lora  # the rows training reached: docs=2 of max_docs=4
     # The link embeddings moved away from their (mean-embedding) initialisation.
     assert not torch.allclose(ad.links[0], ad.links[0].mean(0).expand(2, -1), atol=1e-3)
 
@@ -245,6 +245,33 @@ def test_saved_adapter_reproduces_the_trained_model(handle, trained):
     assert new_loss < 0.7 * base_loss
     # The caller's model is untouched.
     assert getattr(handle.model, ADAPTER_ATTR, None) is None
+
+
+def test_documents_past_the_trained_rows_get_the_last_trained_links(handle, trained, tmp_path):
+    # Training reads CFG["docs"] = 2 documents per sample, so rows 2 and 3 of a max_docs=4
+    # table never get a gradient: serving them (their initial mean embedding) after the 3rd
+    # and 4th documents would give the fine-tuned model link tokens it never saw there.
+    ad = trained.adapter
+    mean = mean_embedding(Arch(handle.model)).expand(2, -1)
+    for i in (2, 3, 9):
+        assert not torch.allclose(ad.links_for(i), mean, atol=1e-3)
+        torch.testing.assert_close(ad.links_for(i), ad.links_for(1), atol=0, rtol=0)
+    assert trained.meta["trained_rows"] == 2 and ad.max_docs == 2
+    # An adapter saved before ``trained_rows`` was recorded (the whole table, untrained rows
+    # included) is read the same way, from the ``docs`` it was trained with.
+    import shutil
+
+    from safetensors.torch import save_file
+
+    old = tmp_path / "old"
+    shutil.copytree(trained.out, old)
+    meta = json.loads((old / "kvlink.json").read_text())
+    del meta["trained_rows"]
+    (old / "kvlink.json").write_text(json.dumps(meta))
+    save_file({"links": torch.cat([ad.links, mean.expand(2, 2, -1).contiguous()])}, str(old / "link_embeddings.safetensors"))
+    loaded = load_adapter(old)
+    assert loaded.max_docs == 2
+    torch.testing.assert_close(loaded.links_for(3), ad.links_for(1), atol=0, rtol=0)
 
 
 def test_trained_kvrag_uses_the_adapted_fingerprint_and_changes_outputs(handle, trained, tmp_path):
