@@ -103,6 +103,66 @@ def cache_fingerprint(model_fingerprint: str, anchor: Sequence[int]) -> str:
     return hashlib.sha256(tag.encode("utf-8")).hexdigest()
 
 
+def spell_chunk(handle: ModelHandle, text: str, newline_ids: Sequence[int]) -> list[int]:
+    """Token ids of a chunk as the tokenizer spells it inside a prompt after a line break
+    (``KVRag.chunk_ids`` without its checks); ``newline_ids``: ``handle.encode("\\n")``."""
+    nl = list(newline_ids)
+    ids = handle.encode("\n" + text)
+    if nl and ids[: len(nl)] == nl and len(ids) > len(nl):
+        return ids[len(nl):]
+    return handle.encode(text)  # the line break merged into the text's first token: spell the text alone
+
+
+def chunk_token_starts(tokenizer, newline_ids: Sequence[int], text: str, chunk: list[int]) -> list[int] | None:
+    """The character where each of a stored chunk's tokens (``chunk``, spelled as
+    ``spell_chunk`` spells it) starts in ``text``; None if no tokenization of the text gives
+    exactly these ids (then no token boundary of it can be trusted)."""
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    if list(enc["input_ids"]) == chunk:
+        return [s for s, _ in enc["offset_mapping"]]
+    # Spelled after a line break (SentencePiece tokenizers, without the first-word mark).
+    nl = list(newline_ids)
+    enc = tokenizer("\n" + text, add_special_tokens=False, return_offsets_mapping=True)
+    ids = list(enc["input_ids"])
+    if nl and ids[:len(nl)] == nl and ids[len(nl):] == chunk:
+        return [max(s - 1, 0) for s, _ in enc["offset_mapping"][len(nl):]]
+    return None
+
+
+def match_chunk(tokenizer, newline_ids: Sequence[int], chunk: list[int], text: str, start: int, end: int,
+                ids: list[int], offsets: list[tuple[int, int]], starts: list[int], lo: int,
+                offset: int = 0) -> tuple[int, int, int]:
+    """Where the prompt's tokens reuse a stored chunk (token ids ``chunk``, text ``text``),
+    whose characters ``offset ..`` were found at the prompt's characters [start, end): prompt
+    tokens ``j..j+m-1`` are its tokens ``k..k+m-1`` (m = 0: nowhere). ``ids`` / ``offsets`` /
+    ``starts``: the prompt's tokens, their character spans and span starts; ``lo``: the first
+    token not placed yet. Shared by ``KVRag.pieces`` and the KVLink trainer
+    (``kvrag.kvlink_train.prompt_pieces``), so training sequences are laid out as queries are."""
+    j, k = bisect.bisect_left(starts, start, lo=lo), 0
+    if offset or (j > 0 and offsets[j - 1][1] > start):
+        # The chunk's first token merged with what precedes it (" The" after "Context:"),
+        # or the prompt holds the chunk from a later character on (its leading whitespace
+        # trimmed): resume at the first token boundary both tokenizations share; the
+        # tokens there on are the chunk's (their K/V were computed behind the chunk's own
+        # beginning).
+        starts_in_chunk = chunk_token_starts(tokenizer, newline_ids, text, chunk)
+        if starts_in_chunk is None:
+            return j, 0, 0
+        at = {s: i for i, s in reversed(list(enumerate(starts_in_chunk)))}
+        while j < len(ids) and starts[j] < end and starts[j] - start + offset not in at:
+            j += 1
+        if j >= len(ids) or starts[j] >= end:
+            return j, 0, 0
+        k = at[starts[j] - start + offset]
+    m = 0
+    # Equal ids from one shared boundary on cover equal characters, so a run that ends
+    # inside [start, end) in the prompt ends inside the matched part of the chunk: a cut
+    # chunk is served only up to its last whole token the prompt holds.
+    while k + m < len(chunk) and j + m < len(ids) and ids[j + m] == chunk[k + m] and offsets[j + m][1] <= end:
+        m += 1
+    return j, k, m
+
+
 class KVRag:
     """Precompute chunk KV caches, then answer prompts by fusing them under a policy.
 
@@ -203,12 +263,7 @@ class KVRag:
         of a text (Llama 2, Mistral) the ids without that mark. A prompt reuses the chunk only
         where its own tokenization holds exactly these ids (``pieces``)."""
         validate_chunk_text(text)
-        nl = self._newline_ids
-        ids = self.handle.encode("\n" + text)
-        if nl and ids[: len(nl)] == nl and len(ids) > len(nl):
-            ids = ids[len(nl):]
-        else:  # the line break merged into the text's first token: spell the text alone
-            ids = self.handle.encode(text)
+        ids = spell_chunk(self.handle, text, self._newline_ids)
         if len(ids) > self.handle.max_context:
             raise ChunkError(
                 f"chunk of {len(ids)} tokens exceeds the model context ({self.handle.max_context} tokens); "
@@ -377,49 +432,9 @@ class KVRag:
 
     def _match(self, entry, start: int, end: int, ids: list[int], offsets: list[tuple[int, int]],
                starts: list[int], lo: int, offset: int = 0) -> tuple[int, int, int]:
-        """Where the prompt's tokens reuse ``entry``, whose characters ``offset ..`` were found
-        at the prompt's characters [start, end): prompt tokens ``j..j+m-1`` are its tokens
-        ``k..k+m-1`` (m = 0: nowhere). ``ids`` / ``offsets`` / ``starts``: the prompt's tokens,
-        their character spans and span starts; ``lo``: the first token not placed yet."""
-        chunk = entry.token_ids.tolist()
-        j, k = bisect.bisect_left(starts, start, lo=lo), 0
-        if offset or (j > 0 and offsets[j - 1][1] > start):
-            # The chunk's first token merged with what precedes it (" The" after "Context:"),
-            # or the prompt holds the chunk from a later character on (its leading whitespace
-            # trimmed): resume at the first token boundary both tokenizations share; the
-            # tokens there on are the chunk's (their K/V were computed behind the chunk's own
-            # beginning).
-            starts_in_chunk = self._chunk_token_starts(entry.text, chunk)
-            if starts_in_chunk is None:
-                return j, 0, 0
-            at = {s: i for i, s in reversed(list(enumerate(starts_in_chunk)))}
-            while j < len(ids) and starts[j] < end and starts[j] - start + offset not in at:
-                j += 1
-            if j >= len(ids) or starts[j] >= end:
-                return j, 0, 0
-            k = at[starts[j] - start + offset]
-        m = 0
-        # Equal ids from one shared boundary on cover equal characters, so a run that ends
-        # inside [start, end) in the prompt ends inside the matched part of the chunk: a cut
-        # chunk is served only up to its last whole token the prompt holds.
-        while k + m < len(chunk) and j + m < len(ids) and ids[j + m] == chunk[k + m] and offsets[j + m][1] <= end:
-            m += 1
-        return j, k, m
-
-    def _chunk_token_starts(self, text: str, chunk: list[int]) -> list[int] | None:
-        """The character where each of a stored chunk's tokens (``chunk``, spelled as
-        ``chunk_ids`` spells it) starts in ``text``; None if no tokenization of the text gives
-        exactly these ids (then no token boundary of it can be trusted)."""
-        enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-        if list(enc["input_ids"]) == chunk:
-            return [s for s, _ in enc["offset_mapping"]]
-        # Spelled after a line break (SentencePiece tokenizers, without the first-word mark).
-        nl = self._newline_ids
-        enc = self.tokenizer("\n" + text, add_special_tokens=False, return_offsets_mapping=True)
-        ids = list(enc["input_ids"])
-        if nl and ids[:len(nl)] == nl and ids[len(nl):] == chunk:
-            return [max(s - 1, 0) for s, _ in enc["offset_mapping"][len(nl):]]
-        return None
+        """``match_chunk`` for a stored ``entry`` (its token ids and text)."""
+        return match_chunk(self.tokenizer, self._newline_ids, entry.token_ids.tolist(), entry.text,
+                           start, end, ids, offsets, starts, lo, offset)
 
     def _note_no_reuse(self, seg_stats) -> None:
         """Say why a reuse policy got a prompt with no cached chunk, while chunks are cached:

@@ -10,9 +10,14 @@ with the paper's mask (its reference code's ``make_segment_mask``): a token of d
 attends only to earlier tokens of ``d`` and to a private copy of the anchor kvrag precomputes
 chunks behind (``ModelHandle.anchor_ids``), so its K/V are exactly the chunk cache kvrag stores:
 documents do *not* see the template; every other token (template, link tokens, question,
-answer) attends causally to everything before it. The loss is on the answer tokens. The n-th
-document's link tokens are their own embeddings (``link<n>-<k>``, A.2), so the trainable
-link table is ``[max_docs, K, E]``; documents past ``max_docs`` reuse the last row.
+answer) attends causally to everything before it. The sequence is laid out by the code that
+lays out queries (``kvrag.engine.match_chunk``): the tokenizer's ids of the whole prompt, a
+document being the run of its tokens the chunk cache serves (``prompt_pieces``), so training
+sees the token ids, positions and link-token places inference runs. The loss is on the answer
+tokens. The n-th document's link tokens are their own embeddings (``link<n>-<k>``, A.2), so
+the trainable link table is ``[max_docs, K, E]``; documents past ``max_docs`` reuse the last
+row. Only the rows training reached are saved (``trained_rows``: at most ``docs`` documents per
+sample), so a later document reuses the last *trained* row, never an untrained initial one.
 
 The forward pass is kvrag's own layer loop (``Arch.qkv`` / ``Arch.attend``) with that mask, run
 with gradients; it is the same function the fusion engine computes at query time (a test holds
@@ -193,6 +198,15 @@ def load_adapter(path: str | os.PathLike) -> KVLinkAdapter:
         lora_digest = hashlib.sha256(
             (_sha256_file(d / LORA_FILE) + _sha256_file(d / LORA_CONFIG)).encode()
         ).hexdigest()
+    # Rows past those training reached are their initial value (the mean embedding), which the
+    # fine-tuned model never saw after a document: serve the last trained row there instead
+    # (``links_for``). Adapters from before ``trained_rows`` was recorded trained at most
+    # ``config.docs`` documents per sample.
+    trained = meta.get("trained_rows")
+    if trained is None:
+        trained = (meta.get("config") or {}).get("docs")
+    if isinstance(trained, int) and not isinstance(trained, bool) and 1 <= trained < links.shape[0]:
+        links = links[:trained]
     return KVLinkAdapter(links=links.float(), meta=meta, path=d, lora_digest=lora_digest)
 
 
@@ -340,16 +354,18 @@ class Sample:
 
 
 def build_sample(
-    pieces: Sequence[tuple[Sequence[int], bool]], answer_ids: Sequence[int], link_tokens: int, max_docs: int,
+    pieces: Sequence[tuple], answer_ids: Sequence[int], link_tokens: int, max_docs: int,
     anchor: Sequence[int] = (),
 ) -> Sample:
     """Assemble a ``Sample`` from prompt pieces ``(token ids, is_document)`` in order and the
     answer ids; ``link_tokens`` link slots follow every document; every document reads the
-    ``anchor`` ids before it (private copies), as its chunk cache was computed."""
+    ``anchor`` ids before it (private copies), as its chunk cache was computed. A document
+    piece may carry a third item, the chunk tokens before the part of it the prompt reuses
+    (``prompt_pieces``): private copies too, between the anchor and the document."""
     if not answer_ids:
         raise KVLinkError("empty answer: nothing to train on")
     ids, slot, seg, private, pos = [], [], [], [], []
-    n_doc, a = 0, len(anchor)
+    n_doc = 0
     next_pos = 0  # RoPE position of the next prompt token (anchor copies take none)
 
     def add(toks, slots, d, priv=False):
@@ -364,14 +380,15 @@ def build_sample(
             pos.extend(range(next_pos, next_pos + len(toks)))
             next_pos += len(toks)
 
-    for toks, is_doc in pieces:
+    for toks, is_doc, *hidden in pieces:
         toks = list(toks)
         if not toks:
             continue
         if is_doc:
             n_doc += 1
-            if a:
-                add(list(anchor), [-1] * a, n_doc, priv=True)
+            behind = list(anchor) + (list(hidden[0]) if hidden else [])
+            if behind:
+                add(behind, [-1] * len(behind), n_doc, priv=True)
             add(toks, [-1] * len(toks), n_doc)
             row = min(n_doc - 1, max_docs - 1)
             add([0] * link_tokens, [row * link_tokens + k for k in range(link_tokens)], 0)
@@ -380,27 +397,62 @@ def build_sample(
     start = len(ids)
     add(list(answer_ids), [-1] * len(answer_ids), 0)
     t = lambda x: torch.tensor(x, dtype=torch.long)  # noqa: E731
-    if not a:
+    if not any(private):
         return Sample(t(ids), t(slot), t(seg), start)
     return Sample(t(ids), t(slot), t(seg), start, torch.tensor(private), t(pos))
 
 
-def prompt_pieces(handle: ModelHandle, prompt: str, documents: Sequence[str]) -> list[tuple[list[int], bool]]:
-    """Split a rendered ``prompt`` into (ids, is_document) pieces exactly as ``KVRag.pieces``
-    does at query time: the tokenizer's prefix ids, then segment by segment (every document
-    tokenized alone, as its chunk cache is)."""
+def prompt_pieces(handle: ModelHandle, prompt: str, documents: Sequence[str]) -> list[tuple]:
+    """Split a rendered ``prompt`` into pieces exactly as ``KVRag.pieces`` does at query time:
+    the tokenizer's prefix ids, then the tokenizer's ids of the *whole* prompt, in which each
+    document is served — and so trained as a document — only on the run of tokens that its
+    chunk cache (``KVRag.chunk_ids``) shares with the prompt (``kvrag.engine.match_chunk``);
+    edge tokens the two tokenizations split otherwise are plain tokens, as at query time.
+
+    Returns ``(ids, False)`` for plain pieces and ``(ids, True, hidden)`` for documents, where
+    ``hidden`` are the chunk tokens before the reused run (its first token merged with the text
+    before it): the cached K/V were computed behind them, so the document reads them too.
+
+    Tokenizing each segment alone instead would train on another sequence than the one served:
+    with SmolLM2 a blank line between passages is one token alone (``"\\n\\n"``) but two inside
+    the prompt (``"\\n"``, ``"\\n"``), shifting every later position."""
+    import bisect
+
+    from kvrag.engine import match_chunk, spell_chunk
     from kvrag.segment import Segmenter
 
     seg = Segmenter()
     for i, d in enumerate(documents):
         seg.add(f"doc{i}", d)
-    out: list[tuple[list[int], bool]] = []
+    out: list[tuple] = []
     prefix = handle.prefix_ids()
     bos = handle.tokenizer.bos_token
     if prefix and not (bos and prompt.startswith(bos)):
         out.append((list(prefix), False))
+    enc = handle.tokenizer(prompt, add_special_tokens=False, return_offsets_mapping=True)
+    ids, offsets = list(enc["input_ids"]), [tuple(o) for o in enc["offset_mapping"]]
+    starts = [a for a, _ in offsets]
+    nl = handle.encode("\n")
+    tok = pos = 0
     for s in seg.split(prompt):
-        out.append((handle.encode(s.text), s.key is not None))
+        start, end = pos, pos + len(s.text)
+        pos = end
+        if s.key is None:
+            continue
+        first = bisect.bisect_left(starts, start, lo=tok)
+        if first >= len(ids) or offsets[first][1] > end:
+            continue  # no prompt token inside it: computed as plain text at query time too
+        text = documents[int(s.key[3:])]
+        chunk = spell_chunk(handle, text, nl)
+        j, k, m = match_chunk(handle.tokenizer, nl, chunk, text, start, end, ids, offsets, starts, tok, s.offset)
+        if m == 0:
+            continue
+        if j > tok:
+            out.append((ids[tok:j], False))
+        out.append((chunk[k:k + m], True, chunk[:k]))
+        tok = j + m
+    if tok < len(ids):
+        out.append((ids[tok:], False))
     return out
 
 
@@ -644,6 +696,7 @@ def train_kvlink(
     losses: list[float] = []
     t0 = time.perf_counter()
     skipped = 0
+    trained_rows = 0  # link-table rows some sample used (the rest keep their initial value)
     for step in range(cfg.steps):
         opt.zero_grad(set_to_none=True)
         total = 0.0
@@ -658,6 +711,7 @@ def train_kvlink(
                     raise KVLinkError(f"almost every example exceeds max_tokens={cfg.max_tokens}; "
                                       "use fewer docs or --max-passage-chars")
                 continue
+            trained_rows = max(trained_rows, min(int(sample.segment.max()), cfg.max_docs))
             loss = sample_loss(arch, sample, links, cfg.objective, teacher(sample)) / cfg.batch
             loss.backward()
             total += float(loss.detach())
@@ -681,6 +735,7 @@ def train_kvlink(
         "base_source": handle.source,
         "link_tokens": cfg.link_tokens,
         "max_docs": cfg.max_docs,
+        "trained_rows": max(1, trained_rows),
         "lora": None if peft_model is None else {
             "rank": cfg.lora_rank, "alpha": cfg.lora_alpha or 2 * cfg.lora_rank, "targets": list(cfg.lora_targets),
         },
@@ -694,7 +749,7 @@ def train_kvlink(
         "torch": torch.__version__,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
-    save_adapter(out_dir, links.detach(), peft_model, meta)
+    save_adapter(out_dir, links.detach()[: max(1, trained_rows)], peft_model, meta)
     say(f"saved KVLink adapter to {out_dir}")
     return TrainResult(out_dir, losses, load_adapter(out_dir), meta)
 

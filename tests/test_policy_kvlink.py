@@ -10,7 +10,7 @@ from fusion_helpers import CONFIGS, hf_logits, pieces_for, rand_ids, tiny
 from kvrag.arch import Arch
 from kvrag.bench import metrics as M
 from kvrag.engine import KVRag
-from kvrag.fusion import CACHED, FusionEngine, Layout
+from kvrag.fusion import CACHED, INSERTED, FusionEngine, Layout
 from kvrag.kvlink_train import (
     KVLinkError,
     QAItem,
@@ -24,6 +24,8 @@ from kvrag.kvlink_train import (
     load_adapter,
     load_qa,
     make_sample,
+    prompt_pieces,
+    rag_prompt,
     train_kvlink,
 )
 from kvrag.policies import get_policy
@@ -219,7 +221,7 @@ def test_training_reduces_the_loss_and_records_the_run(trained, data_file):
     for f in ("link_embeddings.safetensors", "adapter_model.safetensors", "adapter_config.json"):
         assert (trained.out / f).is_file()
     ad = load_adapter(trained.out)
-    assert ad.links.shape == (4, 2, 64) and ad.has_lora
+    assert ad.links.shape == (2, 2, 64) and ad.has_lora  # the rows training reached: docs=2 of max_docs=4
     # The link embeddings moved away from their (mean-embedding) initialisation.
     assert not torch.allclose(ad.links[0], ad.links[0].mean(0).expand(2, -1), atol=1e-3)
 
@@ -243,6 +245,33 @@ def test_saved_adapter_reproduces_the_trained_model(handle, trained):
     assert new_loss < 0.7 * base_loss
     # The caller's model is untouched.
     assert getattr(handle.model, ADAPTER_ATTR, None) is None
+
+
+def test_documents_past_the_trained_rows_get_the_last_trained_links(handle, trained, tmp_path):
+    # Training reads CFG["docs"] = 2 documents per sample, so rows 2 and 3 of a max_docs=4
+    # table never get a gradient: serving them (their initial mean embedding) after the 3rd
+    # and 4th documents would give the fine-tuned model link tokens it never saw there.
+    ad = trained.adapter
+    mean = mean_embedding(Arch(handle.model)).expand(2, -1)
+    for i in (2, 3, 9):
+        assert not torch.allclose(ad.links_for(i), mean, atol=1e-3)
+        torch.testing.assert_close(ad.links_for(i), ad.links_for(1), atol=0, rtol=0)
+    assert trained.meta["trained_rows"] == 2 and ad.max_docs == 2
+    # An adapter saved before ``trained_rows`` was recorded (the whole table, untrained rows
+    # included) is read the same way, from the ``docs`` it was trained with.
+    import shutil
+
+    from safetensors.torch import save_file
+
+    old = tmp_path / "old"
+    shutil.copytree(trained.out, old)
+    meta = json.loads((old / "kvlink.json").read_text())
+    del meta["trained_rows"]
+    (old / "kvlink.json").write_text(json.dumps(meta))
+    save_file({"links": torch.cat([ad.links, mean.expand(2, 2, -1).contiguous()])}, str(old / "link_embeddings.safetensors"))
+    loaded = load_adapter(old)
+    assert loaded.max_docs == 2
+    torch.testing.assert_close(loaded.links_for(3), ad.links_for(1), atol=0, rtol=0)
 
 
 def test_trained_kvrag_uses_the_adapted_fingerprint_and_changes_outputs(handle, trained, tmp_path):
@@ -346,6 +375,48 @@ def test_bad_training_data_is_named(tmp_path, rows, match):
     p.write_text(json.dumps(rows))
     with pytest.raises(KVLinkError, match=match):
         load_qa(p)
+
+
+SERVED_DOCS = [
+    "The Arden range lies north of the capital. Its tallest peak is Mount Kelvar.",
+    "The river Lenne rises in the Varn Mountains and flows east into the Grey Sea. ",  # trailing space
+    "Port Saliva is the largest harbour on the Grey Sea.",
+]
+
+
+@pytest.mark.parametrize("layout", ["rag", "merged-edges"])
+def test_training_sample_is_the_prompt_kvrag_serves(handle, tmp_path, layout):
+    # The trainer must optimise the sequence inference runs: the same token ids (the
+    # tokenizer's ids of the whole prompt, not of each segment alone: SmolLM2 spells a blank
+    # line between passages as one token alone but two inside the prompt), the same tokens
+    # served from the cache (a document's edge token merged with its neighbour is computed as
+    # plain text), link tokens at the same places, and so the same logits.
+    docs, q = SERVED_DOCS, "Where does the river Lenne rise?"
+    if layout == "rag":
+        prompt = rag_prompt(handle, docs, q)
+    else:  # first token of a document merged with the text before it (" The" after "Context:")
+        prompt = f"Context: {docs[0]}\n\n{docs[1]}\nQuestion: {q}\nAnswer:"
+    rag = KVRag(handle, cache_dir=tmp_path / "kv", policy="kvlink", kvlink_adapter=None, storage_dtype="float32")
+    rag.precompute(docs)
+    pieces, _ = rag.pieces(prompt)
+    links = torch.randn(4, 2, rag.arch.hidden_size, generator=torch.Generator().manual_seed(3)) * 0.2
+    setattr(rag.arch.model, ADAPTER_ATTR, SimpleNamespace(link_tokens=2, links_for=lambda i: links[min(i, 3)]))
+    try:
+        pol = get_policy("kvlink", mode="trained")
+        lay = rag.engine.apply_insertions(pieces, pol)
+        res = rag.engine.prefill(lay, pol)
+    finally:
+        delattr(rag.arch.model, ADAPTER_ATTR)
+    assert res.stats.chunks_hit == len([p for p in pieces if p.kind == CACHED]) >= 2
+    sample = build_sample(prompt_pieces(handle, prompt, docs), [42], 2, 4, handle.anchor_ids())
+    shown = ~sample.private if sample.private is not None else torch.ones(sample.n, dtype=torch.bool)
+    n = int(shown[: sample.answer_start].sum())
+    assert sample.ids[shown][:n].tolist() == lay.token_ids.tolist()
+    assert (sample.segment[shown][:n] > 0).tolist() == (lay.kind == CACHED).tolist()
+    assert (sample.link_slot[shown][:n] >= 0).tolist() == (lay.kind == INSERTED).tolist()
+    with torch.no_grad():
+        train_logits = rag.arch.logits(forward_hidden(rag.arch, sample, links)[sample.answer_start - 1:][:1])[0]
+    torch.testing.assert_close(train_logits, res.logits, atol=1e-4, rtol=1e-4)
 
 
 def test_cli_train_kvlink(handle, data_file, tmp_path, capsys):
