@@ -504,3 +504,43 @@ def test_real_model_a2ats(tmp_path, monkeypatch):
     # Exact limit: recompute everything, read every key == full prefill's answer.
     exact = rag.generate(messages, prefill="cacheblend", recompute_ratio=1.0, topk=1.0, **kw)
     assert exact.token_ids == full.token_ids
+
+
+@pytest.mark.parametrize("model_type", ["mistral-window", "qwen2-window"])
+def test_sliding_window_layers_pick_only_rows_the_layer_can_see(model_type, tmp_path):
+    # A sliding-window layer (Mistral's 8 here) attends to its last 8 positions only: a row
+    # behind that is masked after selection, so a top-k pick there is a wasted read that
+    # displaces a row the layer does see. With a2ats' own window (2) inside the layer's and a
+    # budget k >= the 6 visible candidates, every visible row is picked: with a window on every
+    # layer (Mistral) decode equals the model's; on any windowed layer (Qwen2's upper layers
+    # only) no row the layer cannot see is read.
+    model = tiny(model_type)
+    arch = Arch(model)
+    path = fit_tiny(arch, n_codes=16).save(tmp_path / "b.safetensors")
+    g = torch.Generator().manual_seed(9)
+    layout = Layout.build(pieces_for(arch, segments(g, n_chunks=2, chunk=30)))
+    eng = FusionEngine(arch)
+    pol = get_policy("a2ats", codebook=str(path), topk=0.1, sink=0, window=2)
+    res = eng.prefill(layout, pol, keep_state=True)
+    naive = eng.prefill(layout, get_policy("naive_reuse"))
+    fused = FusedStepper(arch, res.K, res.V, res.next_position, pol, res.state, res.positions)
+    hf = HFStepper(model, naive.K, naive.V, naive.next_position)
+    seen = []
+    orig = pol.decode_select
+
+    def spy(layer, q, st):
+        idx = orig(layer, q, st)
+        seen.append((layer, st.pos, st.K[layer].shape[1], idx))
+        return idx
+
+    pol.decode_select = spy
+    every_layer = all(w is not None for w in arch.windows)
+    for tok in rand_ids(4, g):
+        out = fused.step([tok])
+        if every_layer:
+            torch.testing.assert_close(out, hf.step([tok]), atol=1e-4, rtol=1e-4)
+    windowed = [s for s in seen if arch.windows[s[0]] is not None]
+    assert windowed
+    for layer, pos, m, idx in windowed:
+        # Prompt rows sit at positions 0..m-1 here: a row is visible iff m - 1 - row < 8.
+        assert bool((idx >= m - arch.windows[layer]).all()), (layer, m, idx)

@@ -252,12 +252,21 @@ class A2ATS(Policy):
         row_bytes = 2 * d * K.element_size()
         if layer == 0:
             stats["a2ats.decode_tokens"] += 1
+        # A sliding-window layer sees only its last ``windows[layer]`` positions: a row behind
+        # them is masked after selection, so picking it would waste a read that a row the
+        # layer does see should get (and full attention would not read it either).
+        vis = None
+        if stepper.kpos.get(layer) is not None:
+            vis = (stepper.pos - stepper.kpos[layer].cpu()) < arch.windows[layer]  # [Hkv, M]
+        full = hkv * m if vis is None else int(vis.sum())
         lo, hi = min(p.sink, m), max(m - p.window, 0)
         if hi <= lo:
-            self._count(stats, hkv * m * row_bytes, hkv * m * row_bytes, 0)
+            self._count(stats, full * row_bytes, full * row_bytes, 0)
             return None
         n_cand = hi - lo
         k = min(n_cand, math.ceil(float(p.topk) * m))
+        if vis is not None:
+            k = min(k, int(vis[:, lo:hi].sum(1).max()))
         cb = sc["codebooks"]
         codes = self._codes_upto(layer, stepper, sc, hi)[:, lo:hi]  # [Hkv, n_cand]
 
@@ -275,15 +284,18 @@ class A2ATS(Policy):
             score = torch.softmax(u * arch.scaling, dim=-1).sum(1)
         else:
             score = u.sum(1)
-        top = torch.topk(score, k, dim=-1).indices + lo  # [Hkv, k]
         fixed = torch.cat([torch.arange(lo), torch.arange(hi, m)])
+        if vis is not None:
+            score = score.masked_fill(~vis[:, lo:hi], float("-inf"))
+            fixed = fixed[vis[:, fixed].any(0)]
+        top = torch.topk(score, k, dim=-1).indices + lo  # [Hkv, k]
         if p.selection == "per_head":
             idx = torch.cat([fixed.expand(hkv, -1), top], dim=1).sort(dim=1).values
             rows_read = hkv * idx.shape[1]
         else:
             idx = torch.cat([fixed, top.flatten()]).unique()
             rows_read = hkv * idx.numel()
-        self._count(stats, rows_read * row_bytes, hkv * m * row_bytes, hkv * n_cand * 2)
+        self._count(stats, rows_read * row_bytes, full * row_bytes, hkv * n_cand * 2)
         return idx.to(K.device)
 
     @staticmethod
