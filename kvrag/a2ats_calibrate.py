@@ -463,6 +463,17 @@ def read_texts(paths: Sequence[str | os.PathLike]) -> list[str]:
     return out
 
 
+def store_texts(store) -> list[str]:
+    """Calibration texts from a kvrag KV store (``KVStore``): the chunk texts ingested into it,
+    by any model — the documents the deployment retrieves, i.e. in-domain text. An empty store
+    is an error (CodebookError), not a codebook fitted on uuids alone."""
+    texts = [t for _, t in sorted(store.texts(None).items()) if t.strip()]
+    if not texts:
+        raise CodebookError(f"the KV store at {store.directory} holds no chunk text: ingest documents first, "
+                            "or calibrate on files with --text")
+    return texts
+
+
 def builtin_texts() -> list[str]:
     """Generic English text that ships with kvrag and Python, so calibration needs no network:
     kvrag's demo corpus and the Python documentation topics (``pydoc_data``, ~100K tokens of

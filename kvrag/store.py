@@ -396,9 +396,10 @@ class KVStore:
                         "killed mid-write?); re-listed it", key)
         return key in self._index
 
-    def texts(self, fingerprint: str) -> dict[str, str]:
-        """key -> chunk text for every stored entry of ``fingerprint`` (from the text index,
-        no blob loaded; index entries whose blob was evicted or deleted are left out)."""
+    def texts(self, fingerprint: str | None) -> dict[str, str]:
+        """key -> chunk text for every stored entry of ``fingerprint`` (None: of every model)
+        (from the text index, no blob loaded; index entries whose blob was evicted or deleted
+        are left out)."""
         out = {}
         for key in list(self._index.iterkeys()):
             raw = self._index.get(key, retry=True)
@@ -410,7 +411,7 @@ class KVStore:
             except (ValueError, KeyError, TypeError):
                 log.warning("KVStore: unreadable text-index entry %s; gc() will rebuild it", key)
                 continue
-            if fp == fingerprint and key in self._blobs:
+            if (fingerprint is None or fp == fingerprint) and key in self._blobs:
                 out[key] = text
         return out
 

@@ -202,6 +202,13 @@ def test_calibrate_a2ats_checks_before_loading(tmp_path, capsys, no_model_load):
     _fails(["calibrate", "a2ats", "--text", str(nostr), "--out", str(out)], capsys, "nostr.json", "no calibration text")
     _fails(["calibrate", "a2ats", "--text", str(empty), "--out", str(out)], capsys, "empty.txt", "is empty")
     _fails(["calibrate", "a2ats", "--text", str(tmp_path), "--out", str(out)], capsys, "is a directory")
+    _fails(["calibrate", "a2ats", "--store", str(tmp_path / "nowhere"), "--out", str(out)], capsys,
+           "no KV store", "nowhere")
+    from kvrag.store import KVStore
+
+    KVStore(tmp_path / "empty-store").close()
+    _fails(["calibrate", "a2ats", "--store", str(tmp_path / "empty-store"), "--out", str(out)], capsys,
+           "empty-store", "holds no chunk text")
     assert not out.exists()
 
 

@@ -444,6 +444,35 @@ def test_cli_calibrate_a2ats(tiny_handle, tmp_path, capsys):
     assert "codewords" in capsys.readouterr().err
 
 
+def test_cli_calibrate_a2ats_on_the_documents_of_a_kv_store(tiny_handle, tmp_path, capsys, monkeypatch):
+    # In-domain calibration text is what helps A2ATS most: --store fits on the chunk texts a
+    # KVRag ingested (any model's), together with --text files.
+    from kvrag.cli import main
+
+    model_dir = tmp_path / "model"
+    tiny_handle.model.save_pretrained(model_dir)
+    tiny_handle.tokenizer.save_pretrained(model_dir)
+    store_dir = tmp_path / "kv"
+    from kvrag.engine import KVRag
+
+    KVRag(tiny_handle, cache_dir=store_dir).precompute(DOCS)
+    extra = tmp_path / "extra.txt"
+    extra.write_text("An extra calibration document about lighthouses and their keepers. " * 3)
+    seen = []
+    real = cal.calibration_sequences
+
+    def spy(encode, texts, *args, **kwargs):
+        seen.append(list(texts))
+        return real(encode, texts, *args, **kwargs)
+
+    monkeypatch.setattr(cal, "calibration_sequences", spy)
+    out = tmp_path / "books.safetensors"
+    code = main(["calibrate", "a2ats", "--model", str(model_dir), "--tokens", "400", "--codes", "16", "--iters", "2",
+                 "--store", str(store_dir), "--text", str(extra), "--out", str(out), "--cache-dir", str(tmp_path), "--json"])
+    assert code == 0 and out.is_file()
+    assert sorted(seen[0]) == sorted([extra.read_text(), *DOCS])
+
+
 def test_calibrate_checks_text_tokens_and_output_before_the_model_pass(tiny_handle, tmp_path, monkeypatch):
     def boom(*a, **k):
         raise AssertionError("the model pass ran before the input was checked")

@@ -71,14 +71,15 @@ def register(sub) -> None:
     c.set_defaults(func=run_clear)
 
 
-def _open(args, size_limit: int | None = None):
-    """The KVStore in ``args.cache_dir``; an error (not a new empty store) if there is none."""
+def open_store(cache_dir: str | None, size_limit: int | None = None, option: str = "--cache-dir"):
+    """The existing KVStore in ``cache_dir`` (None: the default one); a StoreError naming the
+    problem, never a new empty store, if there is none. ``option``: the flag that named it."""
     from kvrag.store import KVStore
 
-    directory = Path(args.cache_dir).expanduser() if args.cache_dir else default_cache_dir()
+    directory = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
     if not directory.exists():
-        hint = "" if args.cache_dir else (
-            "; pass the store's directory with --cache-dir (the cache_dir of your KVRag; kvrag demo and "
+        hint = "" if cache_dir else (
+            f"; pass the store's directory with {option} (the cache_dir of your KVRag; kvrag demo and "
             "bench use a temporary store unless given --cache-dir)")
         raise StoreError(f"no KV store at {directory} (the directory does not exist){hint}")
     if not directory.is_dir():
@@ -90,6 +91,10 @@ def _open(args, size_limit: int | None = None):
         return KVStore(directory, **kwargs)
     except OSError as e:
         raise StoreError(f"cannot open the KV store at {directory}: {e}") from e
+
+
+def _open(args, size_limit: int | None = None):
+    return open_store(args.cache_dir, size_limit)
 
 
 def _emit(args, record: dict, lines: list[str]) -> None:

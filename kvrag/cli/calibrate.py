@@ -23,7 +23,7 @@ def register(subparsers) -> None:
             "Run the model over calibration text, estimate the second moment of its (windowed-RoPE) "
             "queries per layer and KV head, and fit a query-aware k-means++ codebook of its pre-RoPE "
             "keys. Default text: kvrag's demo corpus + Python's documentation topics, mixed with "
-            "random uuids as in the paper; in-domain text (--text) is better."
+            "random uuids as in the paper; in-domain text (--store, --text) is better."
         ),
     )
     a.add_argument("--model", metavar="PATH", default=None, help="HF model directory or .gguf file (default: SmolLM2)")
@@ -34,6 +34,9 @@ def register(subparsers) -> None:
     a.add_argument("--iters", type=int, default=cal.DEFAULT_ITERS, help=f"Lloyd iterations after k-means++ seeding (default {cal.DEFAULT_ITERS})")
     a.add_argument("--text", metavar="FILE", action="append", default=None,
                    help="calibration text: .txt, or .json/.jsonl (every string in it); repeatable")
+    a.add_argument("--store", metavar="DIR", default=None,
+                   help="calibration text: the chunk texts ingested into this kvrag KV store (a KVRag's "
+                        "cache_dir), i.e. your own documents; combines with --text")
     a.add_argument("--uuid-fraction", type=float, default=cal.DEFAULT_UUID_FRACTION,
                    help=f"share of the tokens that are random uuids (default {cal.DEFAULT_UUID_FRACTION}, as in the paper)")
     a.add_argument("--seq-len", type=int, default=cal.DEFAULT_SEQ_LEN, help=f"tokens per calibration sequence (default {cal.DEFAULT_SEQ_LEN})")
@@ -73,6 +76,11 @@ def _a2ats(args: argparse.Namespace) -> int:
     else:
         check_dir(cal.codebook_dir(), "the codebook directory ($KVRAG_HOME/a2ats)")
     texts = cal.read_texts(args.text) if args.text else None
+    if args.store is not None:
+        from kvrag.cli.cache import open_store
+
+        with open_store(args.store, option="--store") as store:
+            texts = (texts or []) + cal.store_texts(store)
     t0 = time.perf_counter()
     handle = ModelHandle.load(args.model, dtype=args.dtype, device=args.device, cache_dir=args.cache_dir)
     bars: dict = {}
