@@ -163,6 +163,32 @@ def match_chunk(tokenizer, newline_ids: Sequence[int], chunk: list[int], text: s
     return j, k, m
 
 
+def prompt_tokens(tokenizer, prompt: str) -> tuple[list[int], list[tuple[int, int]], list[int]]:
+    """The tokenizer's ids of the whole ``prompt`` (no special tokens), their character spans
+    and span starts: what ``match_chunk`` reads."""
+    enc = tokenizer(prompt, add_special_tokens=False, return_offsets_mapping=True)
+    offsets = [tuple(o) for o in enc["offset_mapping"]]
+    return list(enc["input_ids"]), offsets, [a for a, _ in offsets]
+
+
+def chunk_spans(segments: Iterable) -> Iterator:
+    """``(segment, start, end)`` for each chunk segment of a split prompt (``Segmenter.split``):
+    its characters [start, end) in the prompt."""
+    pos = 0
+    for seg in segments:
+        start, end = pos, pos + len(seg.text)
+        pos = end
+        if seg.key is not None:
+            yield seg, start, end
+
+
+def token_inside(starts: list[int], offsets: list[tuple[int, int]], start: int, end: int, lo: int) -> bool:
+    """Whether a prompt token from ``lo`` on lies inside characters [start, end): if none does
+    (a short chunk text found inside a word), nothing of that chunk can be reused."""
+    first = bisect.bisect_left(starts, start, lo=lo)
+    return first < len(starts) and offsets[first][1] <= end
+
+
 class KVRag:
     """Precompute chunk KV caches, then answer prompts by fusing them under a policy.
 
@@ -378,7 +404,7 @@ class KVRag:
         for the tokens it shares on that part (``chunks_partial``). Where the two tokenizations
         part at the chunk's edges — its last token merges with the next line break, its first
         with a preceding space (" The" after "Context:") — only the run of tokens they share is
-        reused and the edge tokens are computed (``_match``); a chunk they share no run of is
+        reused and the edge tokens are computed (``match_chunk``); a chunk they share no run of is
         counted in ``chunks_unaligned`` and computed as plain text. Never a different token
         sequence from the tokenizer's."""
         stats = FusionStats()
@@ -386,29 +412,20 @@ class KVRag:
         prefix = self._prefix_for(prompt)
         if prefix:
             pieces.append(Piece(torch.tensor(prefix, dtype=torch.long)))
-        enc = self.tokenizer(prompt, add_special_tokens=False, return_offsets_mapping=True)
-        ids, offsets = list(enc["input_ids"]), [tuple(o) for o in enc["offset_mapping"]]
-        starts = [s for s, _ in offsets]
+        ids, offsets, starts = prompt_tokens(self.tokenizer, prompt)
         tok = 0  # first token not yet placed in a piece
         if use_cache:
             self._refresh_segmenter()
-            pos = 0
-            for seg in self.segmenter.split(prompt):
-                start, end = pos, pos + len(seg.text)
-                pos = end
-                if seg.key is None:
-                    continue
-                first = bisect.bisect_left(starts, start, lo=tok)
-                if first >= len(ids) or offsets[first][1] > end:
-                    # No prompt token lies inside it (a short chunk text found inside a word):
-                    # nothing can be reused, so its entry is not even read from disk.
+            for seg, start, end in chunk_spans(self.segmenter.split(prompt)):
+                if not token_inside(starts, offsets, start, end, tok):  # its entry is not even read from disk
                     stats.chunks_unaligned += 1
                     continue
                 entry = self.store.get(seg.key, self.fingerprint)
                 if entry is None:
                     stats.chunks_missed += 1  # evicted/corrupt: fall back to computing it
                     continue
-                j, k, m = self._match(entry, start, end, ids, offsets, starts, tok, seg.offset)
+                j, k, m = match_chunk(self.tokenizer, self._newline_ids, entry.token_ids.tolist(), entry.text,
+                                      start, end, ids, offsets, starts, tok, seg.offset)
                 if m == 0:
                     stats.chunks_unaligned += 1
                     continue
@@ -429,12 +446,6 @@ class KVRag:
         if total > self.handle.max_context:
             raise ValueError(f"prompt of {total} tokens exceeds the model context ({self.handle.max_context})")
         return pieces, stats
-
-    def _match(self, entry, start: int, end: int, ids: list[int], offsets: list[tuple[int, int]],
-               starts: list[int], lo: int, offset: int = 0) -> tuple[int, int, int]:
-        """``match_chunk`` for a stored ``entry`` (its token ids and text)."""
-        return match_chunk(self.tokenizer, self._newline_ids, entry.token_ids.tolist(), entry.text,
-                           start, end, ids, offsets, starts, lo, offset)
 
     def _note_no_reuse(self, seg_stats) -> None:
         """Say why a reuse policy got a prompt with no cached chunk, while chunks are cached:

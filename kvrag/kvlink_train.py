@@ -416,9 +416,7 @@ def prompt_pieces(handle: ModelHandle, prompt: str, documents: Sequence[str]) ->
     Tokenizing each segment alone instead would train on another sequence than the one served:
     with SmolLM2 a blank line between passages is one token alone (``"\\n\\n"``) but two inside
     the prompt (``"\\n"``, ``"\\n"``), shifting every later position."""
-    import bisect
-
-    from kvrag.engine import match_chunk, spell_chunk
+    from kvrag.engine import chunk_spans, match_chunk, prompt_tokens, spell_chunk, token_inside
     from kvrag.segment import Segmenter
 
     seg = Segmenter()
@@ -429,18 +427,11 @@ def prompt_pieces(handle: ModelHandle, prompt: str, documents: Sequence[str]) ->
     bos = handle.tokenizer.bos_token
     if prefix and not (bos and prompt.startswith(bos)):
         out.append((list(prefix), False))
-    enc = handle.tokenizer(prompt, add_special_tokens=False, return_offsets_mapping=True)
-    ids, offsets = list(enc["input_ids"]), [tuple(o) for o in enc["offset_mapping"]]
-    starts = [a for a, _ in offsets]
+    ids, offsets, starts = prompt_tokens(handle.tokenizer, prompt)
     nl = handle.encode("\n")
-    tok = pos = 0
-    for s in seg.split(prompt):
-        start, end = pos, pos + len(s.text)
-        pos = end
-        if s.key is None:
-            continue
-        first = bisect.bisect_left(starts, start, lo=tok)
-        if first >= len(ids) or offsets[first][1] > end:
+    tok = 0
+    for s, start, end in chunk_spans(seg.split(prompt)):
+        if not token_inside(starts, offsets, start, end, tok):
             continue  # no prompt token inside it: computed as plain text at query time too
         text = documents[int(s.key[3:])]
         chunk = spell_chunk(handle, text, nl)

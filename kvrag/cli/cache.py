@@ -93,10 +93,6 @@ def open_store(cache_dir: str | None, size_limit: int | None = None, option: str
         raise StoreError(f"cannot open the KV store at {directory}: {e}") from e
 
 
-def _open(args, size_limit: int | None = None):
-    return open_store(args.cache_dir, size_limit)
-
-
 def _emit(args, record: dict, lines: list[str]) -> None:
     if args.json:
         print(json.dumps(record, sort_keys=True))
@@ -105,7 +101,7 @@ def _emit(args, record: dict, lines: list[str]) -> None:
 
 
 def run_stats(args) -> int:
-    with _open(args) as store:
+    with open_store(args.cache_dir) as store:
         st = store.stats()
     rec = {k: st[k] for k in ("directory", "entries", "bytes", "size_limit")}
     _emit(args, rec, [
@@ -123,7 +119,7 @@ def run_gc(args) -> int:
         limit = parse_size(args.size_limit) if args.size_limit else None
     except ValueError as e:
         raise StoreError(str(e)) from None
-    with _open(args, limit) as store:
+    with open_store(args.cache_dir, limit) as store:
         try:
             res = store.gc(verify=args.verify)
         except OSError as e:
@@ -142,7 +138,7 @@ def run_gc(args) -> int:
 
 
 def run_clear(args) -> int:
-    with _open(args) as store:
+    with open_store(args.cache_dir) as store:
         n = store.stats()["entries"]
         if not args.yes:
             if not sys.stdin.isatty():
