@@ -264,21 +264,26 @@ class Arch:
         hidden = hidden + block.self_attn.o_proj(attn)
         return hidden + block.mlp(block.post_attention_layernorm(hidden))
 
+    def _expand_for_mask(self, q, keys, values):
+        """K/V [Hkv, N, D] -> [H, N, D] where a masked attention call needs them so. On CUDA
+        the flash kernel takes no mask and the memory-efficient one no GQA, so a masked GQA
+        call falls back to the math kernel, which materialises the float32 scores [H, A, N]
+        (GBs for a long chunk). K/V expanded to every query head keep a fused kernel
+        (transformers' SDPA does the same)."""
+        expand = self.expand_kv_for_masks
+        if self.n_heads != self.n_kv_heads and keys.shape[0] != self.n_heads \
+                and (q.is_cuda if expand is None else expand):
+            group = self.n_heads // self.n_kv_heads
+            return keys.repeat_interleave(group, 0), values.repeat_interleave(group, 0)
+        return keys, values
+
     def _sdpa(self, q, keys, values, mask, causal=False) -> torch.Tensor:
-        """q [H, A, D], keys/values [Hkv, N, D], mask bool [A, N], [H, A, N] (per query head)
-        or None -> [A, H*D]."""
-        gqa = self.n_heads != self.n_kv_heads
+        """q [H, A, D], keys/values [Hkv or H, N, D], mask bool [A, N], [H, A, N] (per query
+        head) or None -> [A, H*D]."""
         if mask is not None:
             mask = mask.unsqueeze(0) if mask.dim() == 3 else mask.unsqueeze(0).unsqueeze(0)
-            expand = self.expand_kv_for_masks
-            if gqa and (q.is_cuda if expand is None else expand):
-                # On CUDA the flash kernel takes no mask and the memory-efficient one no GQA,
-                # so a masked GQA call falls back to the math kernel, which materialises the
-                # float32 scores [H, A, N] (GBs for a long chunk). K/V expanded to every query
-                # head keep the memory-efficient kernel (transformers' SDPA does the same).
-                group = self.n_heads // self.n_kv_heads
-                keys, values = keys.repeat_interleave(group, 0), values.repeat_interleave(group, 0)
-                gqa = False
+            keys, values = self._expand_for_mask(q, keys, values)
+        gqa = keys.shape[0] != q.shape[0]
         out = F.scaled_dot_product_attention(
             q.unsqueeze(0),
             keys.unsqueeze(0).to(q.dtype),
@@ -302,6 +307,8 @@ class Arch:
         n_groups = max(1, min(self.ATTN_GROUPS, a // self.MIN_GROUP_ROWS))
         if n_groups == 1:
             return self._sdpa(q, keys, values, mask)
+        # Expanded once for every group (not once per group: that copy was ~10% of a GPU prefill).
+        keys, values = self._expand_for_mask(q, keys, values)
         bounds = torch.linspace(0, a, n_groups + 1).round().long()
         # One host read for all groups (each int() of a CUDA tensor would be a sync).
         limits = key_limits[(bounds[1:] - 1).clamp_min(0).to(key_limits.device)].tolist()

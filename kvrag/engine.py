@@ -16,6 +16,7 @@ import os
 import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,6 +27,7 @@ from kvrag.chunk import compute_chunk_kv, pack
 from kvrag.decode import FusedStepper, HFStepper, Sampling, TextStream, eos_ids, generate_tokens
 from kvrag.errors import ChunkError
 from kvrag.fusion import CACHED, PLAIN, FusionEngine, FusionResult, FusionStats, Layout, Piece
+from kvrag.hotcache import HotCache, resolve_budget
 from kvrag.model import ModelHandle, default_home
 from kvrag.policies import Policy, get_policy
 from kvrag.precompute import check_texts_iterable, validate_chunk_text
@@ -182,6 +184,12 @@ def chunk_spans(segments: Iterable) -> Iterator:
             yield seg, start, end
 
 
+def _done(value) -> Future:
+    f = Future()
+    f.set_result(value)
+    return f
+
+
 def token_inside(starts: list[int], offsets: list[tuple[int, int]], start: int, end: int, lo: int) -> bool:
     """Whether a prompt token from ``lo`` on lies inside characters [start, end): if none does
     (a short chunk text found inside a word), nothing of that chunk can be reused."""
@@ -211,7 +219,11 @@ class KVRag:
     chunk_anchor: token ids every chunk is precomputed behind (and which are then dropped):
     ``"auto"`` = the model's attention-sink token (``ModelHandle.anchor_ids``: BOS, or the
     chat template's first token), ``"none"`` = chunks read alone from position 0, or a list
-    of ids. ``fingerprint`` (the cache's) covers it."""
+    of ids. ``fingerprint`` (the cache's) covers it.
+    hot_cache: bytes of served chunk K/V kept in memory on the compute device, least recently
+    used dropped first (``kvrag.hotcache``): a chunk served again skips the disk read, checksum
+    and host-to-device copy. ``"auto"``: a fifth of the GPU's memory, or 1 GiB on the CPU; 0
+    reads every chunk from disk. ``FusionStats.chunks_hot`` counts the chunks it served."""
 
     def __init__(
         self,
@@ -228,6 +240,7 @@ class KVRag:
         refresh_s: float = 2.0,
         kvlink_adapter: str | os.PathLike | None = "default",
         chunk_anchor: str | Sequence[int] = "auto",
+        hot_cache: int | str = "auto",
         **policy_params,
     ) -> None:
         # Bad options fail before a model load, and before the store is opened: opening it
@@ -235,6 +248,8 @@ class KVRag:
         pol = get_policy(policy, **policy_params)
         if storage_dtype not in STORAGE_DTYPES:
             raise ValueError(f"storage_dtype must be one of {sorted(STORAGE_DTYPES)}, got {storage_dtype!r}")
+        if hot_cache != "auto":
+            resolve_budget(hot_cache, torch.device("cpu"))  # a bad value fails before the model load
         if isinstance(ingest_policies, (str, Policy)):
             ingest_policies = [ingest_policies]
         ingest = [get_policy(p) for p in ingest_policies]
@@ -264,6 +279,7 @@ class KVRag:
         self.fingerprint = cache_fingerprint(self.handle.fingerprint, self.anchor)
         cache_dir = Path(cache_dir) if cache_dir is not None else default_home() / "store"
         self.store = KVStore(cache_dir, size_limit=size_limit)
+        self.hot = HotCache(resolve_budget(hot_cache, self.handle.device), self.handle.device, self.handle.dtype)
         self.storage_dtype = STORAGE_DTYPES[storage_dtype]
         self.policy = pol
         self.ingest_policies = ingest
@@ -280,6 +296,7 @@ class KVRag:
         # wait for the one reading it (and then skip theirs) instead of all reading it.
         self._refresh_lock = threading.Lock()
         self._warned_no_reuse = False
+        self._readers: ThreadPoolExecutor | None = None  # chunk reads (``_read_entries``), made at first use
 
     # ---- chunks ----------------------------------------------------------------------
     def chunk_ids(self, text: str) -> list[int]:
@@ -416,14 +433,21 @@ class KVRag:
         tok = 0  # first token not yet placed in a piece
         if use_cache:
             self._refresh_segmenter()
-            for seg, start, end in chunk_spans(self.segmenter.split(prompt)):
+            spans = list(chunk_spans(self.segmenter.split(prompt)))
+            hot_entries = {seg.key: e for seg, _, _ in spans if self.hot.budget and (e := self.hot.get(seg.key))}
+            disk = self._read_entries([seg.key for seg, start, end in spans if seg.key not in hot_entries
+                                       and token_inside(starts, offsets, start, end, 0)])
+            for seg, start, end in spans:
                 if not token_inside(starts, offsets, start, end, tok):  # its entry is not even read from disk
                     stats.chunks_unaligned += 1
                     continue
-                entry = self.store.get(seg.key, self.fingerprint)
-                if entry is None:
-                    stats.chunks_missed += 1  # evicted/corrupt: fall back to computing it
-                    continue
+                entry = hot_entries.get(seg.key)
+                hot = entry is not None
+                if not hot:
+                    entry = disk[seg.key].result()
+                    if entry is None:
+                        stats.chunks_missed += 1  # evicted/corrupt: fall back to computing it
+                        continue
                 j, k, m = match_chunk(self.tokenizer, self._newline_ids, entry.token_ids.tolist(), entry.text,
                                       start, end, ids, offsets, starts, tok, seg.offset)
                 if m == 0:
@@ -431,6 +455,10 @@ class KVRag:
                     continue
                 if seg.partial:
                     stats.chunks_partial += 1
+                if hot:
+                    stats.chunks_hot += 1
+                elif self.hot.budget:
+                    entry = self.hot.put(seg.key, entry)
                 if m < entry.token_ids.numel():
                     entry = entry.span(k, k + m)
                 stats.bytes_loaded += entry.nbytes
@@ -446,6 +474,19 @@ class KVRag:
         if total > self.handle.max_context:
             raise ValueError(f"prompt of {total} tokens exceeds the model context ({self.handle.max_context})")
         return pieces, stats
+
+    def _read_entries(self, keys: list[str]) -> dict[str, Future]:
+        """Store entries by key, read concurrently: most of a disk hit (file read, checksum,
+        safetensors parse) runs without the GIL, so chunks load in parallel (measured on an
+        H100 box: 0.5 s of 0.6 s for 900 MB of chunk K/V, done one after another)."""
+        if len(keys) < 2:
+            return {k: _done(self.store.get(k, self.fingerprint)) for k in keys}
+        if self._readers is None:
+            with self._refresh_lock:
+                if self._readers is None:
+                    self._readers = ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1),
+                                                       thread_name_prefix="kvrag-read")
+        return {k: self._readers.submit(self.store.get, k, self.fingerprint) for k in dict.fromkeys(keys)}
 
     def _note_no_reuse(self, seg_stats) -> None:
         """Say why a reuse policy got a prompt with no cached chunk, while chunks are cached:
@@ -492,6 +533,7 @@ class KVRag:
         stats.chunks_missed = seg_stats.chunks_missed
         stats.chunks_unaligned = seg_stats.chunks_unaligned
         stats.chunks_partial = seg_stats.chunks_partial
+        stats.chunks_hot = seg_stats.chunks_hot
         stats.bytes_loaded = seg_stats.bytes_loaded
         stats.load_s = t_load - t0
         if logits.is_cuda:  # kernels run asynchronously: wait for the logits before the clock

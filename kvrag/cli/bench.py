@@ -84,11 +84,27 @@ def register(sub) -> None:
                         "as KVRag(policy='kvlink') loads it; links: links-only adapters only; none: untrained); an "
                         "adapter with LoRA weights gets a model of its own, the reference and every other policy "
                         "stay on the base model")
+    g.add_argument("--hot-cache", default="0", metavar="BYTES|auto",
+                   help="KVRag(hot_cache=...): bytes of served chunk K/V kept in memory on the compute device "
+                        "(default 0: every run reads its chunks from disk, the cold path; 'auto' = KVRag's default, "
+                        "then the timed runs after the warm-up are served from memory)")
     g.add_argument("--cache-dir", help="KV store directory (default: a temporary one, deleted afterwards)")
     g.add_argument("--out", required=True, metavar="DIR", help="output directory (results.json, CSVs, plots)")
     g.add_argument("--report", metavar="FILE", help="markdown report path (default: DIR/benchmarks.md); plots "
                    "are copied beside it under bench/")
     p.set_defaults(func=run)
+
+
+def _hot_cache(v: str) -> int | str:
+    if v == "auto":
+        return v
+    try:
+        n = int(v)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise BenchError(f"--hot-cache: expected a number of bytes >= 0 or 'auto', got {v!r}")
+    return n
 
 
 def _list(s: str | None, what: str, conv=str) -> list:
@@ -134,10 +150,11 @@ def command_line(args) -> str:
     for opt in ("data", "synthetic", "limit", "passages", "seed", "policies", "repeats", "max_new_tokens",
                 "kl_positions", "scaling", "chunks", "chunk_tokens", "sweep_policies", "sweep_ratios", "sweep_limit",
                 "sweep_data", "synthetic_passages", "synthetic_passage_tokens", "synthetic_types", "check_items", "model", "device", "dtype",
-                "storage_dtype", "chunk_anchor", "kvlink_adapter", "cache_dir", "out", "report"):
+                "storage_dtype", "chunk_anchor", "kvlink_adapter", "hot_cache", "cache_dir", "out", "report"):
         v = getattr(args, opt, None)
         if v is None or v is False or (opt == "synthetic" and not v) or (opt == "sweep_data" and v == "synthetic") \
-                or (opt == "chunk_anchor" and v == "auto") or (opt == "kvlink_adapter" and v == "default"):
+                or (opt == "chunk_anchor" and v == "auto") or (opt == "kvlink_adapter" and v == "default") \
+                or (opt == "hot_cache" and v == "0"):
             continue
         parts += [f"--{opt.replace('_', '-')}", str(v)]
     for prm in args.param:
@@ -195,7 +212,7 @@ def config_from_args(args):
             **({"synthetic_types": _list(args.synthetic_types, "--synthetic-types")} if args.synthetic_types else {}),
             devices=list(dict.fromkeys(devices)) or ["cpu"], model=args.model, dtype=args.dtype,
             storage_dtype=args.storage_dtype, chunk_anchor=args.chunk_anchor,
-            kvlink_adapter=args.kvlink_adapter, seed=args.seed, footprint=not args.no_footprint,
+            kvlink_adapter=args.kvlink_adapter, hot_cache=_hot_cache(args.hot_cache), seed=args.seed, footprint=not args.no_footprint,
             warmup=not args.no_warmup, cache_dir=args.cache_dir, report=args.report, command=command_line(args),
             quick=args.quick,
         )
