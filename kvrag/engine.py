@@ -476,9 +476,9 @@ class KVRag:
         return pieces, stats
 
     def _read_entries(self, keys: list[str]) -> dict[str, Future]:
-        """Store entries by key, read concurrently: most of a disk hit (file read, checksum,
-        safetensors parse) runs without the GIL, so chunks load in parallel (measured on an
-        H100 box: 0.5 s of 0.6 s for 900 MB of chunk K/V, done one after another)."""
+        """Store entries by key, read concurrently: the file read and the checksum release
+        the GIL, so chunks overlap there (safetensors' parse does not). Measured on an H100
+        box, 893 MiB of chunk K/V: 0.58 s read one after another, 0.46 s concurrently."""
         if len(keys) < 2:
             return {k: _done(self.store.get(k, self.fingerprint)) for k in keys}
         if self._readers is None:
