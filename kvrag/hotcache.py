@@ -53,9 +53,9 @@ class HotCache:
         self.hits = 0
         self.misses = 0
 
-    @staticmethod
-    def _size(entry: ChunkEntry) -> int:
-        return entry.keys.numel() * entry.keys.element_size() * 2
+    def _size(self, entry: ChunkEntry) -> int:
+        """Bytes of ``entry``'s K and V once held here (in ``dtype``)."""
+        return entry.keys.numel() * self.dtype.itemsize * 2
 
     def get(self, key: str) -> ChunkEntry | None:
         with self._lock:
@@ -69,8 +69,8 @@ class HotCache:
 
     def put(self, key: str, entry: ChunkEntry) -> ChunkEntry:
         """Keep ``entry`` (converted); returns the converted entry, or ``entry`` itself when it
-        alone is over the budget (then nothing is kept)."""
-        size = entry.keys.numel() * self.dtype.itemsize * 2
+        alone is over the budget (then nothing is kept, e.g. with budget 0)."""
+        size = self._size(entry)
         if size > self.budget:
             return entry
         hot = ChunkEntry(entry.fingerprint, entry.text, entry.token_ids,

@@ -1,5 +1,6 @@
 """A four-passage toy corpus and its RAG prompt, shared by the engine, precompute and serving
 tests (tiny random-weight models: the texts matter only as distinct token runs)."""
+import torch
 
 DOCS = [
     "The red fox lives in the northern forest and hunts small rodents at dawn.",
@@ -11,3 +12,11 @@ DOCS = [
 
 def prompt_for(docs, question="Where does the red fox live?"):
     return "Answer from the passages.\n\n" + "\n\n".join(docs) + f"\n\nQuestion: {question}\nAnswer:"
+
+
+def hf_greedy(model, ids, n):
+    """Plain transformers greedy generation of ``n`` tokens after ``ids`` (on the model's device)."""
+    t = torch.tensor([ids], device=model.device)
+    with torch.no_grad():
+        out = model.generate(t, attention_mask=torch.ones_like(t), max_new_tokens=n, do_sample=False, pad_token_id=0)
+    return out[0, len(ids):].tolist()

@@ -16,7 +16,7 @@ from kvrag.engine import KVRag
 from kvrag.policies import policy_names
 from kvrag.testing import tiny_llama
 
-from corpus_helpers import DOCS, prompt_for
+from corpus_helpers import DOCS, hf_greedy, prompt_for
 
 DEVICE = os.environ.get("KVRAG_TEST_DEVICE", "cpu")
 FAMILIES = {
@@ -69,15 +69,6 @@ def _rag(handle, tmp_path, name="kv", **kw):
     return rag
 
 
-def _hf_greedy(handle, ids, n):
-    with torch.no_grad():
-        out = handle.model.generate(
-            torch.tensor([ids], device=handle.device), attention_mask=torch.ones(1, len(ids), dtype=torch.long, device=handle.device),
-            max_new_tokens=n, do_sample=False, pad_token_id=0,
-        )
-    return out[0, len(ids):].tolist()
-
-
 def test_handle_is_on_the_requested_device(handles):
     dev = torch.device(DEVICE)
     for on_dev, _ in handles.values():
@@ -90,7 +81,7 @@ def test_full_prefill_equals_transformers_generate(handles, family, tmp_path):
     handle = handles[family][0]
     out = _rag(handle, tmp_path).generate(prompt_for(DOCS[:3]), policy="full_prefill", max_new_tokens=N_NEW)
     assert len(out.token_ids) == N_NEW
-    assert out.token_ids == _hf_greedy(handle, out.prompt_ids, N_NEW)
+    assert out.token_ids == hf_greedy(handle.model, out.prompt_ids, N_NEW)
 
 
 # A2ATS codebooks are fitted for the tiny llama only (other families: test_policy_a2ats).
@@ -166,7 +157,7 @@ def test_half_precision_compute_at_ratio_one_tracks_full_prefill(dtype, tmp_path
     rag.precompute(DOCS[:3])
     prompt = prompt_for(DOCS[:3])
     full = rag.generate(prompt, policy="full_prefill", max_new_tokens=N_NEW)
-    assert full.token_ids == _hf_greedy(handle, full.prompt_ids, N_NEW)
+    assert full.token_ids == hf_greedy(handle.model, full.prompt_ids, N_NEW)
     lf, _ = rag.continuation_logits(prompt, full.token_ids[:4], policy="full_prefill")
     for policy in ("cacheblend", "a3"):
         lp, _ = rag.continuation_logits(prompt, full.token_ids[:4], policy=policy, recompute_ratio=1.0)

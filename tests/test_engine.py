@@ -6,7 +6,7 @@ from kvrag.engine import KVRag
 from kvrag.errors import ChunkError
 from kvrag.testing import tiny_llama
 
-from corpus_helpers import DOCS as CORPUS, prompt_for
+from corpus_helpers import DOCS as CORPUS, hf_greedy, prompt_for
 
 DOCS = CORPUS[:3]
 
@@ -21,20 +21,11 @@ def rag(handle, tmp_path):
     return KVRag(handle, cache_dir=tmp_path / "kv", policy="cacheblend")
 
 
-def hf_greedy(handle, ids, n):
-    with torch.no_grad():
-        out = handle.model.generate(
-            torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-            max_new_tokens=n, do_sample=False, pad_token_id=0,
-        )
-    return out[0, len(ids):].tolist()
-
-
 def test_full_prefill_equals_transformers_generate(rag, handle):
     rag.precompute(DOCS)
     out = rag.generate(prompt_for(DOCS), policy="full_prefill", max_new_tokens=12)
     assert out.stats.cached_tokens == 0 and out.stats.prompt_tokens == len(out.prompt_ids)
-    assert out.token_ids == hf_greedy(handle, out.prompt_ids, len(out.token_ids))
+    assert out.token_ids == hf_greedy(handle.model, out.prompt_ids, len(out.token_ids))
 
 
 def test_policy_ratio_one_equals_full_prefill(rag):
@@ -72,7 +63,7 @@ def test_window_and_nope_models_generate_like_the_model(tmp_path, model_type, ov
     full = rag.generate(prompt, policy="full_prefill", max_new_tokens=12)
     assert len(full.prompt_ids) > 12 * 4  # the window binds
     if windowed or model_type != "llama":
-        assert full.token_ids == hf_greedy(h, full.prompt_ids, len(full.token_ids))
+        assert full.token_ids == hf_greedy(h.model, full.prompt_ids, len(full.token_ids))
     else:  # transformers' generate crops its cache to the stray window; the model's forward does not
         ids = list(full.prompt_ids)
         with torch.no_grad():
@@ -99,7 +90,7 @@ def test_every_policy_reads_the_tokenizers_own_ids_of_the_prompt(rag, handle):
     assert "".join(parts) == prompt and [t for x in parts for t in handle.encode(x)] != canonical
     full = rag.generate(prompt, policy="full_prefill", max_new_tokens=10)
     assert full.prompt_ids == canonical
-    assert full.token_ids == hf_greedy(handle, canonical, len(full.token_ids))
+    assert full.token_ids == hf_greedy(handle.model, canonical, len(full.token_ids))
     for policy in ("naive_reuse", "cacheblend"):
         out = rag.generate(prompt, policy=policy, max_new_tokens=4)
         assert out.prompt_ids == canonical and out.stats.chunks_hit == 3
@@ -257,7 +248,7 @@ def test_sentencepiece_style_chunks_are_reused_without_the_first_word_mark(tmp_p
     prompt = prompt_for(DOCS)
     full = rag.generate(prompt, policy="full_prefill", max_new_tokens=8)
     assert full.prompt_ids == tok(prompt, add_special_tokens=False)["input_ids"]
-    assert full.token_ids == hf_greedy(h, full.prompt_ids, len(full.token_ids))
+    assert full.token_ids == hf_greedy(h.model, full.prompt_ids, len(full.token_ids))
     out = rag.generate(prompt, policy="naive_reuse", max_new_tokens=4)
     assert out.stats.chunks_hit == 3 and out.stats.chunks_unaligned == 0
     assert out.stats.cached_tokens == sum(len(rag.chunk_ids(d)) for d in DOCS)

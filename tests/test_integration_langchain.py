@@ -7,7 +7,6 @@ import logging
 import time
 
 import pytest
-import torch
 
 chromadb = pytest.importorskip("chromadb")
 pytest.importorskip("langchain_kvrag", reason="install integrations/langchain-kvrag (scripts/setup.sh)")
@@ -27,6 +26,7 @@ from langchain_kvrag import (  # noqa: E402
 from kvrag.engine import KVRag  # noqa: E402
 from kvrag.errors import ChunkError  # noqa: E402
 from kvrag.testing import tiny_llama  # noqa: E402
+from corpus_helpers import hf_greedy  # noqa: E402
 from stream_helpers import cancel_mid_step  # noqa: E402
 
 TEXTS = [
@@ -73,13 +73,6 @@ def llm(handle, tmp_path):
 def chroma(tmp_path, embed, name="docs"):
     client = chromadb.PersistentClient(path=str(tmp_path / "chroma"), settings=ChromaSettings(anonymized_telemetry=False))
     return Chroma(client=client, collection_name=name, embedding_function=embed)
-
-
-def hf_greedy(model, ids, n):
-    with torch.no_grad():
-        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                             max_new_tokens=n, do_sample=False, pad_token_id=0)
-    return out[0, len(ids):].tolist()
 
 
 def test_add_documents_hook_then_lcel_chain_hits(tmp_path, embed, llm):

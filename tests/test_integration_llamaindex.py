@@ -7,7 +7,6 @@ import pickle
 import time
 
 import pytest
-import torch
 
 chromadb = pytest.importorskip("chromadb")
 pytest.importorskip("llama_index.llms.kvrag", reason="install integrations/llama-index-llms-kvrag (scripts/setup.sh)")
@@ -26,6 +25,7 @@ from llama_index.vector_stores.chroma import ChromaVectorStore  # noqa: E402
 from kvrag.engine import KVRag  # noqa: E402
 from kvrag.errors import ChunkError  # noqa: E402
 from kvrag.testing import tiny_llama  # noqa: E402
+from corpus_helpers import hf_greedy  # noqa: E402
 from stream_helpers import cancel_mid_step  # noqa: E402
 
 DOCS = [
@@ -71,13 +71,6 @@ def ingest(tmp_path, embed, docs, hook=None):
     steps = [SentenceSplitter(chunk_size=128, chunk_overlap=0)] + ([hook] if hook is not None else []) + [embed]
     nodes = IngestionPipeline(transformations=steps, vector_store=vs).run(documents=docs)
     return VectorStoreIndex.from_vector_store(vs, embed_model=embed), nodes
-
-
-def hf_greedy(model, ids, n):
-    with torch.no_grad():
-        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                             max_new_tokens=n, do_sample=False, pad_token_id=0)
-    return out[0, len(ids):].tolist()
 
 
 # ---- ingestion hook + query engine -------------------------------------------------------------

@@ -483,7 +483,7 @@ class Bench:
         if self.cfg.hot_cache:
             # With a hot tier, every timed run finds the example's chunks in memory: without this
             # the first run of round 0 would read them from disk for all the others.
-            for r in {id(self.rag_for(run, rag)): self.rag_for(run, rag) for run in runs}.values():
+            for r in {id(r): r for r in (self.rag_for(run, rag) for run in runs)}.values():
                 r.pieces(r.render(msgs))
         for rnd in range(repeats):
             # Rotate the order per example and per round, so drift (thermal, other load)

@@ -96,15 +96,14 @@ def register(sub) -> None:
 
 
 def _hot_cache(v: str) -> int | str:
-    if v == "auto":
-        return v
+    import torch
+
+    from kvrag.hotcache import resolve_budget
+
     try:
-        n = int(v)
+        return v if v == "auto" else resolve_budget(int(v), torch.device("cpu"))
     except ValueError:
-        n = -1
-    if n < 0:
-        raise BenchError(f"--hot-cache: expected a number of bytes >= 0 or 'auto', got {v!r}")
-    return n
+        raise BenchError(f"--hot-cache: expected a number of bytes >= 0 or 'auto', got {v!r}") from None
 
 
 def _list(s: str | None, what: str, conv=str) -> list:
