@@ -107,6 +107,26 @@ def test_full_prefill_through_the_query_engine_equals_plain_generate(tmp_path, e
     assert llm.last_generation.prompt_ids == gen.prompt_ids  # same prompt, same token ids
 
 
+def test_whitespace_edged_node_is_precomputed_once_and_served_in_both_forms(tmp_path, embed, llm):
+    # No metadata shown: LlamaIndex renders the text as is (with metadata it strips the end).
+    node = TextNode(text="\n  The grey owl hunts over the Lenne marshes at night, mostly voles and frogs.  \n")
+    rendered = node.get_content(MetadataMode.LLM)
+    assert rendered != rendered.strip()
+    KVPrecompute(llm)([node])
+    assert llm.precomputer.wait_until_idle(timeout=120)
+    # One form per node (the stripped one the response modes render), not two.
+    assert llm.precomputer.progress().computed == 1 and llm.rag.is_cached(rendered.strip())
+    n = len(llm.rag.chunk_ids(rendered.strip()))
+    # compact renders it stripped: served whole.
+    index = VectorStoreIndex(nodes=[node], embed_model=embed)
+    index.as_query_engine(llm=llm, similarity_top_k=1).query("What does the grey owl hunt?")
+    assert llm.last_stats.chunks_hit == 1 and llm.last_stats.cached_tokens == n
+    # A prompt holding the text as rendered contains the stripped form: served too, the edge
+    # token that merges with the whitespace computed.
+    llm.complete(f"Context:{rendered}Question: what does the grey owl hunt?")
+    assert llm.last_stats.chunks_hit == 1 and llm.last_stats.cached_tokens >= n - 2
+
+
 def test_chunk_not_yet_precomputed_falls_back(tmp_path, embed, llm):
     index, _ = ingest(tmp_path, embed, documents(), KVPrecompute(llm))
     assert llm.precomputer.wait_until_idle(timeout=120)

@@ -369,11 +369,14 @@ class KVRagLLM(LLM):
 
 # ---- which text a node contributes to the prompt ---------------------------------------------
 def node_texts(nodes: Sequence[BaseNode], metadata_mode: MetadataMode = MetadataMode.LLM,
-               include_stripped: bool = True) -> tuple[list[str], int]:
+               strip: bool = True) -> tuple[list[str], int]:
     """The chunk texts of ``nodes`` as a response synthesizer puts them in the prompt:
     ``node.get_content(metadata_mode)`` (``MetadataMode.LLM``: the metadata the LLM sees, in
-    the node's own template). The compact/tree_summarize/refine modes ``strip()`` each text
-    before joining, so with ``include_stripped`` the stripped form is added when it differs.
+    the node's own template), ``strip()``ped as the compact/tree_summarize/refine modes do
+    before joining. One form per node is enough: a prompt that holds the text unstripped
+    contains the stripped one, which is served from its cache there too (the edge tokens the
+    whitespace merges with are computed), so precomputing both would double the ingest work
+    for one token. ``strip=False`` keeps the text as rendered.
     Returns (texts, number of nodes skipped because they have no text)."""
     out: list[str] = []
     skipped = 0
@@ -382,9 +385,7 @@ def node_texts(nodes: Sequence[BaseNode], metadata_mode: MetadataMode = Metadata
         if not isinstance(text, str) or not text.strip():
             skipped += 1
             continue
-        out.append(text)
-        if include_stripped and text.strip() != text:
-            out.append(text.strip())
+        out.append(text.strip() if strip else text)
     return out, skipped
 
 
@@ -414,7 +415,8 @@ class KVPrecompute(_Unpicklable, TransformComponent):
     in ``precomputer.progress().failed``) and is answered by plain prefill."""
 
     metadata_mode: MetadataMode = Field(default=MetadataMode.LLM, description="How node text is rendered for the LLM.")
-    include_stripped: bool = Field(default=True, description="Also precompute text.strip() when it differs.")
+    strip: bool = Field(default=True, description="Precompute text.strip(), the form the response modes render "
+                                                  "(see node_texts); False: the text as rendered.")
     block: bool = Field(default=True, description="Wait for room when the precompute queue is full.")
 
     _target: Any = PrivateAttr(default=None)
@@ -442,7 +444,7 @@ class KVPrecompute(_Unpicklable, TransformComponent):
             self._warned = True
             log.warning("KVPrecompute received Document objects: place it after the node parser "
                         "(e.g. SentenceSplitter) so it precomputes the chunks the retriever returns")
-        texts, skipped = node_texts(nodes, self.metadata_mode, self.include_stripped)
+        texts, skipped = node_texts(nodes, self.metadata_mode, self.strip)
         if skipped:
             log.warning("KVPrecompute: skipped %d node(s) without text", skipped)
         return texts
@@ -479,7 +481,7 @@ class KVCacheWarmer(_Unpicklable, BaseNodePostprocessor):
     so the next query that retrieves these nodes hits the cache. Nodes are returned as is."""
 
     metadata_mode: MetadataMode = Field(default=MetadataMode.LLM)
-    include_stripped: bool = Field(default=True)
+    strip: bool = Field(default=True, description="as KVPrecompute.strip")
     defer_s: float = Field(default=10.0, ge=0.0, description="Hold the scheduled work while the query finishes.")
 
     _target: Any = PrivateAttr(default=None)
@@ -500,7 +502,7 @@ class KVCacheWarmer(_Unpicklable, BaseNodePostprocessor):
         return Precomputer.of(self._target)  # live at each use, as KVPrecompute's
 
     def _postprocess_nodes(self, nodes: list[NodeWithScore], query_bundle: Optional[QueryBundle] = None) -> list[NodeWithScore]:
-        texts, _ = node_texts([n.node for n in nodes], self.metadata_mode, self.include_stripped)
+        texts, _ = node_texts([n.node for n in nodes], self.metadata_mode, self.strip)
         _schedule(self.precomputer, texts, self.defer_s)
         return nodes
 
@@ -510,12 +512,12 @@ class KVWarmingRetriever(BaseRetriever):
     retriever (``RetrieverQueryEngine.from_args(KVWarmingRetriever(index.as_retriever(), llm), llm=llm)``)."""
 
     def __init__(self, retriever: BaseRetriever, target: Any, *, metadata_mode: MetadataMode = MetadataMode.LLM,
-                 include_stripped: bool = True, defer_s: float = 10.0) -> None:
+                 strip: bool = True, defer_s: float = 10.0) -> None:
         if not isinstance(retriever, BaseRetriever):
             raise TypeError(f"retriever must be a LlamaIndex BaseRetriever, got {type(retriever).__name__}")
         super().__init__(callback_manager=retriever.callback_manager)
         self._retriever = retriever
-        self._warmer = KVCacheWarmer(target, metadata_mode=metadata_mode, include_stripped=include_stripped,
+        self._warmer = KVCacheWarmer(target, metadata_mode=metadata_mode, strip=strip,
                                      defer_s=defer_s)
 
     @property
