@@ -238,8 +238,8 @@ class FusionEngine:
         for si, start, end in layout.spans(CACHED):
             e = layout.pieces[si].entry
             entries[si] = e
-            k = e.keys.to(device=dev, dtype=dt)
-            v = e.values.to(device=dev, dtype=dt)
+            k = e.keys.to(device=dev, dtype=dt, non_blocking=True)  # async from a pinned read
+            v = e.values.to(device=dev, dtype=dt, non_blocking=True)
             cs = (cos[start:end], sin[start:end])
             for layer in range(L):
                 # NoPE layers (SmolLM3) keep the position-free key.

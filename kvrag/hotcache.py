@@ -73,9 +73,14 @@ class HotCache:
         size = self._size(entry)
         if size > self.budget:
             return entry
-        hot = ChunkEntry(entry.fingerprint, entry.text, entry.token_ids,
-                         entry.keys.to(device=self.device, dtype=self.dtype),
-                         entry.values.to(device=self.device, dtype=self.dtype), entry.extras)
+        # copy=True: a disk read's tensors are views of the blob's file mapping (or pinned
+        # buffer); a kept view would hold a file descriptor and, once the blob is evicted, its
+        # disk space, for as long as it stays here. non_blocking: from a pinned read the copy
+        # to the GPU runs asynchronously, ordered before the kernels that use it.
+        hot = ChunkEntry(entry.fingerprint, entry.text, entry.token_ids.clone(),
+                         entry.keys.to(device=self.device, dtype=self.dtype, non_blocking=True, copy=True),
+                         entry.values.to(device=self.device, dtype=self.dtype, non_blocking=True, copy=True),
+                         {k: v.clone() for k, v in entry.extras.items()})
         with self._lock:
             old = self._entries.pop(key, None)
             if old is not None:

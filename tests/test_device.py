@@ -134,6 +134,27 @@ def test_stream_equals_generate_and_the_cache_reloads_on_the_device(handles, tmp
     assert stream.stats.chunks_hit == 3 and stream.token_ids == first.token_ids and text == first.text
 
 
+def test_cold_reads_onto_the_device_equal_hot_entries(handles, tmp_path):
+    """Chunks read from disk at every query (no hot tier) give the same logits as chunks served
+    from memory. On CUDA the blob is read into page-locked host memory (bit-exact, copied to the
+    GPU asynchronously); on the CPU its tensors are views of the file mapping."""
+    handle = handles["llama"][0]
+    prompt = prompt_for(DOCS[:3])
+    cold = _rag(handle, tmp_path, hot_cache=0)
+    hot = KVRag(handle, cache_dir=tmp_path / "kv", storage_dtype="float32", kvlink_adapter=None)
+    runs = [rag.continuation_logits(prompt, [5, 6], policy="cacheblend") for rag in (cold, hot, cold)]
+    (a, sa), (b, sb), (c, _) = runs
+    assert sa.chunks_hit == sb.chunks_hit == 3 and sa.chunks_hot == 0
+    torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(c, a, atol=0, rtol=0)
+    store = cold.store
+    pin = handle.device.type == "cuda"
+    for key in store.texts(cold.fingerprint):
+        got = store.get(key, cold.fingerprint, pin_memory=pin)
+        ref = store.get(key, cold.fingerprint)
+        assert got.keys.is_pinned() == pin and torch.equal(got.keys, ref.keys) and torch.equal(got.values, ref.values)
+
+
 def test_rerotated_key_equals_key_at_position(handles):
     handle = handles["llama"][0]
     arch = Arch(handle.model)

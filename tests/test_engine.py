@@ -104,7 +104,7 @@ def test_a_short_chunk_inside_words_is_not_loaded(rag, handle, monkeypatch):
     rag.precompute(["fox", DOCS[1]])
     reads = []
     get = rag.store.get
-    monkeypatch.setattr(rag.store, "get", lambda key, fp: reads.append(key) or get(key, fp))
+    monkeypatch.setattr(rag.store, "get", lambda key, fp, **kw: reads.append(key) or get(key, fp, **kw))
     out = rag.generate("Foxes: the foxes and " + DOCS[1] + "\nQ: ok?", policy="naive_reuse", max_new_tokens=1)
     assert out.stats.chunks_hit == 1 and out.stats.chunks_unaligned == 1 and len(reads) == 1
     out = rag.generate("A word:\nfox\n" + DOCS[1], policy="naive_reuse", max_new_tokens=1)
@@ -420,6 +420,33 @@ def test_hot_tier_serves_repeated_chunks_from_memory_within_its_budget(handle, t
     for bad in (-1, "lots", 1.5, True):
         with pytest.raises(ValueError, match="hot_cache"):
             KVRag(handle, cache_dir=tmp_path / "kv", hot_cache=bad)
+
+
+def test_hot_tier_keeps_copies_not_views_of_the_blob_files(handle, tmp_path):
+    """Disk reads are views of the blob files' mappings. The hot tier keeps its own copy even
+    where no conversion is needed (storage dtype == compute dtype on the CPU): a kept view would
+    hold one open file per chunk (a process runs out of descriptors) and the disk space of
+    evicted blobs. So serving chunks leaves no file open, and evicting them frees their files."""
+    import os
+
+    def open_files():
+        return len(os.listdir("/proc/self/fd"))
+
+    rag = KVRag(handle, cache_dir=tmp_path / "kv", storage_dtype=str(handle.dtype).split(".")[1], hot_cache=1 << 30)
+    rag.precompute(DOCS)
+    prompt = prompt_for(DOCS)
+    rag.generate(prompt, policy="naive_reuse", max_new_tokens=4)  # reader threads open their databases
+    rag.hot.clear()
+    before = open_files()
+    out = rag.generate(prompt, policy="naive_reuse", max_new_tokens=4)
+    assert out.stats.chunks_hit == 3 and out.stats.chunks_hot == 0 and len(rag.hot) == 3
+    assert open_files() == before
+    for d in DOCS:
+        kept, read = rag.hot.get(rag.chunk_key(d)), rag.store.get(rag.chunk_key(d), rag.fingerprint)
+        assert kept.keys.dtype == read.keys.dtype and torch.equal(kept.keys, read.keys)
+        assert kept.keys.untyped_storage().data_ptr() != read.keys.untyped_storage().data_ptr()
+    again = rag.generate(prompt, policy="naive_reuse", max_new_tokens=4)
+    assert again.stats.chunks_hot == 3 and again.token_ids == out.token_ids
 
 
 def test_other_model_never_hits(handle, tmp_path):

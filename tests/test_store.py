@@ -92,6 +92,61 @@ def test_round_trip_from_a_new_store_object(tmp_path):
         assert_same(e, s2.get(key, FP_A))
 
 
+def test_loaded_tensors_are_views_of_the_blob_file_and_outlive_it(store, tmp_path):
+    """A load maps the blob file instead of copying it: keys, values and extras are views of
+    one mapping (no copy per tensor), writable without touching the stored file, and still
+    valid after the file is replaced and unlinked (as a concurrent writer or an eviction does)."""
+    e = make_entry(dtype=torch.bfloat16, T=33, extras={"a2ats.codes": torch.arange(2 * 2 * 33, dtype=torch.int16).view(2, 2, 33)})
+    key = put(store, e)
+    got = store.get(key, FP_A)
+    assert_same(e, got)
+    tensors = [got.token_ids, got.keys, got.values, got.extras["a2ats.codes"]]
+    storages = {t.untyped_storage().data_ptr() for t in tensors}
+    assert len(storages) == 1  # one buffer: the mapping of the file
+    (path,) = blob_files(tmp_path)
+    on_disk = path.read_bytes()
+    got.keys.zero_()  # copy-on-write: the stored blob is not changed
+    assert path.read_bytes() == on_disk
+    assert_same(e, store.get(key, FP_A))
+    again = store.get(key, FP_A)
+    store.put(key, make_entry(dtype=torch.bfloat16, T=33, seed=9))  # new file, the old one unlinked
+    assert not path.exists()
+    assert_same(e, again)
+
+
+def test_pinned_read_is_bit_exact_and_falls_back_to_the_mapping_without_cuda(store):
+    """get(pin_memory=True) (what the engine asks for on CUDA) gives the same bits in
+    page-locked memory where CUDA is available, and the file mapping where it is not."""
+    e = make_entry(dtype=torch.float16, T=40)
+    key = put(store, e)
+    got = store.get(key, FP_A, pin_memory=True)
+    assert_same(e, got)
+    assert got.keys.is_pinned() == torch.cuda.is_available()
+    assert store.stats()["hits"] == 1 and store.stats()["corrupt"] == 0
+
+
+def test_blob_whose_header_does_not_fit_its_data_is_corrupt(store, tmp_path, caplog):
+    """A blob whose checksum holds but whose header places a tensor outside the data (a buggy
+    writer) is reported corrupt and deleted, never read past its end."""
+    import json
+
+    e = make_entry(T=6)
+    key = put(store, e)
+    (path,) = blob_files(tmp_path)
+    data = path.read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + n])
+    header["keys"]["shape"][2] = 600  # claims 100x the bytes it has
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    forged = len(text).to_bytes(8, "little") + text + data[8 + n :]
+    store._blobs.set(key, forged, tag=store_mod.checksum(forged))
+    with caplog.at_level(logging.WARNING, logger="kvrag.store"):
+        assert store.get(key, FP_A) is None
+    assert "does not fit" in caplog.text and key not in store
+    assert store.stats()["corrupt"] == 1
+
+
 def test_make_key_depends_on_fingerprint_and_ids():
     k = KVStore.make_key(FP_A, [1, 2, 3])
     assert k == KVStore.make_key(FP_A, torch.tensor([1, 2, 3]))
@@ -224,7 +279,7 @@ def test_newer_format_version_is_a_miss_and_kept(store, tmp_path, monkeypatch, c
     monkeypatch.setattr(store_mod, "CACHE_FORMAT_VERSION", CACHE_FORMAT_VERSION)
     path = next(f for f in blob_files(tmp_path) if b"other" not in f.read_bytes()[:4096])
     data = path.read_bytes()
-    store._blobs.set(other, store._read(other)[0], tag="xxh64:0123456789abcdef")
+    store._blobs.set(other, bytes(store._read(other)[0]), tag="xxh64:0123456789abcdef")
     with caplog.at_level(logging.WARNING, logger="kvrag.store"):
         assert store.get(key, FP_A) is None and store.get(other, FP_A) is None
     assert "newer than this kvrag" in caplog.text
