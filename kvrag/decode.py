@@ -9,6 +9,7 @@ Two back-ends continue from a prefilled cache:
 """
 from __future__ import annotations
 
+import inspect
 import math
 import numbers
 from collections.abc import Iterator, Sequence
@@ -79,6 +80,20 @@ def sample(logits: torch.Tensor, s: Sampling, gen: torch.Generator | None) -> in
     return int(torch.multinomial(probs / probs.sum(), 1, generator=gen))
 
 
+def cache_kwargs(model, cache) -> dict:
+    """The forward keyword that takes a KV cache, under the name the installed transformers
+    uses: ``cache`` from 5.24 (``past_key_values`` deprecated there, removed in 5.40), else
+    ``past_key_values``."""
+    name = "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
+    return {name: cache}
+
+
+def output_cache(out):
+    """The cache a forward returned: ``out.cache`` from transformers 5.24, else
+    ``out.past_key_values``."""
+    return out["cache"] if "cache" in out else out.past_key_values
+
+
 def cache_from_kv(K: Sequence[torch.Tensor], V: Sequence[torch.Tensor]) -> DynamicCache:
     """A ``DynamicCache`` holding per-layer K/V [Hkv, M, D] without copying them.
 
@@ -119,11 +134,11 @@ class HFStepper:
         pos = torch.arange(self.pos, self.pos + t, device=ids.device).unsqueeze(0)
         past = self.cache.get_seq_length()
         out = self.model(
-            input_ids=ids, position_ids=pos, past_key_values=self.cache, use_cache=True,
+            input_ids=ids, position_ids=pos, **cache_kwargs(self.model, self.cache), use_cache=True,
             cache_position=torch.arange(past, past + t, device=ids.device),
             logits_to_keep=1 if last_only else 0,
         )
-        self.cache = out.past_key_values
+        self.cache = output_cache(out)
         self.pos += t
         return out.logits[0].float()
 

@@ -15,6 +15,7 @@ from kvrag.chunk import compute_chunk_kv
 from kvrag.engine import KVRag
 from kvrag.policies import policy_names
 from kvrag.testing import tiny_llama
+from kvrag.decode import output_cache
 
 from corpus_helpers import DOCS, hf_greedy, prompt_for
 
@@ -162,7 +163,7 @@ def test_rerotated_key_equals_key_at_position(handles):
     prefix = list(range(200, 207))
     with torch.no_grad():
         out = handle.model(torch.tensor([prefix + ids], device=handle.device), use_cache=True)
-    k_true = out.past_key_values.layers[0].keys[0][:, -12:]
+    k_true = output_cache(out).layers[0].keys[0][:, -12:]
     k_pre, _ = compute_chunk_kv(arch, [ids])[0]
     pos = torch.arange(7, 19, device=handle.device)
     k_rot = arch.rotate(k_pre[0].to(handle.device), pos)

@@ -7,6 +7,7 @@ import torch
 from fusion_helpers import CONFIGS, assert_matches_hf_cache, hf_logits, pieces_for, rand_ids, tiny
 from kvrag.arch import Arch
 from kvrag.chunk import compute_chunk_kv
+from kvrag.decode import output_cache
 from kvrag.fusion import FusionEngine, Layout
 from kvrag.policies import get_policy
 
@@ -22,7 +23,7 @@ def test_rerotated_key_equals_key_at_position(model_type):
     prefix = rand_ids(7, g)
     with torch.no_grad():
         out = model(torch.tensor([prefix + ids]), use_cache=True)
-    k_true = out.past_key_values.layers[0].keys[0][:, -12:]  # [Hkv, T, D] (or a window's last rows)
+    k_true = output_cache(out).layers[0].keys[0][:, -12:]  # [Hkv, T, D] (or a window's last rows)
     k_pre, _ = compute_chunk_kv(arch, [ids])[0]
     k_rot = arch.rotate(k_pre[0], torch.arange(7, 19))
     torch.testing.assert_close(k_rot[:, -k_true.shape[1]:], k_true, atol=1e-5, rtol=1e-5)
@@ -76,7 +77,7 @@ def test_chunk_prefill_matches_model(model_type):
     packed = compute_chunk_kv(arch, [a, b])
     for ids, (k_pre, v) in zip([a, b], packed):
         with torch.no_grad():
-            cache = model(torch.tensor([ids]), use_cache=True).past_key_values
+            cache = output_cache(model(torch.tensor([ids]), use_cache=True))
         for layer in range(arch.n_layers):
             k_rot = arch.rotate(k_pre[layer], torch.arange(len(ids)), layer=layer)
             # A sliding-window layer's HF cache holds only its last window - 1 rows.
@@ -98,7 +99,7 @@ def test_chunk_prefill_behind_anchor_matches_model(model_type):
     for ids, (k_pre, v) in zip([a, b], packed):
         assert k_pre.shape[2] == v.shape[2] == len(ids)
         with torch.no_grad():
-            cache = model(torch.tensor([anchor + ids]), use_cache=True).past_key_values
+            cache = output_cache(model(torch.tensor([anchor + ids]), use_cache=True))
         pos = torch.arange(2, 2 + len(ids))
         for layer in range(arch.n_layers):
             k_rot = arch.rotate(k_pre[layer], pos, layer=layer)
@@ -125,7 +126,7 @@ def test_ratio_one_equals_full_prefill(model_type, policy):
     assert res.stats.recomputed_tokens == 37
     # The fused cache equals the model's own cache at every layer.
     with torch.no_grad():
-        cache = model(torch.tensor([all_ids]), use_cache=True).past_key_values
+        cache = output_cache(model(torch.tensor([all_ids]), use_cache=True))
     assert_matches_hf_cache(res.K, res.V, cache)
 
 
@@ -271,7 +272,7 @@ def test_decode_cache_holds_the_fused_kv_without_copying_and_continues_exactly()
     ids = rand_ids(40, torch.Generator().manual_seed(3))
     with torch.no_grad():
         out = model(torch.tensor([ids[:-2]]), use_cache=True)
-    past = out.past_key_values
+    past = output_cache(out)
     K = [past.layers[i].keys[0].clone() for i in range(arch.n_layers)]
     V = [past.layers[i].values[0].clone() for i in range(arch.n_layers)]
     step = HFStepper(model, K, V, next_position=len(ids) - 2)

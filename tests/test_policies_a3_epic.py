@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from fusion_helpers import CONFIGS, assert_matches_hf_cache, hf_logits, pieces_for, rand_ids, tiny
 from kvrag.arch import Arch
-from kvrag.decode import HFStepper
+from kvrag.decode import HFStepper, output_cache
 from kvrag.fusion import FusionEngine, Layout
 from kvrag.policies import get_policy
 
@@ -37,7 +37,7 @@ def hf_attentions(model, ids):
             out = model(torch.tensor([ids]), output_attentions=True, use_cache=True)
     finally:
         model.set_attn_implementation("sdpa")
-    return [a[0].float() for a in out.attentions], out.past_key_values
+    return [a[0].float() for a in out.attentions], output_cache(out)
 
 
 def hf_query_keys(model, ids, layer):
@@ -168,7 +168,7 @@ def test_a3_ratio_one_equals_full_prefill(model_type):
     assert res.stats.recompute_fraction == 1.0
     assert res.stats.recomputed_tokens == sum(CHUNKS)
     with torch.no_grad():
-        cache = model(torch.tensor([ids]), use_cache=True).past_key_values
+        cache = output_cache(model(torch.tensor([ids]), use_cache=True))
     assert_matches_hf_cache(res.K, res.V, cache)
 
 

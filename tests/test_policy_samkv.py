@@ -11,6 +11,7 @@ from kvrag.arch import Arch
 from kvrag.fusion import FusionEngine, Layout
 from kvrag.policies import get_policy
 from kvrag.policies import samkv as sk
+from kvrag.decode import cache_kwargs
 
 BS = 4  # tiny documents need tiny blocks: 1 initial block (4 tokens) + 2 local blocks (8)
 
@@ -129,7 +130,7 @@ def test_personalized_query_matches_eq1_computed_directly():
         cache.update(torch.cat(ks, 1).unsqueeze(0), torch.cat(vs, 1).unsqueeze(0), layer)
     qpos = layout.query
     with torch.no_grad():
-        out = model(torch.tensor([segs[-1][0]]), position_ids=qpos.unsqueeze(0), past_key_values=cache,
+        out = model(torch.tensor([segs[-1][0]]), position_ids=qpos.unsqueeze(0), **cache_kwargs(model, cache),
                     cache_position=torch.arange(comp.numel(), comp.numel() + qpos.numel()),
                     output_hidden_states=True)
         q_que = _direct_q(arch, out.hidden_states, qpos)
