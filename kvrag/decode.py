@@ -9,6 +9,7 @@ Two back-ends continue from a prefilled cache:
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 import numbers
@@ -80,12 +81,16 @@ def sample(logits: torch.Tensor, s: Sampling, gen: torch.Generator | None) -> in
     return int(torch.multinomial(probs / probs.sum(), 1, generator=gen))
 
 
+@functools.cache
+def _cache_kwarg(model_class) -> str:
+    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
+
+
 def cache_kwargs(model, cache) -> dict:
     """The forward keyword that takes a KV cache, under the name the installed transformers
     uses: ``cache`` from 5.24 (``past_key_values`` deprecated there, removed in 5.40), else
-    ``past_key_values``."""
-    name = "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
-    return {name: cache}
+    ``past_key_values`` (looked up once per model class: this runs at every decode step)."""
+    return {_cache_kwarg(type(model)): cache}
 
 
 def output_cache(out):

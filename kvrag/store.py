@@ -142,25 +142,24 @@ def _is_newer_format(meta: dict[str, str]) -> bool:
         return False
 
 
-def _verified_metadata(data: Any, tag: object) -> dict[str, str] | None:
-    """The metadata of a stored blob once its bytes, checksum and format version check out;
-    None for a blob of a newer format; raises _Corrupt otherwise.
+def _verified_header(buf: torch.Tensor, tag: object) -> tuple[dict[str, Any], int] | None:
+    """The safetensors header of a stored blob (uint8 [bytes]) and the offset its data starts
+    at, once its checksum and format version check out; None for a blob of a newer format;
+    raises _Corrupt otherwise.
 
     The version is read from the header *before* the checksum: a newer kvrag sharing the
     store may use another checksum scheme or layout, so its blobs are not ours to judge (or
     delete). A blob of an older version is treated like a damaged one: corrupt."""
-    if isinstance(data, torch.Tensor):  # a pinned read: its bytes, without a copy
-        data = data.numpy()
-    elif not isinstance(data, (bytes, mmap.mmap)):
-        raise _Corrupt(f"stored value is {type(data).__name__}, not bytes")
-    meta = _read_metadata(data)
+    data = buf.numpy()
+    header, start = _read_header(data)
+    meta = _metadata(header)
     if _is_newer_format(meta):
         return None
     if not checksum_matches(data, tag):
         raise _Corrupt(f"checksum mismatch (stored {tag}, {len(data)} bytes)")
     if meta.get("kvrag_format") != str(CACHE_FORMAT_VERSION):
         raise _Corrupt(f"format version {meta.get('kvrag_format')!r}, expected {CACHE_FORMAT_VERSION}")
-    return meta
+    return header, start
 
 
 def _validate_entry(entry: ChunkEntry) -> torch.Tensor:
@@ -235,59 +234,46 @@ def _read_header(data) -> tuple[dict[str, Any], int]:
     return header, 8 + n
 
 
-def _read_metadata(data) -> dict[str, str]:
-    """The ``__metadata__`` of a safetensors buffer (safetensors' loaders do not return it
+def _metadata(header: dict[str, Any]) -> dict[str, str]:
+    """The ``__metadata__`` of a safetensors header (safetensors' loaders do not return it
     for in-memory bytes)."""
-    meta = _read_header(data)[0].get("__metadata__")
+    meta = header.get("__metadata__")
     if not isinstance(meta, dict):
         raise _Corrupt("safetensors metadata is missing or not a mapping")
     return meta
 
 
-#: safetensors dtype names -> torch dtypes, for the zero-copy views of a mapped blob.
+#: safetensors dtype names -> torch dtypes, for the views of a read blob.
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+           "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
            "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-           "U8": torch.uint8, "BOOL": torch.bool}
+           "U64": torch.uint64, "U32": torch.uint32, "U16": torch.uint16, "U8": torch.uint8, "BOOL": torch.bool}
 
 
-def _map_tensors(data: mmap.mmap | torch.Tensor) -> dict[str, torch.Tensor]:
-    """The tensors of a safetensors blob as views of its buffer -- a (private, copy-on-write)
-    file mapping or a pinned uint8 tensor: no copy and no parse under the GIL, unlike
+def _deserialize(buf: torch.Tensor, header: dict[str, Any], start: int) -> ChunkEntry:
+    """The entry held by a verified blob ``buf`` (uint8 [bytes]; header and data offset from
+    ``_verified_header``). Its tensors are views of ``buf`` -- a private, copy-on-write file
+    mapping or a pinned buffer: no copy and no parse under the GIL, unlike
     ``safetensors.torch.load`` of the bytes, which copies every tensor (on a 2-core box: ~60 ms
-    of a 154 ms cold read of 90 MiB, which the mapping with its checksum does in ~25 ms).
-    A dtype this table lacks falls back to safetensors' own loader."""
-    base = data if isinstance(data, torch.Tensor) else torch.frombuffer(data, dtype=torch.uint8)
-    header, start = _read_header(base.numpy())
-    size = base.numel() - start
+    of a 154 ms cold read of 90 MiB, which the mapping with its checksum does in ~25 ms)."""
+    size = buf.numel() - start
     tensors = {}
     for name, info in header.items():
         if name == "__metadata__":
             continue
         try:
-            dtype = _DTYPES.get(info["dtype"])
+            dtype = _DTYPES[info["dtype"]]
             shape = [int(d) for d in info["shape"]]
             a, b = (int(o) for o in info["data_offsets"])
         except (KeyError, TypeError, ValueError) as e:
-            raise _Corrupt(f"bad header entry for {name!r}: {e}") from None
-        if dtype is None:
-            return safetensors.torch.load(base.numpy().tobytes())
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        if not 0 <= a <= b <= size or b - a != math.prod(shape) * itemsize or min(shape, default=1) < 0:
+            raise _Corrupt(f"bad header entry for {name!r}: {e!r}") from None
+        if not 0 <= a <= b <= size or b - a != math.prod(shape) * dtype.itemsize or min(shape, default=1) < 0:
             raise _Corrupt(f"tensor {name!r} {info['dtype']}{shape} does not fit bytes {a}..{b} of {size}")
-        t = base[start + a : start + b]
-        if (start + a) % itemsize:  # safetensors aligns its tensors; a view needs it
+        t = buf[start + a : start + b]
+        if (start + a) % dtype.itemsize:  # safetensors aligns its tensors; a view needs it
             t = t.clone()
         tensors[name] = t.view(dtype).view(shape)
-    return tensors
-
-
-def _deserialize(data: bytes | mmap.mmap | torch.Tensor, meta: dict[str, str]) -> ChunkEntry:
-    try:
-        tensors = safetensors.torch.load(data) if isinstance(data, bytes) else _map_tensors(data)
-    except _Corrupt:
-        raise
-    except Exception as e:  # safetensors raises its own error types for malformed buffers
-        raise _Corrupt(f"safetensors load failed: {e}") from None
+    meta = _metadata(header)
     try:
         ids, k, v = tensors.pop("token_ids"), tensors.pop("keys"), tensors.pop("values")
         fingerprint, text, n_tokens = meta["fingerprint"], meta["text"], int(meta["n_tokens"])
@@ -414,13 +400,15 @@ class KVStore:
             # database that write fails. The entry is sound; this query computes the chunk.
             log.warning("KVStore: cannot read entry %s (%s); treated as a miss", key, e)
             return self._miss()
-        data, tag, name = found
+        buf, tag, name = found
         try:
-            meta = _verified_metadata(data, tag)
-            if meta is None:
+            verified = _verified_header(buf, tag)
+            if verified is None:
                 log.warning("KVStore: entry %s has a format version newer than this kvrag's %d; "
                             "not used, left for the newer kvrag", key, CACHE_FORMAT_VERSION)
                 return self._miss()
+            header, start = verified
+            meta = _metadata(header)
             if meta.get("fingerprint") != fingerprint:
                 # The checksum holds, so this is a sound entry of another model asked for
                 # with the wrong fingerprint (a caller error): leave it for its owner.
@@ -429,7 +417,7 @@ class KVStore:
                 with self._lock:
                     self._counts["wrong_model"] += 1
                 return self._miss()
-            entry = _deserialize(data, meta)
+            entry = _deserialize(buf, header, start)
         except _Corrupt as e:
             self._drop_corrupt(key, name, str(e))
             return self._miss()
@@ -546,16 +534,17 @@ class KVStore:
             self._counts["misses"] += 1
         return None
 
-    def _read(self, key: str, pin_memory: bool = False) -> tuple[Any, str | None, str | None] | None:
-        """(contents, tag, file name) of the stored value, or None if absent/unreadable. The
-        file name identifies this exact version: diskcache never reuses a name.
+    def _read(self, key: str, pin_memory: bool = False) -> tuple[torch.Tensor, str | None, str | None] | None:
+        """(contents as uint8 [bytes], tag, file name) of the stored value, or None if
+        absent/unreadable. The file name identifies this exact version: diskcache never reuses
+        a name.
 
         The contents are a private (copy-on-write) memory map of the blob file: the checksum
         reads it without copying and the tensors are views of it. diskcache never rewrites a
         file in place (a new value is a new file, an old one is unlinked), so the mapping stays
         valid while any tensor of it is alive. With ``pin_memory`` (a CUDA consumer) the file
-        is read into a page-locked uint8 tensor instead, so the host-to-device copy of the K/V
-        runs at full bus speed without a staging copy."""
+        is read into a page-locked buffer instead, so the host-to-device copy of the K/V runs
+        at full bus speed without a staging copy."""
         handle, tag = self._blobs.get(key, default=None, read=True, tag=True, retry=True)
         if handle is None:
             return None
@@ -564,27 +553,24 @@ class KVStore:
             with handle:
                 try:
                     fd = handle.fileno()
+                    size = os.fstat(fd).st_size
                 except (AttributeError, io.UnsupportedOperation):  # a value held in SQLite
-                    return handle.read(), tag, name
-                size = os.fstat(fd).st_size
+                    size = 0
                 if size == 0:
-                    return b"", tag, name
-                buf = None
+                    data = handle.read()
+                    return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data \
+                        else torch.empty(0, dtype=torch.uint8), tag, name
                 if pin_memory:
                     try:
                         buf = torch.empty(size, dtype=torch.uint8, pin_memory=True)
                     except RuntimeError as e:  # no CUDA, or page-locked memory exhausted
                         log.debug("KVStore: no pinned buffer for %s (%s); mapping the file", key, e)
-                if buf is None:
-                    return mmap.mmap(fd, 0, access=mmap.ACCESS_COPY), tag, name
-                view = memoryview(buf.numpy())
-                got = 0
-                while got < size:  # readinto releases the GIL
-                    n = handle.readinto(view[got:])
-                    if not n:
-                        break
-                    got += n
-                return (buf if got == size else bytes(view[:got])), tag, name
+                    else:
+                        view, got = memoryview(buf.numpy()), 0
+                        while got < size and (n := handle.readinto(view[got:])):  # releases the GIL
+                            got += n
+                        return buf[:got], tag, name
+                return torch.frombuffer(mmap.mmap(fd, 0, access=mmap.ACCESS_COPY), dtype=torch.uint8), tag, name
         except (OSError, ValueError):
             return None
 
@@ -643,11 +629,11 @@ class KVStore:
         found = self._read(key)
         if found is None:
             return False
-        data, tag, name = found
+        buf, tag, name = found
         try:
-            meta = _verified_metadata(data, tag)
-            if meta is not None:  # None: a newer format, left for the kvrag that wrote it
-                _deserialize(data, meta)
+            verified = _verified_header(buf, tag)
+            if verified is not None:  # None: a newer format, left for the kvrag that wrote it
+                _deserialize(buf, *verified)
         except _Corrupt as e:
             self._drop_corrupt(key, name, str(e))
             return True
@@ -727,7 +713,7 @@ class KVStore:
             head = handle.read(8)
             n = int.from_bytes(head, "little") if len(head) == 8 else 0
             try:
-                meta = _read_metadata(head + handle.read(n)) if 0 < n < 2**27 else None
+                meta = _metadata(_read_header(head + handle.read(n))[0]) if 0 < n < 2**27 else None
             except _Corrupt:
                 meta = None
         if not meta or "text" not in meta or "fingerprint" not in meta:

@@ -279,7 +279,7 @@ def test_newer_format_version_is_a_miss_and_kept(store, tmp_path, monkeypatch, c
     monkeypatch.setattr(store_mod, "CACHE_FORMAT_VERSION", CACHE_FORMAT_VERSION)
     path = next(f for f in blob_files(tmp_path) if b"other" not in f.read_bytes()[:4096])
     data = path.read_bytes()
-    store._blobs.set(other, bytes(store._read(other)[0]), tag="xxh64:0123456789abcdef")
+    store._blobs.set(other, store._read(other)[0].numpy().tobytes(), tag="xxh64:0123456789abcdef")
     with caplog.at_level(logging.WARNING, logger="kvrag.store"):
         assert store.get(key, FP_A) is None and store.get(other, FP_A) is None
     assert "newer than this kvrag" in caplog.text
