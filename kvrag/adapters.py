@@ -38,15 +38,19 @@ def resolve_policy(policy, policy_params: dict | None, flat: dict[str, Any], rag
     wrapper does not know itself, taken as policy parameters, as ``KVRag(policy=...,
     recompute_ratio=...)`` takes them; any other name is a typo, reported here rather than
     dropped (pydantic models would drop it silently)."""
-    own = getattr(rag, "policy", None) if policy is None else None
-    if own is not None:
-        policy = own.name
-        params = {f.name: getattr(own.params, f.name) for f in dataclasses.fields(own.params)}
-    else:
-        policy = "cacheblend" if policy is None else policy
-        params = {}
-    params.update(policy_params or {})
+    own = getattr(rag, "policy", None)
+    inherited = {} if own is None else {f.name: getattr(own.params, f.name) for f in dataclasses.fields(own.params)}
+    params = {}
+    if policy is None and own is not None:
+        policy, params = own.name, dict(inherited)
+    elif policy is None:
+        policy = "cacheblend"
     names = policy_param_names(policy)
+    # A wrapper rebuilt with another policy (LangChain's ``configurable_fields(policy=...)``
+    # passes all fields back) carries the parameters it inherited from the KVRag: those the
+    # new policy lacks are dropped, while parameters the user set stay checked.
+    params.update({k: v for k, v in (policy_params or {}).items()
+                   if k in names or k not in inherited or inherited[k] != v})
     unknown = sorted(set(flat) - names)
     if unknown:
         raise ValueError(f"{owner} got unknown option(s) {unknown}: neither an option of {owner} nor a "

@@ -140,29 +140,53 @@ def match_chunk(tokenizer, newline_ids: Sequence[int], chunk: list[int], text: s
     ``starts``: the prompt's tokens, their character spans and span starts; ``lo``: the first
     token not placed yet. Shared by ``KVRag.pieces`` and the KVLink trainer
     (``kvrag.kvlink_train.prompt_pieces``), so training sequences are laid out as queries are."""
-    j, k = bisect.bisect_left(starts, start, lo=lo), 0
-    if offset or (j > 0 and offsets[j - 1][1] > start):
-        # The chunk's first token merged with what precedes it (" The" after "Context:"),
-        # or the prompt holds the chunk from a later character on (its leading whitespace
-        # trimmed): resume at the first token boundary both tokenizations share; the
-        # tokens there on are the chunk's (their K/V were computed behind the chunk's own
-        # beginning).
-        starts_in_chunk = chunk_token_starts(tokenizer, newline_ids, text, chunk)
-        if starts_in_chunk is None:
-            return j, 0, 0
-        at = {s: i for i, s in reversed(list(enumerate(starts_in_chunk)))}
-        while j < len(ids) and starts[j] < end and starts[j] - start + offset not in at:
+    j = bisect.bisect_left(starts, start, lo=lo)
+
+    def run(j: int, k: int) -> int:
+        # Equal ids from one shared boundary on cover equal characters, so a run that ends
+        # inside [start, end) in the prompt ends inside the matched part of the chunk: a cut
+        # chunk is served only up to its last whole token the prompt holds.
+        m = 0
+        while k + m < len(chunk) and j + m < len(ids) and ids[j + m] == chunk[k + m] and offsets[j + m][1] <= end:
+            m += 1
+        return m
+
+    if not offset and not (j > 0 and offsets[j - 1][1] > start):
+        m = run(j, 0)
+        if m:
+            return j, 0, m
+    # The chunk's first token merged with what precedes it (" The" after "Context:"), or the
+    # prompt holds the chunk from a later character on (its leading whitespace trimmed), or
+    # the two tokenizations part at its first character: resume at the first token boundary
+    # both share; the tokens there on are the chunk's (their K/V were computed behind the
+    # chunk's own beginning).
+    starts_in_chunk = chunk_token_starts(tokenizer, newline_ids, text, chunk)
+    if starts_in_chunk is None:
+        return j, 0, 0
+    at: dict[int, list[int]] = {}
+    for i, s in enumerate(starts_in_chunk):
+        at.setdefault(s, []).append(i)
+    while j < len(ids) and starts[j] < end:
+        ks = at.get(starts[j] - start + offset)
+        if ks is None:
             j += 1
-        if j >= len(ids) or starts[j] >= end:
-            return j, 0, 0
-        k = at[starts[j] - start + offset]
-    m = 0
-    # Equal ids from one shared boundary on cover equal characters, so a run that ends
-    # inside [start, end) in the prompt ends inside the matched part of the chunk: a cut
-    # chunk is served only up to its last whole token the prompt holds.
-    while k + m < len(chunk) and j + m < len(ids) and ids[j + m] == chunk[k + m] and offsets[j + m][1] <= end:
-        m += 1
-    return j, k, m
+            continue
+        # Byte-level BPE splits a multi-byte character into several tokens that all start at
+        # that character, and the prompt may have merged its first byte with the space before
+        # it (" П" -> "ĠÐ", "Ł" where the chunk has "Ð", "Ł"): pair every prompt token and
+        # chunk token starting there, and take the longest run of equal ids.
+        best = (0, j, 0)
+        jj = j
+        while jj < len(ids) and starts[jj] == starts[j]:
+            for k in ks:
+                m = run(jj, k)
+                if m > best[0]:
+                    best = (m, jj, k)
+            jj += 1
+        if best[0]:
+            return best[1], best[2], best[0]
+        j = jj
+    return j, 0, 0
 
 
 def prompt_tokens(tokenizer, prompt: str) -> tuple[list[int], list[tuple[int, int]], list[int]]:
@@ -549,6 +573,8 @@ class KVRag:
         and prompts raise here, at the call. TTFT is the work from the call to the first
         sampled token (rendering, segmentation, loading and prefill; not the time a lazily
         read stream waits for its first ``next()``)."""
+        if "max_tokens" in policy_params:  # the name most LLM APIs use; not a policy parameter
+            raise ValueError("KVRag.generate/stream take max_new_tokens, not max_tokens")
         sampling = Sampling(max_new_tokens, temperature, top_p, top_k, stop, seed)
         # Bad policy options and prompts fail at the call, not at the first iteration; the
         # time this takes (rendering a chat template) still counts in TTFT and load_s.

@@ -1,12 +1,13 @@
 """Checks of the paths a command will write to, made before any expensive work.
 
 A command that loads a model, runs a benchmark or trains for an hour must not find out only
-at the end that its output cannot be written (the results would be lost). These checks create
-nothing: they look at what exists and whether it is writable.
+at the end that its output cannot be written (the results would be lost). These checks leave
+nothing behind: they look at what exists and whether a file can be made in it.
 """
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 from kvrag.errors import KVRagError
@@ -20,6 +21,18 @@ def _first_existing(p: Path) -> Path:
     return q
 
 
+def _writable(d: Path) -> bool:
+    """Whether files can be created in directory ``d``. ``os.access`` alone says yes to root
+    everywhere, read-only mounts and /proc included: a temporary file is made and removed."""
+    if not os.access(d, os.W_OK | os.X_OK):
+        return False
+    try:
+        with tempfile.TemporaryFile(dir=d):
+            return True
+    except OSError:
+        return False
+
+
 def check_dir(path: str | os.PathLike, what: str, error: type[Exception] = KVRagError) -> Path:
     """``path`` is a writable directory, or one that can be created (its nearest existing
     ancestor is a writable directory). Raises ``error`` naming ``what`` (e.g. ``--out``) and the
@@ -28,13 +41,13 @@ def check_dir(path: str | os.PathLike, what: str, error: type[Exception] = KVRag
     if p.exists() or p.is_symlink():
         if not p.is_dir():
             raise error(f"{what} {p}: exists and is not a directory")
-        if not os.access(p, os.W_OK | os.X_OK):
+        if not _writable(p):
             raise error(f"{what} {p}: the directory is not writable")
         return p
     anc = _first_existing(p.absolute().parent)
     if not anc.is_dir():
         raise error(f"{what} {p}: cannot create it, {anc} is not a directory")
-    if not os.access(anc, os.W_OK | os.X_OK):
+    if not _writable(anc):
         raise error(f"{what} {p}: cannot create it, {anc} is not writable")
     return p
 
@@ -51,6 +64,6 @@ def check_file(path: str | os.PathLike, what: str, error: type[Exception] = KVRa
     anc = _first_existing(parent)
     if not anc.is_dir():
         raise error(f"{what} {p}: cannot create it, {anc} is not a directory")
-    if not os.access(anc, os.W_OK | os.X_OK):
+    if not _writable(anc):
         raise error(f"{what} {p}: cannot write it, {anc} is not writable")
     return p

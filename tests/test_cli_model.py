@@ -7,6 +7,7 @@ import sys
 import pytest
 
 from kvrag.cli import build_parser, main
+from kvrag.errors import KVRagError
 from kvrag.model import ModelHandle
 
 
@@ -263,3 +264,19 @@ def test_read_only_home_with_the_conversion_done_still_loads(tmp_path, fake_gguf
     monkeypatch.setattr(km, "convert_gguf", read_only)
     h = ModelHandle.load(fake_gguf, cache_dir=home)
     assert h.load_info == {"weights_dir": str(conv), "converted": False}
+
+
+def test_output_path_checks_try_the_directory_not_only_its_mode_bits(tmp_path):
+    """``os.access`` says yes to root everywhere (read-only mounts, /proc): the check makes and
+    removes a temporary file, so a bench/train/calibrate output that cannot be written fails
+    before the model loads, and a writable one is left as it was."""
+    from kvrag.outpaths import check_dir, check_file
+
+    for path in ("/proc/kvrag-out", "/proc"):
+        with pytest.raises(KVRagError, match="not writable"):
+            check_dir(path, "--out")
+    with pytest.raises(KVRagError, match="not writable"):
+        check_file("/proc/kvrag-report.md", "--report")
+    assert check_dir(tmp_path / "new" / "out", "--out") == tmp_path / "new" / "out"
+    assert check_file(tmp_path / "report.md", "--report") == tmp_path / "report.md"
+    assert list(tmp_path.iterdir()) == []

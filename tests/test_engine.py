@@ -131,6 +131,29 @@ def test_chunk_edges_the_prompt_tokenizes_otherwise_are_computed(rag, handle):
     assert exact.token_ids == full.token_ids and exact.stats.chunks_hit == 3
 
 
+@pytest.mark.parametrize("doc", [
+    "Привет мир: a Russian greeting used in many programming tutorials online.",
+    "東京タワー is a communications and observation tower in the Shiba-koen district.",
+    "ñandú is the Spanish name of the rhea, a large flightless bird of South America.",
+])
+@pytest.mark.parametrize("lead", ["- ", "1. ", "Context: "])
+def test_a_chunk_starting_with_a_multibyte_letter_after_a_space_is_served(rag, doc, lead):
+    """Byte-level BPE spells a multi-byte first letter as several tokens starting at that
+    character, and after a space the prompt merges its first byte with the space (" П" ->
+    "ĠÐ", "Ł"; the chunk alone has "Ð", "Ł"): the chunk is still served from the first token
+    both spellings share, not dropped as unaligned."""
+    rag.precompute([doc])
+    prompt = lead + doc + "\nQuestion: what is it?"
+    pieces, stats = served(rag, prompt)
+    n = len(rag.chunk_ids(doc))
+    assert stats.chunks_unaligned == 0
+    ((key, (a, b), _),) = pieces
+    assert key == rag.chunk_key(doc) and 1 <= a <= 3 and b == n
+    full = rag.generate(prompt, policy="full_prefill", max_new_tokens=6)
+    exact = rag.generate(prompt, policy="cacheblend", recompute_ratio=1.0, max_new_tokens=6)
+    assert exact.stats.chunks_hit == 1 and exact.token_ids == full.token_ids
+
+
 def served(rag, prompt):
     """(key, span, ids) of each cached piece of ``prompt``; checks that the pieces spell the
     prompt's own ids and that each cached piece's ids are its chunk's ids on its span."""
@@ -312,6 +335,8 @@ def test_stream_rejects_bad_options_at_the_call(rag):
             rag.stream("Hello", **kw)
     with pytest.raises(TypeError):
         rag.stream(b"Hello")
+    with pytest.raises(ValueError, match="max_new_tokens, not max_tokens"):
+        rag.generate("Hello", max_tokens=3)
 
 
 def test_stream_matches_generate_and_stops(rag):

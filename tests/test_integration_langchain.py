@@ -17,7 +17,7 @@ from langchain_core.documents import Document  # noqa: E402
 from langchain_core.messages import HumanMessage, SystemMessage  # noqa: E402
 from langchain_core.output_parsers import StrOutputParser  # noqa: E402
 from langchain_core.prompts import ChatPromptTemplate  # noqa: E402
-from langchain_core.runnables import RunnablePassthrough  # noqa: E402
+from langchain_core.runnables import ConfigurableField, RunnablePassthrough  # noqa: E402
 from langchain_huggingface import HuggingFaceEmbeddings  # noqa: E402
 from langchain_kvrag import (  # noqa: E402
     ChatKVRag, KVPrecomputeHook, KVWarmingRetriever, precompute_on_add, to_kvrag_messages,
@@ -411,6 +411,38 @@ def test_policy_settings_are_not_lost(llm, handle, tmp_path):
         if policy == "cacheblend":
             assert s.recomputed_tokens == s.cached_tokens
     assert ChatKVRag(rag=KVRag(handle, cache_dir=tmp_path / "kv", policy="naive_reuse"), policy="cacheblend").policy_params == {}
+
+
+def test_configurable_fields_rebuild_the_same_model(llm, handle, tmp_path, monkeypatch):
+    """LangChain rebuilds a configurable model from all its fields: the KVRag a ChatKVRag built
+    from ``cache_dir`` comes back with that ``cache_dir`` (the same model, not a conflict), and
+    the parameters a wrapper inherited from its KVRag do not bar another policy."""
+    llm.rag.precompute(TEXTS)
+    msgs = [HumanMessage(content="Context:\n\n" + "\n\n".join(TEXTS) + f"\n\nQuestion: {QUESTION}")]
+    # Inherited cacheblend parameters (recompute_ratio, check_layers, ...) vs full_prefill.
+    by_policy = llm.configurable_fields(policy=ConfigurableField(id="policy"))
+    out = by_policy.with_config(configurable={"policy": "full_prefill"}).invoke(msgs)
+    assert out.response_metadata["policy"] == "full_prefill"
+    assert out.usage_metadata["input_token_details"]["cache_read"] == 0
+    # Parameters the user set still belong to their policy (integrations.md).
+    own = ChatKVRag(rag=llm.rag, recompute_ratio=0.3).configurable_fields(policy=ConfigurableField(id="p"))
+    with pytest.raises(ValueError, match="recompute_ratio"):
+        own.with_config(configurable={"p": "full_prefill"}).invoke(msgs)
+
+    import langchain_kvrag.chat_models as cm
+
+    class TinyKVRag(KVRag):  # what ChatKVRag(cache_dir=...) builds, on the tiny model
+        def __init__(self, model, **kw):
+            super().__init__(handle, **kw)
+
+    monkeypatch.setattr(cm, "KVRag", TinyKVRag)
+    built = ChatKVRag(cache_dir=str(tmp_path / "kv"), max_new_tokens=4)
+    conf = built.configurable_fields(max_new_tokens=ConfigurableField(id="n"),
+                                     cache_dir=ConfigurableField(id="dir"))
+    out = conf.with_config(configurable={"n": 2}).invoke(msgs)
+    assert out.usage_metadata["output_tokens"] == 2 and out.usage_metadata["input_token_details"]["cache_read"] > 0
+    with pytest.raises(ValueError, match="not configurable"):  # another store is another KVRag
+        conf.with_config(configurable={"dir": str(tmp_path / "other")}).invoke(msgs)
 
 
 def test_from_documents_store_is_backfilled(tmp_path, embed, llm):

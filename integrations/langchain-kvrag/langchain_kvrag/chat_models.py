@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import os
+import weakref
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any, Optional
 
@@ -32,6 +33,12 @@ from kvrag.prompt import has_chat_template, plain_chat_prompt
 __all__ = ["ChatKVRag", "to_kvrag_messages"]
 
 log = logging.getLogger("kvrag.langchain")
+
+# The (model, cache_dir) each KVRag a ChatKVRag built was made from. LangChain rebuilds a model
+# from all its fields (``configurable_fields``, ``with_config``), the built ``rag`` together
+# with the ``model``/``cache_dir`` it came from: that is the same KVRag, not a conflict.
+_BUILT_FROM: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
 
 def _content_text(m: BaseMessage) -> str:
     c = m.content
@@ -136,10 +143,13 @@ class ChatKVRag(BaseChatModel):
             # The chat model's policy is also the KVRag's: a KVRag built for kvlink loads the
             # KVLink model (trained adapter) where one exists for this model.
             self.rag = KVRag(self.model, cache_dir=self.cache_dir, policy=self.policy, **self.policy_params)
+            _BUILT_FROM[self.rag] = (self.model, self.cache_dir)
         elif not isinstance(self.rag, KVRag):
             raise TypeError(f"rag must be a kvrag.engine.KVRag, got {type(self.rag).__name__}")
-        elif self.model is not None or self.cache_dir is not None:
-            raise ValueError("pass either an existing `rag` or `model`/`cache_dir`, not both")
+        elif (self.model is not None or self.cache_dir is not None) and \
+                _BUILT_FROM.get(self.rag) != (self.model, self.cache_dir):
+            raise ValueError("pass either an existing `rag` or `model`/`cache_dir`, not both "
+                             "(`model`/`cache_dir` are not configurable fields: they load another model)")
         return self
 
     # ---- kvrag objects ---------------------------------------------------------------
