@@ -175,17 +175,11 @@ def match_chunk(tokenizer, newline_ids: Sequence[int], chunk: list[int], text: s
         # that character, and the prompt may have merged its first byte with the space before
         # it (" П" -> "ĠÐ", "Ł" where the chunk has "Ð", "Ł"): pair every prompt token and
         # chunk token starting there, and take the longest run of equal ids.
-        best = (0, j, 0)
-        jj = j
-        while jj < len(ids) and starts[jj] == starts[j]:
-            for k in ks:
-                m = run(jj, k)
-                if m > best[0]:
-                    best = (m, jj, k)
-            jj += 1
-        if best[0]:
-            return best[1], best[2], best[0]
-        j = jj
+        here = range(j, bisect.bisect_right(starts, starts[j], lo=j))
+        m, jj, k = max(((run(jj, k), jj, k) for jj in here for k in ks), key=lambda t: t[0])
+        if m:
+            return jj, k, m
+        j = here.stop
     return j, 0, 0
 
 

@@ -12,10 +12,10 @@ import torch
 
 from kvrag.arch import Arch
 from kvrag.chunk import compute_chunk_kv
+from kvrag.decode import output_cache
 from kvrag.engine import KVRag
 from kvrag.policies import policy_names
 from kvrag.testing import tiny_llama
-from kvrag.decode import output_cache
 
 from corpus_helpers import DOCS, hf_greedy, prompt_for
 
