@@ -559,6 +559,7 @@ class TrainConfig:
     link_tokens: int = 5
     max_docs: int = 10
     docs: int = 3
+    min_docs: int = 0  # > 0: each sample draws its passage count uniformly from [min_docs, docs]
     max_passage_chars: int = 0
     holdout: int = 0
     objective: str = "answer"
@@ -586,6 +587,8 @@ class TrainConfig:
              "nothing to train: lora_rank=0 and link_tokens=0 (train LoRA, link tokens, or both)")
         need(isinstance(self.max_docs, int) and self.max_docs >= 1, f"max_docs must be >= 1, got {self.max_docs}")
         need(isinstance(self.docs, int) and self.docs >= 1, f"docs must be >= 1, got {self.docs}")
+        need(isinstance(self.min_docs, int) and 0 <= self.min_docs <= self.docs,
+             f"min_docs must be in [0, docs={self.docs}] (0 = always docs), got {self.min_docs}")
         need(self.max_passage_chars >= 0, f"max_passage_chars must be >= 0, got {self.max_passage_chars}")
         need(self.holdout >= 0, f"holdout must be >= 0, got {self.holdout}")
         need(self.objective in OBJECTIVES, f"objective must be one of {OBJECTIVES}, got {self.objective!r}")
@@ -694,7 +697,11 @@ def train_kvlink(
         done = 0
         while done < cfg.batch:
             item = train_items[rng.randrange(len(train_items))]
-            sample = make_sample(handle, item, rng, docs=cfg.docs, max_passage_chars=cfg.max_passage_chars,
+            # A varying count trains every link row up to ``docs`` with the prompt lengths of
+            # each place (the paper's data mixes prompts of many sizes); drawn only when asked,
+            # so runs without it keep their sample sequence.
+            n_docs = rng.randint(cfg.min_docs, cfg.docs) if cfg.min_docs else cfg.docs
+            sample = make_sample(handle, item, rng, docs=n_docs, max_passage_chars=cfg.max_passage_chars,
                                  link_tokens=cfg.link_tokens, max_docs=cfg.max_docs)
             if sample.n > cfg.max_tokens:
                 skipped += 1

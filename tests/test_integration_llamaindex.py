@@ -8,8 +8,7 @@ import time
 
 import pytest
 
-chromadb = pytest.importorskip("chromadb")
-pytest.importorskip("llama_index.llms.kvrag", reason="install integrations/llama-index-llms-kvrag (scripts/setup.sh)")
+import chromadb
 
 from chromadb.config import Settings as ChromaSettings  # noqa: E402
 from llama_index.core import Document, VectorStoreIndex  # noqa: E402
@@ -232,7 +231,10 @@ def test_empty_duplicate_and_odd_documents(tmp_path, embed, llm, caplog):
     assert llm.precomputer.wait_until_idle(timeout=120)
     p = llm.precomputer.progress()
     texts, skipped = node_texts(nodes)
-    assert skipped == len(nodes) - len(texts)
+    # One node per document: the 7 with text are kept, the blank ones (if the splitter made
+    # nodes of them at all) are counted as skipped.
+    assert len(texts) == 7 and texts[-1] == odd.strip()
+    assert skipped == sum(1 for n in nodes if not n.get_content(metadata_mode=MetadataMode.LLM).strip())
     assert p.computed == 5 and p.failed == 0  # 4 unique docs + the odd one, once each
     assert p.deduplicated + p.already_cached == 2
     qe = index.as_query_engine(llm=llm, similarity_top_k=1)
@@ -296,7 +298,9 @@ def test_unwritable_store_is_a_clear_error_and_nothing_is_lost(tmp_path, embed, 
     assert len(fails) == 4 and all("Read-only" in f.message for f in fails)
     assert {f.text for f in fails} == {n.get_content(MetadataMode.LLM) for n in nodes}
     index.as_query_engine(llm=llm, similarity_top_k=2).query(QUESTION)
-    assert llm.last_stats.chunks_hit == 0 and llm.last_generation.text is not None
+    # Answered by plain prefill: nothing cached, every prompt token computed.
+    s = llm.last_stats
+    assert s.chunks_hit == 0 and s.cached_tokens == 0 and s.computed_tokens == s.prompt_tokens > 0
     monkeypatch.setattr(llm.rag.store, "put", real_put)
     llm.precomputer.retry_failed()
     assert llm.precomputer.wait_until_idle(timeout=120)
@@ -354,9 +358,7 @@ def test_ingestion_returns_at_once_and_queries_run_meanwhile(tmp_path, embed, ll
     nodes = SentenceSplitter(chunk_size=128, chunk_overlap=0)(documents() + many)
     hook = KVPrecompute(llm)
     with llm.precomputer.foreground():
-        t0 = time.perf_counter()
-        hook(nodes)
-        assert time.perf_counter() - t0 < 2.0
+        hook(nodes)  # returns with all 34 queued and none computed: it did no model work
         assert llm.precomputer.progress().queued == 34 and llm.precomputer.progress().computed == 0
         index = VectorStoreIndex(nodes, storage_context=None, embed_model=embed)
         index.as_query_engine(llm=llm, similarity_top_k=2).query(QUESTION)

@@ -43,7 +43,6 @@ def test_rag_prompt_is_plain_text_without_a_chat_template(model_dir, tmp_path):
 
 
 def test_langchain_chat_model_renders_plain_text(model_dir, tmp_path):
-    pytest.importorskip("langchain_kvrag")
     from langchain_core.messages import HumanMessage, SystemMessage
     from langchain_kvrag import ChatKVRag
 

@@ -367,7 +367,7 @@ def test_missing_codebook_fails_before_prefill(tmp_path, monkeypatch):
     dict(recompute_ratio=2.0), dict(codebook="/nonexistent/books.safetensors"), dict(top_k=3),
 ])
 def test_bad_params_raise(bad):
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=next(iter(bad))):  # the message names the parameter
         get_policy("a2ats", **bad)
 
 

@@ -166,7 +166,7 @@ def test_untrained_link_embedding_is_the_mean_embedding():
     {"link_tokens": True}, {"mode": "learned"}, {"ratio": 0.1},
 ])
 def test_bad_params_raise_value_error(params):
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=next(iter(params))):  # the message names the parameter
         get_policy("kvlink", **params)
 
 
@@ -224,6 +224,24 @@ def test_training_reduces_the_loss_and_records_the_run(trained, data_file):
     assert ad.links.shape == (2, 2, 64) and ad.has_lora  # the rows training reached: docs=2 of max_docs=4
     # The link embeddings moved away from their (mean-embedding) initialisation.
     assert not torch.allclose(ad.links[0], ad.links[0].mean(0).expand(2, -1), atol=1e-3)
+
+
+def test_min_docs_draws_every_passage_count_and_trains_every_row(handle, data_file, tmp_path, monkeypatch):
+    import kvrag.kvlink_train as kt
+
+    counts = []
+    real = kt.make_sample
+
+    def spy(*a, docs, **kw):
+        counts.append(docs)
+        return real(*a, docs=docs, **kw)
+
+    monkeypatch.setattr(kt, "make_sample", spy)
+    res = train_kvlink(handle, TrainConfig(data=str(data_file), steps=24, **{**CFG, "docs": 4, "min_docs": 1}),
+                       tmp_path / "a")
+    assert set(counts) == {1, 2, 3, 4}, counts
+    # Four documents reached the link table's four rows, all saved.
+    assert res.meta["trained_rows"] == 4 and res.adapter.links.shape[0] == 4
 
 
 def test_saved_adapter_reproduces_the_trained_model(handle, trained):
@@ -311,7 +329,9 @@ def test_links_only_distill_adapter_keeps_fingerprint_and_is_found_by_auto(handl
     cfg = TrainConfig(data=str(data_file), steps=6, objective="distill", **{**CFG, "lora_rank": 0})
     res = train_kvlink(handle, cfg)  # default out: $KVRAG_HOME/kvlink/<model key>/
     assert res.out == tmp_path / "home" / "kvlink" / adapter_key(handle)
-    assert all(x >= 0 for x in res.losses) and not res.adapter.has_lora
+    assert all(x >= 0 for x in res.losses) and not res.adapter.has_lora  # KL >= 0, finite
+    # Distillation moved the link embeddings off their common (mean-embedding) start.
+    assert not torch.allclose(res.adapter.links[0], res.adapter.links[0].mean(0).expand_as(res.adapter.links[0]), atol=1e-3)
     assert not (res.out / "adapter_model.safetensors").exists()
     rag = KVRag(handle, cache_dir=tmp_path / "kv", policy="kvlink", kvlink_adapter="auto")
     # The weights did not change, so neither do the fingerprint and the chunk caches.
@@ -359,6 +379,7 @@ def test_auto_without_adapter_raises(handle, tmp_path, monkeypatch):
 @pytest.mark.parametrize("change,match", [
     ({"steps": 0}, "steps"), ({"lora_rank": 0, "link_tokens": 0}, "nothing to train"),
     ({"objective": "rl"}, "objective"), ({"docs": 0}, "docs"), ({"holdout": 6}, "holdout"),
+    ({"min_docs": 3}, "min_docs must be in"),
 ])
 def test_bad_training_options_raise(handle, data_file, tmp_path, change, match):
     with pytest.raises(KVLinkError, match=match):
@@ -492,9 +513,11 @@ def test_bench_measures_a_lora_adapter_on_its_own_model_against_the_base_referen
 
 # ---- the real model ----------------------------------------------------------------------
 @pytest.mark.real
-def test_real_model_kvlink(tmp_path):
+def test_real_model_kvlink(tmp_path, monkeypatch):
     from kvrag.kvlink_train import find_adapter
     from kvrag.prompt import rag_messages
+
+    monkeypatch.setenv("KVRAG_HOME", str(tmp_path / "home"))  # only the shipped adapter can be found
 
     docs = [
         "The Arden range lies north of the capital. Its tallest peak is Mount Kelvar, 4,210 metres high.",
@@ -509,11 +532,11 @@ def test_real_model_kvlink(tmp_path):
     zero = rag.generate(msgs, max_new_tokens=12, link_tokens=0)
     naive = rag.generate(msgs, policy="naive_reuse", max_new_tokens=12)
     assert zero.token_ids == naive.token_ids
-    if find_adapter(rag.handle) is not None:  # the shipped adapter, if any, loads and answers
-        trained = KVRag(cache_dir=tmp_path / "kv", policy="kvlink", kvlink_adapter="auto")
-        trained.precompute(docs)
-        t = trained.generate(msgs, max_new_tokens=12)
-        assert t.text.strip() and t.stats.inserted_tokens == 3 * getattr(trained.handle.model, ADAPTER_ATTR).link_tokens
+    assert find_adapter(rag.handle) is not None  # the shipped adapter loads and answers
+    trained = KVRag(cache_dir=tmp_path / "kv", policy="kvlink", kvlink_adapter="auto")
+    trained.precompute(docs)
+    t = trained.generate(msgs, max_new_tokens=12)
+    assert t.text.strip() and t.stats.inserted_tokens == 3 * getattr(trained.handle.model, ADAPTER_ATTR).link_tokens
 
 
 @pytest.mark.real

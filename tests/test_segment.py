@@ -2,6 +2,7 @@
 import random
 import string
 import threading
+import time
 
 import pytest
 
@@ -273,19 +274,25 @@ def test_concurrent_add_and_split():
     seg = Segmenter({"base": "base chunk text"})
     prompt = "q: base chunk text / " + " / ".join(f"chunk number {i:04d}" for i in range(0, 400, 7))
     stop = threading.Event()
+    start = threading.Barrier(4)  # the writer starts once every reader runs
     errors = []
+    reads = []
 
     def writer():
+        start.wait(timeout=30)
         for i in range(400):
             seg.add(f"k{i}", f"chunk number {i:04d}")
+            time.sleep(0.0002)  # yield: a burst of adds would finish before any reader split
         stop.set()
 
     def reader():
         try:
+            start.wait(timeout=30)
             while not stop.is_set():
                 segs = seg.split(prompt)
                 check_invariants(segs, prompt)
                 assert segs[1] == Segment("base chunk text", "base")
+                reads.append(sum(s.cached for s in segs))
         except Exception as e:  # surfaced in the main thread below
             errors.append(e)
 
@@ -295,6 +302,7 @@ def test_concurrent_add_and_split():
     for t in threads:
         t.join(timeout=60)
     assert not errors, errors
+    assert len(set(reads)) > 1, reads  # splits ran between adds: they saw different chunk sets
     assert [s.key for s in seg.split(prompt) if s.cached] == ["base"] + [f"k{i}" for i in range(0, 400, 7)]
 
 

@@ -100,7 +100,6 @@ def test_async_submit_waits_for_queue_room_off_the_event_loop(rag):
 
 
 def test_langchain_async_add_waits_for_queue_room_off_the_event_loop(rag):
-    pytest.importorskip("langchain_kvrag")
     from langchain_kvrag import precompute_on_add
 
     class Store:  # the smallest vector store the hook patches
@@ -115,7 +114,6 @@ def test_langchain_async_add_waits_for_queue_room_off_the_event_loop(rag):
 
 
 def test_llamaindex_async_transform_waits_for_queue_room_off_the_event_loop(rag):
-    pytest.importorskip("llama_index.llms.kvrag")
     from llama_index.core.schema import TextNode
     from llama_index.llms.kvrag import KVPrecompute
 
@@ -195,7 +193,6 @@ def test_threads_sharing_one_kvrag_get_the_sequential_answers(tmp_path, override
 
 # ---- a cancelled async request stops generating ----------------------------------------------
 def _llamaindex_complete(rag):
-    pytest.importorskip("llama_index.llms.kvrag")
     from llama_index.llms.kvrag import KVRagLLM
 
     llm = KVRagLLM(rag, max_new_tokens=64, set_tokenizer=False)
@@ -203,7 +200,6 @@ def _llamaindex_complete(rag):
 
 
 def _llamaindex_chat(rag):
-    pytest.importorskip("llama_index.llms.kvrag")
     from llama_index.core.base.llms.types import ChatMessage
     from llama_index.llms.kvrag import KVRagLLM
 
@@ -212,7 +208,6 @@ def _llamaindex_chat(rag):
 
 
 def _langchain_ainvoke(rag):
-    pytest.importorskip("langchain_kvrag")
     from langchain_core.messages import HumanMessage
     from langchain_kvrag import ChatKVRag
 
@@ -271,7 +266,6 @@ def test_queries_hold_back_the_precomputer_that_replaced_a_shut_down_one(rag):
     # An LLM's precomputer is shut down (redeploy of the ingestion side) and a hook built on
     # the KVRag creates the new shared one: the LLM's queries must hold back that one, not
     # the dead one they knew.
-    pytest.importorskip("llama_index.llms.kvrag")
     from llama_index.llms.kvrag import KVRagLLM
 
     llm = KVRagLLM(rag, max_new_tokens=2, set_tokenizer=False)

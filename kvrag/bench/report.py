@@ -372,7 +372,8 @@ def render_markdown(result: dict, files: dict, report_path: Path, assets: Path) 
 
     L.append("## Targets\n")
     rows = [[t["where"], f"`{t['policy']}`", t["metric"], t["target"],
-             (_fmt(t["measured"], ".1%") if "gap" in t["metric"] else _fmt(t["measured"]))
+             # 3 significant digits: a value just inside a threshold must not print as on it
+             (_fmt(t["measured"], ".1%") if "gap" in t["metric"] else _fmt(t["measured"], ".3g"))
              + (f" ({t['detail']})" if t.get("detail") else ""),
              _fmt(t.get("prompt_tokens"), ".0f"), f"**{t['status']}**"] for t in result["targets"]]
     L.append(_table(["where", "policy", "metric", "target", "measured", "prompt tokens", "status"], rows))

@@ -38,6 +38,7 @@ import torch
 
 from kvrag.bench import metrics as M
 from kvrag.bench import synthetic
+from kvrag.policies import policy_class
 
 log = logging.getLogger("kvrag.bench")
 
@@ -492,6 +493,10 @@ class Bench:
                 rec = recs[run.label]
                 if rec["error"]:
                     continue
+                if not self.cfg.hot_cache:
+                    # Cold path: nothing of an earlier run in memory, the policy's per-chunk
+                    # query-time memos (SamKV) included: the TTFT of a chunk's first query.
+                    policy_class(run.policy).forget()
                 try:
                     out, mem = self._timed(rag, msgs, run, max_new if rnd == 0 else 1)
                 except Exception as e:  # noqa: BLE001 - a failing policy is a result, not a crash

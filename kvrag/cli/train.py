@@ -49,6 +49,8 @@ def register(sub) -> None:
     k.add_argument("--link-tokens", type=int, default=5, help="link tokens per document (paper: 0, 1, 5)")
     k.add_argument("--max-docs", type=int, default=10, help="rows of the per-document link table")
     k.add_argument("--docs", type=int, default=3, help="passages per training prompt (one holds the answer)")
+    k.add_argument("--min-docs", type=int, default=0, help="> 0: each prompt draws its passage count "
+                   "uniformly from [--min-docs, --docs] (trains every link row up to --docs); 0 = always --docs")
     k.add_argument("--max-passage-chars", type=int, default=0, help="truncate passages (0 = keep whole)")
     k.add_argument("--holdout", type=int, default=0, help="never train on the last N examples (for evaluation)")
     k.add_argument("--objective", choices=("answer", "distill"), default="answer",
@@ -81,7 +83,7 @@ def run_kvlink(args) -> int:
     cfg = TrainConfig(
         data=args.data, steps=args.steps, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
         lora_targets=tuple(t.strip() for t in args.lora_targets.split(",") if t.strip()),
-        link_tokens=args.link_tokens, max_docs=args.max_docs, docs=args.docs,
+        link_tokens=args.link_tokens, max_docs=args.max_docs, docs=args.docs, min_docs=args.min_docs,
         max_passage_chars=args.max_passage_chars, holdout=args.holdout, objective=args.objective,
         lr=args.lr, link_lr=args.link_lr, batch=args.batch, warmup=args.warmup,
         max_tokens=args.max_tokens, seed=args.seed, log_every=args.log_every,

@@ -75,6 +75,12 @@ class Policy:
         policy as its default, so a misconfiguration fails at construction rather than at the
         first prompt with a cached chunk (prompts without one never reach the policy)."""
 
+    @classmethod
+    def forget(cls) -> None:
+        """Drop what the policy remembers across queries in this process (per-chunk results it
+        computed at query time and memoized). Benchmarks of the cold path call it before every
+        timed run, so they report what a chunk's first query costs. Default: nothing kept."""
+
     # ---- ingestion -------------------------------------------------------------------
     def chunk_extras(self, arch: "Arch", keys: torch.Tensor, values: torch.Tensor) -> dict[str, torch.Tensor]:
         """Extra per-chunk tensors to store with the chunk. keys/values: [L, Hkv, T, D]

@@ -23,11 +23,17 @@ def get_policy(policy: str | Policy, **params: Any) -> Policy:
         if params:
             return type(policy)(**{**dataclasses.asdict(policy.params), **params})
         return policy
+    return policy_class(policy)(**params)
+
+
+def policy_class(policy: str | Policy) -> type[Policy]:
+    """The class registered under a name (or an instance's class)."""
+    if isinstance(policy, Policy):
+        return type(policy)
     try:
-        cls = _REGISTRY[policy]
+        return _REGISTRY[policy]
     except KeyError:
         raise ValueError(f"unknown policy {policy!r}; registered: {', '.join(sorted(_REGISTRY))}") from None
-    return cls(**params)
 
 
 def policy_names() -> list[str]:

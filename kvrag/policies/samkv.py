@@ -303,6 +303,11 @@ class SamKV(Policy):
                "recompute most kept tokens locally, decode on the sparse cache")
     Params = SamKVParams
 
+    @classmethod
+    def forget(cls) -> None:
+        with _MEMO_LOCK:
+            _DOC_MEMO.clear()
+
     # ---- configuration -------------------------------------------------------------------
     def stable_layers(self, n_layers: int) -> list[int]:
         sl = self.params.stable_layers
