@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import AbstractContextManager
 from typing import Any
 
-from kvrag.policies import get_policy
+from kvrag.policies import get_policy, policy_class
 from kvrag.precompute import Precomputer
 
 #: Generation options a wrapper passes to ``KVRag.stream`` (plus the policy's own parameters).
@@ -26,7 +26,7 @@ END = object()
 
 def policy_param_names(policy) -> set[str]:
     """The hyper-parameter names of ``policy`` (a name or a Policy); ValueError if unknown."""
-    return {f.name for f in dataclasses.fields(type(get_policy(policy)).Params)}
+    return {f.name for f in dataclasses.fields(policy_class(policy).Params)}
 
 
 def resolve_policy(policy, policy_params: dict | None, flat: dict[str, Any], rag, owner: str):

@@ -22,10 +22,8 @@ def _first_existing(p: Path) -> Path:
 
 
 def _writable(d: Path) -> bool:
-    """Whether files can be created in directory ``d``. ``os.access`` alone says yes to root
-    everywhere, read-only mounts and /proc included: a temporary file is made and removed."""
-    if not os.access(d, os.W_OK | os.X_OK):
-        return False
+    """Whether files can be created in directory ``d``: a temporary file is made and removed
+    (``os.access`` says yes to root everywhere, read-only mounts and /proc included)."""
     try:
         with tempfile.TemporaryFile(dir=d):
             return True

@@ -38,7 +38,7 @@ import torch
 
 from kvrag.bench import metrics as M
 from kvrag.bench import synthetic
-from kvrag.policies import policy_class
+from kvrag.policies import get_policy, policy_class, policy_names
 
 log = logging.getLogger("kvrag.bench")
 
@@ -361,8 +361,6 @@ class Bench:
     ``progress`` receives one line per step (the CLI prints it)."""
 
     def __init__(self, cfg: BenchConfig, progress: Callable[[str], None] | None = None):
-        from kvrag.policies import get_policy, policy_names
-
         self.cfg = cfg
         self.say = progress or (lambda s: log.info(s))
         names = cfg.policies or policy_names()
@@ -379,7 +377,7 @@ class Bench:
             get_policy(r.policy, **r.params)
         self.sweep_policies = [p for p in dict.fromkeys(cfg.sweep_policies)]
         for p in self.sweep_policies:
-            fields = {f.name for f in dataclasses.fields(get_policy(p).params)}
+            fields = {f.name for f in dataclasses.fields(policy_class(p).Params)}
             if "recompute_ratio" not in fields:
                 raise ValueError(f"sweep policy {p!r} has no recompute_ratio parameter")
         if cfg.kvlink_adapter not in (None, "none", "default", "links", "auto"):
