@@ -369,12 +369,14 @@ class KVRag:
         return keys
 
     def _put(self, key, text, ids, k, v) -> None:
+        token_ids = torch.tensor(ids, dtype=torch.long)
+        k, v = k.to(self.storage_dtype), v.to(self.storage_dtype)
         extras = {}
         for p in self.ingest_policies:
-            extras.update(p.chunk_extras(self.arch, k, v))
+            # From the stored (rounded) K/V in the compute dtype: what a query reads back.
+            extras.update(p.chunk_extras(self.arch, k.to(self.handle.dtype), v.to(self.handle.dtype), token_ids))
         entry = ChunkEntry(
-            fingerprint=self.fingerprint, text=text, token_ids=torch.tensor(ids, dtype=torch.long),
-            keys=k.to(self.storage_dtype).cpu(), values=v.to(self.storage_dtype).cpu(), extras=extras,
+            fingerprint=self.fingerprint, text=text, token_ids=token_ids, keys=k.cpu(), values=v.cpu(), extras=extras,
         )
         self.store.put(key, entry)
         self.segmenter.add(key, text)

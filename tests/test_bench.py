@@ -323,6 +323,31 @@ def test_qa_score_targets_show_the_answer_counts_they_rest_on():
     assert by[("samkv", "share of prompt KV kept")]["detail"] is None
 
 
+@pytest.mark.parametrize("tokens", [1300, 4100])
+def test_speed_targets_are_judged_on_the_qa_prompts_when_they_are_4k_long(tokens):
+    """Issue 3's QA and speed targets are one statement at ~4k tokens: a QA set that long gets
+    a3/cacheblend speed-up rows on its own prompts; a shorter one does not (its speed-ups
+    would be judged at a length the target does not name)."""
+    from kvrag.bench.report import evaluate_targets
+
+    def rec(ex, label, ttft):
+        return {"device": "cpu", "scenario": "qa", "dataset": "synthetic", "example_id": ex, "label": label,
+                "policy": label, "ttft_s": ttft, "ttft_min": ttft, "ttft_max": ttft, "speedup": 8.0 / ttft,
+                "gold_acc": 1, "prompt_tokens": tokens, "error": None}
+
+    ttfts = {"full_prefill": 8.0, "a3": 2.5, "cacheblend": 1.6}
+    summary = summarize([rec(f"e{i}", label, t) for label, t in ttfts.items() for i in range(3)])
+    targets = evaluate_targets({"summary": summary, "meta": {"config": {"devices": ["cpu"]}}})
+    speed = {t["policy"]: t for t in targets if t["where"].startswith("QA") and t["metric"].startswith("TTFT")}
+    if tokens < 3500:
+        assert speed == {}
+        return
+    assert set(speed) == {"a3", "cacheblend"}
+    assert speed["a3"]["measured"] == pytest.approx(3.2) and speed["a3"]["status"] == "FAIL"
+    assert speed["cacheblend"]["measured"] == pytest.approx(5.0) and speed["cacheblend"]["status"] == "PASS"
+    assert speed["a3"]["prompt_tokens"] == tokens
+
+
 # ---- `kvrag bench --quick` end to end on the real model -------------------------------------
 QA_ITEMS = [
     {"question": "Which instrument does Mara Quill play?", "answers": ["the cello", "cello"],

@@ -300,7 +300,7 @@ def test_chunk_extras_codes_equal_on_the_fly_codes(llama_books):
     pieces = pieces_for(arch, segs)
     # First chunk carries codes from precompute time, the second does not.
     e1 = pieces[1].entry
-    e1.extras = pol.chunk_extras(arch, e1.keys, e1.values)
+    e1.extras = pol.chunk_extras(arch, e1.keys, e1.values, e1.token_ids)
     assert e1.extras["a2ats.codes"].dtype == torch.int16
     assert e1.extras["a2ats.codes"].shape == (arch.n_layers, arch.n_kv_heads, 30)
     layout = Layout.build(pieces)
@@ -313,7 +313,7 @@ def test_chunk_extras_codes_equal_on_the_fly_codes(llama_books):
         # Stored codes were used for chunk 1, on-the-fly ones equal what chunk_extras would give.
         assert torch.equal(codes[layer][:, 5:35], e1.extras["a2ats.codes"][layer].long())
         e2 = pieces[2].entry
-        assert torch.equal(codes[layer][:, 35:65], pol.chunk_extras(arch, e2.keys, e2.values)["a2ats.codes"][layer].long())
+        assert torch.equal(codes[layer][:, 35:65], pol.chunk_extras(arch, e2.keys, e2.values, e2.token_ids)["a2ats.codes"][layer].long())
         # Every row's code describes the key actually in the fused cache (plain rows included).
         k_pre = arch.rotate(res.K[layer], -layout.positions)
         assert torch.equal(codes[layer], cb.codes_layer(layer, k_pre).long())
@@ -356,7 +356,7 @@ def test_missing_codebook_fails_before_prefill(tmp_path, monkeypatch):
     arch = Arch(tiny("llama", seed=3))
     g = torch.Generator().manual_seed(1)
     pol = get_policy("a2ats")
-    assert pol.chunk_extras(arch, torch.zeros(4, 2, 3, 16), torch.zeros(4, 2, 3, 16)) == {}
+    assert pol.chunk_extras(arch, torch.zeros(4, 2, 3, 16), torch.zeros(4, 2, 3, 16), torch.zeros(3, dtype=torch.long)) == {}
     with pytest.raises(cal.CodebookError, match="kvrag calibrate a2ats"):
         FusionEngine(arch).prefill(Layout.build(pieces_for(arch, segments(g))), pol)
 

@@ -278,6 +278,88 @@ def test_memo_tells_apart_the_parts_of_a_chunk_prompts_reuse(tmp_path):
     assert rag.generate(part_prompt, policy="samkv", max_new_tokens=3).token_ids == part.token_ids
 
 
+def _with_extras(layout, pol, arch):
+    """The layout's chunks as a store holds them after ingestion with ``pol``: whole-chunk
+    spans, extras from ``chunk_extras``."""
+    for p in layout.pieces:
+        if p.entry is not None:
+            p.span = (0, int(p.token_ids.numel()))
+            p.entry.extras = pol.chunk_extras(arch, p.entry.keys, p.entry.values, p.token_ids)
+    return layout
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3", "mistral-window", "smollm3", "llama-yarn"])
+def test_ingested_extras_equal_what_the_query_computes(model_type):
+    """Step 2's per-chunk results stored at ingestion are the ones the query computes from the
+    chunk (so a chunk's first query skips its local rows and decides the same)."""
+    _, arch, _, layout = _setup(model_type, seed=11)
+    res1, computed = _run(arch, layout, keep_ratio=0.4)
+    pol = get_policy("samkv", block_size=BS, keep_ratio=0.4)
+    _with_extras(layout, pol, arch)
+    res2, stored = _run(arch, layout, keep_ratio=0.4)
+    n_own = int((~layout.cached).sum())
+    assert computed.prelim_rows > n_own and stored.prelim_rows == n_own
+    assert res2.state.scratch["policy_stats"]["samkv.docs_from_store"] == len(stored.docs)
+    assert res1.state.scratch["policy_stats"]["samkv.docs_from_store"] == 0
+    torch.testing.assert_close(stored.q_loc, computed.q_loc, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(stored.context_attn, computed.context_attn, atol=1e-5, rtol=1e-4)
+    assert torch.equal(stored.keep, computed.keep) and torch.equal(stored.recompute, computed.recompute)
+    torch.testing.assert_close(res2.logits, res1.logits)
+
+
+def test_extras_for_other_parameters_or_part_of_a_chunk_are_not_used():
+    _, arch, _, layout = _setup(seed=12)
+    _with_extras(layout, get_policy("samkv", block_size=BS, keep_ratio=0.4), arch)
+    first = next(p for p in layout.pieces if p.entry is not None)
+    meta = first.entry.extras[sk.META_KEY].tolist()
+    assert meta[0] == 2 * BS and meta[1:] == [3]  # local span, stable layers of a 4-layer model
+    # keep_ratio 0.2 shrinks ~60-token documents' blocks to 2 tokens: another local span.
+    for params in (dict(local_blocks=1), dict(stable_layers=(2, 3)), dict(keep_ratio=0.2)):
+        res, info = _run(arch, layout, **{"keep_ratio": 0.4, **params})
+        assert res.state.scratch["policy_stats"]["samkv.docs_from_store"] == 0, params
+        assert info.prelim_rows > int((~layout.cached).sum())
+    # A prompt reusing only part of a chunk: that chunk's results are computed, the others stored.
+    first.span = (1, 1 + int(first.token_ids.numel()))
+    res, _ = _run(arch, layout, keep_ratio=0.4)
+    assert res.state.scratch["policy_stats"]["samkv.docs_from_store"] == sum(
+        p.entry is not None for p in layout.pieces) - 1
+    # Under a length-dependent RoPE nothing is stored.
+    _, arch_lr, _, layout_lr = _setup("llama-longrope", seed=12)
+    e = next(p.entry for p in layout_lr.pieces if p.entry is not None)
+    assert get_policy("samkv").chunk_extras(arch_lr, e.keys, e.values, e.token_ids) == {}
+
+
+def test_ingestion_stores_samkv_extras_and_the_first_query_uses_them(tmp_path):
+    """KVRag(ingest_policies=["samkv"]) stores the extras with each chunk (computed from the
+    stored float16 K/V); a first query serving whole chunks runs no local rows and answers as
+    a KVRag without them does."""
+    from kvrag.engine import KVRag
+    from kvrag.testing import tiny_llama
+
+    docs = ["The red fox lives in the northern forest and hunts small rodents at dawn, alone.",
+            "Blue herons wade in the shallow marsh water and spear fish with their long beaks.",
+            "An old stone bridge crosses the river near the mill where farmers bring their grain."]
+    prompt = "Use the passages.\n" + "\n".join(docs) + "\nQuestion: what do herons eat?\nAnswer:"
+    handle = tiny_llama(seed=0)
+    with_x = KVRag(handle, cache_dir=tmp_path / "a", ingest_policies=["samkv"], hot_cache=0)
+    without = KVRag(handle, cache_dir=tmp_path / "b", hot_cache=0)
+    for rag in (with_x, without):
+        rag.precompute(docs)
+    entry = with_x.store.get(with_x.chunk_key(docs[0]), with_x.fingerprint)
+    assert set(entry.extras) == {sk.Q_LOC_KEY, sk.CONTEXT_KEY, sk.META_KEY}
+    assert entry.extras[sk.CONTEXT_KEY].shape == (entry.token_ids.numel(),)
+    assert not without.store.get(without.chunk_key(docs[0]), without.fingerprint).extras
+    sk.SamKV.forget()
+    a = with_x.generate(prompt, policy="samkv", max_new_tokens=6)
+    sk.SamKV.forget()
+    b = without.generate(prompt, policy="samkv", max_new_tokens=6)
+    assert a.stats.chunks_hit == b.stats.chunks_hit == 3
+    assert a.stats.policy_stats["samkv.docs_from_store"] == 3 and b.stats.policy_stats["samkv.docs_from_store"] == 0
+    assert a.stats.policy_stats["samkv.prelim_rows"] < b.stats.policy_stats["samkv.prelim_rows"]
+    assert a.token_ids == b.token_ids
+    assert a.stats.policy_stats["samkv.kept_fraction"] == b.stats.policy_stats["samkv.kept_fraction"]
+
+
 def test_bad_params():
     for kw, msg in [
         (dict(keep_ratio=1.5), "keep_ratio"), (dict(keep_ratio=0.0), "keep_ratio"),

@@ -33,6 +33,11 @@ TARGETS_QA = [
     ("a2ats", "kv_read_fraction", 0.25),
 ]
 TARGETS_4K_ISSUE3 = [("a3", "speedup", 4.0)]
+# Issue 3 states the QA and speed targets at one point ("keep >= 90% ... while >= 4x faster at
+# ~4k context tokens"): when the QA set's prompts are that long (synthetic items of ~4k tokens,
+# e.g. benchmarks/run_qa_4k.sh), the speed-ups on those very prompts are judged too.
+TARGETS_QA_SPEED = [("a3", "speedup", 4.0), ("cacheblend", "speedup", 4.0)]
+QA_SPEED_MIN_TOKENS = 3500
 # "Visibly worse": naive_reuse's fidelity F1 at least this much below cacheblend's.
 VISIBLY_WORSE = 0.1
 
@@ -123,6 +128,10 @@ def evaluate_targets(result: dict) -> list[dict]:
     for label, what, thr in TARGETS_QA:
         add("qa" if ds_qa else None, ds_qa, label, what, thr,
             f"QA ({ds_qa}), defaults" if ds_qa else "QA (not run)")
+    tok_qa = (_row(summary, device, "qa", ds_qa, REFERENCE) or {}).get("prompt_tokens") if ds_qa else None
+    if tok_qa and tok_qa >= QA_SPEED_MIN_TOKENS:
+        for label, what, thr in TARGETS_QA_SPEED:
+            add("qa", ds_qa, label, what, thr, f"QA ({ds_qa}), defaults")
     has4k = _row(summary, device, "scaling", "8x512", REFERENCE) is not None
     for label, what, thr in TARGETS_4K + TARGETS_4K_ISSUE3:
         add("scaling" if has4k else None, "8x512", label, what, thr,

@@ -118,7 +118,7 @@ class A2ATS(Policy):
         return cb
 
     # ---- ingestion ---------------------------------------------------------------------
-    def chunk_extras(self, arch, keys, values):
+    def chunk_extras(self, arch, keys, values, token_ids):
         """{"a2ats.codes": int16 [L, Hkv, T], "a2ats.codebook": uint8 [16] (which codebook)},
         or {} when the model has no codebook yet (codes are then made at query time)."""
         cb = self.codebooks(arch, required=False)

@@ -14,8 +14,8 @@ Query-time call order (see ``kvrag.fusion.FusionEngine.prefill``):
 6. ``after_prefill(state)``      eviction, decode-time indices
 7. per decode step ``decode_select(layer, q, state)`` (only if the policy overrides it)
 
-Ingestion time: ``chunk_extras(arch, keys, values)`` adds per-chunk tensors stored beside the
-chunk's K/V (A2ATS codes).
+Ingestion time: ``chunk_extras(arch, keys, values, token_ids)`` adds per-chunk tensors stored
+beside the chunk's K/V (A2ATS codes, SamKV's per-chunk query-independent results).
 """
 from __future__ import annotations
 
@@ -82,9 +82,12 @@ class Policy:
         timed run, so they report what a chunk's first query costs. Default: nothing kept."""
 
     # ---- ingestion -------------------------------------------------------------------
-    def chunk_extras(self, arch: "Arch", keys: torch.Tensor, values: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Extra per-chunk tensors to store with the chunk. keys/values: [L, Hkv, T, D]
-        (keys pre-RoPE). Names must be prefixed with the policy name ("a2ats.codes")."""
+    def chunk_extras(self, arch: "Arch", keys: torch.Tensor, values: torch.Tensor,
+                     token_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Extra per-chunk tensors to store with the chunk. keys/values: [L, Hkv, T, D] (keys
+        pre-RoPE) as stored, i.e. already rounded to the storage dtype, so extras match what a
+        query computes from the stored chunk; token_ids: long [T]. Names must be prefixed with
+        the policy name ("a2ats.codes")."""
         return {}
 
     # ---- query time ------------------------------------------------------------------

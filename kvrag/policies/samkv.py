@@ -12,8 +12,9 @@ Query time, before layer 0 (``prepare``):
    prefilled against it and the question's per-layer Q is mean-pooled: ``Q_que^(n)`` [H, D].
 2. **Personalized query** (eq. 1). ``Qhat_i = Q_que + 1/(D-1) * sum_{j!=i} |cos(Q_que,
    Q_loc_j)| * Q_loc_j`` where ``Q_loc_j`` is document j's mean local Q. kvrag stores no Q
-   cache, so the same preliminary pass computes it exactly: the local tokens are run through
-   the layers against their own document's cached K/V (their original context).
+   cache; the local tokens are run through the layers against their own document's cached
+   K/V (their original context) — at ingestion (``chunk_extras``, stored with the chunk) when
+   ``samkv`` is an ingest policy, else in the preliminary pass (then memoized per chunk).
 3. **Block selection** (§3.2, eq. 2-3). Middle tokens form blocks scored by ``Qhat_i . mean
    key``; the anchor score comes from the initial/local keys; ``P_i^(n) = (s_max - s_anc) /
    (s_max - s_min)`` per stable layer, averaged over N*; the top ``P_i`` blocks of each
@@ -55,6 +56,11 @@ DOC_MEMO_SIZE = 4096
 _MEMO_LOCK = threading.Lock()
 _DOC_MEMO: "OrderedDict[tuple, tuple[torch.Tensor, torch.Tensor]]" = OrderedDict()
 UPDATES = ("fusion", "overwrite")
+#: Per-chunk extras stored at ingestion (``SamKV.chunk_extras``): the document's mean local Q
+#: float32 [L, H*D] (flat, so ``ChunkEntry.span`` never mistakes D for the token axis) at chunk
+#: positions 0..T-1, the attention its tokens get from the local rows float32 [T], and what they
+#: were computed for, long [1 + S]: the local span in tokens, then the stable layers.
+Q_LOC_KEY, CONTEXT_KEY, META_KEY = "samkv.q_loc", "samkv.context_attn", "samkv.meta"
 
 
 @dataclass
@@ -215,6 +221,47 @@ class Selection:
     kept: list[list[int]]
 
 
+def local_pass(arch, ids: torch.Tensor, rows: torch.Tensor, doc_of: torch.Tensor, keys, values,
+               positions: torch.Tensor, n_docs: int, stable: list[int], cos_sin):
+    """Run documents' local tokens through every layer against their own document's cached K/V
+    (their original context, RoPE being relative): step 2's Q_loc and the original-context
+    attention that ranks middle tokens for recomputation (step 4).
+
+    ids [R]: token ids of the local rows; rows [R]: their indices on the key axis; doc_of [N]:
+    document (0..n_docs-1) of every key, -1 = none; keys/values: per layer [Hkv, N, D], keys
+    rotated to ``positions`` [N]; cos_sin: the rows' RoPE tables [R, D]. Returns q_loc
+    [n_docs, L, H, D] (mean rotated Q of each document's local rows, float32, CPU) and
+    context_attn [N] (attention each key gets from its document's local rows relative to
+    uniform, mean over heads, those rows and the stable layers; float32, CPU)."""
+    dev = arch.device
+    L = arch.n_layers
+    # Only the documents' own keys take part: the others are never attended to here, and rows
+    # of the engine's cache not computed yet (template, question) hold uninitialised memory.
+    cols = (doc_of >= 0).nonzero().squeeze(1)
+    doc_r, doc_k, pos_k = doc_of[rows], doc_of[cols], positions[cols]
+    mask = (positions[rows][:, None] >= pos_k[None, :]) & (doc_r[:, None] == doc_k[None, :])
+    visible = mask.sum(1, keepdim=True).float()  # keys each row sees: 1/visible = uniform
+    hits = mask.float().sum(0).clamp(min=1)  # a key is seen only by its own document's rows
+    member = (doc_r[None, :] == torch.arange(n_docs, device=dev)[:, None]).float()
+    member /= member.sum(1, keepdim=True)  # [Dd, R]: mean over each document's rows
+    hidden = arch.embed(ids)
+    q_loc = torch.zeros(n_docs, L, arch.n_heads, arch.head_dim, device=dev)
+    attn = torch.zeros(cols.numel(), device=dev)
+    for layer in range(L):
+        q, _, _, _ = arch.qkv(layer, hidden, cos_sin)
+        q_loc[:, layer] = torch.einsum("dr,hrk->dhk", member, q.float())
+        lmask = arch.windowed(layer, mask, positions[rows], pos_k)
+        k, v = keys[layer][:, cols], values[layer][:, cols]
+        if layer in stable:
+            probs = arch.attention_probs(q, k, lmask).mean(0) * visible  # [R, C]
+            attn += probs.sum(0) / hits / len(stable)
+        if layer < L - 1:  # the last layer's output is never used, only its q
+            hidden = arch.attend(layer, hidden, q, k, v, lmask)
+    context_attn = torch.zeros(positions.numel(), device=dev)
+    context_attn[cols] = attn
+    return q_loc.cpu(), context_attn.cpu()
+
+
 def select_blocks(
     qhat: torch.Tensor,
     keys: list[torch.Tensor],
@@ -308,6 +355,32 @@ class SamKV(Policy):
         with _MEMO_LOCK:
             _DOC_MEMO.clear()
 
+    # ---- ingestion -----------------------------------------------------------------------
+    def chunk_extras(self, arch, keys, values, token_ids):
+        """{"samkv.q_loc": float32 [L, H*D], "samkv.context_attn": float32 [T], "samkv.meta":
+        long [1 + S]}: the chunk's query-independent step-2 results, for a prompt that reuses
+        the whole chunk under these parameters (local span, stable layers). They are what the
+        query would compute — the local rows against the chunk's own K/V — so a chunk's first
+        query skips that pass. keys/values [L, Hkv, T, D] (keys pre-RoPE), token_ids [T].
+        Nothing under a length-dependent RoPE (the local Q would carry the prompt's
+        frequencies) or for an empty chunk."""
+        t = int(token_ids.numel())
+        if t == 0 or arch.length_dependent_rope:
+            return {}
+        stable = self.stable_layers(arch.n_layers)
+        local = self.params.local_blocks * self.block_size_for(t)
+        dev, dt = arch.device, arch.dtype
+        positions = torch.arange(t, device=dev)
+        cos, sin = arch.cos_sin(positions)
+        k = keys.to(device=dev, dtype=dt)
+        rot = [arch.rotate(k[layer], None, (cos, sin), layer=layer) for layer in range(arch.n_layers)]
+        vals = values.to(device=dev, dtype=dt)
+        rows = torch.arange(max(0, t - local), t, device=dev)
+        q_loc, ctx = local_pass(arch, token_ids[rows.cpu()], rows, torch.zeros(t, dtype=torch.long, device=dev),
+                                rot, vals, positions, 1, stable, (cos[rows], sin[rows]))
+        return {Q_LOC_KEY: q_loc[0].reshape(arch.n_layers, -1).contiguous(), CONTEXT_KEY: ctx,
+                META_KEY: torch.tensor([local, *stable], dtype=torch.long)}
+
     # ---- configuration -------------------------------------------------------------------
     def stable_layers(self, n_layers: int) -> list[int]:
         sl = self.params.stable_layers
@@ -347,14 +420,36 @@ class SamKV(Policy):
         freq = n if arch is not None and arch.length_dependent_rope else None
         return (piece.key, tuple(piece.span), str(piece.entry.keys.dtype), span, tuple(stable), freq)
 
+    # ---- step 2's per-chunk results, stored at ingestion ---------------------------------
+    def _stored(self, piece, local: int, stable: list[int], arch) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A document's per-chunk results computed at ingestion (``chunk_extras``): (q_loc
+        [L, H, D] at chunk positions 0..T-1, context_attn [T]) when they were computed for
+        what this query needs — the whole chunk, the same local span and stable layers — else
+        None. Under a length-dependent RoPE none are stored (their frequencies would be the
+        chunk's, not the prompt's)."""
+        e = piece.entry
+        if e is None or piece.span is None or arch.length_dependent_rope:
+            return None
+        extras = getattr(e, "extras", None) or {}
+        q, ctx, meta = (extras.get(k) for k in (Q_LOC_KEY, CONTEXT_KEY, META_KEY))
+        if q is None or ctx is None or meta is None:
+            return None
+        if tuple(piece.span) != (0, ctx.numel()) or meta.tolist() != [local, *stable]:
+            return None  # part of the chunk, or computed under other parameters
+        if tuple(q.shape) != (arch.n_layers, arch.n_heads * arch.head_dim):
+            return None
+        return q.float().view(arch.n_layers, arch.n_heads, arch.head_dim), ctx.float()
+
     # ---- step 1-2: preliminary prefill against the compressed cache ---------------------
-    def _preliminary(self, state, docs: list[DocBlocks], doc_keys: list, stable: list[int]):
+    def _preliminary(self, state, docs: list[DocBlocks], pieces: list, doc_keys: list, stable: list[int]):
         """Run the prompt's own tokens against the compressed cache (initial + local tokens of
         every document) and every document's local tokens against that document alone.
 
-        doc_keys: per document a hashable key of its chunk (or None): the per-document results
-        do not depend on the query or on where the document sits (RoPE is relative), so they
-        are memoized per chunk and the local rows are only run for documents not seen before.
+        pieces: the documents' prompt pieces; doc_keys: per document a hashable key of its
+        chunk (or None). The per-document results do not depend on the query or on where the
+        document sits (RoPE is relative), so they are taken from the chunk's stored extras
+        (computed at ingestion) or a per-chunk memo, and the local rows are only run for
+        documents with neither.
 
         Returns q_que [L, H, D], q_loc [Dd, L, H, D] (rotated to the documents' prompt
         positions), query_attn [N] (attention the question pays to each compressed-cache
@@ -370,12 +465,16 @@ class SamKV(Policy):
         query = lay.query.to(dev)
         q_loc = torch.zeros(len(docs), L, arch.n_heads, arch.head_dim)
         context_attn = torch.zeros(n)
-        todo = []
-        for j, (d, key) in enumerate(zip(docs, doc_keys)):
-            with _MEMO_LOCK:
-                hit = _DOC_MEMO.get(key) if key is not None else None
-                if hit is not None:
-                    _DOC_MEMO.move_to_end(key)
+        todo, from_store = [], 0
+        for j, (d, piece, key) in enumerate(zip(docs, pieces, doc_keys)):
+            hit = self._stored(piece, self.params.local_blocks * d.block_size, stable, arch)
+            if hit is not None:
+                from_store += 1
+            elif key is not None:
+                with _MEMO_LOCK:
+                    hit = _DOC_MEMO.get(key)
+                    if hit is not None:
+                        _DOC_MEMO.move_to_end(key)
             if hit is None:
                 todo.append(j)
                 continue
@@ -392,58 +491,52 @@ class SamKV(Policy):
             doc_of[d.start:d.end] = j
         own = ~cached
         own[query] = True
-        rows_a = own.nonzero().squeeze(1)  # template + question: computed, fresh K/V
-        # Local rows = the last local-span-many tokens, even in a document too short to have a
-        # local span of its own (its tokens are all initial then), so Q_loc is never empty.
-        loc_rows = [torch.arange(max(docs[j].start, docs[j].end - self.params.local_blocks * docs[j].block_size),
-                                 docs[j].end, device=dev) for j in todo]
-        rows_b = torch.cat(loc_rows) if loc_rows else torch.empty(0, dtype=torch.long, device=dev)
-        rows = torch.cat([rows_a, rows_b])
-        na = rows_a.numel()
-        causal = pos[rows][:, None] >= pos[None, :]
-        ctx_a = (compressed | own)[None, :].expand(na, n)
-        ctx_b = doc_of[rows_b][:, None] == doc_of[None, :]
-        mask = causal & torch.cat([ctx_a, ctx_b])
+        rows = own.nonzero().squeeze(1)  # template + question: computed, fresh K/V
+        mask = (pos[rows][:, None] >= pos[None, :]) & (compressed | own)[None, :]
         visible = mask.sum(1, keepdim=True).float()  # keys each row sees: 1/visible = uniform
-        hits = mask[na:].float().sum(0).clamp(min=1)  # local rows that see each key
-        q_rows = (rows_a[:, None] == query[None, :]).any(1).nonzero().squeeze(1)
+        q_rows = (rows[:, None] == query[None, :]).any(1).nonzero().squeeze(1)
 
         cs = (state.cos[rows], state.sin[rows])
         hidden = arch.embed(lay.token_ids[rows.cpu()])
         q_que = torch.zeros(L, arch.n_heads, arch.head_dim, device=dev)
-        q_new = torch.zeros(len(todo), L, arch.n_heads, arch.head_dim, device=dev)
         query_attn = torch.zeros(n, device=dev)
-        ctx_new = torch.zeros(n, device=dev)
         for layer in range(L):
             q, k, v, _ = arch.qkv(layer, hidden, cs)
             q_que[layer] = q[:, q_rows].float().mean(1)
-            off = na
-            for t, r in enumerate(loc_rows):
-                q_new[t, layer] = q[:, off:off + r.numel()].float().mean(1)
-                off += r.numel()
             keys, vals = state.K[layer].clone(), state.V[layer].clone()
-            keys[:, rows_a], vals[:, rows_a] = k[:, :na], v[:, :na]
+            keys[:, rows], vals[:, rows] = k, v
             lmask = arch.windowed(layer, mask, pos[rows], pos)
             if layer in stable:
-                probs = arch.attention_probs(q, keys, lmask).mean(0) * visible  # [R, N]
-                query_attn += probs[q_rows].mean(0) / len(stable)
-                if rows_b.numel():
-                    # A key is seen only by its own document's local rows: average over those.
-                    ctx_new += probs[na:].sum(0) / hits / len(stable)
+                probs = arch.attention_probs(q[:, q_rows], keys, lmask[q_rows]).mean(0) * visible[q_rows]
+                query_attn += probs.mean(0) / len(stable)
             if layer < L - 1:  # the last layer's output is never used, only its q
                 hidden = arch.attend(layer, hidden, q, keys, vals, lmask)
-        ctx_new = ctx_new.cpu()
-        for t, j in enumerate(todo):
-            d = docs[j]
-            q_loc[j] = q_new[t].cpu()
-            context_attn[d.start:d.end] = ctx_new[d.start:d.end]
-            if doc_keys[j] is not None:
-                value = (self._shift(arch, q_loc[j], -d.start, n), ctx_new[d.start:d.end].clone())
-                with _MEMO_LOCK:
-                    _DOC_MEMO[doc_keys[j]] = value
-                    while len(_DOC_MEMO) > DOC_MEMO_SIZE:
-                        _DOC_MEMO.popitem(last=False)
-        state.scratch["samkv_prelim_rows"] = int(rows.numel())
+
+        n_local = 0
+        if todo:
+            # Local rows = the last local-span-many tokens, even in a document too short to have
+            # a local span of its own (its tokens are all initial then), so Q_loc is never empty.
+            loc = [torch.arange(max(docs[j].start, docs[j].end - self.params.local_blocks * docs[j].block_size),
+                                docs[j].end, device=dev) for j in todo]
+            loc_rows = torch.cat(loc)
+            n_local = loc_rows.numel()
+            # Renumber the documents 0..len(todo)-1; the others' keys take no part.
+            sub = torch.full((len(docs) + 1,), -1, dtype=torch.long, device=dev)
+            sub[torch.tensor(todo, device=dev)] = torch.arange(len(todo), device=dev)
+            q_new, ctx_new = local_pass(arch, lay.token_ids[loc_rows.cpu()], loc_rows, sub[doc_of], state.K, state.V,
+                                        pos, len(todo), stable, (state.cos[loc_rows], state.sin[loc_rows]))
+            for t, j in enumerate(todo):
+                d = docs[j]
+                q_loc[j] = q_new[t]
+                context_attn[d.start:d.end] = ctx_new[d.start:d.end]
+                if doc_keys[j] is not None:
+                    value = (self._shift(arch, q_loc[j], -d.start, n), ctx_new[d.start:d.end].clone())
+                    with _MEMO_LOCK:
+                        _DOC_MEMO[doc_keys[j]] = value
+                        while len(_DOC_MEMO) > DOC_MEMO_SIZE:
+                            _DOC_MEMO.popitem(last=False)
+        state.scratch["samkv_prelim_rows"] = int(rows.numel()) + n_local
+        state.scratch["samkv_from_store"] = from_store
         return q_que.cpu(), q_loc, query_attn.cpu(), context_attn
 
     @staticmethod
@@ -475,7 +568,8 @@ class SamKV(Policy):
         docs = [doc_blocks(s, e, self.block_size_for(e - s), p.initial_blocks, p.local_blocks) for _, s, e in spans]
         doc_keys = [self._memo_key(lay.pieces[si], stable, p.local_blocks * d.block_size, state.arch, lay.n)
                     for (si, _, _), d in zip(spans, docs)]
-        q_que, q_loc, query_attn, context_attn = self._preliminary(state, docs, doc_keys, stable)
+        q_que, q_loc, query_attn, context_attn = self._preliminary(
+            state, docs, [lay.pieces[si] for si, _, _ in spans], doc_keys, stable)
         sq, sl = q_que[stable], q_loc[:, stable]
         qhat = personalized_queries(sq, sl) if p.personalized else sq.unsqueeze(0).expand_as(sl).clone()
 
@@ -527,6 +621,7 @@ class SamKV(Policy):
             "samkv.middle_blocks_kept": sum(len(k) for k in sel.kept),
             "samkv.recomputed": int(recompute.sum()),
             "samkv.prelim_rows": state.scratch["samkv_prelim_rows"],
+            "samkv.docs_from_store": state.scratch.pop("samkv_from_store"),
         })
         state.scratch["samkv_recompute"] = recompute
         state.scratch["samkv"] = SamKVInfo(
