@@ -129,6 +129,19 @@ def foreground(precomputer: Precomputer | None, rag) -> Iterator[None]:
         yield
 
 
+def open_stream(rag, prompt, opts: dict[str, Any], foreground: Callable[[], AbstractContextManager]):
+    """``rag.stream(prompt, **opts)`` inside ``foreground()``: the call itself tokenizes the
+    prompt, finds its chunks and reads their K/V (so bad input fails here), which is query work
+    background precompute must not compete with."""
+    with foreground():
+        return rag.stream(prompt, **opts)
+
+
+async def aopen_stream(rag, prompt, opts: dict[str, Any], foreground: Callable[[], AbstractContextManager]):
+    """``open_stream`` in a worker thread: its chunk reads must not block the event loop."""
+    return await asyncio.to_thread(open_stream, rag, prompt, opts, foreground)
+
+
 def foreground_steps(it: Iterator, foreground: Callable[[], AbstractContextManager]) -> Iterator:
     """Items of ``it``, each computed inside ``foreground()`` (the precomputer's "a query
     runs" flag): the query holds background precompute back only while the model computes a

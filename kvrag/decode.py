@@ -164,7 +164,8 @@ class HFStepper:
 
 
 class FusedStepper:
-    """Continue with kvrag's layer step; ``policy.decode_select`` picks the slots to read."""
+    """Continue with kvrag's layer step; ``policy.decode_select`` (if set) picks the slots to
+    read. Sliding windows apply by key position, so the cache may be any subset of the prompt."""
 
     def __init__(self, arch: Arch, K, V, next_position: int, policy, state, positions=None):
         """``positions``: of the cache rows, [M] or [L, Hkv, M] (``FusionResult.positions``;
@@ -233,7 +234,10 @@ class FusedStepper:
             for layer in range(self.arch.n_layers):
                 q, k, v, _ = self.arch.qkv(layer, hidden, cs)
                 self._append(layer, k, v)
-                idx = self.policy.decode_select(layer, q, self)
+                # None: read every row (a policy without a decode-time selection, run here for
+                # position-aware sliding windows over a thinned cache).
+                select = self.policy.decode_select
+                idx = select(layer, q, self) if select is not None else None
                 keys, vals = self.K[layer], self.V[layer]
                 if idx is not None and idx.dim() == 2:
                     # Per-KV-head slots [Hkv, R] (A2ATS: each head reads its own top-k rows).

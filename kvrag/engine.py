@@ -26,10 +26,11 @@ from kvrag.arch import Arch
 from kvrag.chunk import compute_chunk_kv, pack
 from kvrag.decode import FusedStepper, HFStepper, Sampling, TextStream, eos_ids, generate_tokens
 from kvrag.errors import ChunkError
-from kvrag.fusion import CACHED, PLAIN, FusionEngine, FusionResult, FusionStats, Layout, Piece
+from kvrag.fusion import CACHED, INSERTED, PLAIN, FusionEngine, FusionResult, FusionStats, Layout, Piece
 from kvrag.hotcache import HotCache, resolve_budget
 from kvrag.model import ModelHandle, default_home
 from kvrag.policies import Policy, get_policy
+from kvrag.policies.base import check_int
 from kvrag.precompute import check_texts_iterable, validate_chunk_text
 from kvrag.segment import Segmenter, render_messages
 from kvrag.store import ChunkEntry, KVStore
@@ -51,6 +52,20 @@ class Generation:
     #: reached without either), None if unknown. Recorded by the decoder, not guessed from
     #: the token count: a stop on the last allowed token is still "stop".
     finish_reason: str | None = None
+
+
+@dataclass
+class _Prepared:
+    """A request checked and segmented by ``KVRag._prepare``, ready for ``_fuse``: layout is
+    None when the prompt takes the exact full-prefill path. t0/t_ready: perf_counter at the
+    start and end of the preparation."""
+
+    policy: Policy
+    pieces: list[Piece]
+    seg_stats: FusionStats
+    layout: Layout | None
+    t0: float
+    t_ready: float
 
 
 class Stream:
@@ -262,6 +277,8 @@ class KVRag:
             raise ValueError(f"storage_dtype must be one of {sorted(STORAGE_DTYPES)}, got {storage_dtype!r}")
         if hot_cache != "auto":
             resolve_budget(hot_cache, torch.device("cpu"))  # a bad value fails before the model load
+        if query_tokens is not None:
+            query_tokens = check_int("query_tokens (the last k prompt tokens are the question)", query_tokens, 1)
         if isinstance(ingest_policies, (str, Policy)):
             ingest_policies = [ingest_policies]
         ingest = [get_policy(p) for p in ingest_policies]
@@ -513,15 +530,30 @@ class KVRag:
                 "See docs/segmentation.md for what breaks a match.",
                 registered, seg_stats.chunks_missed, seg_stats.chunks_unaligned)
 
-    def prefill(self, prompt: str | Sequence[dict], policy: str | Policy | None = None, **policy_params):
-        """Fused prefill of a prompt. Returns (FusionResult or HF output wrapper, stepper, stats)."""
+    def _prepare(self, text: str, pol: Policy) -> "_Prepared":
+        """Everything of a prefill that can reject the request: the policy against this model,
+        tokenization and the context limit, segmentation and chunk reads, the policy's inserted
+        tokens (KVLink's link tokens count toward the context too) and its check of the
+        layout. ``stream`` runs this at the call, so bad input fails there."""
         t0 = time.perf_counter()
-        pol = get_policy(policy if policy is not None else self.policy, **policy_params)
-        text = self.render(prompt)
+        pol.check_model(self.arch)
         pieces, seg_stats = self.pieces(text, use_cache=pol.uses_cache)
-        t_load = time.perf_counter()
         has_cached = any(p.kind == CACHED for p in pieces)
-        if not pol.uses_cache or not has_cached:
+        layout = None
+        if pol.uses_cache and has_cached:
+            layout = self.engine.apply_insertions(pieces, pol, self.query_tokens)
+            if layout.n > self.handle.max_context:
+                raise ValueError(
+                    f"prompt of {layout.n} tokens with the {layout.n - sum(int(p.token_ids.numel()) for p in pieces)} "
+                    f"tokens {pol.name} inserts exceeds the model context ({self.handle.max_context})")
+            pol.check_layout(layout, self.arch)
+        return _Prepared(pol, pieces, seg_stats, layout, t0, time.perf_counter())
+
+    def _fuse(self, prep: "_Prepared"):
+        """The prefill itself, after ``_prepare``: (logits [V], stepper, stats, prompt ids)."""
+        pol, pieces, seg_stats, layout = prep.policy, prep.pieces, prep.seg_stats, prep.layout
+        t_fuse = time.perf_counter()
+        if layout is None:
             # Invariant: a prompt with no cached chunk takes the exact full-prefill path.
             ids = torch.cat([p.token_ids for p in pieces])
             stepper = HFStepper(self.handle.model, cache=None, K=[], V=[], next_position=0)
@@ -530,15 +562,21 @@ class KVRag:
             stats = FusionStats(prompt_tokens=n, computed_tokens=n, kept_tokens=n, policy=pol.name)
             prompt_ids = ids.tolist()
         else:
-            layout = self.engine.apply_insertions(pieces, pol, self.query_tokens)
-            res: FusionResult = self.engine.prefill(layout, pol, keep_state=pol.decode_select is not None)
+            # Decoding over a thinned cache (SamKV, A3's eviction) on a model with sliding-window
+            # layers must window by position: HF's cache windows by slot, and there slot and
+            # position no longer agree. kvrag's own layer step does it by position.
+            windowed = any(w is not None for w in self.arch.windows)
+            own_decode = pol.decode_select is not None or windowed
+            res: FusionResult = self.engine.prefill(layout, pol, keep_state=own_decode)
             stats, logits = res.stats, res.logits
-            if pol.decode_select is not None:
+            thinned = res.positions.dim() != 1 or res.positions.numel() != layout.n
+            if pol.decode_select is not None or (windowed and thinned):
                 stepper = FusedStepper(self.arch, res.K, res.V, res.next_position, pol, res.state, res.positions)
             else:
                 stepper = HFStepper(self.handle.model, res.K, res.V, res.next_position)
-            prompt_ids = layout.token_ids.tolist()
-        if pol.uses_cache and not has_cached:
+            # The tokenizer's sequence: inserted (link) tokens have no id and are not part of it.
+            prompt_ids = layout.token_ids[layout.kind != INSERTED].tolist()
+        if pol.uses_cache and layout is None:
             self._note_no_reuse(seg_stats)
         stats.chunks_hit = sum(p.kind == CACHED for p in pieces)
         stats.chunks_missed = seg_stats.chunks_missed
@@ -546,11 +584,19 @@ class KVRag:
         stats.chunks_partial = seg_stats.chunks_partial
         stats.chunks_hot = seg_stats.chunks_hot
         stats.bytes_loaded = seg_stats.bytes_loaded
-        stats.load_s = t_load - t0
+        stats.load_s = prep.t_ready - prep.t0
         if logits.is_cuda:  # kernels run asynchronously: wait for the logits before the clock
             torch.cuda.synchronize(logits.device)
-        stats.prefill_s = time.perf_counter() - t_load
-        return logits, stepper, stats, prompt_ids, t0
+        stats.prefill_s = time.perf_counter() - t_fuse
+        return logits, stepper, stats, prompt_ids
+
+    def prefill(self, prompt: str | Sequence[dict], policy: str | Policy | None = None, **policy_params):
+        """Fused prefill of a prompt. Returns (logits [V], stepper, stats, prompt ids, start time)."""
+        t0 = time.perf_counter()
+        pol = get_policy(policy if policy is not None else self.policy, **policy_params)
+        prep = self._prepare(self.render(prompt), pol)
+        prep.t0 = t0
+        return (*self._fuse(prep), t0)
 
     def stream(
         self,
@@ -576,14 +622,15 @@ class KVRag:
         # time this takes (rendering a chat template) still counts in TTFT and load_s.
         t_call = time.perf_counter()
         pol = get_policy(policy if policy is not None else self.policy, **policy_params)
-        rendered = self.render(prompt)
+        prep = self._prepare(self.render(prompt), pol)
+        prep.t0 = t_call
         prep_s = time.perf_counter() - t_call
         holder: Stream
 
         def run() -> Iterator[str]:
-            logits, stepper, stats, prompt_ids, t0 = self.prefill(rendered, pol)
-            t0 -= prep_s
-            stats.load_s += prep_s
+            # TTFT counts the call's work and this one's, not the wait for the first next().
+            t0 = time.perf_counter() - prep_s
+            logits, stepper, stats, prompt_ids = self._fuse(prep)
             text = TextStream(self.tokenizer, sampling.stop)
             t_first = None
             for tok in generate_tokens(logits, stepper, sampling, self.eos):

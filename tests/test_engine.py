@@ -79,6 +79,36 @@ def test_window_and_nope_models_generate_like_the_model(tmp_path, model_type, ov
         assert out.token_ids == full.token_ids, policy
 
 
+@pytest.mark.parametrize("policy,params", [("samkv", {}), ("a3", {"evict_budget": 9})])
+def test_decoding_a_thinned_cache_windows_by_position(tmp_path, policy, params):
+    """SamKV and A3's eviction hand the decoder a cache whose slots are not the positions 0..M-1.
+    A sliding window must still be applied by position (HF's cache would apply it by slot)."""
+    from kvrag.decode import FusedStepper, HFStepper
+    from kvrag.policies import get_policy
+
+    class ReadAll:  # kvrag's layer step with no decode-time selection: windows by key position
+        decode_select = None
+
+    h = tiny_llama(seed=0, model_type="mistral", sliding_window=8)
+    rag = KVRag(h, cache_dir=tmp_path / "kv")
+    rag.precompute(DOCS[:2])
+    prompt = "Answer.\n\n" + DOCS[0] + "\n\n" + DOCS[1]  # a short question: the window spans kept gaps
+    out = rag.generate(prompt, policy=policy, max_new_tokens=6, **params)
+    pol = get_policy(policy, **params)
+    res = rag.engine.prefill(rag.engine.apply_insertions(rag.pieces(prompt)[0], pol), pol, keep_state=True)
+    pos = res.positions if res.positions.dim() == 1 else res.positions[0, 0]
+    assert pos.numel() < res.next_position  # thinned
+    ref = FusedStepper(rag.arch, res.K, res.V, res.next_position, ReadAll, res.state, res.positions)
+    by_slot = HFStepper(h.model, res.K, res.V, res.next_position)
+    toks = [int(res.logits.argmax())]
+    for _ in range(5):
+        logits = ref.step([toks[-1]])[-1]
+        if len(toks) == 1:  # the test can tell: windowing by slot reads other keys
+            assert (by_slot.step([toks[-1]])[-1] - logits).abs().max() > 1e-2
+        toks.append(int(logits.argmax()))
+    assert out.token_ids == toks
+
+
 def test_every_policy_reads_the_tokenizers_own_ids_of_the_prompt(rag, handle):
     """The prompt's ids are the tokenizer's for the whole prompt (what a user's own pipeline
     feeds the model), for full_prefill and reuse alike: segment-wise tokenization would spell
@@ -338,6 +368,47 @@ def test_stream_rejects_bad_options_at_the_call(rag):
         rag.stream(b"Hello")
     with pytest.raises(ValueError, match="max_new_tokens, not max_tokens"):
         rag.generate("Hello", max_tokens=3)
+
+
+def test_stream_rejects_bad_prompts_and_model_mismatches_at_the_call(handle, tmp_path):
+    """Tokenization, the context limit, a layer the model lacks and a layout the policy cannot
+    serve are checked before ``stream`` returns."""
+    rag = KVRag(handle, cache_dir=tmp_path / "kv")
+    rag.precompute(DOCS)
+    prompt = prompt_for(DOCS)
+    cases = [
+        ("", {}, "empty prompt"),
+        ("word " * (handle.max_context + 10), {}, "exceeds the model context"),
+        (prompt, dict(policy="cacheblend", check_layers=(handle.arch.n_layers + 5,)), "check_layers"),
+        (prompt, dict(policy="a3", evict_budget=1), "evict_budget=1 is smaller"),
+    ]
+    for text, kw, msg in cases:
+        with pytest.raises(ValueError, match=msg):
+            rag.stream(text, **kw)
+    # The call did the checking; the prefill runs at the first next(), and TTFT counts both.
+    s = rag.stream(prompt, policy="a3", max_new_tokens=2)
+    assert "".join(s) == s.text and s.stats.chunks_hit == 3 and s.stats.ttft_s >= s.stats.load_s > 0
+
+
+def test_inserted_link_tokens_count_toward_the_context(tmp_path):
+    h = tiny_llama(seed=0, max_position_embeddings=200)
+    rag = KVRag(h, cache_dir=tmp_path / "kv")
+    rag.precompute(DOCS)
+    prompt = prompt_for(DOCS)
+    ids = rag.generate(prompt, policy="full_prefill", max_new_tokens=1).prompt_ids
+    assert len(ids) <= 200 < len(ids) + 3 * 64
+    with pytest.raises(ValueError, match="kvlink inserts exceeds the model context"):
+        rag.stream(prompt, policy="kvlink", link_tokens=64)
+    out = rag.generate(prompt, policy="kvlink", link_tokens=1, max_new_tokens=2)
+    assert out.stats.chunks_hit == 3 and out.stats.inserted_tokens == 3
+    # prompt_ids is the tokenizer's sequence: link tokens have no id and are not in it.
+    assert out.prompt_ids == ids
+
+
+@pytest.mark.parametrize("bad", [0, -5, 2.7, "3", True])
+def test_bad_query_tokens_is_named_at_construction(handle, tmp_path, bad):
+    with pytest.raises(ValueError, match="query_tokens"):
+        KVRag(handle, cache_dir=tmp_path / "kv", query_tokens=bad)
 
 
 def test_stream_matches_generate_and_stops(rag):

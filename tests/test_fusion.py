@@ -210,6 +210,37 @@ def test_bad_policy_params():
         get_policy("nope")
 
 
+@pytest.mark.parametrize("policy,params,match", [
+    # Wrong types fail at construction, naming the parameter -- not later, deep in a prefill,
+    # as a TypeError (a string ratio), nor silently (a string read as a sequence of layers).
+    ("cacheblend", dict(check_layers=1), "check_layers"),
+    ("cacheblend", dict(check_layers="12"), "check_layers"),
+    ("cacheblend", dict(layer_ratios=(float("nan"),)), "layer_ratios"),
+    ("samkv", dict(keep_ratio="0.5"), "keep_ratio"),
+    ("samkv", dict(keep_ratio=True), "keep_ratio"),
+    ("samkv", dict(theta="0.5"), "theta"),
+    ("samkv", dict(adaptive_p="no"), "adaptive_p"),
+    ("samkv", dict(stable_layers="12"), "stable_layers"),
+    ("samkv", dict(block_size=2.5), "block_size"),
+    ("epic", dict(k_head=float("inf")), "k_head"),
+    ("a3", dict(score_layer=float("inf")), "score_layer"),
+    ("a3", dict(pool_kernel="3"), "pool_kernel"),
+    ("a2ats", dict(topk="0.5"), "topk"),
+    ("a2ats", dict(topk=float("nan")), "topk"),
+    ("a2ats", dict(prefill="cacheblend", recompute_ratio=True), "recompute_ratio"),
+    ("a2ats", dict(sink=1.5), "sink"),
+])
+def test_policy_params_of_the_wrong_type_are_named(policy, params, match):
+    with pytest.raises(ValueError, match=match):
+        get_policy(policy, **params)
+
+
+def test_policy_params_that_are_whole_numbers_are_accepted_as_ints():
+    assert get_policy("epic", k_head=8.0).params.k_head == 8
+    assert get_policy("cacheblend", check_layers=[1, 2], layer_ratios=[0.5, 0.2]).params.check_layers == (1, 2)
+    assert get_policy("samkv", stable_layers=[-1, -2], keep_ratio=1).params.stable_layers == (-1, -2)
+
+
 @pytest.mark.parametrize("policy", ["cacheblend", "a3"])
 def test_grouped_partial_attention_equals_one_masked_call(policy):
     """Partial layers attend in row groups, each against the key prefix it can see; that must

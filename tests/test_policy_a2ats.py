@@ -307,7 +307,9 @@ def test_chunk_extras_codes_equal_on_the_fly_codes(llama_books):
     res = FusionEngine(arch).prefill(layout, pol, keep_state=True)
     codes = res.state.scratch["a2ats"]["codes"]
     s = res.stats.policy_stats
-    assert s["a2ats.codes_reused"] == 30 and s["a2ats.codes_computed"] == 30 + 11
+    # Per (token, layer): chunk 1 from its stored codes, chunk 2 and the 11 plain tokens coded here.
+    L = arch.n_layers
+    assert s["a2ats.codes_reused"] == 30 * L and s["a2ats.codes_computed"] == (30 + 11) * L
     cb = pol.codebooks(arch)
     for layer in range(arch.n_layers):
         # Stored codes were used for chunk 1, on-the-fly ones equal what chunk_extras would give.
@@ -328,13 +330,21 @@ def test_chunk_extras_codes_equal_on_the_fly_codes(llama_books):
 def test_cacheblend_prefill_recodes_recomputed_rows(llama_books):
     model, arch, path = llama_books
     g = torch.Generator().manual_seed(9)
-    layout = Layout.build(pieces_for(arch, segments(g)))
-    eng = FusionEngine(arch)
+    pieces = pieces_for(arch, segments(g))
     pol = get_policy("a2ats", codebook=path, prefill="cacheblend", recompute_ratio=0.5, **SMALL)
+    e1 = pieces[1].entry  # the first chunk brings stored codes, the second does not
+    e1.extras = pol.chunk_extras(arch, e1.keys, e1.values, e1.token_ids)
+    layout = Layout.build(pieces)
+    eng = FusionEngine(arch)
     res = eng.prefill(layout, pol, keep_state=True)
     blend = eng.prefill(layout, get_policy("cacheblend", recompute_ratio=0.5))
     torch.testing.assert_close(res.logits, blend.logits)
     assert 0 < res.stats.recompute_fraction < 1
+    # Stored codes count only at the layers where CacheBlend left the chunk's row as stored.
+    L, n, counts = arch.n_layers, layout.n, res.state.layer_counts
+    ps = res.stats.policy_stats
+    assert ps["a2ats.codes_reused"] == int((L - counts[5:35]).sum()) < 30 * L
+    assert ps["a2ats.codes_reused"] + ps["a2ats.codes_computed"] == L * n
     cb = pol.codebooks(arch)
     for layer in range(arch.n_layers):
         k_pre = arch.rotate(res.K[layer], -layout.positions)
@@ -396,7 +406,8 @@ def test_kvrag_for_a2ats_checks_its_codebook_up_front_and_stores_codes_with_it(t
     assert all("a2ats.codes" in rag.store.get(k, rag.fingerprint).extras for k in keys)
     prompt = "Answer from the passages.\n\n" + "\n\n".join(DOCS) + "\n\nQuestion: Where does the fox live?\nAnswer:"
     out = rag.generate(prompt, max_new_tokens=2)
-    assert out.stats.chunks_hit == 3 and out.stats.policy_stats["a2ats.codes_reused"] == out.stats.cached_tokens
+    assert out.stats.chunks_hit == 3
+    assert out.stats.policy_stats["a2ats.codes_reused"] == out.stats.cached_tokens * rag.arch.n_layers
 
 
 def test_kvrag_precompute_stores_codes_and_decode_reports_bytes(tiny_handle, tmp_path, monkeypatch):
@@ -414,7 +425,7 @@ def test_kvrag_precompute_stores_codes_and_decode_reports_bytes(tiny_handle, tmp
     s = out.stats
     assert s.chunks_hit == 3 and s.policy == "a2ats" and len(out.token_ids) == 6
     ps = s.policy_stats
-    assert ps["a2ats.codes_reused"] == s.cached_tokens
+    assert ps["a2ats.codes_reused"] == s.cached_tokens * rag.arch.n_layers
     assert ps["a2ats.decode_tokens"] == 5  # the first token comes from the prefill
     assert 0 < ps["a2ats.kv_read_fraction"] < 0.5
     # topk=1.0 reproduces naive reuse's answer token for token.
@@ -528,7 +539,7 @@ def test_real_model_a2ats(tmp_path, monkeypatch):
     out = rag.generate(messages, topk=0.05, **kw)
     assert out.text.strip() and out.stats.chunks_hit == 3 and out.stats.cached_tokens > 0
     ps = out.stats.policy_stats
-    assert ps["a2ats.codes_reused"] == out.stats.cached_tokens
+    assert ps["a2ats.codes_reused"] == out.stats.cached_tokens * rag.arch.n_layers
     assert ps["a2ats.kv_read_fraction"] < 0.6
     # Exact limit: recompute everything, read every key == full prefill's answer.
     exact = rag.generate(messages, prefill="cacheblend", recompute_ratio=1.0, topk=1.0, **kw)

@@ -159,6 +159,29 @@ def test_personalized_query_matches_eq1_computed_directly():
     torch.testing.assert_close(plain.qhat, info.q_que[[1, 2, 3]].unsqueeze(0).expand(n_docs, -1, -1, -1))
 
 
+@pytest.mark.parametrize("model_type", ["llama", "mistral-window"])
+def test_original_context_attention_matches_the_models_own_weights(model_type):
+    """Step 4's ranking of kept middle tokens: the attention each token gets from its document's
+    local rows in the document run alone, relative to uniform over the keys each row sees --
+    on a windowed layer, over its window -- from HF's own (eager) attention weights."""
+    model, arch, segs, layout = _setup(model_type, prefix=0, doc_lens=(40, 36, 44))
+    if model_type == "mistral-window":
+        assert arch.windows[0] == 8 < 36  # the window binds inside every document
+    _, info = _run(arch, layout, keep_ratio=0.4, stable_layers=(1, 2, 3))
+    model.set_attn_implementation("eager")
+    for (si, start, end), d in zip(layout.spans(1), info.docs):
+        ids = layout.token_ids[start:end]
+        with torch.no_grad():
+            att = model(ids.unsqueeze(0), output_attentions=True).attentions
+        lo = torch.arange(d.local[0], d.local[1]) - start
+        want = torch.zeros(end - start)
+        for n in info.stable:
+            probs = att[n][0][:, lo].mean(0)  # [R, T]: mean over heads
+            seen = probs > 0
+            want += (probs * seen.sum(1, keepdim=True)).sum(0) / seen.sum(0).clamp(min=1) / len(info.stable)
+        torch.testing.assert_close(info.context_attn[start:end].float(), want, atol=1e-4, rtol=1e-4)
+
+
 def test_block_selection_picks_the_block_aligned_with_the_query():
     torch.manual_seed(0)
     hkv, h, d_head = 2, 4, 16

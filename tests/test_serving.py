@@ -272,13 +272,13 @@ def test_queries_hold_back_the_precomputer_that_replaced_a_shut_down_one(rag):
     llm.precomputer.shutdown()
     fresh = Precomputer.for_rag(rag)  # what KVPrecompute(rag) / KVCacheWarmer(rag) resolve to
     seen = []
-    real_prefill = rag.prefill
+    real_fuse = rag._fuse  # the prefill itself (the model's work)
 
-    def prefill(*a, **k):
+    def fuse(*a, **k):
         seen.append(fresh._foreground)
-        return real_prefill(*a, **k)
+        return real_fuse(*a, **k)
 
-    rag.prefill = prefill
+    rag._fuse = fuse
     try:
         llm.complete(prompt_for(DOCS[:1]))
         assert seen == [1]

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from kvrag import a2ats_calibrate as cal
-from kvrag.policies.base import Policy, param
+from kvrag.policies.base import Policy, check_int, check_real, param
 from kvrag.policies.registry import register
 
 log = logging.getLogger("kvrag")
@@ -61,32 +61,24 @@ class A2ATSParams:
 @register
 class A2ATS(Policy):
     name = "a2ats"
-    summary = "decode-time top-k attention: keys scored from query-aware VQ codes (windowed RoPE), ~6% of KV read"
+    summary = ("decode-time top-k attention: keys scored from query-aware VQ codes (windowed RoPE); each KV head "
+               "reads its top 3% + sink + window rows")
     Params = A2ATSParams
 
     def validate(self) -> None:
         p = self.params
-        try:
-            topk = float(p.topk)
-        except (TypeError, ValueError):
-            raise ValueError(f"topk must be a number in (0, 1], got {p.topk!r}") from None
-        if not 0.0 < topk <= 1.0:
-            raise ValueError(f"topk must be in (0, 1] (a fraction of the context), got {p.topk}")
-        for name, lo in (("sink", 0), ("window", 1)):
-            v = getattr(p, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-                # window >= 1: the token being decoded is the last row and must see itself.
-                raise ValueError(f"{name} must be an integer >= {lo}, got {v!r}")
-        if p.rope_offset is not None and (isinstance(p.rope_offset, bool) or not isinstance(p.rope_offset, int) or p.rope_offset < 0):
-            raise ValueError(f"rope_offset must be None or an integer >= 0, got {p.rope_offset!r}")
+        p.topk = check_real("topk (a fraction of the context)", p.topk, 0.0, 1.0, lo_open=True)
+        p.sink = check_int("sink", p.sink, 0)
+        p.window = check_int("window", p.window, 1)  # the token being decoded is the last row and must see itself
+        if p.rope_offset is not None:
+            p.rope_offset = check_int("rope_offset", p.rope_offset, 0)
         if p.selection not in SELECTIONS:
             raise ValueError(f"selection must be one of {SELECTIONS}, got {p.selection!r}")
         if p.group_reduce not in REDUCES:
             raise ValueError(f"group_reduce must be one of {REDUCES}, got {p.group_reduce!r}")
         if p.prefill not in PREFILLS:
             raise ValueError(f"prefill must be one of {PREFILLS}, got {p.prefill!r}")
-        if not 0.0 <= float(p.recompute_ratio) <= 1.0:
-            raise ValueError(f"recompute_ratio must be in [0, 1], got {p.recompute_ratio}")
+        p.recompute_ratio = check_real("recompute_ratio", p.recompute_ratio, 0.0, 1.0)
         if p.codebook is not None and not Path(p.codebook).is_file():
             raise ValueError(f"codebook file {p.codebook!r} does not exist (fit one with `kvrag calibrate a2ats`)")
         from kvrag.policies.registry import get_policy
@@ -179,23 +171,30 @@ class A2ATS(Policy):
         L, hkv, n = arch.n_layers, arch.n_kv_heads, layout.n
         codes = torch.zeros(L, hkv, n, dtype=torch.long)
         stats = state.scratch["policy_stats"]
+        from_store = torch.zeros(n, dtype=torch.bool)  # rows whose chunk brought codes of this codebook
         for si, start, end in layout.spans(CACHED):
             entry = state.entries.get(si, layout.pieces[si].entry)
             c, reused = self.entry_codes(entry, cb)
             codes[:, :, start:end] = c
-            stats["a2ats.codes_reused" if reused else "a2ats.codes_computed"] += end - start
+            from_store[start:end] = reused
         cached = layout.cached
         counts = state.layer_counts.cpu()
         positions = layout.positions.cpu()
+        reused_pairs = 0
         # Active sets only shrink layer by layer, so a token is computed at ``layer`` exactly
         # when it was computed at more than ``layer`` layers.
         for layer in range(L):
-            rows = ((~cached) | (counts > layer)).nonzero().squeeze(1)
+            computed = (~cached) | (counts > layer)
+            reused_pairs += int((from_store & ~computed).sum())
+            rows = computed.nonzero().squeeze(1)
             if rows.numel():
                 k = state.K[layer][:, rows.to(state.K[layer].device)]
                 k_pre = arch.unrotate(k, positions[rows], layer, length=int(positions.max()) + 1)
                 codes[layer][:, rows] = cb.codes_layer(layer, k_pre).long()
-        stats["a2ats.codes_computed"] += int((~cached).sum())
+        # Counted per (token, layer): a cached token CacheBlend recomputed at some layers keeps
+        # its stored codes only at the others.
+        stats["a2ats.codes_reused"] += reused_pairs
+        stats["a2ats.codes_computed"] += L * n - reused_pairs
         keep = state.keep.cpu().nonzero().squeeze(1)
         return {
             "codes": [codes[layer][:, keep] for layer in range(L)],

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvrag.policies.base import Policy, RecomputeParams, param, top_indices
+from kvrag.policies.base import Policy, RecomputeParams, check_int, param, top_indices
 from kvrag.policies.registry import register
 
 HEAD_REDUCE = ("concat", "sum", "mean", "max")
@@ -62,23 +62,18 @@ class A3Params(RecomputeParams):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if isinstance(self.score_layer, bool) or int(self.score_layer) != self.score_layer or self.score_layer < 0:
-            raise ValueError(f"score_layer must be an integer >= 0, got {self.score_layer!r}")
-        self.score_layer = int(self.score_layer)
+        self.score_layer = check_int("score_layer", self.score_layer, 0)
         if self.ratio_base not in RATIO_BASES:
             raise ValueError(f"ratio_base must be one of {RATIO_BASES}, got {self.ratio_base!r}")
         if self.head_reduce not in HEAD_REDUCE:
             raise ValueError(f"head_reduce must be one of {HEAD_REDUCE}, got {self.head_reduce!r}")
         for name in ("pool_kernel", "evict_pool_kernel"):
-            k = getattr(self, name)
-            if isinstance(k, bool) or int(k) != k or k < 1 or k % 2 == 0:
+            k = check_int(name, getattr(self, name), 1)
+            if k % 2 == 0:
                 raise ValueError(f"{name} must be an odd integer >= 1, got {k!r}")
-            setattr(self, name, int(k))
+            setattr(self, name, k)
         if self.evict_budget is not None:
-            b = self.evict_budget
-            if isinstance(b, bool) or int(b) != b or b < 1:
-                raise ValueError(f"evict_budget must be a positive integer or None, got {b!r}")
-            self.evict_budget = int(b)
+            self.evict_budget = check_int("evict_budget", self.evict_budget, 1)
 
 
 def smooth(scores: torch.Tensor, kernel: int) -> torch.Tensor:
@@ -100,9 +95,9 @@ class A3(Policy):
 
     # ---- helpers ---------------------------------------------------------------------
     @staticmethod
-    def system_prompt(state) -> torch.Tensor:
+    def system_prompt(layout) -> torch.Tensor:
         """bool [N]: tokens before the first cached chunk (the paper's system prompt S)."""
-        cached = state.layout.cached
+        cached = layout.cached
         s = torch.zeros_like(cached)
         idx = cached.nonzero()
         if idx.numel():
@@ -125,18 +120,21 @@ class A3(Policy):
         if self.params.score_layer >= L:
             raise ValueError(f"score_layer={self.params.score_layer} but the model has only {L} layers (0..{L - 1})")
 
-    def prepare(self, state) -> None:
+    def check_layout(self, layout, arch) -> None:
         p = self.params
-        self.check_model(state.arch)
         if p.evict_budget is not None:
-            protected = self.system_prompt(state)
-            protected[state.layout.query] = True
+            protected = self.system_prompt(layout)
+            protected[layout.query] = True
             need = int(protected.sum())
             if p.evict_budget < need:
                 raise ValueError(
                     f"evict_budget={p.evict_budget} is smaller than the system prompt + question "
                     f"({need} tokens), which A3 always keeps"
                 )
+
+    def prepare(self, state) -> None:
+        super().prepare(state)  # check_model, check_layout
+        if self.params.evict_budget is not None:
             state.scratch["a3.q_obs"] = {}
 
     def initial_active(self, state):
@@ -240,7 +238,7 @@ class A3(Policy):
         keep = state.keep.to(dev)
         if p.evict_budget >= int(keep.sum()):
             return  # already within budget
-        protected = self.system_prompt(state).to(dev)
+        protected = self.system_prompt(state.layout).to(dev)
         protected[state.layout.query.to(dev)] = True
         protected &= keep
         cand = keep & ~protected

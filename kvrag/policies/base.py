@@ -75,6 +75,11 @@ class Policy:
         policy as its default, so a misconfiguration fails at construction rather than at the
         first prompt with a cached chunk (prompts without one never reach the policy)."""
 
+    def check_layout(self, layout: "Layout", arch: "Arch") -> None:
+        """Raise ValueError if this policy cannot serve ``layout`` (A3: an eviction budget
+        smaller than the tokens it always keeps). Runs before the prefill, so a ``stream``
+        fails at the call; ``prepare`` runs it too. Default: every layout is fine."""
+
     @classmethod
     def forget(cls) -> None:
         """Drop what the policy remembers across queries in this process (per-chunk results it
@@ -98,8 +103,9 @@ class Policy:
 
     def prepare(self, state: "FusionState") -> None:
         """Called once before layer 0; may set ``state.keep`` or stash data in ``state.scratch``.
-        The default runs ``check_model``."""
+        The default runs ``check_model`` and ``check_layout``."""
         self.check_model(state.arch)
+        self.check_layout(state.layout, state.arch)
 
     def initial_active(self, state: "FusionState") -> torch.Tensor:
         """bool [N]: tokens whose hidden states are computed from layer 0 on. The engine adds
@@ -129,6 +135,29 @@ class Policy:
     decode_select = None
 
 
+def check_real(name: str, x, lo: float | None = None, hi: float | None = None, *, lo_open: bool = False) -> float:
+    """``x`` as a float if it is a real number (not a bool, not a string) in [lo, hi] (or
+    (lo, hi] with ``lo_open``); else ValueError naming the parameter. A string such as "0.5"
+    would pass float() and fail deep inside a policy."""
+    rng = f"{'(' if lo_open else '['}{'-inf' if lo is None else lo}, {'inf' if hi is None else hi}]"
+    ok = not isinstance(x, bool) and isinstance(x, numbers.Real) and x == x
+    if ok:
+        x = float(x)
+        ok = (lo is None or (x > lo if lo_open else x >= lo)) and (hi is None or x <= hi)
+    if not ok:
+        raise ValueError(f"{name} must be a number in {rng}, got {x!r}")
+    return x
+
+
+def check_int(name: str, x, lo: int | None = 0) -> int:
+    """``x`` as an int if it is an integer value >= ``lo`` (None: any) (2.0 passes; a bool,
+    string, 2.5 or inf does not); else ValueError naming the parameter."""
+    ok = not isinstance(x, bool) and isinstance(x, numbers.Real) and x == x and abs(x) != float("inf")
+    if not (ok and int(x) == x and (lo is None or int(x) >= lo)):
+        raise ValueError(f"{name} must be an integer{'' if lo is None else f' >= {lo}'}, got {x!r}")
+    return int(x)
+
+
 @dataclass
 class RecomputeParams:
     """Shared by the recompute-selection policies."""
@@ -136,11 +165,7 @@ class RecomputeParams:
     recompute_ratio: float = param(0.15, "fraction of cached tokens recomputed (0..1)")
 
     def __post_init__(self) -> None:
-        r = self.recompute_ratio
-        # A string such as "0.5" would pass float() here and fail deep inside a policy.
-        if isinstance(r, bool) or not isinstance(r, numbers.Real) or not 0.0 <= r <= 1.0:
-            raise ValueError(f"recompute_ratio must be a number in [0, 1], got {r!r}")
-        self.recompute_ratio = float(r)
+        self.recompute_ratio = check_real("recompute_ratio", self.recompute_ratio, 0.0, 1.0)
 
 
 def top_indices(scores: torch.Tensor, k: int) -> torch.Tensor:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvrag.policies.base import Policy, param
+from kvrag.policies.base import Policy, check_int, param
 from kvrag.policies.registry import register
 
 
@@ -29,10 +29,7 @@ class EpicParams:
 
     def __post_init__(self) -> None:
         for name in ("k_head", "k_tail"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or int(v) != v or v < 0:
-                raise ValueError(f"{name} must be an integer >= 0, got {v!r}")
-            setattr(self, name, int(v))
+            setattr(self, name, check_int(name, getattr(self, name), 0))
 
 
 @register

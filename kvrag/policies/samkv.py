@@ -46,7 +46,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvrag.policies.base import Policy, RecomputeParams, param, top_indices
+from kvrag.policies.base import Policy, RecomputeParams, check_int, check_real, param, top_indices
 from kvrag.policies.registry import register
 
 NORMALIZATIONS = ("minmax", "zscore", "none")
@@ -91,32 +91,29 @@ class SamKVParams(RecomputeParams):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.keep_ratio is not None and not 0.0 < float(self.keep_ratio) <= 1.0:
-            raise ValueError(f"keep_ratio must be in (0, 1] or None, got {self.keep_ratio}")
-        for name in ("block_size", "initial_blocks", "local_blocks"):
-            val = getattr(self, name)
-            if isinstance(val, bool) or not isinstance(val, int):
-                raise ValueError(f"{name} must be an int, got {val!r}")
-        if self.block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
-        if self.initial_blocks < 0 or self.local_blocks < 0:
-            raise ValueError("initial_blocks and local_blocks must be >= 0")
-        if self.local_blocks < 1:
-            # The local tokens are where Q_loc (eq. 1) and the original-context attention come from.
-            raise ValueError("local_blocks must be >= 1 (the local Q of eq. 1 needs local tokens)")
+        if self.keep_ratio is not None:
+            self.keep_ratio = check_real("keep_ratio", self.keep_ratio, 0.0, 1.0, lo_open=True)
+        self.block_size = check_int("block_size", self.block_size, 1)
+        self.initial_blocks = check_int("initial_blocks", self.initial_blocks, 0)
+        # The local tokens are where Q_loc (eq. 1) and the original-context attention come from.
+        self.local_blocks = check_int("local_blocks", self.local_blocks, 1)
+        for name in ("adaptive_p", "personalized"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.stable_layers is not None:
-            try:
-                self.stable_layers = tuple(int(x) for x in self.stable_layers)
-            except (TypeError, ValueError):
-                raise ValueError(f"stable_layers must be a sequence of ints or None, got {self.stable_layers!r}") from None
+            layers = self.stable_layers
+            if isinstance(layers, (str, bytes)) or not hasattr(layers, "__iter__"):
+                raise ValueError(f"stable_layers must be a sequence of ints or None, got {layers!r}")
+            # Negative layers count from the end, so no lower bound here (check_model bounds them).
+            self.stable_layers = tuple(check_int("stable_layers entry", x, None) for x in layers)
             if not self.stable_layers:
                 raise ValueError("stable_layers must not be empty (None = the last ~15% layers)")
         if self.normalize not in NORMALIZATIONS:
             raise ValueError(f"normalize must be one of {NORMALIZATIONS}, got {self.normalize!r}")
         if self.update not in UPDATES:
             raise ValueError(f"update must be one of {UPDATES}, got {self.update!r}")
-        if self.theta is not None and not 0.0 <= float(self.theta) <= 1.0:
-            raise ValueError(f"theta must be in [0, 1] or None, got {self.theta}")
+        if self.theta is not None:
+            self.theta = check_real("theta", self.theta, 0.0, 1.0)
 
 
 # ---- pure building blocks (tested directly) ---------------------------------------------
@@ -240,8 +237,6 @@ def local_pass(arch, ids: torch.Tensor, rows: torch.Tensor, doc_of: torch.Tensor
     cols = (doc_of >= 0).nonzero().squeeze(1)
     doc_r, doc_k, pos_k = doc_of[rows], doc_of[cols], positions[cols]
     mask = (positions[rows][:, None] >= pos_k[None, :]) & (doc_r[:, None] == doc_k[None, :])
-    visible = mask.sum(1, keepdim=True).float()  # keys each row sees: 1/visible = uniform
-    hits = mask.float().sum(0).clamp(min=1)  # a key is seen only by its own document's rows
     member = (doc_r[None, :] == torch.arange(n_docs, device=dev)[:, None]).float()
     member /= member.sum(1, keepdim=True)  # [Dd, R]: mean over each document's rows
     hidden = arch.embed(ids)
@@ -253,6 +248,10 @@ def local_pass(arch, ids: torch.Tensor, rows: torch.Tensor, doc_of: torch.Tensor
         lmask = arch.windowed(layer, mask, positions[rows], pos_k)
         k, v = keys[layer][:, cols], values[layer][:, cols]
         if layer in stable:
+            # Relative to uniform over the keys each row sees at this layer (its sliding window,
+            # if any); a key is seen only by its own document's rows in that window.
+            visible = lmask.sum(1, keepdim=True).float()
+            hits = lmask.float().sum(0).clamp(min=1)
             probs = arch.attention_probs(q, k, lmask).mean(0) * visible  # [R, C]
             attn += probs.sum(0) / hits / len(stable)
         if layer < L - 1:  # the last layer's output is never used, only its q
@@ -493,7 +492,6 @@ class SamKV(Policy):
         own[query] = True
         rows = own.nonzero().squeeze(1)  # template + question: computed, fresh K/V
         mask = (pos[rows][:, None] >= pos[None, :]) & (compressed | own)[None, :]
-        visible = mask.sum(1, keepdim=True).float()  # keys each row sees: 1/visible = uniform
         q_rows = (rows[:, None] == query[None, :]).any(1).nonzero().squeeze(1)
 
         cs = (state.cos[rows], state.sin[rows])
@@ -507,7 +505,9 @@ class SamKV(Policy):
             keys[:, rows], vals[:, rows] = k, v
             lmask = arch.windowed(layer, mask, pos[rows], pos)
             if layer in stable:
-                probs = arch.attention_probs(q[:, q_rows], keys, lmask[q_rows]).mean(0) * visible[q_rows]
+                # Relative to uniform over the keys each question row sees at this layer.
+                visible = lmask[q_rows].sum(1, keepdim=True).float()
+                probs = arch.attention_probs(q[:, q_rows], keys, lmask[q_rows]).mean(0) * visible
                 query_attn += probs.mean(0) / len(stable)
             if layer < L - 1:  # the last layer's output is never used, only its q
                 hidden = arch.attend(layer, hidden, q, keys, vals, lmask)

@@ -23,8 +23,8 @@ from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResu
 from pydantic import ConfigDict, Field, PrivateAttr, model_validator
 
 from kvrag.adapters import (
-    aiter_in_thread, arun_stream, call_options, foreground, foreground_steps, max_tokens_alias, resolve_policy,
-    stop_list,
+    aiter_in_thread, aopen_stream, arun_stream, call_options, foreground, foreground_steps, max_tokens_alias,
+    open_stream, resolve_policy, stop_list,
 )
 from kvrag.engine import Generation, KVRag
 from kvrag.precompute import Precomputer
@@ -240,7 +240,7 @@ class ChatKVRag(BaseChatModel):
         # (a client that went away) cannot stop: it decoded up to max_new_tokens in the
         # background. Stepped here, it stops after the step in flight.
         opts = self._options(stop, kwargs)
-        s = self.rag.stream(self._prompt(messages), **opts)  # bad options raise here
+        s = await aopen_stream(self.rag, self._prompt(messages), opts, self._foreground)  # bad input raises here
         await arun_stream(s, self._foreground)
         return self._result(s.generation())
 
@@ -255,7 +255,7 @@ class ChatKVRag(BaseChatModel):
                 run_manager: Optional[CallbackManagerForLLMRun] = None, **kwargs: Any) -> Iterator[ChatGenerationChunk]:
         opts = self._options(stop, kwargs)
         prompt = self._prompt(messages)
-        s = self.rag.stream(prompt, **opts)
+        s = open_stream(self.rag, prompt, opts, self._foreground)
         for delta in foreground_steps(s, self._foreground):
             chunk = ChatGenerationChunk(message=AIMessageChunk(content=delta))
             if run_manager is not None:

@@ -45,7 +45,8 @@ from llama_index.core.postprocessor.types import BaseNodePostprocessor
 from llama_index.core.schema import BaseNode, Document, MetadataMode, NodeWithScore, QueryBundle, TransformComponent
 
 from kvrag.adapters import (
-    aiter_in_thread, arun_stream, call_options, foreground, foreground_steps, max_tokens_alias, resolve_policy,
+    aiter_in_thread, aopen_stream, arun_stream, call_options, foreground, foreground_steps, max_tokens_alias,
+    open_stream, resolve_policy,
 )
 from kvrag.engine import Generation, KVRag
 from kvrag.errors import ChunkError
@@ -265,7 +266,7 @@ class KVRagLLM(LLM):
 
     async def _agenerate(self, prompt: str, kwargs: dict[str, Any]) -> Generation:
         """``_generate`` for async callers: steps in a worker thread, stopped when cancelled."""
-        s = self._rag.stream(prompt, **self._options(kwargs))  # bad options raise here
+        s = await aopen_stream(self._rag, prompt, self._options(kwargs), self._foreground)  # bad input raises here
         await arun_stream(s, self._foreground)
         gen = s.generation()
         self._last = gen
@@ -273,7 +274,7 @@ class KVRagLLM(LLM):
 
     def _stream(self, prompt: str, kwargs: dict[str, Any]) -> Iterator[tuple[str, Any]]:
         """Yields (delta, None) per text delta, then ("", Generation) once at the end."""
-        s = self._rag.stream(prompt, **self._options(kwargs))
+        s = open_stream(self._rag, prompt, self._options(kwargs), self._foreground)
         for delta in foreground_steps(s, self._foreground):
             yield delta, None
         gen = s.generation()
