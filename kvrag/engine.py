@@ -25,7 +25,7 @@ import torch
 from kvrag.arch import Arch
 from kvrag.chunk import compute_chunk_kv, pack
 from kvrag.decode import FusedStepper, HFStepper, Sampling, TextStream, eos_ids, generate_tokens
-from kvrag.errors import ChunkError
+from kvrag.errors import ChunkError, StoreError
 from kvrag.fusion import CACHED, INSERTED, PLAIN, FusionEngine, FusionResult, FusionStats, Layout, Piece
 from kvrag.hotcache import HotCache, resolve_budget
 from kvrag.model import ModelHandle, default_home
@@ -356,7 +356,14 @@ class KVRag:
         Chunks are packed ``batch_tokens`` at a time (one pass per pack)."""
         check_texts_iterable(texts, "precompute")
         texts = list(texts)
-        ids = [self.chunk_ids(t) for t in texts]
+        ids = []
+        for i, t in enumerate(texts):
+            try:
+                ids.append(self.chunk_ids(t))
+            except (ChunkError, TypeError, ValueError) as e:
+                # Checked before any work: a batch with a bad text stores nothing, and says which.
+                preview = repr(t[:60] + ("..." if len(t) > 60 else "")) if isinstance(t, str) else type(t).__name__
+                raise type(e)(f"text {i} of {len(texts)} ({preview}): {e}") from e
         keys = [KVStore.make_key(self.fingerprint, i) for i in ids]
         todo, stored = [], {}
         for j, k in enumerate(keys):
@@ -388,6 +395,11 @@ class KVRag:
     def _put(self, key, text, ids, k, v) -> None:
         token_ids = torch.tensor(ids, dtype=torch.long)
         k, v = k.to(self.storage_dtype), v.to(self.storage_dtype)
+        if not (bool(torch.isfinite(k).all()) and bool(torch.isfinite(v).all())):
+            # Served, an inf/NaN would silently wreck every answer that reads the chunk.
+            raise ChunkError(
+                f"chunk {text[:60]!r}: its K/V are not finite in {str(self.storage_dtype).removeprefix('torch.')} "
+                "(the model's activations overflow it?); not stored -- use storage_dtype='bfloat16' or 'float32'")
         extras = {}
         for p in self.ingest_policies:
             # From the stored (rounded) K/V in the compute dtype: what a query reads back.
@@ -438,7 +450,12 @@ class KVRag:
             # The index is read while precompute (this process's worker) may store and register
             # chunks: those registered after ``since`` are newer than the snapshot, kept.
             since = self.segmenter.version()
-            self.segmenter.update(self.store.texts(self.fingerprint), since=since)
+            try:
+                self.segmenter.update(self.store.texts(self.fingerprint), since=since)
+            except StoreError as e:
+                # Queries go on with the chunks already known (their reads fall back to
+                # computing if the store cannot serve them); the next refresh tries again.
+                log.warning("%s; serving the %d chunk texts known so far", e, len(self.segmenter))
             self._last_refresh = now
 
     def pieces(self, prompt: str, use_cache: bool = True) -> tuple[list[Piece], FusionStats]:

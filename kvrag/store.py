@@ -50,6 +50,8 @@ from typing import Any
 
 import diskcache
 import diskcache.core
+
+from kvrag.errors import StoreError
 import safetensors.torch
 import torch
 
@@ -142,18 +144,22 @@ def _is_newer_format(meta: dict[str, str]) -> bool:
         return False
 
 
-def _verified_header(buf: torch.Tensor, tag: object) -> tuple[dict[str, Any], int] | None:
+def _verified_header(buf: torch.Tensor, tag: object, fingerprint: str | None = None) -> tuple[dict[str, Any], int] | None:
     """The safetensors header of a stored blob (uint8 [bytes]) and the offset its data starts
     at, once its checksum and format version check out; None for a blob of a newer format;
     raises _Corrupt otherwise.
 
     The version is read from the header *before* the checksum: a newer kvrag sharing the
     store may use another checksum scheme or layout, so its blobs are not ours to judge (or
-    delete). A blob of an older version is treated like a damaged one: corrupt."""
+    delete). A blob of an older version is treated like a damaged one: corrupt. So is one that
+    claims a newer version but carries ``fingerprint`` (the one this kvrag asked for): model
+    fingerprints include the format version, so a newer kvrag never writes that one."""
     data = buf.numpy()
     header, start = _read_header(data)
     meta = _metadata(header)
     if _is_newer_format(meta):
+        if fingerprint is not None and meta.get("fingerprint") == fingerprint:
+            raise _Corrupt(f"format version {meta.get('kvrag_format')!r} with this kvrag's fingerprint")
         return None
     if not checksum_matches(data, tag):
         raise _Corrupt(f"checksum mismatch (stored {tag}, {len(data)} bytes)")
@@ -292,6 +298,30 @@ def _deserialize(buf: torch.Tensor, header: dict[str, Any], start: int) -> Chunk
     return ChunkEntry(fingerprint=fingerprint, text=text, token_ids=ids, keys=k, values=v, extras=extras)
 
 
+class _DirLock:
+    """An exclusive lock between processes on the file ``path`` (flock on POSIX, msvcrt on
+    Windows), held while a store is opened (or created)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __enter__(self) -> "_DirLock":
+        self._f = open(self.path, "a+b")
+        try:
+            import fcntl
+
+            fcntl.flock(self._f.fileno(), fcntl.LOCK_EX)
+        except ImportError:  # Windows
+            import msvcrt
+
+            self._f.seek(0)
+            msvcrt.locking(self._f.fileno(), msvcrt.LK_LOCK, 1)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._f.close()  # closing the file releases the lock
+
+
 class KVStore:
     """Per-chunk KV caches on disk, safe to share between threads and processes.
 
@@ -305,6 +335,8 @@ class KVStore:
         if size_limit is not None and (isinstance(size_limit, bool) or not isinstance(size_limit, int)
                                        or size_limit <= 0):
             raise ValueError(f"size_limit must be a positive number of bytes, got {size_limit!r}")
+        if not str(directory).strip():
+            raise ValueError("KVStore directory must be a non-empty path (\"\" would be the current directory)")
         self.directory = Path(directory).expanduser()
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
@@ -314,27 +346,56 @@ class KVStore:
         if not os.access(self.directory, os.W_OK | os.X_OK):
             raise PermissionError(errno.EACCES, f"KVStore directory {self.directory} is not writable",
                                   str(self.directory))
-        blob_settings = {}
-        if size_limit is not None or not (self.directory / "blobs" / diskcache.core.DBNAME).exists():
-            # diskcache persists the setting in the store's SQLite file; without one it would
-            # fall back to its own 1 GB default.
-            blob_settings["size_limit"] = size_limit or DEFAULT_SIZE_LIMIT
-        try:
+        # Opened under an exclusive lock: two processes creating a store at once would otherwise
+        # race between "is there a store?" and diskcache writing its settings, and one could
+        # record diskcache's 1 GB default limit for good.
+        with _DirLock(self.directory / ".kvstore.lock"):
+            blob_db = self.directory / "blobs" / diskcache.core.DBNAME
+            blob_settings = {}
+            if size_limit is not None or not blob_db.exists() or blob_db.stat().st_size == 0:
+                # diskcache persists the setting in the store's SQLite file; without one it would
+                # fall back to its own 1 GB default.
+                blob_settings["size_limit"] = size_limit or DEFAULT_SIZE_LIMIT
             # cull_limit=0: diskcache's own culling drops up to `cull_limit` LRU items at once
             # (the new one included when the cache is small); KVStore evicts one at a time.
             # disk_min_file_size=0: every blob lives in its own file, written then renamed in.
-            self._blobs = diskcache.Cache(
-                str(self.directory / "blobs"), eviction_policy=_EVICTION_POLICY,
-                cull_limit=0, disk_min_file_size=0, **blob_settings,
-            )
-            self._index = diskcache.Cache(
-                str(self.directory / "index"), eviction_policy="none", cull_limit=0,
-            )
-        except (OSError, sqlite3.Error) as e:
-            raise OSError(f"cannot open the KVStore in {self.directory}: {e}") from e
+            # sqlite_mmap_size=0: SQLite reads its file, not a memory map of it, so a damaged or
+            # truncated database is an error, not a SIGBUS that kills the process.
+            common = dict(cull_limit=0, sqlite_mmap_size=0)
+            try:
+                self._blobs = diskcache.Cache(
+                    str(self.directory / "blobs"), eviction_policy=_EVICTION_POLICY,
+                    disk_min_file_size=0, **common, **blob_settings,
+                )
+            except sqlite3.DatabaseError as e:
+                raise StoreError(
+                    f"the KVStore database {blob_db} is damaged ({e}); its chunks cannot be found "
+                    f"without it: delete the directory {self.directory} (they are recomputed)") from e
+            except (OSError, sqlite3.Error) as e:
+                raise OSError(f"cannot open the KVStore in {self.directory}: {e}") from e
+            self._index = self._open_index(common)
         self.size_limit = int(self._blobs.size_limit)
         self._lock = threading.Lock()
         self._counts = {"hits": 0, "misses": 0, "corrupt": 0, "wrong_model": 0, "evictions": 0}
+
+    def _open_index(self, settings: dict) -> diskcache.Cache:
+        """The text index; a damaged one is moved aside and rebuilt from the blobs' own
+        metadata (it is only a listing of them)."""
+        path = self.directory / "index"
+        try:
+            return diskcache.Cache(str(path), eviction_policy="none", **settings)
+        except sqlite3.DatabaseError as e:
+            aside = path.with_name(f"index.damaged-{int(time.time())}-{os.getpid()}")
+            log.warning("KVStore: text index %s is damaged (%s); moved to %s and rebuilt from the blobs",
+                        path / diskcache.core.DBNAME, e, aside)
+            path.rename(aside)
+            index = diskcache.Cache(str(path), eviction_policy="none", **settings)
+        except (OSError, sqlite3.Error) as e:
+            raise OSError(f"cannot open the KVStore in {self.directory}: {e}") from e
+        self._index = index
+        for key in list(self._blobs.iterkeys()):
+            self._reindex(key)
+        return index
 
     # ---- keys ----------------------------------------------------------------------
     @staticmethod
@@ -362,6 +423,12 @@ class KVStore:
             raise ValueError(f"key must be a non-empty string, got {key!r}")
         ids = _validate_entry(entry)
         data = _serialize(entry, ids)
+        if len(data) > self.size_limit:
+            # Stored, it would evict every other entry and then itself (least recently used first).
+            raise StoreError(
+                f"chunk entry of {len(data)} bytes ({int(ids.numel())} tokens) is larger than the store's "
+                f"size limit ({self.size_limit} bytes): not stored, nothing evicted; raise size_limit "
+                "or split the document into smaller chunks")
         tag = checksum(data)
         self._blobs.set(key, data, tag=tag, retry=True)
         index_value = json.dumps({"text": entry.text, "fingerprint": entry.fingerprint, "n_tokens": int(ids.numel())})
@@ -400,9 +467,15 @@ class KVStore:
             # database that write fails. The entry is sound; this query computes the chunk.
             log.warning("KVStore: cannot read entry %s (%s); treated as a miss", key, e)
             return self._miss()
+        except sqlite3.DatabaseError as e:
+            # The SQLite file itself is damaged: this query computes the chunk; writes fail
+            # with a StoreError that says how to reset the store.
+            log.warning("KVStore: the store's database %s is damaged (%s); entry %s treated as a miss",
+                        self.directory / "blobs" / diskcache.core.DBNAME, e, key)
+            return self._miss()
         buf, tag, name = found
         try:
-            verified = _verified_header(buf, tag)
+            verified = _verified_header(buf, tag, fingerprint)
             if verified is None:
                 log.warning("KVStore: entry %s has a format version newer than this kvrag's %d; "
                             "not used, left for the newer kvrag", key, CACHE_FORMAT_VERSION)
@@ -435,6 +508,8 @@ class KVStore:
         through the index). False when no usable blob is stored: compute the chunk."""
         if key not in self._blobs:
             return False
+        if not self._looks_whole(key):
+            return False
         if self._reindex(key):
             log.warning("KVStore: chunk %s was stored but not listed in the text index (a writer "
                         "killed mid-write?); re-listed it", key)
@@ -444,6 +519,13 @@ class KVStore:
         """key -> chunk text for every stored entry of ``fingerprint`` (None: of every model)
         (from the text index, no blob loaded; index entries whose blob was evicted or deleted
         are left out)."""
+        try:
+            return self._texts(fingerprint)
+        except sqlite3.DatabaseError as e:
+            raise StoreError(f"cannot list the KVStore in {self.directory}: its database is damaged ({e}); "
+                             "reopen it (a damaged text index is rebuilt) or delete the directory") from e
+
+    def _texts(self, fingerprint: str | None) -> dict[str, str]:
         out = {}
         for key in list(self._index.iterkeys()):
             raw = self._index.get(key, retry=True)
@@ -573,6 +655,36 @@ class KVStore:
                 return torch.frombuffer(mmap.mmap(fd, 0, access=mmap.ACCESS_COPY), dtype=torch.uint8), tag, name
         except (OSError, ValueError):
             return None
+
+    def _looks_whole(self, key: str) -> bool:
+        """Whether ``key``'s blob file has the length its own header declares (header only, no
+        checksum: cheap enough for every precompute of a cached text). A truncated or deleted
+        file is dropped here, so the caller recomputes it instead of trusting it until a query
+        reads it."""
+        handle = self._blobs.get(key, default=None, read=True, retry=True)
+        if handle is None:
+            return False
+        name = getattr(handle, "name", None)
+        with handle:
+            try:
+                size = os.fstat(handle.fileno()).st_size
+            except (AttributeError, io.UnsupportedOperation):
+                return True  # a value held in SQLite: checked when read
+            head = handle.read(8)
+            n = int.from_bytes(head, "little") if len(head) == 8 else 0
+            end = None
+            try:
+                header = _read_header(head + handle.read(n))[0] if 0 < n < 2**27 else {}
+                if header and _is_newer_format(_metadata(header)):
+                    return True  # not ours to judge
+                end = max((int(info["data_offsets"][1]) for k, info in header.items() if k != "__metadata__"),
+                          default=None)
+            except (_Corrupt, KeyError, TypeError, ValueError, IndexError):
+                pass
+        if end is None or size != 8 + n + end:
+            self._drop_corrupt(key, name, f"file of {size} bytes, its header says {'?' if end is None else 8 + n + end}")
+            return False
+        return True
 
     def _current_tag(self, key: str) -> str | None:
         handle, tag = self._blobs.get(key, default=None, read=True, tag=True, retry=True)

@@ -433,6 +433,24 @@ def test_bad_chunks_rejected(rag, handle):
     assert rag.store.stats()["entries"] == 0
 
 
+def test_a_bad_text_in_a_batch_is_named_by_its_position(rag):
+    with pytest.raises(ChunkError, match=r"text 1 of 3 \('   '\): empty"):
+        rag.precompute([DOCS[0], "   ", DOCS[1]])
+    assert rag.store.stats()["entries"] == 0  # checked before any work
+
+
+def test_kv_that_overflow_the_storage_dtype_are_not_stored(tmp_path):
+    h = tiny_llama(seed=0)
+    with torch.no_grad():
+        for layer in h.model.model.layers:
+            layer.self_attn.k_proj.weight.mul_(1e6)  # keys far beyond float16's 65504
+    rag = KVRag(h, cache_dir=tmp_path / "kv", storage_dtype="float16")
+    with pytest.raises(ChunkError, match="not finite in float16"):
+        rag.precompute(DOCS[:1])
+    assert rag.store.stats()["entries"] == 0
+    assert KVRag(h, cache_dir=tmp_path / "kv32", storage_dtype="float32").precompute(DOCS[:1])
+
+
 def test_bad_input_names_the_problem_and_stores_nothing(rag, handle, tmp_path):
     # A bare string is one text, not an iterable of one-character chunks.
     with pytest.raises(TypeError, match="single str"):

@@ -5,6 +5,7 @@ import logging
 import multiprocessing as mp
 import os
 import sqlite3
+import time
 from pathlib import Path
 
 import diskcache
@@ -14,6 +15,7 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import kvrag.store as store_mod  # noqa: E402
+from kvrag.errors import StoreError  # noqa: E402
 from kvrag.store import CACHE_FORMAT_VERSION, ChunkEntry, KVStore  # noqa: E402
 
 FP_A = "fingerprint-model-a"
@@ -271,11 +273,13 @@ def test_old_format_version_is_not_used(store, monkeypatch):
 
 def test_newer_format_version_is_a_miss_and_kept(store, tmp_path, monkeypatch, caplog):
     """A store shared with a newer kvrag: its entries are not served, and neither get nor
-    gc --verify deletes them (even with a checksum scheme this version does not know)."""
-    e = make_entry(T=16)
+    gc --verify deletes them (even with a checksum scheme this version does not know). A model
+    fingerprint includes the format version, so the newer kvrag's entries carry another one."""
+    FP_NEW = "fingerprint-model-a-format-next"
+    e = make_entry(FP_NEW, T=16)
     monkeypatch.setattr(store_mod, "CACHE_FORMAT_VERSION", CACHE_FORMAT_VERSION + 1)
     key = put(store, e)
-    other = put(store, make_entry(T=16, seed=1, text="other"))
+    other = put(store, make_entry(FP_NEW, T=16, seed=1, text="other"))
     monkeypatch.setattr(store_mod, "CACHE_FORMAT_VERSION", CACHE_FORMAT_VERSION)
     path = next(f for f in blob_files(tmp_path) if b"other" not in f.read_bytes()[:4096])
     data = path.read_bytes()
@@ -291,6 +295,112 @@ def test_newer_format_version_is_a_miss_and_kept(store, tmp_path, monkeypatch, c
     assert (report["corrupt"], report["reindexed"], report["entries"]) == (0, 0, 2)
     assert key in store and other in store and path.read_bytes() == data
     assert store.stats()["corrupt"] == 0
+
+
+def test_a_damaged_version_field_under_this_kvrags_fingerprint_is_corrupt(store, tmp_path):
+    """One flipped byte can make a blob claim a newer format; under the fingerprint this kvrag
+    asked for that can only be damage (a newer kvrag writes another fingerprint): dropped and
+    recomputed, not kept forever as "left for the newer kvrag"."""
+    key = put(store, make_entry(T=16))
+    (path,) = blob_files(tmp_path)
+    data = bytearray(path.read_bytes())
+    i = data.find(b'"kvrag_format":"1"') + len(b'"kvrag_format":"')
+    data[i] ^= 0x02  # "1" -> "3"
+    path.write_bytes(bytes(data))
+    assert store.get(key, FP_A) is None
+    assert key not in store and store.stats()["corrupt"] == 1
+
+
+def test_an_entry_larger_than_the_size_limit_is_refused_and_evicts_nothing(tmp_path):
+    store = KVStore(tmp_path, size_limit=200_000)
+    small = [put(store, make_entry(T=16, seed=i, text=f"t{i}")) for i in range(4)]
+    big = make_entry(T=2000, L=2, H=2, D=16, seed=9, text="big")  # ~512 KB of K/V
+    with pytest.raises(StoreError, match="larger than the store's size limit"):
+        put(store, big)
+    assert all(k in store for k in small) and store.stats()["evictions"] == 0
+    assert len(store.texts(FP_A)) == 4
+
+
+def test_a_truncated_blob_is_not_trusted_by_ensure_indexed(store, tmp_path):
+    """Precompute asks ``ensure_indexed`` whether a chunk needs computing: a blob cut short
+    (disk full, a copy interrupted) must say no, not wait for a query to find out."""
+    key = put(store, make_entry(T=16))
+    assert store.ensure_indexed(key)
+    (path,) = blob_files(tmp_path)
+    path.write_bytes(path.read_bytes()[:100])
+    assert not store.ensure_indexed(key)
+    assert key not in store and store.stats()["corrupt"] == 1
+
+
+def test_a_damaged_database_under_an_open_store_is_a_miss_not_a_crash(store, tmp_path):
+    import threading
+
+    key = put(store, make_entry(T=16))
+    for name in ("blobs", "index"):
+        (tmp_path / name / diskcache.core.DBNAME).write_bytes(b"x" * 8192)
+    out = {}
+
+    def query():  # a new thread opens its own SQLite connection, which reads the damaged file
+        out["entry"] = store.get(key, FP_A)
+        try:
+            store.texts(FP_A)
+        except StoreError as e:
+            out["texts"] = str(e)
+
+    t = threading.Thread(target=query)
+    t.start()
+    t.join(30)
+    assert out["entry"] is None and "damaged" in out["texts"]
+
+
+def test_a_damaged_text_index_is_rebuilt_from_the_blobs(tmp_path):
+    store = KVStore(tmp_path)
+    keys = [put(store, make_entry(T=16, seed=i, text=f"t{i}")) for i in range(3)]
+    store.close()
+    (tmp_path / "index" / diskcache.core.DBNAME).write_bytes(b"garbage" * 100)
+    reopened = KVStore(tmp_path)
+    assert reopened.texts(FP_A) == {k: f"t{i}" for i, k in enumerate(keys)}
+    assert all(reopened.get(k, FP_A) is not None for k in keys)
+
+
+def test_a_damaged_blob_database_names_the_file_and_the_fix(tmp_path):
+    store = KVStore(tmp_path)
+    put(store, make_entry(T=16))
+    store.close()
+    (tmp_path / "blobs" / diskcache.core.DBNAME).write_bytes(b"garbage" * 100)
+    with pytest.raises(StoreError, match="blobs.*damaged.*delete the directory"):
+        KVStore(tmp_path)
+
+
+def _open_limit(directory, start, q):
+    while time.time() < start:
+        pass
+    q.put(KVStore(directory).size_limit)
+
+
+def test_processes_creating_a_store_at_once_all_record_the_default_limit(tmp_path):
+    """Without a lock, a process could open the store between its creation and the creator's
+    settings write, and record diskcache's own 1 GB default for good."""
+    ctx = mp.get_context("fork")
+    for trial in range(3):
+        d = tmp_path / f"s{trial}"
+        q = ctx.Queue()
+        start = time.time() + 0.5
+        procs = [ctx.Process(target=_open_limit, args=(d, start, q)) for _ in range(5)]
+        for p in procs:
+            p.start()
+        got = [q.get(timeout=60) for _ in procs]
+        for p in procs:
+            p.join(60)
+        assert got == [store_mod.DEFAULT_SIZE_LIMIT] * 5
+        assert KVStore(d).size_limit == store_mod.DEFAULT_SIZE_LIMIT
+
+
+def test_an_empty_directory_path_is_refused(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match="non-empty path"):
+        KVStore("")
+    assert not any(tmp_path.iterdir())
 
 
 def test_gc_verify_finds_corrupt_blob_without_a_get(store, tmp_path):
@@ -391,10 +501,13 @@ def test_lru_eviction_keeps_recently_used(tmp_path):
 
 
 def test_entry_larger_than_limit_is_not_kept(tmp_path, caplog):
+    # The entry alone is under the limit, with the store's own SQLite file it is over.
     base = KVStore(tmp_path / "probe").stats()["bytes"]
     s = KVStore(tmp_path / "s", size_limit=base + 1024)
+    e = make_entry(T=16, D=16)
+    assert 1024 < (e.keys.numel() + e.values.numel()) * 4 < base
     with caplog.at_level(logging.WARNING, logger="kvrag.store"):
-        key = put(s, make_entry(T=64, D=64))
+        key = put(s, e)
     assert key not in s and "leaves no room for it" in caplog.text
     assert s.texts(FP_A) == {}
 
