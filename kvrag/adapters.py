@@ -11,7 +11,7 @@ import contextlib
 import dataclasses
 import logging
 import threading
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -89,6 +89,8 @@ def call_options(defaults: dict[str, Any], policy_params: dict[str, Any], kwargs
         if k in GEN_KEYS:
             opts[k] = v
         elif k == "policy_params":
+            if v is not None and not isinstance(v, Mapping):
+                raise TypeError(f"{owner}: policy_params must be a dict of policy parameters, got {type(v).__name__}")
             params = dict(v or {})
         else:
             flat[k] = v
@@ -111,6 +113,8 @@ def stop_list(stop) -> list:
         return []
     if isinstance(stop, str):
         return [stop]
+    if isinstance(stop, (bytes, bytearray, Mapping)) or not isinstance(stop, Iterable):
+        raise TypeError(f"stop must be a string or a list of strings, got {type(stop).__name__}")
     return list(stop)
 
 

@@ -543,8 +543,9 @@ class KVRag:
         level = logging.DEBUG if self._warned_no_reuse else logging.WARNING
         self._warned_no_reuse = True
         log.log(level, "no cached chunk served in this prompt (%d chunk texts cached; %d found but "
-                "unreadable/evicted, %d found but tokenized otherwise): computed in full. "
-                "See docs/segmentation.md for what breaks a match.",
+                "unreadable/evicted, %d found but tokenized otherwise): computed in full. Expected for "
+                "a prompt without retrieved text (a chat engine's question rewrite); if it holds "
+                "retrieved text, see docs/segmentation.md for what breaks a match. Said once.",
                 registered, seg_stats.chunks_missed, seg_stats.chunks_unaligned)
 
     def _prepare(self, text: str, pol: Policy) -> "_Prepared":

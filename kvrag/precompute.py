@@ -351,6 +351,8 @@ class Precomputer:
         handed_back: list[_Job] = []
         with self._cond:
             self._closing = True
+            # A retriever hook's hold waits for a query that may never come: closing lifts it.
+            self._hold_until = 0.0
             if cancel_pending:
                 handed_back = self._take_all_queued()
             self._cond.notify_all()
@@ -522,6 +524,11 @@ class Precomputer:
         Raises RuntimeError if work is waiting and no worker is alive to do it (never hangs)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
+            # Whoever waits for idle wants the work done now, not after a retriever hook's hold
+            # for a query that may never come (retrieval-only use); a query in the foreground
+            # still goes first.
+            self._hold_until = 0.0
+            self._cond.notify_all()
             while self._queue or self._in_flight:
                 if not any(t.is_alive() for t in self._threads):
                     raise RuntimeError(
@@ -576,7 +583,7 @@ class Precomputer:
         deadline = time.monotonic() + self.max_defer_s
         while not self._abandon:
             now = time.monotonic()
-            if self._foreground == 0 and now >= self._hold_until:
+            if self._foreground == 0 and (now >= self._hold_until or self._closing):
                 return
             remaining = deadline - now
             if remaining <= 0:

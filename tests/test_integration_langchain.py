@@ -323,6 +323,36 @@ def test_messages_and_misuse(llm):
     # Per-call overrides: another policy, a stop string from LangChain's `stop`.
     over = llm.invoke("Hi", policy="naive_reuse", max_new_tokens=3)
     assert over.response_metadata["policy"] == "naive_reuse" and over.usage_metadata["output_tokens"] <= 3
+    # Options of the wrong type are named, not iterated or converted into something else.
+    for kw, err, msg in [(dict(stop=5), TypeError, "stop must be"), (dict(stop=b"x"), TypeError, "stop must be"),
+                         (dict(stop={"a": 1}), TypeError, "stop must be"),
+                         (dict(policy_params=[1]), TypeError, "policy_params must be a dict")]:
+        with pytest.raises(err, match=msg):
+            llm.invoke("Hi", **kw)
+    with pytest.raises(NotImplementedError, match="does not support tools"):
+        llm.bind_tools([])
+
+
+def test_llm_cache_keys_on_the_generation_settings(llm):
+    """LangChain's LLM cache keys on the model's identifying params: two models differing in
+    what they generate must not share a cached answer."""
+    from langchain_core.caches import InMemoryCache
+    from langchain_core.globals import set_llm_cache
+
+    rag = llm.rag
+    variants = [dict(max_new_tokens=2), dict(max_new_tokens=12), dict(max_new_tokens=12, temperature=1.0, seed=7),
+                dict(max_new_tokens=12, stop=["x"]), dict(max_new_tokens=12, top_k=5, temperature=1.0, seed=7)]
+    keys = {ChatKVRag(rag=rag, **kw)._get_llm_string() for kw in variants}
+    assert len(keys) == len(variants)
+    set_llm_cache(InMemoryCache())
+    try:
+        short = ChatKVRag(rag=rag, max_new_tokens=2).invoke("Tell me a story")
+        long = ChatKVRag(rag=rag, max_new_tokens=12).invoke("Tell me a story")
+        assert short.usage_metadata["output_tokens"] == 2 and long.usage_metadata["output_tokens"] == 12
+        again = ChatKVRag(rag=rag, max_new_tokens=2).invoke("Tell me a story")
+        assert again.content == short.content  # the cache still serves equal settings
+    finally:
+        set_llm_cache(None)
 
 
 # ---- streaming lifecycle, finish reason, options ----------------------------------------------------

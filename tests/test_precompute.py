@@ -474,6 +474,22 @@ def test_defer_s_holds_work_until_the_query_ends(rag):
     pc.shutdown()
 
 
+def test_a_hold_no_query_comes_for_is_lifted_by_wait_until_idle_and_shutdown(rag):
+    """Retrieval-only use (a search endpoint, retrieval evaluation): the hook's hold waits for
+    an LLM call that never comes. Waiting for idle, shutting down or exiting must not wait it out."""
+    pc = Precomputer(rag)
+    pc.submit(DOCS[0], defer_s=600)
+    time.sleep(0.3)
+    assert pc.progress().queued == 1  # held
+    assert pc.wait_until_idle(timeout=20)  # lifted, not 600 s
+    pc.submit(DOCS[1], defer_s=600)
+    time.sleep(0.3)
+    assert pc.progress().queued == 1
+    t0 = time.monotonic()
+    assert pc.shutdown(timeout=20) == []  # drains: the hold is lifted, nothing handed back
+    assert time.monotonic() - t0 < 20 and pc.progress().computed == 2
+
+
 # ---- shutdown / exit: nothing acknowledged dies with the daemon workers ----------------------
 _CHILD = """
 import json, sys, threading, time

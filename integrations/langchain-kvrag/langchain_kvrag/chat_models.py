@@ -186,6 +186,9 @@ class ChatKVRag(BaseChatModel):
             raise NotImplementedError("ChatKVRag does not support tools")
         return self.rag.count_tokens(self._prompt(messages))
 
+    def bind_tools(self, tools, **kwargs):
+        raise NotImplementedError("ChatKVRag does not support tools (tool calling): it answers from text only")
+
     @property
     def _llm_type(self) -> str:
         return "kvrag-chat"
@@ -193,8 +196,14 @@ class ChatKVRag(BaseChatModel):
     @property
     def _identifying_params(self) -> dict[str, Any]:
         source = getattr(self.rag.handle, "source", None)
+        # Everything that changes the answer: LangChain's LLM cache keys on these (plus a call's
+        # own options), so two models differing only in max_new_tokens must not share answers.
         return {"model": os.path.basename(str(source)) if source else None, "policy": self.policy,
-                "policy_params": self.policy_params, "fingerprint": self.rag.fingerprint[:16]}
+                "policy_params": self.policy_params, "fingerprint": self.rag.fingerprint[:16],
+                "max_new_tokens": self.max_new_tokens, "temperature": self.temperature, "top_p": self.top_p,
+                "top_k": self.top_k, "seed": self.seed,
+                # Not "stop": LangChain overwrites that key with the call's own stop list.
+                "default_stop": self.stop}
 
     # ---- core --------------------------------------------------------------------------
     def _options(self, stop: Optional[list[str]], kwargs: dict[str, Any]) -> dict[str, Any]:
