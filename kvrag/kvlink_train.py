@@ -55,6 +55,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from kvrag import qa_data
 from kvrag.arch import Arch
 from kvrag.errors import KVRagError
 from kvrag.model import ModelHandle, default_home
@@ -273,41 +274,20 @@ class QAItem:
 
 
 def load_qa(path: str | os.PathLike) -> list[QAItem]:
-    """QA examples in the MuSiQue/KVLink format: a JSON list (or JSON lines) of
-    ``{"question": str, "answers": [str, ...], "ctxs": [{"title": str, "text": str}, ...]}``."""
-    p = Path(path).expanduser()
-    if not p.is_file():
-        raise KVLinkError(f"training data {str(p)!r} does not exist")
-    text = p.read_text(encoding="utf-8")
+    """QA examples from a file in any format :mod:`kvrag.qa_data` reads (MuSiQue/KVLink's
+    ``{"question", "answers", "ctxs": [{"title", "text"}]}``, HotpotQA, LongBench, SQuAD; a JSON
+    list or JSON lines). Each passage is ``title: text`` (the text alone without a title)."""
     try:
-        rows = json.loads(text)
-    except ValueError:
-        try:
-            rows = [json.loads(line) for line in text.splitlines() if line.strip()]
-        except ValueError as e:
-            raise KVLinkError(f"{p} is neither a JSON list nor JSON lines: {e}") from None
-    if not isinstance(rows, list) or not rows:
-        raise KVLinkError(f"{p} must hold a non-empty list of QA examples")
+        records = qa_data.load_records(path)
+    except (OSError, ValueError) as e:
+        raise KVLinkError(f"training data: {e}") from None
     items = []
-    for i, r in enumerate(rows):
-        if not isinstance(r, dict):
-            raise KVLinkError(f"{p}: example {i} is not an object")
-        q, answers, ctxs = r.get("question"), r.get("answers", r.get("answer")), r.get("ctxs")
-        if isinstance(answers, str):
-            answers = [answers]
-        if not isinstance(q, str) or not q.strip():
-            raise KVLinkError(f"{p}: example {i} has no 'question' string")
-        if not isinstance(answers, list) or not answers or not all(isinstance(a, str) and a.strip() for a in answers):
-            raise KVLinkError(f"{p}: example {i} needs 'answers', a non-empty list of strings")
-        if not isinstance(ctxs, list) or not ctxs:
-            raise KVLinkError(f"{p}: example {i} needs 'ctxs', a non-empty list of {{title, text}}")
-        passages = []
-        for j, c in enumerate(ctxs):
-            if not isinstance(c, dict) or not isinstance(c.get("text"), str) or not c["text"].strip():
-                raise KVLinkError(f"{p}: example {i} ctx {j} has no 'text' string")
-            title = c.get("title") or ""
-            passages.append(f"{title}: {c['text']}" if title.strip() else c["text"])
-        items.append(QAItem(q.strip(), [a.strip() for a in answers], passages))
+    for r in records:
+        for j, (title, text) in enumerate(r.passages):
+            if not text.strip():
+                raise KVLinkError(f"{path}: example {r.id} ctx {j} has no 'text' string (empty)")
+        items.append(QAItem(r.question, r.answers,
+                            [f"{title}: {text}" if title.strip() else text for title, text in r.passages]))
     return items
 
 

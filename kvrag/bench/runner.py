@@ -19,7 +19,6 @@ precomputed as one chunk and appears verbatim in the prompt. Precompute is never
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import math
 import os
@@ -36,6 +35,7 @@ from typing import Any
 
 import torch
 
+from kvrag import qa_data
 from kvrag.bench import metrics as M
 from kvrag.bench import synthetic
 from kvrag.policies import get_policy, policy_class, policy_names
@@ -142,56 +142,28 @@ class Example:
     qtype: str = ""
 
 
-def _passage_text(ctx: dict, where: str) -> str:
-    if not isinstance(ctx, dict) or not isinstance(ctx.get("text"), str):
-        raise ValueError(f"{where}: each ctx must be an object with a 'text' string")
-    title = ctx.get("title") or ""
-    if not isinstance(title, str):
-        raise ValueError(f"{where}: ctx 'title' must be a string")
-    text = ctx["text"].strip()
-    return f"{title.strip()}\n{text}" if title.strip() else text
-
-
 def examples_from_items(items: Sequence[Any], *, source: str, limit: int | None = None, passages: int | None = None,
                         passage_words: int | None = None) -> list[Example]:
-    """Validate items in the musique_dev.json format and turn them into ``Example`` s."""
+    """Validate QA examples (any format :mod:`kvrag.qa_data` reads) and turn them into
+    ``Example`` s: each passage is ``title\ntext`` (or the text alone), empty passages dropped."""
     if not isinstance(items, list):
         raise ValueError(f"{source}: expected a JSON list of examples, got {type(items).__name__}")
     out = []
-    for i, it in enumerate(items[: limit if limit is not None else None]):
-        where = f"{source}: example {i}"
-        if not isinstance(it, dict):
-            raise ValueError(f"{where}: expected an object, got {type(it).__name__}")
-        q, answers, ctxs = it.get("question"), it.get("answers"), it.get("ctxs")
-        if not isinstance(q, str) or not q.strip():
-            raise ValueError(f"{where}: 'question' must be a non-empty string")
-        if isinstance(answers, str):
-            answers = [answers]
-        if not isinstance(answers, list) or not answers or not all(isinstance(a, str) for a in answers):
-            raise ValueError(f"{where}: 'answers' must be a non-empty list of strings")
-        if not isinstance(ctxs, list) or not ctxs:
-            raise ValueError(f"{where}: 'ctxs' must be a non-empty list of {{title, text}} objects")
-        texts = [_passage_text(c, where) for c in ctxs[: passages if passages else None]]
+    for i, rec in enumerate(qa_data.parse_items(items[: limit if limit is not None else None], source)):
+        texts = [f"{title.strip()}\n{text.strip()}" if title.strip() else text.strip()
+                 for title, text in rec.passages[: passages if passages else None]]
         if passage_words:
             texts = [" ".join(t.split(" ")[:passage_words]) for t in texts]
         texts = [t for t in texts if t.strip()]
         if not texts:
-            raise ValueError(f"{where}: every passage is empty")
-        out.append(Example(str(it.get("id", f"{Path(source).stem}-{i}")), q.strip(), answers, texts,
-                           str(it.get("type", ""))))
+            raise ValueError(f"{source}: example {i}: every passage is empty")
+        out.append(Example(rec.id, rec.question, rec.answers, texts, rec.type))
     return out
 
 
 def load_examples(path: str, **kw) -> list[Example]:
-    """Examples from a JSON file in the format of ``musique_dev.json``."""
-    p = Path(path)
-    if not p.is_file():
-        raise FileNotFoundError(f"data file not found: {path}")
-    try:
-        items = json.loads(p.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: not valid JSON ({e})") from None
-    return examples_from_items(items, source=str(p), **kw)
+    """Examples from a QA file (``musique_dev.json``'s format, or another :mod:`kvrag.qa_data` reads)."""
+    return examples_from_items(qa_data.read_items(path), source=str(path), **kw)
 
 
 # ---- measurement helpers -------------------------------------------------------------------

@@ -31,7 +31,8 @@ def register(sub) -> None:
         description=__doc__,
     )
     g = p.add_argument_group("data")
-    g.add_argument("--data", metavar="FILE", help="QA JSON: a list of {question, answers, ctxs[{title, text}]}")
+    g.add_argument("--data", metavar="FILE", help="QA file: a JSON list (or JSON lines) of {question, answers, "
+                   "ctxs[{title, text}]}; MuSiQue, HotpotQA/2Wiki, LongBench and SQuAD files as released too")
     g.add_argument("--synthetic", nargs="?", type=int, const=None, default=0, metavar="N",
                    help="add N synthetic multi-document QA items (default N: 12; quick: 3)")
     g.add_argument("--limit", type=int, metavar="N", help="first N >= 1 examples of --data (default all; quick: 2)")

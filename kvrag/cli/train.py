@@ -32,8 +32,9 @@ def register(sub) -> None:
                     "steps, losses) to --out.",
         formatter_class=_DefaultsHelp,
     )
-    k.add_argument("--data", required=True, help="QA examples, MuSiQue format: JSON list or JSON lines of "
-                   "{question, answers, ctxs: [{title, text}]}")
+    k.add_argument("--data", required=True, help="QA examples: JSON list or JSON lines of "
+                   "{question, answers, ctxs: [{title, text}]}; MuSiQue, HotpotQA/2Wiki, LongBench and SQuAD "
+                   "files as released too")
     k.add_argument("--model", default=None, help="HF model dir or .gguf (default: SmolLM2-135M-Instruct)")
     k.add_argument("--dtype", default="float32", help="training dtype of the base model")
     k.add_argument("--out", default=None, help="adapter directory (default: $KVRAG_HOME/kvlink/<model key>/, "
