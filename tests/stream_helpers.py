@@ -59,10 +59,17 @@ def cancel_mid_step(rag, monkeypatch, open_stream, precomputer) -> None:
         return "finished"
 
     kept = []
-    assert asyncio.run(run()) == "cancelled"
-    ref = weakref.ref(streams[0])
-    del streams[:]
-    release.set()
+    # Not asyncio.run: closing its loop waits for the worker thread, which the gate holds until
+    # ``release`` -- set only once the cancellation has been seen -- (30 s of nothing per test).
+    loop = asyncio.new_event_loop()
+    try:
+        assert loop.run_until_complete(run()) == "cancelled"
+        ref = weakref.ref(streams[0])
+        del streams[:]
+        release.set()
+        loop.run_until_complete(loop.shutdown_default_executor())  # the step returns; the loop still runs
+    finally:
+        loop.close()
     deadline = time.monotonic() + 10
     while ref() is not None and time.monotonic() < deadline:  # closed (and dropped) by the worker
         time.sleep(0.01)
