@@ -548,12 +548,12 @@ class KVRag:
                 "retrieved text, see docs/segmentation.md for what breaks a match. Said once.",
                 registered, seg_stats.chunks_missed, seg_stats.chunks_unaligned)
 
-    def _prepare(self, text: str, pol: Policy) -> "_Prepared":
+    def _prepare(self, text: str, pol: Policy, t0: float) -> "_Prepared":
         """Everything of a prefill that can reject the request: the policy against this model,
         tokenization and the context limit, segmentation and chunk reads, the policy's inserted
         tokens (KVLink's link tokens count toward the context too) and its check of the
-        layout. ``stream`` runs this at the call, so bad input fails there."""
-        t0 = time.perf_counter()
+        layout. ``stream`` runs this at the call, so bad input fails there. ``t0``: perf_counter
+        when the request arrived (rendering a chat template counts toward load_s and TTFT)."""
         pol.check_model(self.arch)
         pieces, seg_stats = self.pieces(text, use_cache=pol.uses_cache)
         has_cached = any(p.kind == CACHED for p in pieces)
@@ -612,8 +612,7 @@ class KVRag:
         """Fused prefill of a prompt. Returns (logits [V], stepper, stats, prompt ids, start time)."""
         t0 = time.perf_counter()
         pol = get_policy(policy if policy is not None else self.policy, **policy_params)
-        prep = self._prepare(self.render(prompt), pol)
-        prep.t0 = t0
+        prep = self._prepare(self.render(prompt), pol, t0)
         return (*self._fuse(prep), t0)
 
     def stream(
@@ -640,8 +639,7 @@ class KVRag:
         # time this takes (rendering a chat template) still counts in TTFT and load_s.
         t_call = time.perf_counter()
         pol = get_policy(policy if policy is not None else self.policy, **policy_params)
-        prep = self._prepare(self.render(prompt), pol)
-        prep.t0 = t_call
+        prep = self._prepare(self.render(prompt), pol, t_call)
         prep_s = time.perf_counter() - t_call
         holder: Stream
 

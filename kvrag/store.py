@@ -50,10 +50,10 @@ from typing import Any
 
 import diskcache
 import diskcache.core
-
-from kvrag.errors import StoreError
 import safetensors.torch
 import torch
+
+from kvrag.errors import StoreError
 
 __all__ = ["CACHE_FORMAT_VERSION", "ChunkEntry", "KVStore"]
 

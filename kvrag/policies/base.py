@@ -158,6 +158,14 @@ def check_int(name: str, x, lo: int | None = 0) -> int:
     return int(x)
 
 
+def check_seq(name: str, x, what: str):
+    """``x`` if it is a sequence (iterable, not a string); else ValueError saying ``name`` must
+    be ``what``. Its entries are the caller's to check."""
+    if isinstance(x, (str, bytes)) or not hasattr(x, "__iter__"):
+        raise ValueError(f"{name} must be {what}, got {x!r}")
+    return x
+
+
 @dataclass
 class RecomputeParams:
     """Shared by the recompute-selection policies."""

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvrag.policies.base import Policy, RecomputeParams, check_int, check_real, param, top_indices
+from kvrag.policies.base import Policy, RecomputeParams, check_int, check_real, check_seq, param, top_indices
 from kvrag.policies.registry import register
 
 
@@ -25,18 +25,14 @@ class CacheBlendParams(RecomputeParams):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        layers = self.check_layers
-        if isinstance(layers, (str, bytes)) or not hasattr(layers, "__iter__"):
-            raise ValueError(f"check_layers must be a sequence of layer indices, e.g. (1,), got {layers!r}")
+        layers = check_seq("check_layers", self.check_layers, "a sequence of layer indices, e.g. (1,)")
         self.check_layers = tuple(check_int("check_layers entry", x, 0) for x in layers)
         if not self.check_layers or list(self.check_layers) != sorted(set(self.check_layers)):
             raise ValueError(f"check_layers must be a non-empty increasing list, got {self.check_layers}")
         if self.check_layers[0] < 1:
             raise ValueError("check_layers must be >= 1 (layer 0 is always fully computed)")
         if self.layer_ratios is not None:
-            ratios = self.layer_ratios
-            if isinstance(ratios, (str, bytes)) or not hasattr(ratios, "__iter__"):
-                raise ValueError(f"layer_ratios must be a sequence of ratios or None, got {ratios!r}")
+            ratios = check_seq("layer_ratios", self.layer_ratios, "a sequence of ratios or None")
             self.layer_ratios = tuple(check_real("layer_ratios entry", r, 0.0, 1.0) for r in ratios)
             if len(self.layer_ratios) != len(self.check_layers):
                 raise ValueError("layer_ratios needs one ratio per check layer")

@@ -46,7 +46,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvrag.policies.base import Policy, RecomputeParams, check_int, check_real, param, top_indices
+from kvrag.policies.base import Policy, RecomputeParams, check_int, check_real, check_seq, param, top_indices
 from kvrag.policies.registry import register
 
 NORMALIZATIONS = ("minmax", "zscore", "none")
@@ -101,9 +101,7 @@ class SamKVParams(RecomputeParams):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.stable_layers is not None:
-            layers = self.stable_layers
-            if isinstance(layers, (str, bytes)) or not hasattr(layers, "__iter__"):
-                raise ValueError(f"stable_layers must be a sequence of ints or None, got {layers!r}")
+            layers = check_seq("stable_layers", self.stable_layers, "a sequence of ints or None")
             # Negative layers count from the end, so no lower bound here (check_model bounds them).
             self.stable_layers = tuple(check_int("stable_layers entry", x, None) for x in layers)
             if not self.stable_layers:
