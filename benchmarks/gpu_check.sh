@@ -57,7 +57,7 @@ PY
     # Where a cold (disk) read of cached chunks spends its time: the 12 costliest calls.
     "$PY" - "$model" "$DEVICE" "${KVRAG_PROFILE_CHUNKS:-32}" <<'PY' 2>&1 | tail -70
 import cProfile, pstats, sys, tempfile, torch
-from kvrag.engine import KVRag
+from kvrag import KVRag
 from kvrag.bench import synthetic
 model, device, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
 rag = KVRag(model, cache_dir=tempfile.mkdtemp(), device=device, dtype="bfloat16", storage_dtype="bfloat16",

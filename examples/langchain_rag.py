@@ -35,7 +35,7 @@ from langchain_huggingface import ChatHuggingFace, HuggingFaceEmbeddings, Huggin
 from langchain_kvrag import ChatKVRag, KVWarmingRetriever, precompute_on_add  # noqa: E402
 from transformers import pipeline  # noqa: E402
 
-from kvrag.engine import KVRag  # noqa: E402
+from kvrag import KVRag  # noqa: E402
 from kvrag.policies import policy_names  # noqa: E402
 
 COLLECTION = "kvrag_example"

@@ -37,7 +37,7 @@ from llama_index.embeddings.huggingface import HuggingFaceEmbedding  # noqa: E40
 from llama_index.llms.kvrag import KVCacheWarmer, KVPrecompute, KVRagLLM  # noqa: E402
 from llama_index.vector_stores.chroma import ChromaVectorStore  # noqa: E402
 
-from kvrag.engine import KVRag  # noqa: E402
+from kvrag import KVRag  # noqa: E402
 from kvrag.policies import policy_names  # noqa: E402
 
 COLLECTION = "kvrag_example"

@@ -9,36 +9,32 @@ Integrations (LlamaIndex, LangChain) and the CLI talk to this class only::
 """
 from __future__ import annotations
 
-import bisect
-import hashlib
 import logging
 import os
-import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from kvrag.arch import Arch
-from kvrag.chunk import compute_chunk_kv, pack
-from kvrag.decode import FusedStepper, HFStepper, Sampling, TextStream, eos_ids, generate_tokens
-from kvrag.errors import ChunkError, StoreError
-from kvrag.fusion import CACHED, INSERTED, PLAIN, FusionEngine, FusionResult, FusionStats, Layout, Piece
-from kvrag.hotcache import HotCache, resolve_budget
+from kvrag.checks import check_int
+from kvrag.ingest import STORAGE_DTYPES, Ingestor, cache_fingerprint, resolve_anchor
 from kvrag.model import ModelHandle, default_home
 from kvrag.policies import Policy, get_policy
-from kvrag.policies.base import check_int
-from kvrag.precompute import check_texts_iterable, validate_chunk_text
-from kvrag.segment import Segmenter, render_messages
-from kvrag.store import ChunkEntry, KVStore
+from kvrag.policies.kvlink.adapter import adapt_model
+from kvrag.query.align import prompt_prefix
+from kvrag.query.decode import FusedStepper, HFStepper, Sampling, TextStream, eos_ids, generate_tokens
+from kvrag.query.fusion import FusionEngine, FusionResult
+from kvrag.query.lookup import ChunkLookup
+from kvrag.query.prompt import render_prompt
+from kvrag.query.segment import Segmenter
+from kvrag.query.state import CACHED, INSERTED, FusionStats, Layout, Piece
+from kvrag.store import KVStore
+from kvrag.store.hot import HotCache, resolve_budget
 
 log = logging.getLogger("kvrag")
-
-STORAGE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
 
 @dataclass
 class Generation:
@@ -95,135 +91,6 @@ class Stream:
         return Generation(self.text, self.token_ids, self.stats, self.prompt_ids, self.finish_reason)
 
 
-def resolve_anchor(handle: ModelHandle, anchor: str | Sequence[int]) -> list[int]:
-    """``KVRag(chunk_anchor=...)`` -> token ids (see ``KVRag``)."""
-    if isinstance(anchor, str):
-        if anchor == "auto":
-            return handle.anchor_ids()
-        if anchor == "none":
-            return []
-        raise ValueError(f"chunk_anchor must be 'auto', 'none' or a list of token ids, got {anchor!r}")
-    ids = list(anchor)
-    vocab = handle.config.vocab_size
-    bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
-    if bad:
-        raise ValueError(f"chunk_anchor holds {bad[:3]}: token ids must be ints in [0, {vocab})")
-    return ids
-
-
-def cache_fingerprint(model_fingerprint: str, anchor: Sequence[int]) -> str:
-    """The fingerprint chunk caches are keyed and checked by: the model's, extended with the
-    anchor chunks are computed behind (the model's own when there is none)."""
-    if not anchor:
-        return model_fingerprint
-    tag = f"{model_fingerprint}|anchor={','.join(str(int(t)) for t in anchor)}"
-    return hashlib.sha256(tag.encode("utf-8")).hexdigest()
-
-
-def spell_chunk(handle: ModelHandle, text: str, newline_ids: Sequence[int]) -> list[int]:
-    """Token ids of a chunk as the tokenizer spells it inside a prompt after a line break
-    (``KVRag.chunk_ids`` without its checks); ``newline_ids``: ``handle.encode("\\n")``."""
-    nl = list(newline_ids)
-    ids = handle.encode("\n" + text)
-    if nl and ids[: len(nl)] == nl and len(ids) > len(nl):
-        return ids[len(nl):]
-    return handle.encode(text)  # the line break merged into the text's first token: spell the text alone
-
-
-def chunk_token_starts(tokenizer, newline_ids: Sequence[int], text: str, chunk: list[int]) -> list[int] | None:
-    """The character where each of a stored chunk's tokens (``chunk``, spelled as
-    ``spell_chunk`` spells it) starts in ``text``; None if no tokenization of the text gives
-    exactly these ids (then no token boundary of it can be trusted)."""
-    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    if list(enc["input_ids"]) == chunk:
-        return [s for s, _ in enc["offset_mapping"]]
-    # Spelled after a line break (SentencePiece tokenizers, without the first-word mark).
-    nl = list(newline_ids)
-    enc = tokenizer("\n" + text, add_special_tokens=False, return_offsets_mapping=True)
-    ids = list(enc["input_ids"])
-    if nl and ids[:len(nl)] == nl and ids[len(nl):] == chunk:
-        return [max(s - 1, 0) for s, _ in enc["offset_mapping"][len(nl):]]
-    return None
-
-
-def match_chunk(tokenizer, newline_ids: Sequence[int], chunk: list[int], text: str, start: int, end: int,
-                ids: list[int], offsets: list[tuple[int, int]], starts: list[int], lo: int,
-                offset: int = 0) -> tuple[int, int, int]:
-    """Where the prompt's tokens reuse a stored chunk (token ids ``chunk``, text ``text``),
-    whose characters ``offset ..`` were found at the prompt's characters [start, end): prompt
-    tokens ``j..j+m-1`` are its tokens ``k..k+m-1`` (m = 0: nowhere). ``ids`` / ``offsets`` /
-    ``starts``: the prompt's tokens, their character spans and span starts; ``lo``: the first
-    token not placed yet. Shared by ``KVRag.pieces`` and the KVLink trainer
-    (``kvrag.kvlink_train.prompt_pieces``), so training sequences are laid out as queries are."""
-    j = bisect.bisect_left(starts, start, lo=lo)
-
-    def run(j: int, k: int) -> int:
-        # Equal ids from one shared boundary on cover equal characters, so a run that ends
-        # inside [start, end) in the prompt ends inside the matched part of the chunk: a cut
-        # chunk is served only up to its last whole token the prompt holds.
-        m = 0
-        while k + m < len(chunk) and j + m < len(ids) and ids[j + m] == chunk[k + m] and offsets[j + m][1] <= end:
-            m += 1
-        return m
-
-    if not offset and not (j > 0 and offsets[j - 1][1] > start):
-        m = run(j, 0)
-        if m:
-            return j, 0, m
-    # The chunk's first token merged with what precedes it (" The" after "Context:"), or the
-    # prompt holds the chunk from a later character on (its leading whitespace trimmed), or
-    # the two tokenizations part at its first character: resume at the first token boundary
-    # both share; the tokens there on are the chunk's (their K/V were computed behind the
-    # chunk's own beginning).
-    starts_in_chunk = chunk_token_starts(tokenizer, newline_ids, text, chunk)
-    if starts_in_chunk is None:
-        return j, 0, 0
-    at: dict[int, list[int]] = {}
-    for i, s in enumerate(starts_in_chunk):
-        at.setdefault(s, []).append(i)
-    while j < len(ids) and starts[j] < end:
-        ks = at.get(starts[j] - start + offset)
-        if ks is None:
-            j += 1
-            continue
-        # Byte-level BPE splits a multi-byte character into several tokens that all start at
-        # that character, and the prompt may have merged its first byte with the space before
-        # it (" П" -> "ĠÐ", "Ł" where the chunk has "Ð", "Ł"): pair every prompt token and
-        # chunk token starting there, and take the longest run of equal ids.
-        here = range(j, bisect.bisect_right(starts, starts[j], lo=j))
-        m, jj, k = max(((run(jj, k), jj, k) for jj in here for k in ks), key=lambda t: t[0])
-        if m:
-            return jj, k, m
-        j = here.stop
-    return j, 0, 0
-
-
-def prompt_tokens(tokenizer, prompt: str) -> tuple[list[int], list[tuple[int, int]], list[int]]:
-    """The tokenizer's ids of the whole ``prompt`` (no special tokens), their character spans
-    and span starts: what ``match_chunk`` reads."""
-    enc = tokenizer(prompt, add_special_tokens=False, return_offsets_mapping=True)
-    offsets = [tuple(o) for o in enc["offset_mapping"]]
-    return list(enc["input_ids"]), offsets, [a for a, _ in offsets]
-
-
-def chunk_spans(segments: Iterable) -> Iterator:
-    """``(segment, start, end)`` for each chunk segment of a split prompt (``Segmenter.split``):
-    its characters [start, end) in the prompt."""
-    pos = 0
-    for seg in segments:
-        start, end = pos, pos + len(seg.text)
-        pos = end
-        if seg.key is not None:
-            yield seg, start, end
-
-
-def token_inside(starts: list[int], offsets: list[tuple[int, int]], start: int, end: int, lo: int) -> bool:
-    """Whether a prompt token from ``lo`` on lies inside characters [start, end): if none does
-    (a short chunk text found inside a word), nothing of that chunk can be reused."""
-    first = bisect.bisect_left(starts, start, lo=lo)
-    return first < len(starts) and offsets[first][1] <= end
-
-
 class KVRag:
     """Precompute chunk KV caches, then answer prompts by fusing them under a policy.
 
@@ -248,7 +115,7 @@ class KVRag:
     chat template's first token), ``"none"`` = chunks read alone from position 0, or a list
     of ids. ``fingerprint`` (the cache's) covers it.
     hot_cache: bytes of served chunk K/V kept in memory on the compute device, least recently
-    used dropped first (``kvrag.hotcache``): a chunk served again skips the disk read, checksum
+    used dropped first (``kvrag.store.hot``): a chunk served again skips the disk read, checksum
     and host-to-device copy. ``"auto"``: a fifth of the GPU's memory, or 1 GiB on the CPU; 0
     reads every chunk from disk. ``FusionStats.chunks_hot`` counts the chunks it served."""
 
@@ -284,16 +151,7 @@ class KVRag:
         ingest = [get_policy(p) for p in ingest_policies]
         self.handle = model if isinstance(model, ModelHandle) else ModelHandle.load(model, dtype=dtype, device=device)
         if kvlink_adapter is not None:
-            # A KVLink adapter ("auto" or a directory) may hold LoRA weights that change every
-            # K/V: the adapted model is a copy with its own fingerprint (kvrag.kvlink_train).
-            from kvrag.kvlink_train import apply_adapter, default_adapter
-
-            if isinstance(kvlink_adapter, str) and kvlink_adapter in ("default", "links"):
-                found = default_adapter(self.handle, allow_lora=kvlink_adapter == "default" and pol.name == "kvlink")
-                if found is not None:
-                    self.handle = apply_adapter(self.handle, found)
-            else:
-                self.handle = apply_adapter(self.handle, kvlink_adapter)
+            self.handle = adapt_model(self.handle, kvlink_adapter, pol.name)
         self.arch = Arch(self.handle.model)
         pol.check_model(self.arch)  # e.g. a2ats without a codebook: now, not at the first hit
         # The default policy's per-chunk extras (A2ATS codes) are computed at precompute time,
@@ -309,43 +167,28 @@ class KVRag:
         cache_dir = Path(cache_dir) if cache_dir is not None else default_home() / "store"
         self.store = KVStore(cache_dir, size_limit=size_limit)
         self.hot = HotCache(resolve_budget(hot_cache, self.handle.device), self.handle.device, self.handle.dtype)
-        self.storage_dtype = STORAGE_DTYPES[storage_dtype]
         self.policy = pol
         self.ingest_policies = ingest
-        self.engine = FusionEngine(self.arch)
-        # Partial matches: a chunk the framework cut or whose edge whitespace it trimmed is
-        # still served for the tokens the prompt shares with it (kvrag.segment).
-        self.segmenter = Segmenter(partial=True)
         self.query_tokens = query_tokens
-        self._newline_ids = self.handle.encode("\n")
         self.eos = eos_ids(self.handle.model, self.tokenizer)
-        self._refresh_s = refresh_s
-        self._last_refresh = -1e9
-        # One re-read of the text index at a time: concurrent queries that are due at once
-        # wait for the one reading it (and then skip theirs) instead of all reading it.
-        self._refresh_lock = threading.Lock()
         self._warned_no_reuse = False
-        # Chunk reads (``_read_entries``); the pool starts its threads at the first read.
-        self._readers = ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="kvrag-read")
+        # Partial matches: a chunk the framework cut or whose edge whitespace it trimmed is
+        # still served for the tokens the prompt shares with it (kvrag.query.segment). One
+        # segmenter for both paths: what ingestion stores, the next query finds.
+        self.segmenter = Segmenter(partial=True)
+        self.ingestor = Ingestor(self.handle, self.arch, self.store, self.segmenter, anchor=self.anchor,
+                                 fingerprint=self.fingerprint, storage_dtype=STORAGE_DTYPES[storage_dtype],
+                                 policies=ingest)
+        self.lookup = ChunkLookup(self.handle, self.store, self.hot, self.segmenter, self.fingerprint, refresh_s)
+        self.fusion = FusionEngine(self.arch)
 
     # ---- chunks ----------------------------------------------------------------------
     def chunk_ids(self, text: str) -> list[int]:
-        """Token ids of a chunk as the tokenizer spells it inside a prompt, after a line break
-        (how RAG prompts separate passages): for byte-level BPE tokenizers (Llama 3, Qwen,
-        SmolLM) the ids of the text alone; for SentencePiece ones that mark the first word
-        of a text (Llama 2, Mistral) the ids without that mark. A prompt reuses the chunk only
-        where its own tokenization holds exactly these ids (``pieces``)."""
-        validate_chunk_text(text)
-        ids = spell_chunk(self.handle, text, self._newline_ids)
-        if len(ids) > self.handle.max_context:
-            raise ChunkError(
-                f"chunk of {len(ids)} tokens exceeds the model context ({self.handle.max_context} tokens); "
-                "split the document into smaller chunks"
-            )
-        return ids
+        """Token ids of a chunk as the tokenizer spells it inside a prompt (``Ingestor.chunk_ids``)."""
+        return self.ingestor.chunk_ids(text)
 
     def chunk_key(self, text: str) -> str:
-        return KVStore.make_key(self.fingerprint, self.chunk_ids(text))
+        return self.ingestor.key(self.chunk_ids(text))
 
     def is_cached(self, text: str) -> bool:
         return self.chunk_key(text) in self.store
@@ -354,184 +197,22 @@ class KVRag:
         """Compute and store the KV of every text not cached yet; returns their keys.
 
         Chunks are packed ``batch_tokens`` at a time (one pass per pack)."""
-        check_texts_iterable(texts, "precompute")
-        texts = list(texts)
-        ids = []
-        for i, t in enumerate(texts):
-            try:
-                ids.append(self.chunk_ids(t))
-            except (ChunkError, TypeError, ValueError) as e:
-                # Checked before any work: a batch with a bad text stores nothing, and says which.
-                preview = repr(t[:60] + ("..." if len(t) > 60 else "")) if isinstance(t, str) else type(t).__name__
-                raise type(e)(f"text {i} of {len(texts)} ({preview}): {e}") from e
-        keys = [KVStore.make_key(self.fingerprint, i) for i in ids]
-        todo, stored = [], {}
-        for j, k in enumerate(keys):
-            if k not in stored:
-                # Stored and listed in the text index, re-listed if a writer killed mid-put
-                # left it out: other processes find chunks through the index only.
-                stored[k] = self.store.ensure_indexed(k)
-                if not stored[k]:
-                    todo.append(j)
-            if stored[k]:
-                self.segmenter.add(k, texts[j])
-        packs = list(pack([len(ids[j]) for j in todo], batch_tokens))
-        bar = None
-        if progress and todo:
-            from tqdm import tqdm
-
-            bar = tqdm(total=sum(len(ids[j]) for j in todo), unit="tok", desc="precompute")
-        for group in packs:
-            members = [todo[g] for g in group]
-            kvs = compute_chunk_kv(self.arch, [ids[j] for j in members], self.anchor)
-            for j, (k, v) in zip(members, kvs):
-                self._put(keys[j], texts[j], ids[j], k, v)
-                if bar:
-                    bar.update(len(ids[j]))
-        if bar:
-            bar.close()
-        return keys
-
-    def _put(self, key, text, ids, k, v) -> None:
-        token_ids = torch.tensor(ids, dtype=torch.long)
-        k, v = k.to(self.storage_dtype), v.to(self.storage_dtype)
-        if not (bool(torch.isfinite(k).all()) and bool(torch.isfinite(v).all())):
-            # Served, an inf/NaN would silently wreck every answer that reads the chunk.
-            raise ChunkError(
-                f"chunk {text[:60]!r}: its K/V are not finite in {str(self.storage_dtype).removeprefix('torch.')} "
-                "(the model's activations overflow it?); not stored -- use storage_dtype='bfloat16' or 'float32'")
-        extras = {}
-        for p in self.ingest_policies:
-            # From the stored (rounded) K/V in the compute dtype: what a query reads back.
-            extras.update(p.chunk_extras(self.arch, k.to(self.handle.dtype), v.to(self.handle.dtype), token_ids))
-        entry = ChunkEntry(
-            fingerprint=self.fingerprint, text=text, token_ids=token_ids, keys=k.cpu(), values=v.cpu(), extras=extras,
-        )
-        self.store.put(key, entry)
-        self.segmenter.add(key, text)
+        return self.ingestor.precompute(texts, batch_tokens=batch_tokens, progress=progress)
 
     # ---- prompts ---------------------------------------------------------------------
     def render(self, prompt: str | Sequence[dict]) -> str:
         """A prompt string, or chat messages rendered with the tokenizer's chat template."""
-        if isinstance(prompt, (bytes, bytearray)):
-            raise TypeError("prompt must be a str or a list of chat messages, got bytes: decode it first")
-        if not isinstance(prompt, (str, Sequence)):
-            raise TypeError(f"prompt must be a str or a list of chat messages, got {type(prompt).__name__}")
-        text = prompt if isinstance(prompt, str) else render_messages(self.tokenizer, list(prompt))
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError as e:  # the tokenizer would fail with an obscure TypeError
-            raise ValueError(
-                f"prompt contains an unpaired surrogate {text[e.start]!r} at character {e.start}: not "
-                "valid Unicode text; decode its source with errors='replace'") from None
-        return text
-
-    def _prefix_for(self, text: str) -> list[int]:
-        """The BOS ids the tokenizer would add before ``text`` (none if it starts with BOS)."""
-        prefix = self.handle.prefix_ids()
-        bos = self.tokenizer.bos_token
-        return [] if bos and text.startswith(bos) else list(prefix)
+        return render_prompt(self.tokenizer, prompt)
 
     def count_tokens(self, prompt: str | Sequence[dict]) -> int:
         """Tokens the model reads for ``prompt`` (a string, or chat messages rendered with the
         chat template), as ``generate`` would read them."""
         text = self.render(prompt)
-        return len(self._prefix_for(text)) + len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
-
-    def _refresh_segmenter(self) -> None:
-        # Other processes (or an earlier session) may have added chunks: re-read the store's
-        # text index now and then, not on every query (it is a disk read).
-        if time.monotonic() - self._last_refresh < self._refresh_s:
-            return
-        with self._refresh_lock:
-            now = time.monotonic()
-            if now - self._last_refresh < self._refresh_s:
-                return  # another query re-read it while this one waited
-            # The index is read while precompute (this process's worker) may store and register
-            # chunks: those registered after ``since`` are newer than the snapshot, kept.
-            since = self.segmenter.version()
-            try:
-                self.segmenter.update(self.store.texts(self.fingerprint), since=since)
-            except StoreError as e:
-                # Queries go on with the chunks already known (their reads fall back to
-                # computing if the store cannot serve them); the next refresh tries again.
-                log.warning("%s; serving the %d chunk texts known so far", e, len(self.segmenter))
-            self._last_refresh = now
+        return len(prompt_prefix(self.handle, text)) + len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def pieces(self, prompt: str, use_cache: bool = True) -> tuple[list[Piece], FusionStats]:
-        """The prompt's token ids, split into plain pieces and cached chunks: ([Piece], stats
-        with hits/misses).
-
-        The ids are the tokenizer's own for the whole prompt (what ``model.generate`` on the
-        tokenized prompt reads), for every policy alike, ``full_prefill`` included. A chunk
-        found in the prompt text is served from the cache only where that tokenization holds
-        exactly the chunk's ids (``chunk_ids``) on its characters; a chunk the prompt holds only
-        in part (cut, or without its edge whitespace: ``Segmenter(partial=True)``) is served
-        for the tokens it shares on that part (``chunks_partial``). Where the two tokenizations
-        part at the chunk's edges — its last token merges with the next line break, its first
-        with a preceding space (" The" after "Context:") — only the run of tokens they share is
-        reused and the edge tokens are computed (``match_chunk``); a chunk they share no run of is
-        counted in ``chunks_unaligned`` and computed as plain text. Never a different token
-        sequence from the tokenizer's."""
-        stats = FusionStats()
-        pieces: list[Piece] = []
-        prefix = self._prefix_for(prompt)
-        if prefix:
-            pieces.append(Piece(torch.tensor(prefix, dtype=torch.long)))
-        ids, offsets, starts = prompt_tokens(self.tokenizer, prompt)
-        tok = 0  # first token not yet placed in a piece
-        if use_cache:
-            self._refresh_segmenter()
-            spans = list(chunk_spans(self.segmenter.split(prompt)))
-            hot_entries = {seg.key: e for seg, _, _ in spans if (e := self.hot.get(seg.key)) is not None}
-            disk = self._read_entries([seg.key for seg, start, end in spans if seg.key not in hot_entries
-                                       and token_inside(starts, offsets, start, end, 0)])
-            for seg, start, end in spans:
-                if not token_inside(starts, offsets, start, end, tok):  # its entry is not even read from disk
-                    stats.chunks_unaligned += 1
-                    continue
-                entry = hot_entries.get(seg.key)
-                hot = entry is not None
-                if not hot:
-                    entry = disk[seg.key].result()
-                    if entry is None:
-                        stats.chunks_missed += 1  # evicted/corrupt: fall back to computing it
-                        continue
-                j, k, m = match_chunk(self.tokenizer, self._newline_ids, entry.token_ids.tolist(), entry.text,
-                                      start, end, ids, offsets, starts, tok, seg.offset)
-                if m == 0:
-                    stats.chunks_unaligned += 1
-                    continue
-                if seg.partial:
-                    stats.chunks_partial += 1
-                if hot:
-                    stats.chunks_hot += 1
-                else:
-                    entry = self.hot.put(seg.key, entry)
-                if m < entry.token_ids.numel():
-                    entry = entry.span(k, k + m)
-                stats.bytes_loaded += entry.nbytes
-                if j > tok:
-                    pieces.append(Piece(torch.tensor(ids[tok:j], dtype=torch.long), PLAIN))
-                pieces.append(Piece(entry.token_ids, CACHED, entry=entry, key=seg.key, span=(k, k + m)))
-                tok = j + m
-        if tok < len(ids):
-            pieces.append(Piece(torch.tensor(ids[tok:], dtype=torch.long), PLAIN))
-        total = sum(int(p.token_ids.numel()) for p in pieces)
-        if total == 0:
-            raise ValueError("empty prompt: it tokenizes to no tokens")
-        if total > self.handle.max_context:
-            raise ValueError(f"prompt of {total} tokens exceeds the model context ({self.handle.max_context})")
-        return pieces, stats
-
-    def _read_entries(self, keys: list[str]) -> dict[str, Future]:
-        """Store entries by key, read concurrently: the file read (or mapping) and the checksum
-        release the GIL, and the tensors are views of the read buffer (no parse). On a CUDA
-        device the buffer is pinned, so the copy to the GPU is asynchronous and at full speed
-        (docs/cache.md, "How a blob is read")."""
-        pin = self.handle.device.type == "cuda"
-        return {k: self._readers.submit(self.store.get, k, self.fingerprint, pin_memory=pin)
-                for k in dict.fromkeys(keys)}
+        """The prompt as plain pieces and cached chunks (``kvrag.query.lookup.ChunkLookup.pieces``)."""
+        return self.lookup.pieces(prompt, use_cache)
 
     def _note_no_reuse(self, seg_stats) -> None:
         """Say why a reuse policy got a prompt with no cached chunk, while chunks are cached:
@@ -559,7 +240,7 @@ class KVRag:
         has_cached = any(p.kind == CACHED for p in pieces)
         layout = None
         if pol.uses_cache and has_cached:
-            layout = self.engine.apply_insertions(pieces, pol, self.query_tokens)
+            layout = self.fusion.apply_insertions(pieces, pol, self.query_tokens)
             if layout.n > self.handle.max_context:
                 raise ValueError(
                     f"prompt of {layout.n} tokens with the {layout.n - sum(int(p.token_ids.numel()) for p in pieces)} "
@@ -585,7 +266,7 @@ class KVRag:
             # position no longer agree. kvrag's own layer step does it by position.
             windowed = any(w is not None for w in self.arch.windows)
             own_decode = pol.decode_select is not None or windowed
-            res: FusionResult = self.engine.prefill(layout, pol, keep_state=own_decode)
+            res: FusionResult = self.fusion.prefill(layout, pol, keep_state=own_decode)
             stats, logits = res.stats, res.logits
             thinned = res.positions.dim() != 1 or res.positions.numel() != layout.n
             if pol.decode_select is not None or (windowed and thinned):
@@ -597,11 +278,7 @@ class KVRag:
         if pol.uses_cache and layout is None:
             self._note_no_reuse(seg_stats)
         stats.chunks_hit = sum(p.kind == CACHED for p in pieces)
-        stats.chunks_missed = seg_stats.chunks_missed
-        stats.chunks_unaligned = seg_stats.chunks_unaligned
-        stats.chunks_partial = seg_stats.chunks_partial
-        stats.chunks_hot = seg_stats.chunks_hot
-        stats.bytes_loaded = seg_stats.bytes_loaded
+        stats.add_lookup(seg_stats)
         stats.load_s = prep.t_ready - prep.t0
         if logits.is_cuda:  # kernels run asynchronously: wait for the logits before the clock
             torch.cuda.synchronize(logits.device)

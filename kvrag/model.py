@@ -203,7 +203,7 @@ def tokenizer_digest(tokenizer) -> str:
 
 def _cache_format_version() -> Any:
     # Imported lazily: the store pulls in diskcache/sqlite, which loading a model never needs.
-    from kvrag.store import CACHE_FORMAT_VERSION
+    from kvrag.store.base import CACHE_FORMAT_VERSION
 
     return CACHE_FORMAT_VERSION
 

@@ -3,8 +3,8 @@
 Ingestion hooks (a LlamaIndex transform, a LangChain vector-store hook, a retriever hook) hand
 chunk texts to :meth:`Precomputer.submit`, which validates them, queues them and returns at
 once; worker thread(s) tokenize, skip what is already stored, pack the rest ``batch_tokens``
-at a time and call :meth:`kvrag.engine.KVRag.precompute` (which stores the K/V and registers
-the text with the segmenter, so the very next query finds it).
+at a time and call :meth:`kvrag.engine.KVRag.precompute` (``kvrag.ingest``: it stores the
+K/V and registers the text with the segmenter, so the very next query finds it).
 
 Guarantees:
 
@@ -45,8 +45,8 @@ from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from kvrag.checks import check_texts_iterable, validate_chunk_text
 from kvrag.errors import ChunkError, KVRagError
-from kvrag.store import KVStore
 
 __all__ = [
     "Precomputer",
@@ -54,7 +54,6 @@ __all__ = [
     "PrecomputeFailure",
     "QueueFullError",
     "PrecomputerClosedError",
-    "validate_chunk_text",
 ]
 
 log = logging.getLogger("kvrag.precompute")
@@ -66,27 +65,6 @@ class QueueFullError(KVRagError):
 
 class PrecomputerClosedError(KVRagError):
     """``submit`` after ``shutdown``: the precomputer takes no new work."""
-
-
-def validate_chunk_text(text: Any) -> str:
-    """Check what can be checked without tokenizing; returns ``text`` or raises ChunkError.
-
-    A lone surrogate (e.g. from bytes decoded with ``errors="surrogateescape"``) is not valid
-    Unicode: the tokenizer would reject it with an obscure TypeError, so it is named here."""
-    if not isinstance(text, str):
-        raise ChunkError(f"chunk must be a str, got {type(text).__name__}"
-                         + (" (decode bytes first, e.g. data.decode('utf-8', errors='replace'))"
-                            if isinstance(text, (bytes, bytearray)) else ""))
-    if not text.strip():
-        raise ChunkError("empty chunk: a chunk must contain non-whitespace text")
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise ChunkError(
-            f"chunk contains an unpaired surrogate {text[e.start]!r} at character {e.start}: not valid "
-            "Unicode text; decode the source with errors='replace' (or fix its encoding)"
-        ) from None
-    return text
 
 
 @dataclass(frozen=True)
@@ -161,21 +139,6 @@ class _Job:
         self.waiters: list[_Job] = []  # other texts with the same key, finished with this one
 
 
-def check_texts_iterable(texts: Any, where: str, hint: str = "") -> None:
-    """Raise TypeError unless ``texts`` is an iterable of texts: a bare str/bytes is iterable
-    too, and would be cached one character (or byte) at a time. ``hint``: appended to the
-    message for a single text (another call that takes one)."""
-    if isinstance(texts, (str, bytes, bytearray, memoryview)):
-        raise TypeError(
-            f"{where}() takes an iterable of texts, got a single {type(texts).__name__}: "
-            f"pass a list ({where}([text])){hint}"
-        )
-    try:
-        iter(texts)
-    except TypeError:
-        raise TypeError(f"{where}() takes an iterable of texts, got {type(texts).__name__}") from None
-
-
 def _preview(text: str, n: int = 60) -> str:
     return repr(text[:n] + ("..." if len(text) > n else ""))
 
@@ -236,7 +199,7 @@ class Precomputer:
             raise ValueError(f"num_threads must be None or an int >= 1, got {num_threads!r}")
         if not max_defer_s >= 0:
             raise ValueError(f"max_defer_s must be >= 0, got {max_defer_s!r}")
-        for attr in ("precompute", "chunk_ids", "fingerprint", "store", "segmenter"):
+        for attr in ("precompute", "ingestor", "store"):
             if not hasattr(rag, attr):
                 raise TypeError(f"Precomputer needs a KVRag, got {type(rag).__name__} (no .{attr})")
         self.rag = rag
@@ -649,10 +612,10 @@ class Precomputer:
     def _prepare(self, job: _Job) -> bool:
         """Tokenize and key ``job``; finish it now if it is cached, invalid or a duplicate
         key of a job in flight. True if it must be computed."""
-        rag = self.rag
+        ingestor = self.rag.ingestor
         try:
-            job.ids = rag.chunk_ids(job.text)
-            job.key = KVStore.make_key(rag.fingerprint, job.ids)
+            job.ids = ingestor.chunk_ids(job.text)
+            job.key = ingestor.key(job.ids)
         except Exception as e:
             self._finish(job, error=e)
             return False
@@ -665,22 +628,11 @@ class Precomputer:
                 return False
             self._inflight_keys[job.key] = job
         try:
-            cached = job.key in rag.store
+            cached = job.key in ingestor.store and ingestor.ensure_listed(job.key, job.text)
         except Exception as e:
             self._finish(job, error=e)
             return False
         if cached:
-            try:
-                # Stored is not enough: other processes find a chunk through the store's text
-                # index, which a writer killed mid-put leaves without it. Re-list it if so.
-                if not rag.store.ensure_indexed(job.key):
-                    return True  # the blob was gone or corrupt after all: compute it
-                # Register it now: it may come from another process the segmenter has not
-                # re-read yet.
-                rag.segmenter.add(job.key, job.text)
-            except Exception as e:
-                self._finish(job, error=e)
-                return False
             self._finish(job, cached=True)
             return False
         return True

@@ -5,7 +5,7 @@ import torch
 import transformers
 
 from kvrag.chunk import compute_chunk_kv
-from kvrag.fusion import CACHED, PLAIN, Piece
+from kvrag.query.state import CACHED, PLAIN, Piece
 from kvrag.testing import _config_class
 
 # name -> (model_type, extra config): every family (config classes from kvrag.testing), plus the per-layer attention variants the

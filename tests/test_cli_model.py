@@ -39,7 +39,7 @@ def test_missing_model_prints_error_and_exits_2(tmp_path, capsys):
 
 def test_module_entry_point_help():
     r = subprocess.run(
-        [sys.executable, "-m", "kvrag.cli", "model", "info", "--help"], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "kvrag", "model", "info", "--help"], capture_output=True, text=True, timeout=120
     )
     assert r.returncode == 0, r.stderr
     assert "--model" in r.stdout and "--json" in r.stdout

@@ -12,7 +12,7 @@ import torch
 
 from kvrag.arch import Arch
 from kvrag.chunk import compute_chunk_kv
-from kvrag.decode import output_cache
+from kvrag.query.decode import output_cache
 from kvrag.engine import KVRag
 from kvrag.policies import policy_names
 from kvrag.testing import tiny_llama
@@ -55,7 +55,7 @@ def handles():
 @pytest.fixture(scope="module")
 def codebook(tmp_path_factory, handles):
     """A2ATS codebooks of the tiny llama (fitted on the CPU; the policy moves them)."""
-    from kvrag import a2ats_calibrate as cal
+    from kvrag.policies.a2ats import calibrate as cal
 
     handle = handles["llama"][1]
     g = torch.Generator().manual_seed(0)

@@ -83,7 +83,7 @@ def test_window_and_nope_models_generate_like_the_model(tmp_path, model_type, ov
 def test_decoding_a_thinned_cache_windows_by_position(tmp_path, policy, params):
     """SamKV and A3's eviction hand the decoder a cache whose slots are not the positions 0..M-1.
     A sliding window must still be applied by position (HF's cache would apply it by slot)."""
-    from kvrag.decode import FusedStepper, HFStepper
+    from kvrag.query.decode import FusedStepper, HFStepper
     from kvrag.policies import get_policy
 
     class ReadAll:  # kvrag's layer step with no decode-time selection: windows by key position
@@ -95,7 +95,7 @@ def test_decoding_a_thinned_cache_windows_by_position(tmp_path, policy, params):
     prompt = "Answer.\n\n" + DOCS[0] + "\n\n" + DOCS[1]  # a short question: the window spans kept gaps
     out = rag.generate(prompt, policy=policy, max_new_tokens=6, **params)
     pol = get_policy(policy, **params)
-    res = rag.engine.prefill(rag.engine.apply_insertions(rag.pieces(prompt)[0], pol), pol, keep_state=True)
+    res = rag.fusion.prefill(rag.fusion.apply_insertions(rag.pieces(prompt)[0], pol), pol, keep_state=True)
     pos = res.positions if res.positions.dim() == 1 else res.positions[0, 0]
     assert pos.numel() < res.next_position  # thinned
     ref = FusedStepper(rag.arch, res.K, res.V, res.next_position, ReadAll, res.state, res.positions)
@@ -343,7 +343,7 @@ def test_several_continuations_from_one_prefill(rag, policy, tmp_path):
     state): each continuation's logits equal those of its own fresh prefill."""
     params = {}
     if policy == "a2ats":  # needs codebooks for this model; window 4 so top-k retrieval runs
-        from kvrag.a2ats_calibrate import calibrate
+        from kvrag.policies.a2ats.calibrate import calibrate
 
         _, path = calibrate(rag.handle, texts=[" ".join(DOCS) * 8], n_tokens=300, n_codes=16, iters=2,
                             seq_len=96, out=tmp_path / "books.safetensors")

@@ -7,8 +7,9 @@ import torch
 from fusion_helpers import CONFIGS, assert_matches_hf_cache, hf_logits, pieces_for, rand_ids, tiny
 from kvrag.arch import Arch
 from kvrag.chunk import compute_chunk_kv
-from kvrag.decode import output_cache
-from kvrag.fusion import FusionEngine, Layout
+from kvrag.query.decode import output_cache
+from kvrag.query.fusion import FusionEngine
+from kvrag.query.state import Layout
 from kvrag.policies import get_policy
 
 
@@ -300,7 +301,7 @@ def test_masked_attention_with_kv_expanded_per_query_head_is_the_same(ratio):
 def test_decode_cache_holds_the_fused_kv_without_copying_and_continues_exactly():
     """HFStepper's cache takes the fused K/V tensors themselves (no TTFT copy), and decoding
     from it gives the model's own logits for the continuation."""
-    from kvrag.decode import HFStepper
+    from kvrag.query.decode import HFStepper
 
     model = tiny()
     arch = Arch(model)

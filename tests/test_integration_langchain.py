@@ -144,7 +144,7 @@ def test_retriever_wrapper_warms_a_legacy_collection(tmp_path, embed, llm):
     store.add_texts(TEXTS)  # ingested before kvrag was installed: no hook
     events = []
     rag = llm.rag
-    real_generate, real_precompute = rag.generate, rag.precompute
+    real_stream, real_precompute = rag.stream, rag.precompute
 
     def timed(name, fn):
         def wrapper(*a, **k):
@@ -155,7 +155,19 @@ def test_retriever_wrapper_warms_a_legacy_collection(tmp_path, embed, llm):
                 events.append((name, t0, time.monotonic()))
         return wrapper
 
-    rag.generate = timed("query", real_generate)
+    def timed_stream(*a, **k):  # a query: from the call until its generation is collected
+        t0 = time.monotonic()
+        s = real_stream(*a, **k)
+        collect = s.generation
+
+        def generation():
+            events.append(("query", t0, time.monotonic()))
+            return collect()
+
+        s.generation = generation
+        return s
+
+    rag.stream = timed_stream
     rag.precompute = timed("precompute", real_precompute)
     chain = rag_chain(KVWarmingRetriever(store.as_retriever(search_kwargs={"k": 2}), llm), llm)
     chain.invoke(QUESTION)

@@ -10,8 +10,9 @@ import torch.nn.functional as F
 
 from fusion_helpers import CONFIGS, assert_matches_hf_cache, hf_logits, pieces_for, rand_ids, tiny
 from kvrag.arch import Arch
-from kvrag.decode import HFStepper, output_cache
-from kvrag.fusion import FusionEngine, Layout
+from kvrag.query.decode import HFStepper, output_cache
+from kvrag.query.fusion import FusionEngine
+from kvrag.query.state import Layout
 from kvrag.policies import get_policy
 
 PREFIX, CHUNKS, QUESTION = 5, (20, 17, 15), 6

@@ -6,10 +6,12 @@ import pytest
 import torch
 
 from fusion_helpers import CONFIGS, pieces_for, rand_ids, tiny
-from kvrag import a2ats_calibrate as cal
+from kvrag.policies.a2ats import calibrate as cal
+from kvrag.policies.a2ats import codebook as books
 from kvrag.arch import Arch
-from kvrag.decode import FusedStepper, HFStepper
-from kvrag.fusion import FusionEngine, Layout
+from kvrag.query.decode import FusedStepper, HFStepper
+from kvrag.query.fusion import FusionEngine
+from kvrag.query.state import Layout
 from kvrag.policies import get_policy
 from kvrag.testing import tiny_llama
 
@@ -62,9 +64,9 @@ def test_query_aware_codes_recover_exact_topk_attention_mass():
     exact_mass = p.topk(top, -1).values.sum(-1)
     results = {}
     for qa in (True, False):
-        book, chol = cal.fit_codebook(k_fit[None], h[None], 32, iters=10,
+        book, chol = books.fit_codebook(k_fit[None], h[None], 32, iters=10,
                                       generator=torch.Generator().manual_seed(1), query_aware=qa)
-        cb = cal.Codebooks(book[None], chol[None], torch.zeros(1, 1, 1, d))
+        cb = books.Codebooks(book[None], chol[None], torch.zeros(1, 1, 1, d))
         codes = cb.codes_layer(0, k_test[None])[0].long()
         u_hat = q_test @ book[0][codes].T  # eq. 21
         mass = p.gather(1, u_hat.topk(top, -1).indices).sum(-1)
@@ -80,8 +82,8 @@ def test_codes_are_nearest_codewords_in_query_metric():
     x = torch.randn(500, 8, generator=g)
     a = torch.randn(8, 8, generator=g)
     h = a @ a.T + 0.1 * torch.eye(8)
-    book, chol = cal.fit_codebook(x[None], h[None], 16, iters=3, generator=g)
-    cb = cal.Codebooks(book[None], chol[None], torch.zeros(1, 1, 1, 8))
+    book, chol = books.fit_codebook(x[None], h[None], 16, iters=3, generator=g)
+    cb = books.Codebooks(book[None], chol[None], torch.zeros(1, 1, 1, 8))
     # Chol factor is what it claims to be, and C L = C^z.
     torch.testing.assert_close(chol[0] @ chol[0].T, h.double(), atol=1e-4, rtol=1e-4)
     codes = cb.codes_layer(0, x[None])[0].long()
@@ -94,11 +96,11 @@ def test_kmeans_finds_separated_clusters():
     g = torch.Generator().manual_seed(0)
     centers = torch.tensor([[0.0, 0.0], [10.0, 0.0], [0.0, 10.0], [10.0, 10.0]])
     x = centers.repeat(50, 1) + 0.1 * torch.randn(200, 2, generator=g)
-    got = cal.kmeans(x[None], 4, iters=5, generator=g)[0]
+    got = books.kmeans(x[None], 4, iters=5, generator=g)[0]
     # Every true center has a fitted center within the noise.
     assert torch.cdist(centers, got).min(1).values.max() < 0.5
     with pytest.raises(ValueError, match="k <= number of points"):
-        cal.kmeans(x[None], 500)
+        books.kmeans(x[None], 500)
 
 
 # ---- calibration, files, lookup ---------------------------------------------------------------
@@ -118,20 +120,20 @@ def test_calibrate_tiny_model_shapes_and_reload_by_fingerprint(tiny_handle, tmp_
     # Lower-triangular Cholesky factors with a positive diagonal.
     assert torch.equal(cb.chol, torch.tril(cb.chol)) and bool((torch.diagonal(cb.chol, dim1=-2, dim2=-1) > 0).all())
     assert cb.meta["fingerprint"] == tiny_handle.fingerprint and 500 <= cb.meta["n_tokens"] <= 600
-    back = cal.Codebooks.load(path)
+    back = books.Codebooks.load(path)
     assert torch.equal(back.codebook, cb.codebook) and torch.equal(back.chol, cb.chol) and back.digest == cb.digest
     assert back.meta["n_codes"] == 24
     # The policy finds it for this model without being told where it is...
-    found = cal.find_codebooks(arch)
+    found = books.find_codebooks(arch)
     assert found is not None and found.digest == cb.digest
     pol = get_policy("a2ats")
     assert pol.codebooks(arch).digest == cb.digest
     # ...and never for another model with the same shapes.
     other = tiny_llama(seed=1)
-    assert cal.find_codebooks(other.arch) is None
-    with pytest.raises(cal.CodebookError, match="no A2ATS codebook"):
+    assert books.find_codebooks(other.arch) is None
+    with pytest.raises(books.CodebookError, match="no A2ATS codebook"):
         get_policy("a2ats").codebooks(other.arch)
-    with pytest.raises(cal.CodebookError, match="different model"):
+    with pytest.raises(books.CodebookError, match="different model"):
         get_policy("a2ats", codebook=str(path)).codebooks(other.arch)
 
 
@@ -139,22 +141,22 @@ def test_calibrate_tiny_model_shapes_and_reload_by_fingerprint(tiny_handle, tmp_
 def test_codebook_probe_matches_the_same_model_in_half_precision(dtype):
     """A codebook fitted in float32 serves the same weights run in half precision (its probe
     keys differ by rounding only), and never another model."""
-    fp32 = cal.model_probe(tiny_llama(seed=0).arch)
+    fp32 = books.model_probe(tiny_llama(seed=0).arch)
     half = tiny_llama(seed=0)
     half.model.to(dtype)
-    probe = cal.model_probe(half.arch)
+    probe = books.model_probe(half.arch)
     assert not torch.equal(probe, fp32)  # rounding did change the keys
-    assert cal.probe_matches(fp32, probe) and cal.probe_matches(probe, fp32)
-    assert not cal.probe_matches(fp32, cal.model_probe(tiny_llama(seed=1).arch))
+    assert books.probe_matches(fp32, probe) and books.probe_matches(probe, fp32)
+    assert not books.probe_matches(fp32, books.model_probe(tiny_llama(seed=1).arch))
 
 
 def test_broken_codebook_file_is_a_clear_error(tmp_path):
     bad = tmp_path / "bad.safetensors"
     bad.write_bytes(b"not a safetensors file")
-    with pytest.raises(cal.CodebookError, match="cannot read"):
-        cal.Codebooks.load(bad)
-    with pytest.raises(cal.CodebookError, match="does not exist"):
-        cal.Codebooks.load(tmp_path / "missing.safetensors")
+    with pytest.raises(books.CodebookError, match="cannot read"):
+        books.Codebooks.load(bad)
+    with pytest.raises(books.CodebookError, match="does not exist"):
+        books.Codebooks.load(tmp_path / "missing.safetensors")
 
 
 def test_calibration_sequences_mix_text_and_uuids(tiny_handle):
@@ -174,7 +176,7 @@ def test_read_texts(tmp_path):
     t = tmp_path / "d.txt"
     t.write_text("plain text")
     assert cal.read_texts([j, t]) == ["a passage that is long enough to be calibration text", "plain text"]
-    with pytest.raises(cal.CodebookError, match="does not exist"):
+    with pytest.raises(books.CodebookError, match="does not exist"):
         cal.read_texts([tmp_path / "nope.txt"])
     assert len(cal.builtin_texts()) > 10
 
@@ -367,7 +369,7 @@ def test_missing_codebook_fails_before_prefill(tmp_path, monkeypatch):
     g = torch.Generator().manual_seed(1)
     pol = get_policy("a2ats")
     assert pol.chunk_extras(arch, torch.zeros(4, 2, 3, 16), torch.zeros(4, 2, 3, 16), torch.zeros(3, dtype=torch.long)) == {}
-    with pytest.raises(cal.CodebookError, match="kvrag calibrate a2ats"):
+    with pytest.raises(books.CodebookError, match="kvrag calibrate a2ats"):
         FusionEngine(arch).prefill(Layout.build(pieces_for(arch, segments(g))), pol)
 
 
@@ -396,7 +398,7 @@ def test_kvrag_for_a2ats_checks_its_codebook_up_front_and_stores_codes_with_it(t
     from kvrag.engine import KVRag
 
     monkeypatch.setenv("KVRAG_HOME", str(tmp_path / "home"))  # no codebook to find
-    with pytest.raises(cal.CodebookError, match="kvrag calibrate a2ats"):
+    with pytest.raises(books.CodebookError, match="kvrag calibrate a2ats"):
         KVRag(tiny_handle, cache_dir=tmp_path / "kv", policy="a2ats")
     _, path = cal.calibrate(tiny_handle, texts=DOCS * 4, n_tokens=400, n_codes=16, iters=2, seq_len=128,
                             out=tmp_path / "books.safetensors")
@@ -447,7 +449,7 @@ def test_cli_calibrate_a2ats(tiny_handle, tmp_path, capsys):
     assert code == 0
     info = json.loads(capsys.readouterr().out)
     assert info["path"] == str(out) and info["codes"] == 16 and info["layers"] == 4
-    assert cal.Codebooks.load(out).codebook.shape == (4, 2, 16, 16)
+    assert books.Codebooks.load(out).codebook.shape == (4, 2, 16, 16)
     # User errors are exit code 2 with a message, not a traceback.
     assert main(["calibrate", "a2ats", "--model", str(model_dir), "--codes", "0", "--cache-dir", str(tmp_path)]) == 2
     assert main(["calibrate", "a2ats", "--model", str(model_dir), "--tokens", "10", "--codes", "64",
@@ -493,16 +495,16 @@ def test_calibrate_checks_text_tokens_and_output_before_the_model_pass(tiny_hand
     # Text that runs out: fewer tokens than codewords.
     with pytest.raises(ValueError, match="codewords"):
         cal.calibrate(tiny_handle, texts=["a few words"], n_tokens=400, n_codes=64, uuid_fraction=0.0, out=out)
-    with pytest.raises(cal.CodebookError, match="no calibration text"):
+    with pytest.raises(books.CodebookError, match="no calibration text"):
         cal.calibrate(tiny_handle, texts=["", "  "], n_tokens=400, n_codes=16, out=out)
-    with pytest.raises(cal.CodebookError, match="is a directory"):
+    with pytest.raises(books.CodebookError, match="is a directory"):
         cal.calibrate(tiny_handle, texts=[" ".join(DOCS)], n_tokens=400, n_codes=16, out=tmp_path)
     assert not out.exists()
     # read_texts: a file that yields no text is an error, not a codebook fitted on uuids.
     (tmp_path / "nostr.json").write_text('[1, {"a": "short"}]')
     (tmp_path / "empty.txt").write_text("")
     for name in ("nostr.json", "empty.txt"):
-        with pytest.raises(cal.CodebookError, match="no calibration text"):
+        with pytest.raises(books.CodebookError, match="no calibration text"):
             cal.read_texts([tmp_path / name])
 
 

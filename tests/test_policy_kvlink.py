@@ -10,26 +10,15 @@ from fusion_helpers import CONFIGS, hf_logits, pieces_for, rand_ids, tiny
 from kvrag.arch import Arch
 from kvrag.bench import metrics as M
 from kvrag.engine import KVRag
-from kvrag.fusion import CACHED, INSERTED, FusionEngine, Layout
-from kvrag.kvlink_train import (
-    KVLinkError,
-    QAItem,
-    TrainConfig,
-    adapter_key,
-    answer_logits,
-    apply_adapter,
-    build_sample,
-    forward_hidden,
-    kvlink_mask,
-    load_adapter,
-    load_qa,
-    make_sample,
-    prompt_pieces,
-    rag_prompt,
-    train_kvlink,
+from kvrag.query.fusion import FusionEngine
+from kvrag.query.state import CACHED, INSERTED, Layout
+from kvrag.policies.kvlink.adapter import KVLinkError, adapter_key, apply_adapter, load_adapter
+from kvrag.policies.kvlink.train import (
+    QAItem, TrainConfig, answer_logits, build_sample, forward_hidden, kvlink_mask, load_qa, make_sample,
+    prompt_pieces, rag_prompt, train_kvlink,
 )
 from kvrag.policies import get_policy
-from kvrag.policies.kvlink import ADAPTER_ATTR, mean_embedding
+from kvrag.policies.kvlink.policy import ADAPTER_ATTR, mean_embedding
 from kvrag.testing import tiny_llama
 
 
@@ -227,7 +216,7 @@ def test_training_reduces_the_loss_and_records_the_run(trained, data_file):
 
 
 def test_min_docs_draws_every_passage_count_and_trains_every_row(handle, data_file, tmp_path, monkeypatch):
-    import kvrag.kvlink_train as kt
+    import kvrag.policies.kvlink.train as kt
 
     counts = []
     real = kt.make_sample
@@ -424,8 +413,8 @@ def test_training_sample_is_the_prompt_kvrag_serves(handle, tmp_path, layout):
     setattr(rag.arch.model, ADAPTER_ATTR, SimpleNamespace(link_tokens=2, links_for=lambda i: links[min(i, 3)]))
     try:
         pol = get_policy("kvlink", mode="trained")
-        lay = rag.engine.apply_insertions(pieces, pol)
-        res = rag.engine.prefill(lay, pol)
+        lay = rag.fusion.apply_insertions(pieces, pol)
+        res = rag.fusion.prefill(lay, pol)
     finally:
         delattr(rag.arch.model, ADAPTER_ATTR)
     assert res.stats.chunks_hit == len([p for p in pieces if p.kind == CACHED]) >= 2
@@ -466,7 +455,7 @@ def test_bench_measures_a_lora_adapter_on_its_own_model_against_the_base_referen
     from kvrag.bench import synthetic
     from kvrag.cli import main
     from kvrag.model import ModelHandle
-    from kvrag.prompt import rag_messages
+    from kvrag.query.prompt import rag_messages
 
     monkeypatch.setenv("KVRAG_HOME", str(tmp_path / "home"))
     monkeypatch.setattr(ModelHandle, "load", lambda *a, **k: handle)
@@ -514,8 +503,8 @@ def test_bench_measures_a_lora_adapter_on_its_own_model_against_the_base_referen
 # ---- the real model ----------------------------------------------------------------------
 @pytest.mark.real
 def test_real_model_kvlink(tmp_path, monkeypatch):
-    from kvrag.kvlink_train import ASSETS_DIR
-    from kvrag.prompt import rag_messages
+    from kvrag.policies.kvlink.adapter import ASSETS_DIR
+    from kvrag.query.prompt import rag_messages
 
     monkeypatch.setenv("KVRAG_HOME", str(tmp_path / "home"))  # only the shipped adapter can be found
 
@@ -545,8 +534,8 @@ def test_shipped_adapter_brings_kvlink_closer_to_full_prefill(tmp_path, monkeypa
     KVLink's."""
     from kvrag.bench import synthetic
     from kvrag.bench.runner import examples_from_items
-    from kvrag.kvlink_train import ASSETS_DIR
-    from kvrag.prompt import rag_messages
+    from kvrag.policies.kvlink.adapter import ASSETS_DIR
+    from kvrag.query.prompt import rag_messages
 
     monkeypatch.setenv("KVRAG_HOME", str(tmp_path / "home"))  # only the shipped adapter can be found
     base = KVRag(cache_dir=tmp_path / "kv", kvlink_adapter=None)

@@ -8,10 +8,11 @@ from transformers import DynamicCache
 
 from fusion_helpers import CONFIGS, hf_logits, pieces_for, rand_ids, tiny
 from kvrag.arch import Arch
-from kvrag.fusion import FusionEngine, Layout
+from kvrag.query.fusion import FusionEngine
+from kvrag.query.state import Layout
 from kvrag.policies import get_policy, policy_class
 from kvrag.policies import samkv as sk
-from kvrag.decode import cache_kwargs
+from kvrag.query.decode import cache_kwargs
 
 BS = 4  # tiny documents need tiny blocks: 1 initial block (4 tokens) + 2 local blocks (8)
 
@@ -402,7 +403,7 @@ def test_bad_params():
 @pytest.mark.real
 def test_real_model_samkv(tmp_path):
     from kvrag.engine import KVRag
-    from kvrag.prompt import rag_messages
+    from kvrag.query.prompt import rag_messages
 
     passages = [
         "Mount Kilimanjaro is a dormant volcano in Tanzania. It has three volcanic cones: Kibo, "

@@ -8,12 +8,8 @@ import torch
 
 from kvrag.engine import KVRag
 from kvrag.errors import ChunkError
-from kvrag.precompute import (
-    Precomputer,
-    PrecomputerClosedError,
-    QueueFullError,
-    validate_chunk_text,
-)
+from kvrag.checks import validate_chunk_text
+from kvrag.precompute import Precomputer, PrecomputerClosedError, QueueFullError
 from kvrag.store import KVStore
 from kvrag.testing import tiny_llama
 
@@ -619,6 +615,6 @@ def test_resubmit_relists_a_chunk_missing_from_the_text_index(rag, monkeypatch, 
     monkeypatch.undo()
     key2 = rag.chunk_key(DOCS[2])
     assert key2 not in rag.store.texts(rag.fingerprint)
-    monkeypatch.setattr("kvrag.engine.compute_chunk_kv", lambda *a, **k: pytest.fail("recomputed"))
+    monkeypatch.setattr("kvrag.ingest.compute_chunk_kv", lambda *a, **k: pytest.fail("recomputed"))
     assert rag.precompute([DOCS[2]]) == [key2]
     assert rag.store.texts(rag.fingerprint)[key2] == DOCS[2]

@@ -8,7 +8,8 @@ import pytest
 
 from kvrag import qa_data
 from kvrag.bench.runner import load_examples
-from kvrag.kvlink_train import KVLinkError, load_qa
+from kvrag.policies.kvlink.adapter import KVLinkError
+from kvrag.policies.kvlink.train import load_qa
 
 NATIVE = {"question": "Where was Ada born?", "answers": ["Lyon"],
           "ctxs": [{"title": "Ada", "text": "Ada was born in Lyon."}, {"title": "", "text": "Bo lives in Riga."}]}

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvrag.engine import KVRag
-from kvrag.prompt import rag_messages
+from kvrag.query.prompt import rag_messages
 
 pytestmark = pytest.mark.real
 

@@ -6,7 +6,8 @@ import time
 
 import pytest
 
-from kvrag.segment import Segment, Segmenter, render_messages
+from kvrag.query.prompt import render_messages
+from kvrag.query.segment import Segment, Segmenter
 
 
 def reference_split(texts: dict[str, str], prompt: str) -> list[Segment]:

@@ -11,7 +11,7 @@ import torch
 
 from kvrag.engine import KVRag
 from kvrag.precompute import Precomputer
-from kvrag.segment import Segmenter
+from kvrag.query.segment import Segmenter
 from kvrag.testing import tiny_llama
 
 from corpus_helpers import DOCS, prompt_for

@@ -14,7 +14,8 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import kvrag.store as store_mod  # noqa: E402
+import kvrag.store.blob as blob_mod  # noqa: E402
+import kvrag.store.disk as store_mod  # noqa: E402
 from kvrag.errors import StoreError  # noqa: E402
 from kvrag.store import CACHE_FORMAT_VERSION, ChunkEntry, KVStore  # noqa: E402
 
@@ -142,7 +143,7 @@ def test_blob_whose_header_does_not_fit_its_data_is_corrupt(store, tmp_path, cap
     text = json.dumps(header).encode()
     text += b" " * (-len(text) % 8)
     forged = len(text).to_bytes(8, "little") + text + data[8 + n :]
-    store._blobs.set(key, forged, tag=store_mod.checksum(forged))
+    store._blobs.set(key, forged, tag=blob_mod.checksum(forged))
     with caplog.at_level(logging.WARNING, logger="kvrag.store"):
         assert store.get(key, FP_A) is None
     assert "does not fit" in caplog.text and key not in store
@@ -248,26 +249,26 @@ def test_blobs_tagged_with_sha256_by_older_stores_still_verify(store, tmp_path):
     key = put(store, e)
     (path,) = blob_files(tmp_path)
     data = path.read_bytes()
-    assert store._current_tag(key) == store_mod.checksum(data) and store._current_tag(key).startswith("crc32:")
+    assert store._current_tag(key) == blob_mod.checksum(data) and store._current_tag(key).startswith("crc32:")
     store._blobs.set(key, data, tag=hashlib.sha256(data).hexdigest())
     assert_same(e, store.get(key, FP_A))
     # The same bytes under a wrong sha256 (a damaged legacy blob) are dropped, not served.
     store._blobs.set(key, data, tag=hashlib.sha256(data + b"x").hexdigest())
     assert store.get(key, FP_A) is None and key not in store and store.stats()["corrupt"] == 1
-    assert not store_mod.checksum_matches(data, "not-a-tag") and not store_mod.checksum_matches(data, None)
+    assert not blob_mod.checksum_matches(data, "not-a-tag") and not blob_mod.checksum_matches(data, None)
 
 
 def test_old_format_version_is_not_used(store, monkeypatch):
     e = make_entry()
-    monkeypatch.setattr(store_mod, "CACHE_FORMAT_VERSION", CACHE_FORMAT_VERSION - 1)
+    monkeypatch.setattr(blob_mod, "CACHE_FORMAT_VERSION", CACHE_FORMAT_VERSION - 1)
     key = put(store, e)
-    monkeypatch.setattr(store_mod, "CACHE_FORMAT_VERSION", CACHE_FORMAT_VERSION)
+    monkeypatch.setattr(blob_mod, "CACHE_FORMAT_VERSION", CACHE_FORMAT_VERSION)
     assert store.get(key, FP_A) is None
     assert key not in store and store.stats()["corrupt"] == 1
     # gc --verify drops one too, without a get.
-    monkeypatch.setattr(store_mod, "CACHE_FORMAT_VERSION", CACHE_FORMAT_VERSION - 1)
+    monkeypatch.setattr(blob_mod, "CACHE_FORMAT_VERSION", CACHE_FORMAT_VERSION - 1)
     key = put(store, e)
-    monkeypatch.setattr(store_mod, "CACHE_FORMAT_VERSION", CACHE_FORMAT_VERSION)
+    monkeypatch.setattr(blob_mod, "CACHE_FORMAT_VERSION", CACHE_FORMAT_VERSION)
     assert store.gc(verify=True)["corrupt"] == 1 and key not in store
 
 
@@ -277,10 +278,10 @@ def test_newer_format_version_is_a_miss_and_kept(store, tmp_path, monkeypatch, c
     fingerprint includes the format version, so the newer kvrag's entries carry another one."""
     FP_NEW = "fingerprint-model-a-format-next"
     e = make_entry(FP_NEW, T=16)
-    monkeypatch.setattr(store_mod, "CACHE_FORMAT_VERSION", CACHE_FORMAT_VERSION + 1)
+    monkeypatch.setattr(blob_mod, "CACHE_FORMAT_VERSION", CACHE_FORMAT_VERSION + 1)
     key = put(store, e)
     other = put(store, make_entry(FP_NEW, T=16, seed=1, text="other"))
-    monkeypatch.setattr(store_mod, "CACHE_FORMAT_VERSION", CACHE_FORMAT_VERSION)
+    monkeypatch.setattr(blob_mod, "CACHE_FORMAT_VERSION", CACHE_FORMAT_VERSION)
     path = next(f for f in blob_files(tmp_path) if b"other" not in f.read_bytes()[:4096])
     data = path.read_bytes()
     store._blobs.set(other, store._read(other)[0].numpy().tobytes(), tag="xxh64:0123456789abcdef")

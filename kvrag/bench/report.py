@@ -367,7 +367,7 @@ def render_markdown(result: dict, files: dict, report_path: Path, assets: Path) 
     behind = (f"behind the anchor token(s) {anchor} (the model's attention sink, dropped after)" if anchor
               else "alone from position 0 (no anchor)")
     L.append("- prompt: the model's chat template, system = fixed instruction, user = passages + question "
-             "(`kvrag.prompt.rag_prompt`; the same as plain text for a model without a chat template); "
+             "(`kvrag.query.prompt.rag_prompt`; the same as plain text for a model without a chat template); "
              f"each passage precomputed as one chunk, {behind}, before timing\n")
     ad = mi.get("kvlink_adapter")
     if ad:

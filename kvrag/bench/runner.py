@@ -11,7 +11,7 @@ Scenarios (each one a list of records, one per example x policy):
 * ``sweep``: quality vs recompute ratio, for the policies that have a ``recompute_ratio``.
 
 The prompt is CacheBlend's (fixed instruction, passages, question) as chat messages
-(:func:`kvrag.prompt.rag_prompt`), rendered with the model's chat template (plain text for a
+(:func:`kvrag.query.prompt.rag_prompt`), rendered with the model's chat template (plain text for a
 model without one); every passage is
 precomputed as one chunk and appears verbatim in the prompt. Precompute is never part of TTFT
 (its throughput is reported on its own). TTFT ratios are computed per example, within the run.
@@ -353,7 +353,7 @@ class Bench:
             if "recompute_ratio" not in fields:
                 raise ValueError(f"sweep policy {p!r} has no recompute_ratio parameter")
         if cfg.kvlink_adapter not in (None, "none", "default", "links", "auto"):
-            from kvrag.kvlink_train import load_adapter
+            from kvrag.policies.kvlink.adapter import load_adapter
 
             load_adapter(cfg.kvlink_adapter)  # a wrong path must not cost a model load either
         # Read and check the data file now: a typo must not cost a model load.
@@ -411,9 +411,9 @@ class Bench:
 
     # -- one prompt --
     def messages(self, ex: Example, rag) -> list[dict] | str:
-        """The example's RAG prompt (``kvrag.prompt.rag_prompt``: chat messages, or plain text
+        """The example's RAG prompt (``kvrag.query.prompt.rag_prompt``: chat messages, or plain text
         for a model without a chat template)."""
-        from kvrag.prompt import rag_prompt
+        from kvrag.query.prompt import rag_prompt
 
         return rag_prompt(rag.tokenizer, ex.passages, ex.question)
 
@@ -647,11 +647,12 @@ class Bench:
     def _ensure_a2ats_codebooks(self, rag) -> None:
         """A2ATS needs codebooks fitted offline for the model (``kvrag calibrate a2ats``); on a
         fresh machine fit them once here, untimed, rather than report a2ats as an error."""
-        from kvrag import a2ats_calibrate as cal
+        from kvrag.policies.a2ats import calibrate as cal
+        from kvrag.policies.a2ats import codebook as books
 
         if not any(r.policy == "a2ats" and "codebook" not in r.params for r in self.runs):
             return
-        if cal.find_codebooks(rag.arch) is not None:
+        if books.find_codebooks(rag.arch) is not None:
             return
         self.say("fitting A2ATS codebooks for this model (once; untimed; `kvrag calibrate a2ats`) ...")
         t0 = time.perf_counter()
@@ -662,7 +663,7 @@ class Bench:
         """The base KVRag, and (when the configured KVLink adapter holds LoRA weights) the
         adapted one of the trained ``kvlink`` runs, in ``self.kvlink_rag``."""
         from kvrag.engine import KVRag
-        from kvrag.kvlink_train import KVLinkError, default_adapter, find_adapter, load_adapter
+        from kvrag.policies.kvlink.adapter import KVLinkError, default_adapter, find_adapter, load_adapter
 
         cfg = self.cfg
         kw = dict(storage_dtype=cfg.storage_dtype, chunk_anchor=cfg.chunk_anchor, hot_cache=cfg.hot_cache)
@@ -694,7 +695,7 @@ class Bench:
     def _add_untrained_kvlink(self, rag) -> None:
         """With a KVLink adapter loaded, ``kvlink`` runs trained; add its untrained variant
         (on the base model) beside it so the report shows what the training bought."""
-        from kvrag.policies.kvlink import ADAPTER_ATTR
+        from kvrag.policies.kvlink.policy import ADAPTER_ATTR
 
         adapter = getattr((self.kvlink_rag or rag).handle.model, ADAPTER_ATTR, None)
         if adapter is None:

@@ -99,7 +99,7 @@ def register(sub) -> None:
 def _hot_cache(v: str) -> int | str:
     import torch
 
-    from kvrag.hotcache import resolve_budget
+    from kvrag.store.hot import resolve_budget
 
     try:
         return v if v == "auto" else resolve_budget(int(v), torch.device("cpu"))

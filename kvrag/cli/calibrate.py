@@ -14,7 +14,7 @@ import time
 def register(subparsers) -> None:
     p = subparsers.add_parser("calibrate", help="fit per-model data a policy needs (A2ATS codebooks)")
     sub = p.add_subparsers(dest="calibrate_command", metavar="POLICY", required=True)
-    from kvrag import a2ats_calibrate as cal  # light: no torch work at import
+    from kvrag.policies.a2ats import calibrate as cal  # light: no torch work at import
 
     a = sub.add_parser(
         "a2ats",
@@ -52,14 +52,15 @@ def register(subparsers) -> None:
 
 
 def _a2ats(args: argparse.Namespace) -> int:
-    from kvrag import a2ats_calibrate as cal
     from kvrag.errors import KVRagError
     from kvrag.model import ModelHandle
+    from kvrag.policies.a2ats import calibrate as cal
+    from kvrag.policies.a2ats import codebook as books
 
     if args.tokens < 1 or args.codes < 1 or args.iters < 0 or args.seq_len < 2:
         raise KVRagError("--tokens, --codes must be >= 1, --iters >= 0, --seq-len >= 2")
-    if args.codes > cal.MAX_CODES:
-        raise KVRagError(f"--codes must be at most {cal.MAX_CODES} (codes are stored as int16)")
+    if args.codes > books.MAX_CODES:
+        raise KVRagError(f"--codes must be at most {books.MAX_CODES} (codes are stored as int16)")
     if not 0.0 <= args.uuid_fraction <= 1.0:
         raise KVRagError(f"--uuid-fraction must be in [0, 1], got {args.uuid_fraction}")
     if args.rope_offset < 0:
@@ -74,7 +75,7 @@ def _a2ats(args: argparse.Namespace) -> int:
     if args.out is not None:
         check_file(args.out, "--out")
     else:
-        check_dir(cal.codebook_dir(), "the codebook directory ($KVRAG_HOME/a2ats)")
+        check_dir(books.codebook_dir(), "the codebook directory ($KVRAG_HOME/a2ats)")
     texts = cal.read_texts(args.text) if args.text else None
     if args.store is not None:
         from kvrag.cli.cache import open_store

@@ -94,7 +94,7 @@ def run(args) -> int:
 
 def _run(args, corpus: dict, policies: list[str], cache_dir: str) -> int:
     from kvrag.engine import KVRag
-    from kvrag.prompt import DEFAULT_INSTRUCTION, rag_prompt
+    from kvrag.query.prompt import DEFAULT_INSTRUCTION, rag_prompt
 
     print("loading model ...", flush=True)
     rag = KVRag(args.model, cache_dir=cache_dir)

@@ -2,7 +2,7 @@
 
 Only ``kvrag train kvlink`` exists: LoRA (or no model change) + link-token embeddings trained
 with KVLink's attention mask, saved as an adapter keyed to the model (see
-``kvrag.kvlink_train``). Use the result with ``KVRag(..., kvlink_adapter="auto" or DIR)``.
+``kvrag.policies.kvlink.train``). Use the result with ``KVRag(..., kvlink_adapter="auto" or DIR)``.
 """
 from __future__ import annotations
 
@@ -73,7 +73,8 @@ def run_kvlink(args) -> int:
     import torch
 
     from kvrag.outpaths import check_dir
-    from kvrag.kvlink_train import META_FILE, KVLinkError, TrainConfig, command_line, load_qa, train_kvlink
+    from kvrag.policies.kvlink.adapter import META_FILE, KVLinkError
+    from kvrag.policies.kvlink.train import TrainConfig, command_line, load_qa, train_kvlink
     from kvrag.model import ModelHandle, default_home
 
     # Every check before the model load (and long before the adapter is saved).

@@ -32,7 +32,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvrag.policies.base import Policy, RecomputeParams, check_int, param, top_indices
+from kvrag.checks import check_int
+from kvrag.policies.base import Policy, RecomputeParams, param, top_indices
 from kvrag.policies.registry import register
 
 HEAD_REDUCE = ("concat", "sum", "mean", "max")

@@ -4,7 +4,7 @@ A policy is one algorithm (CacheBlend, A3, EPIC, KVLink, SamKV, A2ATS, ...) behi
 of hooks the fusion engine calls in a fixed order. The engine never names a policy: it only
 calls these hooks, so adding a policy means adding one small class and registering it.
 
-Query-time call order (see ``kvrag.fusion.FusionEngine.prefill``):
+Query-time call order (see ``kvrag.query.fusion.FusionEngine.prefill``):
 
 1. ``insertions(layout, arch)``  extra tokens after segments (KVLink link tokens)
 2. ``prepare(state)``            anything before layer 0 (SamKV's query vector, keep masks)
@@ -20,15 +20,16 @@ beside the chunk's K/V (A2ATS codes, SamKV's per-chunk query-independent results
 from __future__ import annotations
 
 import dataclasses
-import numbers
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
+from kvrag.checks import check_real
+
 if TYPE_CHECKING:  # pragma: no cover
     from kvrag.arch import Arch
-    from kvrag.fusion import FusionState, Layout
+    from kvrag.query.state import FusionState, Layout
 
 
 @dataclass
@@ -133,37 +134,6 @@ class Policy:
     #: returns cache slots to attend to: [R] shared by all KV heads, or [Hkv, R] one row set
     #: per KV head) to get a decode loop that calls it at every layer.
     decode_select = None
-
-
-def check_real(name: str, x, lo: float | None = None, hi: float | None = None, *, lo_open: bool = False) -> float:
-    """``x`` as a float if it is a real number (not a bool, not a string) in [lo, hi] (or
-    (lo, hi] with ``lo_open``); else ValueError naming the parameter. A string such as "0.5"
-    would pass float() and fail deep inside a policy."""
-    rng = f"{'(' if lo_open else '['}{'-inf' if lo is None else lo}, {'inf' if hi is None else hi}]"
-    ok = not isinstance(x, bool) and isinstance(x, numbers.Real) and x == x
-    if ok:
-        x = float(x)
-        ok = (lo is None or (x > lo if lo_open else x >= lo)) and (hi is None or x <= hi)
-    if not ok:
-        raise ValueError(f"{name} must be a number in {rng}, got {x!r}")
-    return x
-
-
-def check_int(name: str, x, lo: int | None = 0) -> int:
-    """``x`` as an int if it is an integer value >= ``lo`` (None: any) (2.0 passes; a bool,
-    string, 2.5 or inf does not); else ValueError naming the parameter."""
-    ok = not isinstance(x, bool) and isinstance(x, numbers.Real) and x == x and abs(x) != float("inf")
-    if not (ok and int(x) == x and (lo is None or int(x) >= lo)):
-        raise ValueError(f"{name} must be an integer{'' if lo is None else f' >= {lo}'}, got {x!r}")
-    return int(x)
-
-
-def check_seq(name: str, x, what: str):
-    """``x`` if it is a sequence (iterable, not a string); else ValueError saying ``name`` must
-    be ``what``. Its entries are the caller's to check."""
-    if isinstance(x, (str, bytes)) or not hasattr(x, "__iter__"):
-        raise ValueError(f"{name} must be {what}, got {x!r}")
-    return x
 
 
 @dataclass

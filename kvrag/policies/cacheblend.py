@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvrag.policies.base import Policy, RecomputeParams, check_int, check_real, check_seq, param, top_indices
+from kvrag.checks import check_int, check_real, check_seq
+from kvrag.policies.base import Policy, RecomputeParams, param, top_indices
 from kvrag.policies.registry import register
 
 

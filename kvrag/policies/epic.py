@@ -18,8 +18,10 @@ from dataclasses import dataclass
 
 import torch
 
-from kvrag.policies.base import Policy, check_int, param
+from kvrag.checks import check_int
+from kvrag.policies.base import Policy, param
 from kvrag.policies.registry import register
+from kvrag.query.state import CACHED
 
 
 @dataclass
@@ -40,8 +42,7 @@ class Epic(Policy):
 
     def recompute_mask(self, layout) -> torch.Tensor:
         """bool [N]: the head/tail tokens of each cached chunk."""
-        # Imported here: kvrag.fusion imports the policies package (circular at load time).
-        from kvrag.fusion import CACHED
+        # Imported here: kvrag.query.fusion imports the policies package (circular at load time).
 
         m = torch.zeros(layout.n, dtype=torch.bool)
         for _, start, end in layout.spans(CACHED):

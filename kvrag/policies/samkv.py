@@ -46,8 +46,10 @@ from dataclasses import dataclass
 
 import torch
 
-from kvrag.policies.base import Policy, RecomputeParams, check_int, check_real, check_seq, param, top_indices
+from kvrag.checks import check_int, check_real, check_seq
+from kvrag.policies.base import Policy, RecomputeParams, param, top_indices
 from kvrag.policies.registry import register
+from kvrag.query.state import CACHED
 
 NORMALIZATIONS = ("minmax", "zscore", "none")
 #: Per-chunk memo of the query-independent preliminary results (local Q, original-context
@@ -552,7 +554,6 @@ class SamKV(Policy):
         p = self.params
         lay = state.layout
         n = lay.n
-        from kvrag.fusion import CACHED  # lazily: kvrag.fusion imports the policy package
 
         spans = lay.spans(CACHED)
         keep = torch.ones(n, dtype=torch.bool)

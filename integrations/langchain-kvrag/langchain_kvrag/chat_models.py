@@ -22,13 +22,12 @@ from langchain_core.messages import (
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
 from pydantic import ConfigDict, Field, PrivateAttr, model_validator
 
-from kvrag.adapters import (
-    aiter_in_thread, aopen_stream, arun_stream, call_options, foreground, foreground_steps, max_tokens_alias,
-    open_stream, resolve_policy, stop_list,
-)
 from kvrag.engine import Generation, KVRag
-from kvrag.precompute import Precomputer
-from kvrag.prompt import has_chat_template, plain_chat_prompt
+from kvrag.frameworks import (
+    WrapsKVRag, aiter_in_thread, call_options, foreground_steps, max_tokens_alias, open_stream, resolve_policy,
+    stop_list,
+)
+from kvrag.query.prompt import has_chat_template, plain_chat_prompt
 
 __all__ = ["ChatKVRag", "to_kvrag_messages"]
 
@@ -87,7 +86,7 @@ def _usage(stats) -> dict[str, Any]:
     }
 
 
-class ChatKVRag(BaseChatModel):
+class ChatKVRag(WrapsKVRag, BaseChatModel):
     """A LangChain chat model that answers with kvrag.
 
     ``ChatKVRag(cache_dir="./kv", policy="cacheblend")`` loads the default model
@@ -153,21 +152,8 @@ class ChatKVRag(BaseChatModel):
         return self
 
     # ---- kvrag objects ---------------------------------------------------------------
-    @property
-    def precomputer(self) -> Precomputer:
-        """The background precomputer the vector-store/retriever hooks feed (shared per KVRag)."""
-        if self._precomputer is None or self._precomputer.closed:
-            self._precomputer = Precomputer.for_rag(self.rag, **self.precompute_options)
-        return self._precomputer
-
-    @property
-    def last_stats(self):
-        """``FusionStats`` of the most recent generation (None before the first)."""
-        return None if self._last is None else self._last.stats
-
-    @property
-    def last_generation(self) -> Optional[Generation]:
-        return self._last
+    def _precompute_options(self) -> dict[str, Any]:
+        return self.precompute_options
 
     @property
     def max_tokens(self) -> int:
@@ -215,15 +201,11 @@ class ChatKVRag(BaseChatModel):
 
     def _prompt(self, messages: list[BaseMessage]) -> str:
         """The prompt string: the messages rendered with the chat template, or, for a model
-        without one (a base model), as ``role: content`` lines (``kvrag.prompt.plain_chat_prompt``)."""
+        without one (a base model), as ``role: content`` lines (``kvrag.query.prompt.plain_chat_prompt``)."""
         msgs = to_kvrag_messages(messages)
         if not has_chat_template(self.rag.tokenizer):
             return plain_chat_prompt(msgs)
         return self.rag.render(msgs)
-
-    def _foreground(self):
-        """Tell the shared precomputer (if any) that a query runs: no new pack starts."""
-        return foreground(self._precomputer, self.rag)
 
     def _metadata(self, gen: Generation) -> dict[str, Any]:
         return {
@@ -235,12 +217,24 @@ class ChatKVRag(BaseChatModel):
             "kvrag_stats": gen.stats.as_dict(),
         }
 
+    def _iterate(self, messages: list[BaseMessage], stop: Optional[list[str]],
+                 run_manager: Optional[CallbackManagerForLLMRun], kwargs: dict[str, Any]) -> Iterator[tuple[str, Any]]:
+        """The one generation path (``langchain-ollama``'s ``_iterate_over_stream``): yields
+        (delta, None) per text delta -- reported to ``run_manager`` as a new token, so callbacks
+        see tokens from ``invoke`` too -- then ("", Generation) once at the end."""
+        s = open_stream(self.rag, self._prompt(messages), self._options(stop, kwargs), self._foreground)
+        for delta in foreground_steps(s, self._foreground):
+            if run_manager is not None:
+                run_manager.on_llm_new_token(delta, chunk=ChatGenerationChunk(message=AIMessageChunk(content=delta)))
+            yield delta, None
+        self._last = gen = s.generation()
+        yield "", gen
+
     def _generate(self, messages: list[BaseMessage], stop: Optional[list[str]] = None,
                   run_manager: Optional[CallbackManagerForLLMRun] = None, **kwargs: Any) -> ChatResult:
-        opts = self._options(stop, kwargs)
-        prompt = self._prompt(messages)
-        with self._foreground():
-            gen = self.rag.generate(prompt, **opts)
+        with self._foreground():  # the whole answer holds background precompute back
+            for _, gen in self._iterate(messages, stop, run_manager, kwargs):
+                pass
         return self._result(gen)
 
     async def _agenerate(self, messages: list[BaseMessage], stop: Optional[list[str]] = None,
@@ -248,13 +242,12 @@ class ChatKVRag(BaseChatModel):
         # LangChain's default runs ``_generate`` in an executor, which a cancelled ``ainvoke``
         # (a client that went away) cannot stop: it decoded up to max_new_tokens in the
         # background. Stepped here, it stops after the step in flight.
-        opts = self._options(stop, kwargs)
-        s = await aopen_stream(self.rag, self._prompt(messages), opts, self._foreground)  # bad input raises here
-        await arun_stream(s, self._foreground)
-        return self._result(s.generation())
+        with self._foreground():  # the whole answer holds background precompute back
+            async for _, gen in aiter_in_thread(self._iterate(messages, stop, _sync(run_manager), kwargs)):
+                pass
+        return self._result(gen)
 
     def _result(self, gen: Generation) -> ChatResult:
-        self._last = gen
         meta = self._metadata(gen)
         msg = AIMessage(content=gen.text, usage_metadata=_usage(gen.stats), response_metadata=meta)
         return ChatResult(generations=[ChatGeneration(message=msg, generation_info={"finish_reason": meta["finish_reason"]})],
@@ -262,21 +255,16 @@ class ChatKVRag(BaseChatModel):
 
     def _stream(self, messages: list[BaseMessage], stop: Optional[list[str]] = None,
                 run_manager: Optional[CallbackManagerForLLMRun] = None, **kwargs: Any) -> Iterator[ChatGenerationChunk]:
-        opts = self._options(stop, kwargs)
-        prompt = self._prompt(messages)
-        s = open_stream(self.rag, prompt, opts, self._foreground)
-        for delta in foreground_steps(s, self._foreground):
-            chunk = ChatGenerationChunk(message=AIMessageChunk(content=delta))
-            if run_manager is not None:
-                run_manager.on_llm_new_token(delta, chunk=chunk)
-            yield chunk
-        self._last = gen = s.generation()
-        meta = self._metadata(gen)
-        yield ChatGenerationChunk(
-            message=AIMessageChunk(content="", usage_metadata=_usage(s.stats), response_metadata=meta,
-                                   chunk_position="last"),
-            generation_info={"finish_reason": meta["finish_reason"]},
-        )
+        for delta, gen in self._iterate(messages, stop, run_manager, kwargs):
+            if gen is None:
+                yield ChatGenerationChunk(message=AIMessageChunk(content=delta))
+                continue
+            meta = self._metadata(gen)
+            yield ChatGenerationChunk(
+                message=AIMessageChunk(content="", usage_metadata=_usage(gen.stats), response_metadata=meta,
+                                       chunk_position="last"),
+                generation_info={"finish_reason": meta["finish_reason"]},
+            )
 
     async def _astream(self, messages: list[BaseMessage], stop: Optional[list[str]] = None,
                        run_manager: Optional[AsyncCallbackManagerForLLMRun] = None,
@@ -284,6 +272,10 @@ class ChatKVRag(BaseChatModel):
         # LangChain's default steps ``_stream`` in an executor too, but a cancelled consumer
         # leaves the generator open until garbage collection; here it raises CancelledError
         # and the generator is closed as soon as the step in flight returns.
-        async for chunk in aiter_in_thread(self._stream(messages, stop, run_manager.get_sync() if run_manager else None,
-                                                        **kwargs)):
+        async for chunk in aiter_in_thread(self._stream(messages, stop, _sync(run_manager), **kwargs)):
             yield chunk
+
+
+def _sync(run_manager: Optional[AsyncCallbackManagerForLLMRun]) -> Optional[CallbackManagerForLLMRun]:
+    """The sync handle of an async run manager, for the generation stepped in a worker thread."""
+    return run_manager.get_sync() if run_manager is not None else None

@@ -44,14 +44,13 @@ from llama_index.core.llms.llm import LLM
 from llama_index.core.postprocessor.types import BaseNodePostprocessor
 from llama_index.core.schema import BaseNode, Document, MetadataMode, NodeWithScore, QueryBundle, TransformComponent
 
-from kvrag.adapters import (
-    aiter_in_thread, aopen_stream, arun_stream, call_options, foreground, foreground_steps, max_tokens_alias,
-    open_stream, resolve_policy,
-)
 from kvrag.engine import Generation, KVRag
-from kvrag.errors import ChunkError
-from kvrag.precompute import Precomputer, PrecomputerClosedError, QueueFullError
-from kvrag.prompt import has_chat_template
+from kvrag.frameworks import (
+    WrapsKVRag, aiter_in_thread, aopen_stream, arun_stream, call_options, max_tokens_alias, open_stream,
+    foreground_steps, resolve_policy, schedule_retrieved,
+)
+from kvrag.precompute import Precomputer
+from kvrag.query.prompt import has_chat_template
 
 __all__ = ["KVRagLLM", "KVPrecompute", "KVCacheWarmer", "KVWarmingRetriever", "node_texts"]
 
@@ -142,7 +141,7 @@ def _info(gen: Generation) -> dict[str, Any]:
 
 
 # ---- the LLM -------------------------------------------------------------------------------
-class KVRagLLM(LLM):
+class KVRagLLM(WrapsKVRag, LLM):
     """A LlamaIndex LLM backed by :class:`kvrag.engine.KVRag`.
 
     ``KVRagLLM(cache_dir="./kv", policy="cacheblend", policy_params={"recompute_ratio": 0.15})``
@@ -170,7 +169,7 @@ class KVRagLLM(LLM):
 
     _rag: Any = PrivateAttr(default=None)
     _precomputer: Any = PrivateAttr(default=None)
-    _precompute_options: dict = PrivateAttr(default_factory=dict)
+    _precompute_options_: dict = PrivateAttr(default_factory=dict)
     _last: Any = PrivateAttr(default=None)
 
     def __init__(
@@ -209,7 +208,7 @@ class KVRagLLM(LLM):
             _install_tokenizer(rag)
         self._rag = rag
         self._precomputer = precomputer
-        self._precompute_options = dict(precompute_options or {})
+        self._precompute_options_ = dict(precompute_options or {})
 
     @classmethod
     def class_name(cls) -> str:
@@ -220,22 +219,8 @@ class KVRagLLM(LLM):
     def rag(self) -> KVRag:
         return self._rag
 
-    @property
-    def precomputer(self) -> Precomputer:
-        """The background precomputer the ingestion/retriever hooks feed (shared per KVRag)."""
-        if self._precomputer is None or self._precomputer.closed:
-            self._precomputer = Precomputer.for_rag(self._rag, **self._precompute_options)
-        return self._precomputer
-
-    @property
-    def last_stats(self):
-        """``FusionStats`` of the most recent generation (None before the first)."""
-        return None if self._last is None else self._last.stats
-
-    @property
-    def last_generation(self) -> Optional[Generation]:
-        """The most recent ``kvrag.engine.Generation`` (text, token ids, prompt ids, stats)."""
-        return self._last
+    def _precompute_options(self) -> dict[str, Any]:
+        return self._precompute_options_
 
     @property
     def metadata(self) -> LLMMetadata:
@@ -253,10 +238,6 @@ class KVRagLLM(LLM):
         defaults = dict(policy=self.policy, max_new_tokens=self.max_new_tokens, temperature=self.temperature,
                         top_p=self.top_p, top_k=self.top_k, stop=list(self.stop), seed=self.seed)
         return call_options(defaults, self.policy_params, kwargs, "KVRagLLM", log)
-
-    def _foreground(self):
-        """Tell the shared precomputer (if any) that a query runs: no new pack starts."""
-        return foreground(self._precomputer, self._rag)
 
     def _generate(self, prompt: str, kwargs: dict[str, Any]) -> Generation:
         with self._foreground():
@@ -307,32 +288,9 @@ class KVRagLLM(LLM):
 
         return gen()
 
-    def _chat_impl(self, messages: Sequence[ChatMessage], kwargs) -> ChatResponse:
-        return self._chat_response(self._generate(self.messages_to_prompt(messages), kwargs))
-
-    @staticmethod
-    def _chat_response(gen: Generation) -> ChatResponse:
-        info = _info(gen)
-        return ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=gen.text),
-                            additional_kwargs=info, raw={"token_ids": gen.token_ids, "prompt_ids": gen.prompt_ids})
-
-    def _stream_chat_impl(self, messages: Sequence[ChatMessage], kwargs) -> ChatResponseGen:
-        prompt = self.messages_to_prompt(messages)
-
-        def gen() -> ChatResponseGen:
-            acc = ""
-            for delta, final in self._stream(prompt, kwargs):
-                acc += delta
-                msg = ChatMessage(role=MessageRole.ASSISTANT, content=acc)
-                if final is None:
-                    yield ChatResponse(message=msg, delta=delta)
-                else:
-                    yield ChatResponse(message=msg, delta="", additional_kwargs=_info(final),
-                                       raw={"token_ids": final.token_ids, "prompt_ids": final.prompt_ids})
-
-        return gen()
-
     # ---- LlamaIndex API ------------------------------------------------------------------
+    # Chat renders the messages (``messages_to_prompt``: the chat template) and completes the
+    # rendered prompt, as LlamaIndex's HuggingFaceLLM does: one generation path.
     @llm_completion_callback()
     def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
         return self._complete_impl(prompt, formatted, kwargs)
@@ -343,11 +301,11 @@ class KVRagLLM(LLM):
 
     @llm_chat_callback()
     def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        return self._chat_impl(messages, kwargs)
+        return _as_chat(self.complete(self.messages_to_prompt(messages), formatted=True, **kwargs))
 
     @llm_chat_callback()
     def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
-        return self._stream_chat_impl(messages, kwargs)
+        return _as_chat_stream(self.stream_complete(self.messages_to_prompt(messages), formatted=True, **kwargs))
 
     # Async: the model runs in a worker thread so the event loop stays responsive; a cancelled
     # call stops after the step in flight (arun_stream).
@@ -361,11 +319,30 @@ class KVRagLLM(LLM):
 
     @llm_chat_callback()
     async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        return self._chat_response(await self._agenerate(self.messages_to_prompt(messages), kwargs))
+        return _as_chat(await self.acomplete(self.messages_to_prompt(messages), formatted=True, **kwargs))
 
     @llm_chat_callback()
     async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
-        return aiter_in_thread(self._stream_chat_impl(messages, kwargs))
+        parts = await self.astream_complete(self.messages_to_prompt(messages), formatted=True, **kwargs)
+
+        async def gen() -> ChatResponseAsyncGen:
+            async for part in parts:
+                yield _as_chat(part)
+
+        return gen()
+
+
+def _as_chat(resp: CompletionResponse) -> ChatResponse:
+    """A completion of the rendered chat as the assistant's reply; kvrag's stats stay in
+    ``additional_kwargs`` of the response (LlamaIndex's generic converter moves them into the
+    message)."""
+    return ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=resp.text), delta=resp.delta,
+                        additional_kwargs=resp.additional_kwargs, raw=resp.raw)
+
+
+def _as_chat_stream(parts: CompletionResponseGen) -> ChatResponseGen:
+    for part in parts:
+        yield _as_chat(part)
 
 
 # ---- which text a node contributes to the prompt ---------------------------------------------
@@ -462,17 +439,6 @@ class KVPrecompute(_Unpicklable, TransformComponent):
         return nodes
 
 
-def _schedule(pc: Precomputer, texts: Sequence[str], defer_s: float) -> None:
-    """Retriever-side scheduling: never blocks, never raises into the query."""
-    for t in texts:
-        try:
-            pc.submit(t, block=False, defer_s=defer_s)
-        except (QueueFullError, ChunkError, PrecomputerClosedError) as e:
-            # Counted by the precomputer (dropped/rejected); the node is tried again the next
-            # time it is retrieved.
-            log.debug("kvrag retriever hook: not scheduled: %s", e)
-
-
 class KVCacheWarmer(_Unpicklable, BaseNodePostprocessor):
     """Node postprocessor: schedule the precompute of every retrieved node not cached yet.
 
@@ -504,7 +470,7 @@ class KVCacheWarmer(_Unpicklable, BaseNodePostprocessor):
 
     def _postprocess_nodes(self, nodes: list[NodeWithScore], query_bundle: Optional[QueryBundle] = None) -> list[NodeWithScore]:
         texts, _ = node_texts([n.node for n in nodes], self.metadata_mode, self.strip)
-        _schedule(self.precomputer, texts, self.defer_s)
+        schedule_retrieved(self.precomputer, texts, self.defer_s)
         return nodes
 
 

@@ -1,6 +1,7 @@
 """What every framework adapter (LlamaIndex, LangChain) does the same way, kept in the core so
 the adapters stay thin and cannot drift apart: which policy an LLM wrapper runs, how per-call
-options merge into it, and stepping a kvrag stream from threads and async code.
+options merge into it, what an LLM wrapper exposes of its KVRag (``WrapsKVRag``), scheduling
+retrieved texts for precompute, and stepping a kvrag stream from threads and async code.
 
 Imports no framework.
 """
@@ -15,8 +16,11 @@ from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager
 from typing import Any
 
+from kvrag.errors import ChunkError
 from kvrag.policies import get_policy, policy_class
-from kvrag.precompute import Precomputer
+from kvrag.precompute import Precomputer, PrecomputerClosedError, QueueFullError
+
+log = logging.getLogger("kvrag.frameworks")
 
 #: Generation options a wrapper passes to ``KVRag.stream`` (plus the policy's own parameters).
 GEN_KEYS = ("policy", "max_new_tokens", "temperature", "top_p", "top_k", "stop", "seed")
@@ -131,6 +135,48 @@ def foreground(precomputer: Precomputer | None, rag) -> Iterator[None]:
         return
     with pc.foreground():
         yield
+
+
+class WrapsKVRag:
+    """Mixin of the framework LLM classes: what they expose of the ``KVRag`` they wrap, alike
+    in every framework. The class provides ``rag`` (the KVRag), the private attributes
+    ``_precomputer`` (None until first used) and ``_last`` (the latest ``Generation``), and
+    ``_precompute_options()`` (keyword arguments of ``Precomputer.for_rag``)."""
+
+    def _precompute_options(self) -> dict[str, Any]:
+        return {}
+
+    @property
+    def precomputer(self) -> Precomputer:
+        """The background precomputer the ingestion/retriever hooks feed (shared per KVRag)."""
+        if self._precomputer is None or self._precomputer.closed:
+            self._precomputer = Precomputer.for_rag(self.rag, **self._precompute_options())
+        return self._precomputer
+
+    @property
+    def last_stats(self):
+        """``FusionStats`` of the most recent generation (None before the first)."""
+        return None if self._last is None else self._last.stats
+
+    @property
+    def last_generation(self):
+        """The most recent ``kvrag.engine.Generation`` (text, token ids, prompt ids, stats)."""
+        return self._last
+
+    def _foreground(self):
+        """Tell the shared precomputer (if any) that a query runs: no new pack starts."""
+        return foreground(self._precomputer, self.rag)
+
+
+def schedule_retrieved(pc: Precomputer, texts: Iterable[str], defer_s: float) -> None:
+    """Retriever-side scheduling of retrieved texts not cached yet: never blocks, never raises
+    into the query. A full queue or a bad text is counted by the precomputer (dropped /
+    rejected), and the text is tried again the next time it is retrieved."""
+    for t in texts:
+        try:
+            pc.submit(t, block=False, defer_s=defer_s)
+        except (QueueFullError, ChunkError, PrecomputerClosedError) as e:
+            log.debug("kvrag retriever hook: not scheduled: %s", e)
 
 
 def open_stream(rag, prompt, opts: dict[str, Any], foreground: Callable[[], AbstractContextManager]):

@@ -18,7 +18,7 @@ from collections import OrderedDict
 
 import torch
 
-from kvrag.store import ChunkEntry
+from kvrag.store.base import ChunkEntry
 
 # "auto": a fifth of the GPU's memory (the model and the prefill's activations need the
 # rest), or 1 GiB of RAM on the CPU (~40 SmolLM2 chunks of 512 tokens at float32).

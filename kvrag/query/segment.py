@@ -37,12 +37,12 @@ from __future__ import annotations
 import bisect
 import math
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import ahocorasick
 
-__all__ = ["Segment", "Segmenter", "render_messages"]
+__all__ = ["Segment", "Segmenter"]
 
 
 @dataclass(frozen=True)
@@ -433,40 +433,3 @@ def _common_prefix(prompt: str, start: int, text: str, off: int, lo: int = 0, li
         else:
             hi = mid - 1
     return lo
-
-
-def render_messages(tokenizer, messages: Sequence[Mapping]) -> str:
-    """Render chat ``messages`` to the prompt string the model will see (generation prompt added).
-
-    Segmentation then runs on this string, so chunk texts must appear in it exactly as they were
-    registered (a template that strips or escapes message content changes them)."""
-    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
-        raise TypeError(f"messages must be a list of dicts, got {type(messages).__name__}")
-    if not messages:
-        raise ValueError("messages is empty: nothing to render")
-    for i, m in enumerate(messages):
-        if not isinstance(m, Mapping) or "role" not in m:
-            raise ValueError(f"message {i} must be a dict with a 'role' key, got {m!r}")
-    if not getattr(tokenizer, "chat_template", None):
-        raise ValueError(
-            f"tokenizer {type(tokenizer).__name__} has no chat template, so chat messages cannot be "
-            "rendered; pass the prompt as a string instead, or set tokenizer.chat_template"
-        )
-    messages = list(messages)
-    try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    except Exception as e:  # noqa: BLE001 - jinja's TemplateError, raised by the template itself
-        # Some templates (Mistral-Instruct v0.1/v0.2, Gemma-style) accept no system role: the
-        # instruction then goes in front of the first user message, which is what those
-        # models were trained with. Any other refusal is the caller's to fix.
-        if not (len(messages) > 1 and messages[0].get("role") == "system" and messages[1].get("role") == "user"):
-            raise ValueError(f"the tokenizer's chat template refused these messages: {e}") from e
-        merged = {**messages[1], "content": f"{messages[0].get('content', '')}\n\n{messages[1].get('content', '')}"}
-        try:
-            text = tokenizer.apply_chat_template([merged, *messages[2:]], tokenize=False, add_generation_prompt=True)
-        except Exception as e2:  # noqa: BLE001
-            raise ValueError(f"the tokenizer's chat template refused these messages: {e2} "
-                             f"(also with the system message folded into the first user message)") from e2
-    if not isinstance(text, str):
-        raise TypeError(f"apply_chat_template returned {type(text).__name__}, expected the rendered str")
-    return text

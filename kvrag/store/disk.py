@@ -33,37 +33,33 @@ kvrag sharing the store) is a miss and is left alone.
 from __future__ import annotations
 
 import errno
-import hashlib
 import io
 import json
 import logging
-import math
 import mmap
 import os
 import sqlite3
 import threading
 import time
-import zlib
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import diskcache
 import diskcache.core
-import safetensors.torch
 import torch
 
 from kvrag.errors import StoreError
+from kvrag.store.base import CACHE_FORMAT_VERSION, ChunkEntry, ChunkStore, make_key
+from kvrag.store.blob import (
+    Corrupt, checksum, deserialize, is_newer_format, metadata, read_header, serialize, validate_entry,
+    verified_header,
+)
 
 __all__ = ["CACHE_FORMAT_VERSION", "ChunkEntry", "KVStore"]
 
-# Bumped whenever the blob layout or the meaning of the stored tensors changes. The model
-# fingerprint includes it (kvrag/model.py), so a new version never even looks up old keys.
-CACHE_FORMAT_VERSION = 1
 
 log = logging.getLogger(__name__)
 
-_EXTRA_PREFIX = "extras."
 _EVICTION_POLICY = "least-recently-used"
 #: Blob-cache size limit of a new store (bytes) when none is given.
 DEFAULT_SIZE_LIMIT = 16 * 2**30
@@ -73,229 +69,6 @@ DEFAULT_SIZE_LIMIT = 16 * 2**30
 #: within seconds (longer only while waiting for the database lock); an hour leaves it ample
 #: time, and the files of writers that died are still reclaimed by a later gc.
 _ORPHAN_GRACE_S = 3600.0
-
-
-@dataclass
-class ChunkEntry:
-    """The precomputed KV cache of one chunk.
-
-    token_ids [T] int64; keys/values [L, Hkv, T, D] in the storage dtype (fp32/fp16/bf16),
-    keys taken *before* RoPE (position-free); extras: per-policy tensors of any shape, e.g.
-    ``"a2ats.codes"`` [L, Hkv, T] int16."""
-
-    fingerprint: str
-    text: str
-    token_ids: torch.Tensor
-    keys: torch.Tensor
-    values: torch.Tensor
-    extras: dict[str, torch.Tensor] = field(default_factory=dict)
-
-    def span(self, a: int, b: int) -> "ChunkEntry":
-        """The entry of the chunk's tokens ``a..b-1`` (views, no copy), for a prompt whose
-        tokenization matches only part of the chunk. A prefix (a = 0) is exact: each token's
-        K/V depend only on the tokens before it. Extras laid out per token like the K/V
-        ([L, Hkv, T, ...], e.g. A2ATS codes) are cut the same way; the others describe the
-        chunk as a whole (e.g. the codebook digest) and are kept."""
-        t = self.token_ids.numel()
-        if not 0 <= a < b <= t:
-            raise ValueError(f"span {a}..{b} of a {t}-token chunk")
-        extras = {k: (v[:, :, a:b] if v.dim() >= 3 and v.shape[2] == t else v) for k, v in self.extras.items()}
-        return ChunkEntry(self.fingerprint, self.text, self.token_ids[a:b], self.keys[:, :, a:b],
-                          self.values[:, :, a:b], extras)
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes held by the tensors (ids, keys, values, extras)."""
-        tensors = [self.token_ids, self.keys, self.values, *self.extras.values()]
-        return sum(t.numel() * t.element_size() for t in tensors)
-
-
-_CRC_PREFIX = "crc32:"
-
-
-def checksum(data: bytes) -> str:
-    """The tag stored with a blob: ``"crc32:<8 hex>"``. CRC-32 (zlib) rather than a
-    cryptographic hash because it only has to catch truncated or damaged files, and it is
-    verified on the TTFT path: ~3x faster than sha256 (tens of ms per prompt of cached MB)."""
-    return f"{_CRC_PREFIX}{zlib.crc32(data) & 0xFFFFFFFF:08x}"
-
-
-def checksum_matches(data: bytes, tag: object) -> bool:
-    """Whether ``data`` matches the stored ``tag``: a ``crc32:`` tag, or the sha256 hex tag
-    that stores written before the switch hold (still readable, no migration)."""
-    if not isinstance(tag, str):
-        return False
-    if tag.startswith(_CRC_PREFIX):
-        return tag == checksum(data)
-    if len(tag) == 64:
-        return hashlib.sha256(data).hexdigest() == tag
-    return False
-
-
-class _Corrupt(Exception):
-    """A blob that failed verification (message = the problem)."""
-
-
-def _is_newer_format(meta: dict[str, str]) -> bool:
-    """Whether a blob's header declares a format version newer than ``CACHE_FORMAT_VERSION``."""
-    try:
-        return int(meta.get("kvrag_format")) > CACHE_FORMAT_VERSION
-    except (TypeError, ValueError):
-        return False
-
-
-def _verified_header(buf: torch.Tensor, tag: object, fingerprint: str | None = None) -> tuple[dict[str, Any], int] | None:
-    """The safetensors header of a stored blob (uint8 [bytes]) and the offset its data starts
-    at, once its checksum and format version check out; None for a blob of a newer format;
-    raises _Corrupt otherwise.
-
-    The version is read from the header *before* the checksum: a newer kvrag sharing the
-    store may use another checksum scheme or layout, so its blobs are not ours to judge (or
-    delete). A blob of an older version is treated like a damaged one: corrupt. So is one that
-    claims a newer version but carries ``fingerprint`` (the one this kvrag asked for): model
-    fingerprints include the format version, so a newer kvrag never writes that one."""
-    data = buf.numpy()
-    header, start = _read_header(data)
-    meta = _metadata(header)
-    if _is_newer_format(meta):
-        if fingerprint is not None and meta.get("fingerprint") == fingerprint:
-            raise _Corrupt(f"format version {meta.get('kvrag_format')!r} with this kvrag's fingerprint")
-        return None
-    if not checksum_matches(data, tag):
-        raise _Corrupt(f"checksum mismatch (stored {tag}, {len(data)} bytes)")
-    if meta.get("kvrag_format") != str(CACHE_FORMAT_VERSION):
-        raise _Corrupt(f"format version {meta.get('kvrag_format')!r}, expected {CACHE_FORMAT_VERSION}")
-    return header, start
-
-
-def _validate_entry(entry: ChunkEntry) -> torch.Tensor:
-    """Check an entry before storing it; returns its token ids as int64 [T]."""
-    if not isinstance(entry, ChunkEntry):
-        raise TypeError(f"put() needs a ChunkEntry, got {type(entry).__name__}")
-    if not isinstance(entry.fingerprint, str) or not entry.fingerprint:
-        raise ValueError("ChunkEntry.fingerprint must be a non-empty string")
-    if not isinstance(entry.text, str):
-        raise ValueError(f"ChunkEntry.text must be a str, got {type(entry.text).__name__}")
-    for name in ("token_ids", "keys", "values"):
-        if not isinstance(getattr(entry, name), torch.Tensor):
-            raise ValueError(f"ChunkEntry.{name} must be a torch.Tensor, got {type(getattr(entry, name)).__name__}")
-    ids = entry.token_ids
-    if ids.dim() != 1:
-        raise ValueError(f"ChunkEntry.token_ids must be 1-D [T], got shape {tuple(ids.shape)}")
-    if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
-        raise ValueError(f"ChunkEntry.token_ids must be integers, got {ids.dtype}")
-    if ids.numel() == 0:
-        raise ValueError("empty ChunkEntry: token_ids has T == 0 tokens")
-    k, v = entry.keys, entry.values
-    if k.dim() != 4:
-        raise ValueError(f"ChunkEntry.keys must be [L, Hkv, T, D], got shape {tuple(k.shape)}")
-    if k.shape != v.shape:
-        raise ValueError(f"ChunkEntry keys/values shape mismatch: keys {tuple(k.shape)} vs values {tuple(v.shape)}")
-    if k.dtype != v.dtype or not k.dtype.is_floating_point:
-        raise ValueError(f"ChunkEntry keys/values must share one floating dtype, got {k.dtype} / {v.dtype}")
-    if k.shape[2] != ids.numel():
-        raise ValueError(f"ChunkEntry has {ids.numel()} token ids but keys/values hold T={k.shape[2]} tokens")
-    if k.numel() == 0:
-        raise ValueError(f"empty ChunkEntry: keys have shape {tuple(k.shape)}")
-    for name, t in entry.extras.items():
-        if not isinstance(name, str) or not name:
-            raise ValueError(f"ChunkEntry.extras names must be non-empty strings, got {name!r}")
-        if not isinstance(t, torch.Tensor):
-            raise ValueError(f"ChunkEntry.extras[{name!r}] must be a torch.Tensor, got {type(t).__name__}")
-    return ids.to(torch.int64)
-
-
-def _serialize(entry: ChunkEntry, ids: torch.Tensor) -> bytes:
-    def cpu(t: torch.Tensor) -> torch.Tensor:
-        return t.detach().to("cpu").contiguous()
-
-    tensors = {"token_ids": cpu(ids), "keys": cpu(entry.keys), "values": cpu(entry.values)}
-    for name, t in entry.extras.items():
-        tensors[_EXTRA_PREFIX + name] = cpu(t)
-    metadata = {
-        "kvrag_format": str(CACHE_FORMAT_VERSION),
-        "fingerprint": entry.fingerprint,
-        "text": entry.text,
-        "n_tokens": str(int(ids.numel())),
-    }
-    return safetensors.torch.save(tensors, metadata=metadata)
-
-
-def _read_header(data) -> tuple[dict[str, Any], int]:
-    """The JSON header of a safetensors buffer (bytes, a file mapping or a uint8 array) and the
-    offset its tensor data starts at. Format: u64 little-endian header length, then the JSON
-    header, then the data."""
-    data = memoryview(data)
-    if len(data) < 8:
-        raise _Corrupt(f"blob too short ({len(data)} bytes)")
-    n = int.from_bytes(data[:8], "little")
-    if n <= 0 or 8 + n > len(data):
-        raise _Corrupt(f"bad safetensors header length {n} for a {len(data)}-byte blob")
-    try:
-        header = json.loads(bytes(data[8 : 8 + n]))
-    except ValueError as e:
-        raise _Corrupt(f"unreadable safetensors header: {e}") from None
-    if not isinstance(header, dict):
-        raise _Corrupt("safetensors header is not a mapping")
-    return header, 8 + n
-
-
-def _metadata(header: dict[str, Any]) -> dict[str, str]:
-    """The ``__metadata__`` of a safetensors header (safetensors' loaders do not return it
-    for in-memory bytes)."""
-    meta = header.get("__metadata__")
-    if not isinstance(meta, dict):
-        raise _Corrupt("safetensors metadata is missing or not a mapping")
-    return meta
-
-
-#: safetensors dtype names -> torch dtypes, for the views of a read blob.
-_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-           "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-           "U64": torch.uint64, "U32": torch.uint32, "U16": torch.uint16, "U8": torch.uint8, "BOOL": torch.bool}
-
-
-def _deserialize(buf: torch.Tensor, header: dict[str, Any], start: int) -> ChunkEntry:
-    """The entry held by a verified blob ``buf`` (uint8 [bytes]; header and data offset from
-    ``_verified_header``). Its tensors are views of ``buf`` -- a private, copy-on-write file
-    mapping or a pinned buffer: no copy and no parse under the GIL, unlike
-    ``safetensors.torch.load`` of the bytes, which copies every tensor (on a 2-core box: ~60 ms
-    of a 154 ms cold read of 90 MiB, which the mapping with its checksum does in ~25 ms)."""
-    size = buf.numel() - start
-    tensors = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            dtype = _DTYPES[info["dtype"]]
-            shape = [int(d) for d in info["shape"]]
-            a, b = (int(o) for o in info["data_offsets"])
-        except (KeyError, TypeError, ValueError) as e:
-            raise _Corrupt(f"bad header entry for {name!r}: {e!r}") from None
-        if not 0 <= a <= b <= size or b - a != math.prod(shape) * dtype.itemsize or min(shape, default=1) < 0:
-            raise _Corrupt(f"tensor {name!r} {info['dtype']}{shape} does not fit bytes {a}..{b} of {size}")
-        t = buf[start + a : start + b]
-        if (start + a) % dtype.itemsize:  # safetensors aligns its tensors; a view needs it
-            t = t.clone()
-        tensors[name] = t.view(dtype).view(shape)
-    meta = _metadata(header)
-    try:
-        ids, k, v = tensors.pop("token_ids"), tensors.pop("keys"), tensors.pop("values")
-        fingerprint, text, n_tokens = meta["fingerprint"], meta["text"], int(meta["n_tokens"])
-    except (KeyError, ValueError) as e:
-        raise _Corrupt(f"missing or bad field {e}") from None
-    if ids.dim() != 1 or ids.dtype != torch.int64:
-        raise _Corrupt(f"token_ids has shape {tuple(ids.shape)} dtype {ids.dtype}, expected [T] int64")
-    if k.dim() != 4 or k.shape != v.shape or k.dtype != v.dtype:
-        raise _Corrupt(f"keys {tuple(k.shape)} {k.dtype} / values {tuple(v.shape)} {v.dtype} are inconsistent")
-    if k.shape[2] != ids.numel() or n_tokens != ids.numel():
-        raise _Corrupt(f"token count mismatch: {ids.numel()} ids, T={k.shape[2]}, n_tokens={n_tokens}")
-    unknown = [n for n in tensors if not n.startswith(_EXTRA_PREFIX)]
-    if unknown:
-        raise _Corrupt(f"unexpected tensors {unknown}")
-    extras = {n[len(_EXTRA_PREFIX) :]: t for n, t in tensors.items()}
-    return ChunkEntry(fingerprint=fingerprint, text=text, token_ids=ids, keys=k, values=v, extras=extras)
 
 
 class _DirLock:
@@ -322,7 +95,7 @@ class _DirLock:
         self._f.close()  # closing the file releases the lock
 
 
-class KVStore:
+class KVStore(ChunkStore):
     """Per-chunk KV caches on disk, safe to share between threads and processes.
 
     size_limit: bytes for the blob cache (SQLite file + blob files), kept by evicting the
@@ -398,20 +171,7 @@ class KVStore:
         return index
 
     # ---- keys ----------------------------------------------------------------------
-    @staticmethod
-    def make_key(fingerprint: str, token_ids) -> str:
-        """sha256 hex of the model fingerprint and the token ids (as little-endian int64)."""
-        if not isinstance(fingerprint, str) or not fingerprint:
-            raise ValueError("make_key needs a non-empty fingerprint string")
-        ids = torch.as_tensor(token_ids)
-        if ids.dim() != 1 or ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
-            raise ValueError(f"token_ids must be a 1-D sequence of ints, got shape {tuple(ids.shape)} dtype {ids.dtype}")
-        h = hashlib.sha256()
-        fp = fingerprint.encode("utf-8")
-        # Length prefix: no (fingerprint, ids) pair can produce another pair's byte string.
-        h.update(len(fp).to_bytes(8, "little") + fp)
-        h.update(ids.to(torch.int64).cpu().numpy().astype("<i8", copy=False).tobytes())
-        return h.hexdigest()
+    make_key = staticmethod(make_key)  # KVStore.make_key(fingerprint, token_ids), as before the split
 
     # ---- write ---------------------------------------------------------------------
     def put(self, key: str, entry: ChunkEntry) -> None:
@@ -421,8 +181,8 @@ class KVStore:
         fits its size limit. Raises ValueError for an empty or inconsistent entry."""
         if not isinstance(key, str) or not key:
             raise ValueError(f"key must be a non-empty string, got {key!r}")
-        ids = _validate_entry(entry)
-        data = _serialize(entry, ids)
+        ids = validate_entry(entry)
+        data = serialize(entry, ids)
         if len(data) > self.size_limit:
             # Stored, it would evict every other entry and then itself (least recently used first).
             raise StoreError(
@@ -475,13 +235,13 @@ class KVStore:
             return self._miss()
         buf, tag, name = found
         try:
-            verified = _verified_header(buf, tag, fingerprint)
+            verified = verified_header(buf, tag, fingerprint)
             if verified is None:
                 log.warning("KVStore: entry %s has a format version newer than this kvrag's %d; "
                             "not used, left for the newer kvrag", key, CACHE_FORMAT_VERSION)
                 return self._miss()
             header, start = verified
-            meta = _metadata(header)
+            meta = metadata(header)
             if meta.get("fingerprint") != fingerprint:
                 # The checksum holds, so this is a sound entry of another model asked for
                 # with the wrong fingerprint (a caller error): leave it for its owner.
@@ -490,8 +250,8 @@ class KVStore:
                 with self._lock:
                     self._counts["wrong_model"] += 1
                 return self._miss()
-            entry = _deserialize(buf, header, start)
-        except _Corrupt as e:
+            entry = deserialize(buf, header, start)
+        except Corrupt as e:
             self._drop_corrupt(key, name, str(e))
             return self._miss()
         with self._lock:
@@ -674,12 +434,12 @@ class KVStore:
             n = int.from_bytes(head, "little") if len(head) == 8 else 0
             end = None
             try:
-                header = _read_header(head + handle.read(n))[0] if 0 < n < 2**27 else {}
-                if header and _is_newer_format(_metadata(header)):
+                header = read_header(head + handle.read(n))[0] if 0 < n < 2**27 else {}
+                if header and is_newer_format(metadata(header)):
                     return True  # not ours to judge
                 end = max((int(info["data_offsets"][1]) for k, info in header.items() if k != "__metadata__"),
                           default=None)
-            except (_Corrupt, KeyError, TypeError, ValueError, IndexError):
+            except (Corrupt, KeyError, TypeError, ValueError, IndexError):
                 pass
         if end is None or size != 8 + n + end:
             self._drop_corrupt(key, name, f"file of {size} bytes, its header says {'?' if end is None else 8 + n + end}")
@@ -743,10 +503,10 @@ class KVStore:
             return False
         buf, tag, name = found
         try:
-            verified = _verified_header(buf, tag)
+            verified = verified_header(buf, tag)
             if verified is not None:  # None: a newer format, left for the kvrag that wrote it
-                _deserialize(buf, *verified)
-        except _Corrupt as e:
+                deserialize(buf, *verified)
+        except Corrupt as e:
             self._drop_corrupt(key, name, str(e))
             return True
         return False
@@ -825,12 +585,12 @@ class KVStore:
             head = handle.read(8)
             n = int.from_bytes(head, "little") if len(head) == 8 else 0
             try:
-                meta = _metadata(_read_header(head + handle.read(n))[0]) if 0 < n < 2**27 else None
-            except _Corrupt:
+                meta = metadata(read_header(head + handle.read(n))[0]) if 0 < n < 2**27 else None
+            except Corrupt:
                 meta = None
         if not meta or "text" not in meta or "fingerprint" not in meta:
             return False
-        if _is_newer_format(meta):
+        if is_newer_format(meta):
             return False  # its text index is the newer kvrag's, which may lay it out differently
         value = json.dumps({"text": meta["text"], "fingerprint": meta["fingerprint"],
                             "n_tokens": int(meta.get("n_tokens", 0))})

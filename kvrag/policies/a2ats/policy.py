@@ -15,7 +15,7 @@ key in the cache has a small integer code per KV head (computed at precompute ti
 
 The full K/V stays where it is (CPU memory here); the policy reports how many KV bytes the
 decode steps read versus full attention in ``stats.policy_stats`` (``a2ats.*`` keys).
-Codebooks come from ``kvrag calibrate a2ats`` (see ``kvrag.a2ats_calibrate``).
+Codebooks come from ``kvrag calibrate a2ats`` (see ``kvrag.policies.a2ats.calibrate``).
 """
 from __future__ import annotations
 
@@ -27,9 +27,11 @@ from pathlib import Path
 
 import torch
 
-from kvrag import a2ats_calibrate as cal
-from kvrag.policies.base import Policy, check_int, check_real, param
+from kvrag.policies.a2ats import codebook as books
+from kvrag.checks import check_int, check_real
+from kvrag.policies.base import Policy, param
 from kvrag.policies.registry import register
+from kvrag.query.state import CACHED
 
 log = logging.getLogger("kvrag")
 
@@ -90,18 +92,18 @@ class A2ATS(Policy):
         self._warned = False
 
     # ---- codebooks ---------------------------------------------------------------------
-    def codebooks(self, arch, required: bool = True) -> cal.Codebooks | None:
+    def codebooks(self, arch, required: bool = True) -> books.Codebooks | None:
         """This model's codebooks (memoized per model); CodebookError if ``required`` and none."""
         cb = self._books.get(arch.model)
         if cb is None:
             if self.params.codebook is not None:
-                cb = cal.verify_for_model(cal.load_cached(self.params.codebook), arch, repr(self.params.codebook))
+                cb = books.verify_for_model(books.load_cached(self.params.codebook), arch, repr(self.params.codebook))
             else:
-                cb = cal.find_codebooks(arch)
+                cb = books.find_codebooks(arch)
             if cb is None:
                 if required:
-                    raise cal.CodebookError(
-                        f"no A2ATS codebook for this model in {str(cal.codebook_dir())!r}; "
+                    raise books.CodebookError(
+                        f"no A2ATS codebook for this model in {str(books.codebook_dir())!r}; "
                         "fit one with `kvrag calibrate a2ats` (or pass codebook=PATH)"
                     )
                 return None
@@ -157,7 +159,7 @@ class A2ATS(Policy):
         sc = state.scratch["a2ats"]
         sc.update(self.prefill_codes(state, sc["codebooks"]))
 
-    def prefill_codes(self, state, cb: cal.Codebooks) -> dict:
+    def prefill_codes(self, state, cb: books.Codebooks) -> dict:
         """Codes of every kept row after the fused prefill.
 
         A cached row whose K was never recomputed keeps its chunk's codes (stored extras made
@@ -165,7 +167,6 @@ class A2ATS(Policy):
         at query time at a layer (plain/inserted tokens, CacheBlend's recomputed tokens) gets
         codes from its fused key un-rotated by its position. Returns {"codes": per layer
         LongTensor [Hkv, M], "positions": [M], "m0": M, "next_position": int}."""
-        from kvrag.fusion import CACHED  # not at import time: kvrag.fusion imports the policies
 
         arch, layout = state.arch, state.layout
         L, hkv, n = arch.n_layers, arch.n_kv_heads, layout.n
@@ -204,7 +205,7 @@ class A2ATS(Policy):
         }
 
     @staticmethod
-    def entry_codes(entry, cb: cal.Codebooks) -> tuple[torch.Tensor, bool]:
+    def entry_codes(entry, cb: books.Codebooks) -> tuple[torch.Tensor, bool]:
         """(codes LongTensor [L, Hkv, T], reused?) of a cached chunk: its stored codes when
         they were made with ``cb``, else computed from its pre-RoPE keys."""
         extras = getattr(entry, "extras", None) or {}

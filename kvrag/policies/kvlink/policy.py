@@ -11,7 +11,7 @@ the document alone.
 Link tokens only help a model fine-tuned to use them:
 
 * **trained** mode: the model was loaded with a KVLink adapter (``KVRag(kvlink_adapter=...)``
-  or :func:`kvrag.kvlink_train.apply_adapter`), which carries the trained link embeddings
+  or :func:`kvrag.policies.kvlink.adapter.apply_adapter`), which carries the trained link embeddings
   ``[max_docs, K, E]`` (the paper's per-position ``link<n>-<k>`` tokens) and possibly a merged
   LoRA that gives the model — and thus every cached chunk — a new fingerprint.
 * **untrained** mode: no fine-tuning; link embeddings are the mean input embedding (the usual
@@ -28,12 +28,12 @@ from dataclasses import dataclass
 
 import torch
 
-from kvrag.fusion import CACHED
+from kvrag.query.state import CACHED
 from kvrag.policies.base import Policy, param
 from kvrag.policies.registry import register
 
 #: Attribute of an adapted HF model that holds its ``KVLinkAdapter`` (set by
-#: ``kvrag.kvlink_train.apply_adapter``).
+#: ``kvrag.policies.kvlink.adapter.apply_adapter``).
 ADAPTER_ATTR = "kvrag_kvlink"
 MODES = ("auto", "trained", "untrained")
 UNTRAINED_LINK_TOKENS = 5  # KVLink5, the paper's best variant
@@ -95,7 +95,7 @@ class KVLink(Policy):
         if mode == "trained" and adapter is None:
             raise ValueError(
                 "kvlink mode='trained' needs a model loaded with a KVLink adapter "
-                "(KVRag(..., kvlink_adapter='auto' or a directory), or kvrag.kvlink_train.apply_adapter); "
+                "(KVRag(..., kvlink_adapter='auto' or a directory), or kvrag.policies.kvlink.adapter.apply_adapter); "
                 "train one with `kvrag train kvlink`, or use mode='untrained'"
             )
         return mode

@@ -1,0 +1,146 @@
+"""The cached chunks of a prompt: find their texts in it (``kvrag.query.segment``), read their
+entries from the tiers that hold them (the in-memory hot tier, then the store) and align them
+with the prompt's own tokenization (``kvrag.query.align``).
+
+The result is the prompt as ``Piece``\\ s: plain token runs and cached chunks, in order, whose
+token ids concatenated are exactly the tokenizer's ids of the whole prompt (after the BOS ids
+it adds), for every policy alike.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from kvrag.errors import StoreError
+from kvrag.query.align import chunk_spans, place_chunks, prompt_prefix, prompt_tokens, token_inside
+from kvrag.query.segment import Segmenter
+from kvrag.query.state import CACHED, PLAIN, FusionStats, Piece
+
+log = logging.getLogger("kvrag")
+
+
+class ChunkLookup:
+    """Finds, reads and aligns the cached chunks of prompts for one model and store.
+
+    ``segmenter`` is shared with ingestion (``kvrag.ingest.Ingestor``), which registers what it
+    stores, so the very next query finds it; chunks another process stored are found by
+    re-reading the store's text index at most every ``refresh_s`` seconds."""
+
+    def __init__(self, handle, store, hot, segmenter: Segmenter, fingerprint: str, refresh_s: float = 2.0) -> None:
+        self.handle = handle
+        self.tokenizer = handle.tokenizer
+        self.store = store
+        self.hot = hot
+        self.segmenter = segmenter
+        self.fingerprint = fingerprint
+        self.newline_ids = handle.encode("\n")
+        self._refresh_s = refresh_s
+        self._last_refresh = -1e9
+        # One re-read of the text index at a time: concurrent queries that are due at once
+        # wait for the one reading it (and then skip theirs) instead of all reading it.
+        self._refresh_lock = threading.Lock()
+        # Chunk reads (``read_entries``); the pool starts its threads at the first read.
+        self._readers = ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="kvrag-read")
+
+    def refresh(self) -> None:
+        """Re-read the store's text index if ``refresh_s`` has passed: other processes (or an
+        earlier session) may have added chunks. Not on every query: it is a disk read."""
+        if time.monotonic() - self._last_refresh < self._refresh_s:
+            return
+        with self._refresh_lock:
+            now = time.monotonic()
+            if now - self._last_refresh < self._refresh_s:
+                return  # another query re-read it while this one waited
+            # The index is read while precompute (this process's worker) may store and register
+            # chunks: those registered after ``since`` are newer than the snapshot, kept.
+            since = self.segmenter.version()
+            try:
+                self.segmenter.update(self.store.texts(self.fingerprint), since=since)
+            except StoreError as e:
+                # Queries go on with the chunks already known (their reads fall back to
+                # computing if the store cannot serve them); the next refresh tries again.
+                log.warning("%s; serving the %d chunk texts known so far", e, len(self.segmenter))
+            self._last_refresh = now
+
+    def read_entries(self, keys: list[str]) -> dict[str, Future]:
+        """Store entries by key, read concurrently: the file read (or mapping) and the checksum
+        release the GIL, and the tensors are views of the read buffer (no parse). On a CUDA
+        device the buffer is pinned, so the copy to the GPU is asynchronous and at full speed
+        (docs/cache.md, "How a blob is read")."""
+        pin = self.handle.device.type == "cuda"
+        return {k: self._readers.submit(self.store.get, k, self.fingerprint, pin_memory=pin)
+                for k in dict.fromkeys(keys)}
+
+    def pieces(self, prompt: str, use_cache: bool = True) -> tuple[list[Piece], FusionStats]:
+        """The prompt's token ids, split into plain pieces and cached chunks: ([Piece], stats
+        with hits/misses).
+
+        The ids are the tokenizer's own for the whole prompt (what ``model.generate`` on the
+        tokenized prompt reads), for every policy alike, ``full_prefill`` included. A chunk
+        found in the prompt text is served from the cache only where that tokenization holds
+        exactly the chunk's ids (``KVRag.chunk_ids``) on its characters; a chunk the prompt
+        holds only in part (cut, or without its edge whitespace: ``Segmenter(partial=True)``)
+        is served for the tokens it shares on that part (``chunks_partial``). Where the two
+        tokenizations part at the chunk's edges — its last token merges with the next line
+        break, its first with a preceding space (" The" after "Context:") — only the run of
+        tokens they share is reused and the edge tokens are computed (``align.match_chunk``);
+        a chunk they share no run of is counted in ``chunks_unaligned`` and computed as plain
+        text. Never a different token sequence from the tokenizer's."""
+        stats = FusionStats()
+        pieces: list[Piece] = []
+        prefix = prompt_prefix(self.handle, prompt)
+        if prefix:
+            pieces.append(Piece(torch.tensor(prefix, dtype=torch.long)))
+        ids, offsets, starts = prompt_tokens(self.tokenizer, prompt)
+        tok = 0  # first token not yet placed in a piece
+        if use_cache:
+            self.refresh()
+            spans = list(chunk_spans(self.segmenter.split(prompt)))
+            hot_entries = {seg.key: e for seg, _, _ in spans if (e := self.hot.get(seg.key)) is not None}
+            # Reads start at once, all of them, for every span a prompt token lies in.
+            disk = self.read_entries([seg.key for seg, start, end in spans if seg.key not in hot_entries
+                                      and token_inside(starts, offsets, start, end, 0)])
+
+            def read(seg):
+                entry = hot_entries.get(seg.key)
+                hot = entry is not None
+                if not hot:
+                    entry = disk[seg.key].result()
+                    if entry is None:
+                        return None  # evicted/corrupt: computed instead
+                return entry.token_ids.tolist(), entry.text, (entry, hot)
+
+            for pl in place_chunks(self.tokenizer, self.newline_ids, ids, offsets, starts, spans, read):
+                if pl.status == "unaligned":
+                    stats.chunks_unaligned += 1
+                    continue
+                if pl.status == "missed":
+                    stats.chunks_missed += 1
+                    continue
+                (entry, hot), j, k, m = pl.chunk, pl.j, pl.k, pl.m
+                if pl.segment.partial:
+                    stats.chunks_partial += 1
+                if hot:
+                    stats.chunks_hot += 1
+                else:
+                    entry = self.hot.put(pl.segment.key, entry)
+                if m < entry.token_ids.numel():
+                    entry = entry.span(k, k + m)
+                stats.bytes_loaded += entry.nbytes
+                if j > tok:
+                    pieces.append(Piece(torch.tensor(ids[tok:j], dtype=torch.long), PLAIN))
+                pieces.append(Piece(entry.token_ids, CACHED, entry=entry, key=pl.segment.key, span=(k, k + m)))
+                tok = j + m
+        if tok < len(ids):
+            pieces.append(Piece(torch.tensor(ids[tok:], dtype=torch.long), PLAIN))
+        total = sum(int(p.token_ids.numel()) for p in pieces)
+        if total == 0:
+            raise ValueError("empty prompt: it tokenizes to no tokens")
+        if total > self.handle.max_context:
+            raise ValueError(f"prompt of {total} tokens exceeds the model context ({self.handle.max_context})")
+        return pieces, stats
