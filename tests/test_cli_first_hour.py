@@ -95,3 +95,21 @@ def test_model_info_shows_the_stores_fingerprint_and_bytes(tmp_path, capsys):
     assert entry is not None and entry.fingerprint == info["cache_fingerprint"]
     per_token = (entry.keys.numel() + entry.values.numel()) * entry.keys.element_size() // entry.token_ids.numel()
     assert info["kv_bytes_per_token"] == per_token
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="XDG_CACHE_HOME is the Linux convention platformdirs follows")
+def test_the_kvrag_home_follows_xdg_cache_home(tmp_path, monkeypatch):
+    from kvrag.model import default_home
+
+    monkeypatch.delenv("KVRAG_HOME", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert default_home() == tmp_path / "xdg" / "kvrag"
+    monkeypatch.setenv("KVRAG_HOME", str(tmp_path / "mine"))
+    assert default_home() == tmp_path / "mine"
+
+
+def test_sizes_are_parsed_and_printed_in_binary_units():
+    from kvrag.cli.cache import human, parse_size
+
+    assert parse_size("2 GiB") == parse_size("2G") == 2 * 2**30 and parse_size("0.5K") == 512
+    assert human(23040) == "22.5 KiB" and human(517 * 2**20) == "517 MiB"

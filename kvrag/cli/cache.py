@@ -2,39 +2,35 @@
 from __future__ import annotations
 
 import json
-import re
 import sys
-from decimal import Decimal
 from pathlib import Path
 
 from kvrag.errors import StoreError
 
-_UNITS = {"": 1, "B": 1, "K": 2**10, "KB": 2**10, "KIB": 2**10, "M": 2**20, "MB": 2**20, "MIB": 2**20,
-          "G": 2**30, "GB": 2**30, "GIB": 2**30, "T": 2**40, "TB": 2**40, "TIB": 2**40}
 # The store records its size limit in SQLite, whose INTEGER is a signed 64-bit number.
 MAX_SIZE = 2**63 - 1
 
 
 def parse_size(text: str) -> int:
-    """'512M', '16G', '1.5GiB', '1000000' -> bytes (binary units), 1 .. ``MAX_SIZE``."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(text))
-    if not m or m.group(2).upper() not in _UNITS:
-        raise ValueError(f"bad size {text!r}: use a number of bytes or e.g. 512M, 16G")
-    # Decimal, not float: exact for any length of digits (a float overflows to inf).
-    n = int(Decimal(m.group(1)) * _UNITS[m.group(2).upper()])
+    """'512M', '16G', '1.5GiB', '1000000' -> bytes (binary units: ``humanfriendly``), 1 .. ``MAX_SIZE``."""
+    import humanfriendly
+
+    try:
+        n = humanfriendly.parse_size(str(text), binary=True)
+    except humanfriendly.InvalidSize:
+        raise ValueError(f"bad size {text!r}: use a number of bytes or e.g. 512M, 16G") from None
     if n <= 0:
         raise ValueError(f"size must be positive, got {text!r}")
     if n > MAX_SIZE:
         raise ValueError(f"size {text!r} is too large: at most {MAX_SIZE} bytes (8 EiB)")
-    return n
+    return int(n)
 
 
 def human(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
+    """Bytes for people: '22.5 KiB', '517 MiB' (``humanfriendly``, binary units)."""
+    import humanfriendly
+
+    return humanfriendly.format_size(n, binary=True)
 
 
 def default_cache_dir() -> Path:
