@@ -64,7 +64,8 @@ def resolve_policy(policy, policy_params: dict | None, flat: dict[str, Any], rag
     arch = getattr(rag, "arch", None)
     if arch is not None:
         pol.check_model(arch)  # and on a policy the wrapped model cannot run (a2ats, no codebook)
-    return policy, params
+    # As JSON holds them: a wrapper serialized and loaded again has the same settings.
+    return policy, {k: list(v) if isinstance(v, tuple) else v for k, v in params.items()}
 
 
 def max_tokens_alias(kwargs: dict[str, Any], owner: str) -> None:

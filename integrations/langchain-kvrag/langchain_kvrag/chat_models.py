@@ -194,7 +194,8 @@ class ChatKVRag(WrapsKVRag, BaseChatModel):
     def _get_ls_params(self, stop: Optional[list[str]] = None, **kwargs: Any):
         params = super()._get_ls_params(stop=stop, **kwargs)
         params["ls_provider"] = "kvrag"
-        params["ls_model_name"] = self._identifying_params["model"] or "in-memory"
+        if not isinstance(kwargs.get("model"), str):  # a per-call model= is what the trace reports
+            params["ls_model_name"] = self._identifying_params["model"] or "in-memory"
         return params
 
     # ---- kvrag objects ---------------------------------------------------------------
