@@ -43,6 +43,28 @@ def li_llm(rag):
     llm.precomputer.shutdown(cancel_pending=True, timeout=30)
 
 
+def test_llamaindex_llm_class_conventions(li_llm, rag):
+    """What every llama-index-llms-* package tests (tests/test_llms_<name>.py): the class is a
+    BaseLLM; plus its metadata, and that the sync, streaming and async paths agree."""
+    import asyncio
+
+    from llama_index.core.base.llms.base import BaseLLM
+    from llama_index.core.llms import ChatMessage
+
+    from llama_index.llms.kvrag import KVRagLLM
+
+    assert BaseLLM.__name__ in [b.__name__ for b in KVRagLLM.__mro__]
+    assert KVRagLLM.class_name() == "KVRagLLM" == li_llm.to_dict()["class_name"]
+    md = li_llm.metadata
+    assert md.context_window == rag.handle.max_context and md.num_output == li_llm.max_new_tokens
+    assert md.is_chat_model and md.model_name.startswith("kvrag:")
+    text = li_llm.complete(PROMPT, formatted=True).text
+    assert list(li_llm.stream_complete(PROMPT, formatted=True))[-1].text == text
+    assert asyncio.run(li_llm.acomplete(PROMPT, formatted=True)).text == text
+    chat = [ChatMessage(role="user", content=PROMPT)]
+    assert asyncio.run(li_llm.achat(chat)).message.content == li_llm.chat(chat).message.content
+
+
 def test_llamaindex_hooks_take_llm_keyword(li_llm, rag):
     from llama_index.core import VectorStoreIndex  # noqa: F401  (the components below need core)
     from llama_index.core.retrievers import BaseRetriever

@@ -4,6 +4,7 @@ round-trips). What kvrag does not do -- tool calling, structured output, JSON mo
 audio / video / PDF input -- is declared unsupported through the suite's properties, so those
 tests are skipped by the suite itself, for that stated reason."""
 import pytest
+from pydantic import Field
 
 from langchain_tests.integration_tests import ChatModelIntegrationTests
 from langchain_tests.unit_tests import ChatModelUnitTests
@@ -13,6 +14,13 @@ from kvrag.engine import KVRag
 from kvrag.testing import tiny_llama
 
 _DIR = {}
+# The suite's async tests are plain ``async def``: run them with anyio's pytest plugin (asyncio).
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -76,5 +84,15 @@ class TestChatKVRagUnit(_KVRagSuite, ChatModelUnitTests):
         assert again.dict() == model.dict() and again.rag is not model.rag
 
 
+class _ShortChatKVRag(ChatKVRag):
+    """ChatKVRag answering in 8 tokens by default: the suite builds some models from
+    ``chat_model_params`` alone (test_stop_sequence), and 256 tokens of a random model take
+    half a minute on a small CPU."""
+
+    max_new_tokens: int = Field(default=8, gt=0)
+
+
 class TestChatKVRagIntegration(_KVRagSuite, ChatModelIntegrationTests):
-    pass
+    @property
+    def chat_model_class(self):
+        return _ShortChatKVRag
