@@ -177,8 +177,7 @@ class KVRag:
         self.ingest_policies = ingest
         self.query_tokens = query_tokens
         self.eos = eos_ids(self.handle.model, self.tokenizer)
-        self._warned_no_reuse = False
-        self._warned_pending = False
+        self._warned: set[str] = set()  # causes _note_no_reuse warned about (once each)
         # Partial matches: a chunk the framework cut or whose edge whitespace it trimmed is
         # still served for the tokens the prompt shares with it (kvrag.query.segment). One
         # segmenter for both paths: what ingestion stores, the next query finds.
@@ -227,26 +226,25 @@ class KVRag:
         background precompute, a framework that rewrites the chunk texts, a store another
         process evicted). Counts are those at lookup time (``_prepare``). A warning the first
         time per KVRag and cause, debug after."""
-        seg_stats = prep.seg_stats
         if prep.pending:
             # Not a segmentation problem: the chunks are in the prompt, their K/V is not ready.
-            level = logging.DEBUG if self._warned_pending else logging.WARNING
-            self._warned_pending = True
-            log.log(level, "no cached chunk served in this prompt: %d chunk text(s) it contains were still "
-                    "queued or being computed by the background precomputer (%d chunk texts cached at "
-                    "lookup): computed in full. Call precomputer.wait_until_idle() after ingestion for the "
-                    "first queries to hit (docs/integrations.md#background-precompute). Said once.",
-                    prep.pending, prep.known)
-            return
-        if not prep.known:
-            return  # nothing ingested yet: computing in full is the expected path
-        level = logging.DEBUG if self._warned_no_reuse else logging.WARNING
-        self._warned_no_reuse = True
-        log.log(level, "no cached chunk served in this prompt (%d chunk texts cached at lookup; %d found but "
-                "unreadable/evicted, %d found but tokenized otherwise): computed in full. Expected for "
-                "a prompt without retrieved text (a chat engine's question rewrite); if it holds "
-                "retrieved text, see docs/segmentation.md for what breaks a match. Said once.",
-                prep.known, seg_stats.chunks_missed, seg_stats.chunks_unaligned)
+            self._say_once("pending", "no cached chunk served in this prompt: %d chunk text(s) it contains were "
+                           "still queued or being computed by the background precomputer (%d chunk texts cached "
+                           "at lookup): computed in full. Call precomputer.wait_until_idle() after ingestion for "
+                           "the first queries to hit (docs/integrations.md#background-precompute). Said once.",
+                           prep.pending, prep.known)
+        elif prep.known:  # (nothing ingested yet: computing in full is the expected path)
+            self._say_once("no_reuse", "no cached chunk served in this prompt (%d chunk texts cached at lookup; %d "
+                           "found but unreadable/evicted, %d found but tokenized otherwise): computed in full. "
+                           "Expected for a prompt without retrieved text (a chat engine's question rewrite); if "
+                           "it holds retrieved text, see docs/segmentation.md for what breaks a match. Said once.",
+                           prep.known, prep.seg_stats.chunks_missed, prep.seg_stats.chunks_unaligned)
+
+    def _say_once(self, cause: str, msg: str, *args) -> None:
+        """A warning the first time per KVRag and ``cause``, debug after."""
+        level = logging.DEBUG if cause in self._warned else logging.WARNING
+        self._warned.add(cause)
+        log.log(level, msg, *args)
 
     def _prepare(self, text: str, pol: Policy, t0: float) -> "_Prepared":
         """Everything of a prefill that can reject the request: the policy against this model,

@@ -51,20 +51,15 @@ class _KVRagSuite:
         # ignoring them).
         return {"temperature": 0, "max_tokens": 8, "stop": []}
 
-    # What kvrag does not support (it answers from text).
-    has_tool_calling = property(lambda self: False)
-    has_tool_choice = property(lambda self: False)
-    has_structured_output = property(lambda self: False)
-    supports_json_mode = property(lambda self: False)
-    supports_image_inputs = property(lambda self: False)
-    supports_image_urls = property(lambda self: False)
-    supports_pdf_inputs = property(lambda self: False)
-    supports_audio_inputs = property(lambda self: False)
-    supports_video_inputs = property(lambda self: False)
-    supports_image_tool_message = property(lambda self: False)
-    supports_pdf_tool_message = property(lambda self: False)
-    supports_anthropic_inputs = property(lambda self: False)
     returns_usage_metadata = property(lambda self: True)
+
+
+# What kvrag does not support (it answers from text): the suite skips those tests.
+for _feature in ("has_tool_calling", "has_tool_choice", "has_structured_output", "supports_json_mode",
+                 "supports_image_inputs", "supports_image_urls", "supports_pdf_inputs", "supports_audio_inputs",
+                 "supports_video_inputs", "supports_image_tool_message", "supports_pdf_tool_message",
+                 "supports_anthropic_inputs"):
+    setattr(_KVRagSuite, _feature, property(lambda self: False))
 
 
 class TestChatKVRagUnit(_KVRagSuite, ChatModelUnitTests):

@@ -46,6 +46,7 @@ from typing import Any
 
 import diskcache
 import diskcache.core
+from filelock import FileLock
 import torch
 
 from kvrag.errors import StoreError
@@ -69,30 +70,6 @@ DEFAULT_SIZE_LIMIT = 16 * 2**30
 #: within seconds (longer only while waiting for the database lock); an hour leaves it ample
 #: time, and the files of writers that died are still reclaimed by a later gc.
 _ORPHAN_GRACE_S = 3600.0
-
-
-class _DirLock:
-    """An exclusive lock between processes on the file ``path`` (flock on POSIX, msvcrt on
-    Windows), held while a store is opened (or created)."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-
-    def __enter__(self) -> "_DirLock":
-        self._f = open(self.path, "a+b")
-        try:
-            import fcntl
-
-            fcntl.flock(self._f.fileno(), fcntl.LOCK_EX)
-        except ImportError:  # Windows
-            import msvcrt
-
-            self._f.seek(0)
-            msvcrt.locking(self._f.fileno(), msvcrt.LK_LOCK, 1)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._f.close()  # closing the file releases the lock
 
 
 class KVStore(ChunkStore):
@@ -122,7 +99,8 @@ class KVStore(ChunkStore):
         # Opened under an exclusive lock: two processes creating a store at once would otherwise
         # race between "is there a store?" and diskcache writing its settings, and one could
         # record diskcache's 1 GB default limit for good.
-        with _DirLock(self.directory / ".kvstore.lock"):
+        # Held while a store is opened (or created): one process at a time sets it up.
+        with FileLock(self.directory / ".kvstore.lock"):
             blob_db = self.directory / "blobs" / diskcache.core.DBNAME
             blob_settings = {}
             if size_limit is not None or not blob_db.exists() or blob_db.stat().st_size == 0:
