@@ -43,7 +43,8 @@ def resolve_policy(policy, policy_params: dict | None, flat: dict[str, Any], rag
     recompute_ratio=...)`` takes them; any other name is a typo, reported here rather than
     dropped (pydantic models would drop it silently)."""
     own = getattr(rag, "policy", None)
-    inherited = {} if own is None else {f.name: getattr(own.params, f.name) for f in dataclasses.fields(own.params)}
+    inherited = {} if own is None else {f.name: _as_json(getattr(own.params, f.name))
+                                        for f in dataclasses.fields(own.params)}
     params = {}
     if policy is None and own is not None:
         policy, params = own.name, dict(inherited)
@@ -64,8 +65,13 @@ def resolve_policy(policy, policy_params: dict | None, flat: dict[str, Any], rag
     arch = getattr(rag, "arch", None)
     if arch is not None:
         pol.check_model(arch)  # and on a policy the wrapped model cannot run (a2ats, no codebook)
-    # As JSON holds them: a wrapper serialized and loaded again has the same settings.
-    return policy, {k: list(v) if isinstance(v, tuple) else v for k, v in params.items()}
+    return policy, {k: _as_json(v) for k, v in params.items()}
+
+
+def _as_json(value: Any) -> Any:
+    """A parameter value as JSON holds it (a tuple as a list): a wrapper serialized and loaded
+    again has the same settings, and compares equal to them."""
+    return list(value) if isinstance(value, tuple) else value
 
 
 def max_tokens_alias(kwargs: dict[str, Any], owner: str) -> None:
