@@ -106,8 +106,10 @@ class ChatKVRag(WrapsKVRag, BaseChatModel):
     model_config = ConfigDict(arbitrary_types_allowed=True)
 
     rag: Any = Field(default=None, exclude=True, description="A kvrag.engine.KVRag (built from model/cache_dir if None).")
-    model: Optional[str] = Field(default=None, description="HF model directory or .gguf (None: SmolLM2-135M-Instruct).")
-    cache_dir: Optional[str] = Field(default=None, description="KV store directory (None: $KVRAG_HOME/store).")
+    model: Optional[str] = Field(default=None, description="HF model directory or .gguf (None: SmolLM2-135M-Instruct); "
+                                 "filled in with the path the KVRag loaded (None for a model built in memory).")
+    cache_dir: Optional[str] = Field(default=None, description="KV store directory (None: $KVRAG_HOME/store); "
+                                     "filled in with the KVRag's store.")
     policy: str = "cacheblend"
     policy_params: dict[str, Any] = Field(default_factory=dict)
     max_new_tokens: int = Field(default=256, gt=0)
