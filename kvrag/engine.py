@@ -36,6 +36,7 @@ from kvrag.store.hot import HotCache, resolve_budget
 
 log = logging.getLogger("kvrag")
 
+
 @dataclass
 class Generation:
     """A finished generation: text, generated token ids, and what the prefill did."""
