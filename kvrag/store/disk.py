@@ -206,7 +206,11 @@ class KVStore(ChunkStore):
         path = self.directory / name
         check_db_files(path)
         sanitize_settings(path / diskcache.core.DBNAME, self.timeout)
-        return diskcache.Cache(str(path), **settings)
+        cache = diskcache.Cache(str(path), **settings)
+        # diskcache opens this thread's connection while its own timeout is still 0 (it retries
+        # by hand during __init__): give it the store's wait for the write lock too.
+        cache._con.execute(f"PRAGMA busy_timeout = {int(self.timeout * 1000)}")
+        return cache
 
     def _environment_error(self, e: BaseException, doing: str) -> StoreError | None:
         """A StoreError for a failure of the environment rather than of the store -- another
@@ -281,7 +285,10 @@ class KVStore(ChunkStore):
     @staticmethod
     def _set(cache: diskcache.Cache, key: str, value, **kw) -> None:
         try:
-            cache.set(key, value, retry=True, **kw)
+            # retry=False: wait ``timeout`` seconds for the write lock (SQLite's busy handler),
+            # then fail with diskcache.Timeout, which put reports as a locked store; retry=True
+            # would wait for ever behind a writer that never lets go.
+            cache.set(key, value, retry=False, **kw)
         except BaseException:
             # The value's file was written but the row pointing at it never committed (a full
             # disk, a lock): the file is ours and dead, so it goes now rather than after gc's
