@@ -151,6 +151,15 @@ def test_a_database_file_that_is_a_symlink_is_refused(tmp_path):
     assert elsewhere.read_bytes() == before
 
 
+def test_a_lock_file_that_is_a_symlink_is_refused_and_its_target_not_created(tmp_path):
+    d = tmp_path / "store"
+    d.mkdir()
+    (d / ".kvstore.lock").symlink_to(tmp_path / "created_elsewhere")
+    with pytest.raises(StoreError, match="lock file"):
+        KVStore(d)
+    assert not (tmp_path / "created_elsewhere").exists()
+
+
 # ---- 2. crafted headers and special files ---------------------------------------------
 def _blob_with_header(header_json: bytes, data: bytes = b"") -> bytes:
     return len(header_json).to_bytes(8, "little") + header_json + data
@@ -331,3 +340,28 @@ def test_layout_problem_names_what_does_not_fit_the_model():
     assert e.layout_problem((2, 2, 8)) is None
     assert "expected [L, Hkv, T, D]" in e.layout_problem((3, 2, 8))
     assert "expected [L, Hkv, T, D]" in e.layout_problem((2, 2, 16))
+
+
+def test_gc_removes_at_once_the_unreferenced_file_of_a_writer_that_died(store):
+    """A write killed between its file and its row leaves a file no row points at; its name
+    carries the writer's host and pid, so gc --verify need not wait an hour for it."""
+    from kvrag.store.confined import _host_id
+
+    put(store, make_entry())
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    blobs = store.directory / "blobs"
+    names = {"dead": f"{_host_id()}-{dead.pid}", "alive": f"{_host_id()}-{os.getpid()}",
+             "other_host": f"0badc0de-{dead.pid}"}
+    files = {}
+    for what, owner in names.items():
+        f = blobs / "ab" / "cd" / f"{what:0<28}.{owner}.val"
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_bytes(b"x" * 100)
+        files[what] = f
+    assert store.gc(verify=True)["check_warnings"] == 1
+    assert not files["dead"].exists()
+    assert files["alive"].exists() and files["other_host"].exists()  # a write in progress, maybe
+    # And what put writes is named so: the writer's own file is kept while it runs.
+    (own,) = [f for f in blob_files(store.directory) if f not in files.values()]
+    assert own.name.endswith(f".{_host_id()}-{os.getpid()}.val")

@@ -28,10 +28,13 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
+import hashlib
 import io
 import logging
 import os
 import re
+import socket
 import sqlite3
 import stat
 import threading
@@ -132,6 +135,34 @@ class ConfinedDisk(diskcache.Disk):
         raise OSError(errno.EPERM, f"refused a row with mode {mode!r}")
 
     # ---- files ---------------------------------------------------------------------
+    def filename(self, key=diskcache.core.UNKNOWN, value=diskcache.core.UNKNOWN):
+        """diskcache's random ``xx/yy/<hex>.val`` name with the writer's host and pid added
+        (``<hex>.<host>-<pid>.val``), so that ``writer_is_dead`` can tell the file of a write
+        that can never commit from one still in progress."""
+        hex_name = os.urandom(16).hex()
+        name = os.path.join(hex_name[:2], hex_name[2:4], f"{hex_name[4:]}.{_host_id()}-{os.getpid()}.val")
+        return name, os.path.join(self._root, name)
+
+    @staticmethod
+    def writer_is_dead(filename: str) -> bool:
+        """Whether ``filename`` was written by a process of this host (same machine, boot and
+        pid namespace) that no longer runs: such a file without a row is provably dead (its
+        writer can no longer commit the row). False when unsure (another host, a name without
+        an owner, a pid that runs -- possibly reused, then the file waits for gc's grace)."""
+        m = re.search(r"\.([0-9a-f]{8})-([0-9]{1,10})\.val$", str(filename))
+        if os.name != "posix" or m is None or m.group(1) != _host_id():  # os.kill(pid, 0) kills on Windows
+            return False
+        pid = int(m.group(2))
+        if pid == os.getpid():
+            return False
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        except OSError:  # EPERM: it runs, as another user
+            return False
+        return False
+
     @contextlib.contextmanager
     def _dirs(self, parts: list[str]):
         """File descriptors of the cache directory and each directory on the way to the
@@ -203,6 +234,18 @@ class ConfinedDisk(diskcache.Disk):
                 os.unlink(parts[-1], dir_fd=fds[-1])
                 for i in range(len(parts) - 1, 0, -1):  # emptied directories, never the root
                     os.rmdir(parts[i - 1], dir_fd=fds[i - 1])
+
+
+@functools.lru_cache(maxsize=1)
+def _host_id() -> str:
+    """8 hex digits naming this host, boot and pid namespace: pids are comparable only within it."""
+    parts = [socket.gethostname()]
+    for path in ("/proc/sys/kernel/random/boot_id", "/proc/self/ns/pid"):
+        try:
+            parts.append(os.readlink(path) if path.endswith("/pid") else Path(path).read_text().strip())
+        except OSError:
+            parts.append("")
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:8]
 
 
 def check_db_files(directory: Path) -> None:

@@ -68,7 +68,8 @@ DEFAULT_SIZE_LIMIT = 16 * 2**30
 #: diskcache writes a value's file *before* committing the row that points at it, so a young
 #: unreferenced file is most likely a write in progress in another process. A writer commits
 #: within seconds (longer only while waiting for the database lock); an hour leaves it ample
-#: time, and the files of writers that died are still reclaimed by a later gc.
+#: time, and the files of writers that died are still reclaimed by a later gc. A file whose name
+#: shows a writer of this host that no longer runs (``ConfinedDisk.writer_is_dead``) goes at once.
 _ORPHAN_GRACE_S = 3600.0
 
 
@@ -717,7 +718,7 @@ class KVStore(ChunkStore):
                 age = now - path.lstat().st_mtime
             except OSError:  # removed meanwhile (e.g. the old file of a replaced value)
                 continue
-            if age < _ORPHAN_GRACE_S:
+            if age < _ORPHAN_GRACE_S and not cache.disk.writer_is_dead(rel):
                 log.debug("KVStore: unreferenced file %s is %.0f s old: a write in progress, kept", path, age)
                 continue
             log.info("KVStore: removing %s, a file no entry points at (%.0f s old)", path, age)
