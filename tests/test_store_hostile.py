@@ -365,3 +365,20 @@ def test_gc_removes_at_once_the_unreferenced_file_of_a_writer_that_died(store):
     # And what put writes is named so: the writer's own file is kept while it runs.
     (own,) = [f for f in blob_files(store.directory) if f not in files.values()]
     assert own.name.endswith(f".{_host_id()}-{os.getpid()}.val")
+
+
+def test_a_key_that_is_not_a_str_is_a_miss(store):
+    for key in (None, 5, b"k", ("a",)):
+        assert store.get(key, FP_A) is None and key not in store and not store.delete(key)
+        assert not store.ensure_indexed(key)
+
+
+def test_a_tensor_of_a_million_dimensions_is_corrupt(store):
+    e = make_entry()
+    key = put(store, e)
+    data = blob_mod.serialize(e, e.token_ids)
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + n])
+    header["extras.x"] = {"dtype": "U8", "shape": [1] * 1_000_000, "data_offsets": [0, 1]}
+    _replace_blob(store.directory, key, _blob_with_header(json.dumps(header).encode(), data[8 + n :]))
+    assert _within(20, store.get, key, FP_A) is None

@@ -224,6 +224,8 @@ def deserialize(buf: torch.Tensor, header: dict[str, Any], start: int) -> ChunkE
         if dtype is None:
             raise Corrupt(f"bad header entry for {name!r:.80}: no known dtype")
         shape = _ints(name, info.get("shape"), "shape")
+        if len(shape) > 16:  # what kvrag stores has at most 4 dimensions
+            raise Corrupt(f"tensor {name!r:.80} has {len(shape)} dimensions")
         a, b = _offsets(name, info)
         if b > size or b - a != math.prod(shape) * dtype.itemsize:
             raise Corrupt(f"tensor {name!r:.80} {info['dtype']}{shape!s:.80} does not fit bytes {a}..{b} of {size}")

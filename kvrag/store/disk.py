@@ -18,8 +18,9 @@ A blob is a safetensors file holding the tensors ``token_ids`` [T] int64, ``keys
 metadata ``kvrag_format`` (= ``CACHE_FORMAT_VERSION``), ``fingerprint``, ``text`` and
 ``n_tokens``: a blob describes itself, the text index is only a fast listing of it.
 
-Only ``bytes`` and ``str`` values reach diskcache, so nothing is ever pickled (diskcache
-pickles any other value type).
+Only ``str`` keys and ``bytes``/``str`` values reach diskcache, so nothing is ever pickled, and
+both caches read their rows through ``kvrag.store.confined.ConfinedDisk``, so nothing a crafted
+store holds is ever unpickled or names a file outside it.
 
 Integrity: diskcache writes each value to a fresh file and then points the SQLite row at it
 (the old file is removed afterwards), so a write is atomic and two processes writing the same
@@ -290,7 +291,7 @@ class KVStore(ChunkStore):
             # then fail with diskcache.Timeout, which put reports as a locked store; retry=True
             # would wait for ever behind a writer that never lets go.
             cache.set(key, value, retry=False, **kw)
-        except BaseException:
+        except (OSError, sqlite3.Error, diskcache.Timeout):  # raised before the row commits
             # The value's file was written but the row pointing at it never committed (a full
             # disk, a lock): the file is ours and dead, so it goes now rather than after gc's
             # grace period for files of writers that may still be running.
@@ -319,9 +320,9 @@ class KVStore(ChunkStore):
             if found is None:
                 # A row whose file cannot be read is a broken entry, unless a concurrent writer
                 # just replaced the file under us: read once more before calling it corrupt.
-                if key in self._blobs:
+                if key in self:
                     found = self._read(key, pin_memory)
-                    if found is None and key in self._blobs:
+                    if found is None and key in self:
                         self._drop_corrupt(key, None, "blob file missing or unreadable")
                         return self._miss()
                 if found is None:
@@ -371,7 +372,7 @@ class KVStore(ChunkStore):
         from the blob's own metadata if it was not (a writer killed between its blob and its
         index write leaves such a chunk, which other processes never find: they find chunks
         through the index). False when no usable blob is stored: compute the chunk."""
-        if key not in self._blobs:
+        if key not in self:
             return False
         if not self._looks_whole(key):
             return False
@@ -411,6 +412,8 @@ class KVStore(ChunkStore):
     # ---- maintenance ---------------------------------------------------------------
     def delete(self, key) -> bool:
         """Remove ``key``; True if a blob was stored under it."""
+        if not isinstance(key, str):
+            return False  # never stored: kvrag's keys are str
         with self._blobs.transact(retry=True):
             existed = self._blobs.delete(key, retry=True)
             self._index.delete(key, retry=True)
@@ -494,6 +497,8 @@ class KVStore(ChunkStore):
         valid while any tensor of it is alive. With ``pin_memory`` (a CUDA consumer) the file
         is read into a page-locked buffer instead, so the host-to-device copy of the K/V runs
         at full bus speed without a staging copy."""
+        if not isinstance(key, str):
+            return None  # never stored: kvrag's keys are str
         handle, tag, stored_size = self._fetch(key, touch=True)
         if handle is None:
             return None
@@ -755,7 +760,7 @@ class KVStore(ChunkStore):
             return False
         n_tokens = meta.get("n_tokens", "0")
         value = json.dumps({"text": meta["text"], "fingerprint": meta["fingerprint"],
-                            "n_tokens": int(n_tokens) if n_tokens.isdigit() and len(n_tokens) < 12 else 0})
+                            "n_tokens": int(n_tokens) if n_tokens.isascii() and n_tokens.isdigit() and len(n_tokens) < 12 else 0})
         with self._blobs.transact(retry=True):
             if self._current_tag(key) != tag:
                 return False
