@@ -594,12 +594,11 @@ class KVStore(ChunkStore):
         disk, lock held). The entry is sound; only its eviction order is off."""
         con = self._blobs._con
         try:
-            ((old,),) = con.execute("PRAGMA busy_timeout").fetchall()
             con.execute("PRAGMA busy_timeout = 50")
             try:
                 con.execute("UPDATE Cache SET access_time = ? WHERE rowid = ?", (time.time(), rowid))
-            finally:
-                con.execute(f"PRAGMA busy_timeout = {int(old)}")
+            finally:  # every connection of the store waits ``timeout`` otherwise (_open_cache)
+                con.execute(f"PRAGMA busy_timeout = {int(self.timeout * 1000)}")
         except sqlite3.Error as e:
             log.debug("KVStore: access to row %s not recorded (%s)", rowid, e)
 
