@@ -382,3 +382,86 @@ def test_a_tensor_of_a_million_dimensions_is_corrupt(store):
     header["extras.x"] = {"dtype": "U8", "shape": [1] * 1_000_000, "data_offsets": [0, 1]}
     _replace_blob(store.directory, key, _blob_with_header(json.dumps(header).encode(), data[8 + n :]))
     assert _within(20, store.get, key, FP_A) is None
+
+
+# ---- processes: killed writers, readers against an evicting writer ------------------------
+def _endless_writer(directory: str, seed: int, size_limit) -> None:
+    s = KVStore(directory, size_limit=size_limit)
+    i = 0
+    while True:  # until killed
+        put(s, make_entry(T=32, D=32, seed=seed + i, text=f"chunk {seed + i}"))
+        i += 1
+
+
+def _entry_of(text: str):
+    return make_entry(T=32, D=32, seed=int(text.split()[1]), text=text)
+
+
+def _wait_for(pred, seconds=60.0):
+    import time
+
+    end = time.monotonic() + seconds
+    while not pred():
+        assert time.monotonic() < end, "timed out"
+        time.sleep(0.02)
+
+
+def test_writers_killed_mid_write_leave_only_whole_entries_and_no_dead_files(tmp_path):
+    import multiprocessing as mp
+    import signal
+
+    from test_store import assert_same
+
+    ctx = mp.get_context("spawn")
+    d = tmp_path / "store"
+    KVStore(d).close()
+    p = ctx.Process(target=_endless_writer, args=(str(d), 0, None))
+    p.start()
+    with KVStore(d) as s:
+        _wait_for(lambda: len(s._blobs) >= 11)
+    os.kill(p.pid, signal.SIGKILL)  # wherever it is: mid-file, mid-transaction, between the two caches
+    p.join(30)
+    assert p.exitcode == -signal.SIGKILL
+    with KVStore(d) as s:
+        report = s.gc(verify=True)
+        assert report["corrupt"] == 0
+        texts = s.texts(FP_A)
+        assert len(texts) == report["entries"] >= 11
+        for key, text in texts.items():
+            assert_same(_entry_of(text), s.get(key, FP_A))
+        # A file the killed writers wrote but never committed is gone at once (its writer is
+        # dead), not an hour later: every blob file left is one a row points at.
+        rows = {n for (n,) in s._blobs._sql("SELECT filename FROM Cache WHERE filename IS NOT NULL")}
+        assert {os.path.relpath(f, d / "blobs") for f in blob_files(d)} == rows
+
+
+def test_readers_against_an_evicting_writer_get_whole_entries_or_misses(tmp_path):
+    import multiprocessing as mp
+    import time
+
+    from test_store import assert_same
+
+    d = tmp_path / "store"
+    per_entry = len(blob_mod.serialize(e := _entry_of("chunk 0"), e.token_ids))
+    with KVStore(d) as s:
+        sqlite_bytes = s._blobs.volume()
+    with KVStore(d, size_limit=sqlite_bytes + 6 * per_entry) as s:  # room for a handful of entries
+        p = mp.get_context("spawn").Process(target=_endless_writer, args=(str(d), 0, None))
+        p.start()
+        try:
+            _wait_for(lambda: s.stats()["entries"] >= 3)
+            hits = misses = 0
+            end = time.monotonic() + 1.5
+            while time.monotonic() < end:
+                for key, text in s.texts(FP_A).items():
+                    got = s.get(key, FP_A)
+                    if got is None:
+                        misses += 1
+                    else:
+                        assert_same(_entry_of(text), got)
+                        hits += 1
+        finally:
+            p.kill()
+            p.join(30)
+        assert hits > 0 and s.stats()["corrupt"] == 0
+        assert s.stats()["entries"] <= 8  # the writer kept evicting while we read
