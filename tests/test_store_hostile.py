@@ -465,3 +465,17 @@ def test_readers_against_an_evicting_writer_get_whole_entries_or_misses(tmp_path
             p.join(30)
         assert hits > 0 and s.stats()["corrupt"] == 0
         assert s.stats()["entries"] <= 8  # the writer kept evicting while we read
+
+
+def test_a_put_never_writes_through_a_symlinked_directory(tmp_path):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    d = tmp_path / "store"
+    KVStore(d).close()
+    for i in range(256):  # every first-level directory a new value file may land in
+        (d / "blobs" / f"{i:02x}").symlink_to(outside, target_is_directory=True)
+    with KVStore(d) as s:
+        with pytest.raises(OSError, match="not a directory of the store"):
+            put(s, make_entry())
+        assert len(s._blobs) == 0
+    assert not any(outside.iterdir())

@@ -21,8 +21,8 @@ confining them covers paths we would otherwise re-implement and keep in step wit
   with ``OSError``, which diskcache treats as "the value vanished": a miss.
 - files: a file name is a relative path of plain components (no ``..``, not absolute), opened
   one directory at a time from the cache directory without following symlinks, non-blocking
-  (a FIFO never hangs the open), and must be a regular file. Removal walks the same way, so it
-  can only unlink a name inside the directory and remove directories below it.
+  (a FIFO never hangs the open), and must be a regular file. Removal and the creation of a new
+  value file walk the same way, so they can only touch names inside the directory.
 """
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ _O = lambda name: getattr(os, name, 0)  # noqa: E731  (flags missing on some pla
 _DIR_FLAGS = os.O_RDONLY | _O("O_DIRECTORY") | _O("O_NOFOLLOW") | _O("O_CLOEXEC")
 _FILE_FLAGS = os.O_RDONLY | _O("O_NOFOLLOW") | _O("O_NONBLOCK") | _O("O_CLOEXEC") | _O("O_BINARY")
 # Without dir_fd (Windows) the walk falls back to refusing any symlink on the way.
-_AT = os.open in os.supports_dir_fd and os.unlink in os.supports_dir_fd
+_AT = {os.open, os.unlink, os.mkdir, os.rmdir} <= os.supports_dir_fd
 
 #: diskcache settings this kvrag lets a store's Settings table hold (all that diskcache itself
 #: writes); a ``sqlite_*`` value must be a plain word or number, as diskcache interpolates it
@@ -105,12 +105,43 @@ class ConfinedDisk(diskcache.Disk):
         return getattr(self._local, "written", None)
 
     def _write(self, full_path, iterator, mode, encoding=None):
+        """diskcache's write of a new value file, but with each directory on the way created
+        and opened without following symlinks (a crafted ``blobs/xx`` link would otherwise
+        receive the file) and the file created exclusively. A write cut short (disk full)
+        removes its file: it is ours and no row will point at it."""
+        parts = _parts(os.path.relpath(full_path, self._root))
+        if not _AT:
+            self._fallback_path(parts)  # refuses a symlink on the way
+            try:
+                return super()._write(full_path, iterator, mode, encoding)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.remove(full_path)
+                raise
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O("O_NOFOLLOW") | _O("O_CLOEXEC")
+        for attempt in range(10):  # as diskcache: another process may remove an emptied directory
+            try:
+                with self._dirs(parts, create=True) as fds:
+                    fd = os.open(parts[-1], flags, 0o644, dir_fd=fds[-1])
+                break
+            except FileNotFoundError:
+                if attempt == 9:
+                    raise
+            except OSError as e:
+                if e.errno in (errno.ELOOP, errno.ENOTDIR):
+                    raise OSError(e.errno, f"{os.path.join(self._root, *parts[:-1])} is not a directory of the "
+                                  "store (a symbolic link?): not written") from None
+                raise
         try:
-            return super()._write(full_path, iterator, mode, encoding)
+            with open(fd, "wb" if "b" in mode else "w", encoding=None if "b" in mode else encoding) as writer:
+                size = 0
+                for chunk in iterator:
+                    size += len(chunk)
+                    writer.write(chunk)
+                return size
         except BaseException:
-            # A write cut short (disk full): the file is ours and no row will point at it.
-            with contextlib.suppress(OSError):
-                os.remove(full_path)
+            with contextlib.suppress(OSError), self._dirs(parts) as fds:
+                os.unlink(parts[-1], dir_fd=fds[-1])
             raise
 
     def fetch(self, mode, filename, value, read):
@@ -164,12 +195,15 @@ class ConfinedDisk(diskcache.Disk):
         return False
 
     @contextlib.contextmanager
-    def _dirs(self, parts: list[str]):
+    def _dirs(self, parts: list[str], create: bool = False):
         """File descriptors of the cache directory and each directory on the way to the
-        file ``parts`` (none followed through a symlink)."""
+        file ``parts`` (none followed through a symlink; with ``create``, made if missing)."""
         fds = [os.open(self._root, _DIR_FLAGS & ~_O("O_NOFOLLOW"))]  # the store itself may be a link
         try:
             for p in parts[:-1]:
+                if create:
+                    with contextlib.suppress(FileExistsError):
+                        os.mkdir(p, 0o755, dir_fd=fds[-1])
                 fds.append(os.open(p, _DIR_FLAGS, dir_fd=fds[-1]))
             yield fds
         finally:
