@@ -333,6 +333,15 @@ def test_integer_kv_or_a_blank_text_is_never_served(store):
     forged = blob_mod.serialize(e, e.token_ids).replace(b'"text":"some chunk text"', b'"text":"               "')
     _replace_blob(store.directory, key, forged)
     assert store.get(key, FP_A) is None
+    for text in (12345, None, ["some chunk text"]):  # safetensors metadata is str -> str
+        key = put(store, e)
+        data = blob_mod.serialize(e, e.token_ids)
+        n = int.from_bytes(data[:8], "little")
+        header = json.loads(data[8 : 8 + n])
+        header["__metadata__"]["text"] = text
+        _replace_blob(store.directory, key, _blob_with_header(json.dumps(header).encode(), data[8 + n :]))
+        assert store.get(key, FP_A) is None
+        assert key not in store and key not in store.texts(FP_A)
 
 
 def test_layout_problem_names_what_does_not_fit_the_model():
