@@ -306,6 +306,12 @@ def check_config(config, tokenizer=None, where: str = "") -> None:
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 
 
+def attn_implementation(config) -> str:
+    """transformers' attention kernel for ``config``: SDPA, except where the model soft-caps
+    its attention scores (Gemma 2), which only the eager implementation does."""
+    return "eager" if getattr(config, "attn_logit_softcapping", None) is not None else "sdpa"
+
+
 def _load_hf_dir(directory: Path, dtype: torch.dtype):
     """(model, tokenizer) from a local HF directory, never touching the hub."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -332,7 +338,7 @@ def _load_hf_dir(directory: Path, dtype: torch.dtype):
     hf_logging.disable_progress_bar()
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            str(directory), local_files_only=True, dtype=dtype, attn_implementation="sdpa"
+            str(directory), local_files_only=True, dtype=dtype, attn_implementation=attn_implementation(config)
         )
     except Exception as e:
         raise ModelLoadError(f"could not load the model from {directory}: {e}") from e
