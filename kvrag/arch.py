@@ -3,8 +3,8 @@
 kvrag runs the decoder layer by layer itself (instead of calling ``model.forward``) because
 fusion needs to compute only *some* tokens at a layer while they attend to a K/V that mixes
 cached and freshly computed rows. The step reuses the model's own modules (projections,
-norms, MLP, rotary embedding), so any HF Llama, Mistral, Qwen2/3, SmolLM3, Gemma 2/3, OLMo 2
-or Granite checkpoint works without re-implementing its maths. What differs between the
+norms, MLP, rotary embedding), so any HF Llama, Mistral, Qwen2/3, SmolLM3, Gemma 2/3, OLMo 2,
+Granite or Phi-3/Phi-4-mini checkpoint works without re-implementing its maths. What differs between the
 families is the wiring around those modules (where the norms sit, multipliers, soft-capping,
 one RoPE table per layer type), which ``Arch`` reads from the model once; a module or a
 config feature it does not know is refused (``Arch`` raises), never run approximately.
@@ -20,13 +20,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "gemma3_text", "gemma2", "olmo2", "granite")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "gemma3_text", "gemma2", "olmo2", "granite",
+                         "phi3")
 
 # The submodules of a decoder layer / its attention whose role ``Arch`` knows. A layer with any
 # other (a new family's extra norm, gate or projection) is refused instead of being skipped.
 _KNOWN_BLOCK_PARTS = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm",
                       "pre_feedforward_layernorm", "post_feedforward_layernorm"}
-_KNOWN_ATTN_PARTS = {"q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm"}
+_KNOWN_ATTN_PARTS = {"q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj", "q_norm", "k_norm"}
 
 
 # Held around every forward of a length-dependent rotary module (see ``serialize_rotary``). One
@@ -107,7 +108,8 @@ class Arch:
         """Refuse a layer with a submodule whose role in the layer step is unknown."""
         for i, block in enumerate(self.layers):
             for owner, known in ((block, _KNOWN_BLOCK_PARTS), (block.self_attn, _KNOWN_ATTN_PARTS)):
-                extra = sorted({n for n, _ in owner.named_children()} - known)
+                # Dropouts are the identity in inference (Phi-3's resid_*_dropout).
+                extra = sorted({n for n, m in owner.named_children() if not isinstance(m, torch.nn.Dropout)} - known)
                 if extra:
                     raise ValueError(f"{self.config.model_type} layer {i} has modules kvrag's layer step does not "
                                      f"know ({', '.join(extra)}); refusing to run it approximately")
@@ -164,11 +166,12 @@ class Arch:
         if self.length_dependent_rope and len(self.rope_kinds) > 1:
             raise ValueError(f"{cfg.model_type}: length-dependent RoPE ({', '.join(sorted(types))}) with one table "
                              "per layer type is not supported")
-        # Partial rotary (Phi-4-mini, StableLM) rotates only part of each head: not handled.
-        rot_dim = self.cos_sin(torch.zeros(1, dtype=torch.long))[0].shape[-1]
-        if rot_dim != self.head_dim:
-            raise ValueError(f"{cfg.model_type}: RoPE over {rot_dim} of {self.head_dim} head dims "
-                             "(partial_rotary_factor < 1) is not supported")
+        # Partial rotary (Phi-4-mini: 0.75) rotates the first ``rot_dim`` dims of each head
+        # and passes the rest through, attention factor included (HF's apply_rotary_pos_emb).
+        self.rot_dim = self.cos_sin(torch.zeros(1, dtype=torch.long))[0].shape[-1]
+        if not 0 < self.rot_dim <= self.head_dim or self.rot_dim % 2:
+            raise ValueError(f"{cfg.model_type}: RoPE over {self.rot_dim} of {self.head_dim} head dims "
+                             "is not a rotation kvrag can apply")
 
     def _sliding_window(self, attn) -> int | None:
         """Keys a query of this layer sees (itself included), or None for full attention.
@@ -178,7 +181,7 @@ class Arch:
         never reads it, so neither may kvrag."""
         if hasattr(attn, "sliding_window"):
             w = attn.sliding_window
-        elif self.config.model_type == "mistral":
+        elif self.config.model_type in ("mistral", "phi3"):
             w = getattr(self.config, "sliding_window", None)
         else:
             w = None
@@ -257,6 +260,13 @@ class Arch:
             kind = self.rope_index[layer]
             cos, sin = cos[:, kind], sin[:, kind]
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+        r = cos.shape[-1]
+        if r < x.shape[-1]:  # partial rotary: the dims past r pass through
+            if out is None:
+                return torch.cat([self.rotate(x[..., :r], None, (cos, sin)), x[..., r:]], dim=-1)
+            out[..., r:].copy_(x[..., r:])
+            self.rotate(x[..., :r], None, (cos, sin), out=out[..., :r])
+            return out
         if out is None:
             return x * cos + rotate_half(x) * sin
         h = x.shape[-1] // 2
@@ -285,7 +295,7 @@ class Arch:
         # R(-p) = (cos p, -sin p) from the very tables x was rotated with: a table for -p
         # would let a length-dependent RoPE pick other frequencies (max(-p) + 1 <= 1).
         cos, sin = self.cos_sin(positions, length)
-        return self.rotate(x, None, (cos, -sin), layer=layer) / self.rope_gain ** 2
+        return self._ungain(self.rotate(x, None, (cos, -sin), layer=layer), 2)
 
     def shift(self, x: torch.Tensor, cos_sin, layer: int) -> torch.Tensor:
         """Move vectors ``x`` [..., P, D] already rotated at ``layer`` by the offsets whose
@@ -293,7 +303,16 @@ class Arch:
         applied once, as in a vector rotated directly to the sum."""
         if not self.rope_layers[layer]:
             return x
-        return self.rotate(x, None, cos_sin, layer=layer) / self.rope_gain
+        return self._ungain(self.rotate(x, None, cos_sin, layer=layer), 1)
+
+    def _ungain(self, x: torch.Tensor, power: int) -> torch.Tensor:
+        """``x`` [..., D] with its rotated dims divided by ``rope_gain ** power`` (the
+        pass-through dims of a partial rotary never got the attention factor)."""
+        if self.rope_gain == 1.0:
+            return x
+        if self.rot_dim == x.shape[-1]:
+            return x / self.rope_gain ** power
+        return torch.cat([x[..., :self.rot_dim] / self.rope_gain ** power, x[..., self.rot_dim:]], dim=-1)
 
     # ---- embedding / head ------------------------------------------------------------
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
@@ -328,7 +347,11 @@ class Arch:
         attn = block.self_attn
         x = block.input_layernorm(hidden) if self.norm_style != "post" else hidden
         a = x.shape[0]
-        q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+        if hasattr(attn, "qkv_proj"):  # Phi-3: one fused projection, q then k then v
+            nq, nkv = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+            q, k, v = attn.qkv_proj(x).split([nq, nkv, nkv], dim=-1)
+        else:
+            q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
         has_qk_norm = getattr(attn, "q_norm", None) is not None
         if has_qk_norm and not self.qk_norm_per_head:  # OLMo 2: over all heads, before the split
             q, k = attn.q_norm(q), attn.k_norm(k)

@@ -8,7 +8,7 @@ entries by it, so changing any of these silently makes old entries misses, never
 Sources:
 
 * a local Hugging Face model directory (Llama, Mistral, Qwen2/3, SmolLM3, Gemma 2/3, OLMo 2,
-  Granite), loaded with ``local_files_only=True``;
+  Granite, Phi-3/Phi-4-mini), loaded with ``local_files_only=True``;
 * a ``.gguf`` file. transformers dequantizes GGUF at load time, which takes ~15-20 s on a
   small CPU, so the converted model and tokenizer are saved once as safetensors under
   ``<cache_dir>/models/`` and later loads read that in well under a second;

@@ -3,7 +3,8 @@
 Tiny models keep the test suite fast on a 2-core CPU while still exercising every supported
 architecture (Llama, Mistral, Qwen2 with q/k/v biases, Qwen3 with q/k norms, SmolLM3 with
 NoPE layers, Gemma 3 with local/global layers, Gemma 2 with soft-capping, OLMo 2 with
-post-norms, Granite with multipliers) through the real transformers modules. They use SmolLM2's tokenizer so that
+post-norms, Granite with multipliers, Phi-3 with fused projections) through the real
+transformers modules. They use SmolLM2's tokenizer so that
 text-level code (segmentation, chunk keys, stop strings) runs on real token ids.
 """
 from __future__ import annotations
@@ -16,7 +17,8 @@ import torch
 
 from kvrag.model import ModelHandle, default_tokenizer, resolve_device, resolve_dtype
 
-TINY_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "gemma3_text", "gemma2", "olmo2", "granite")
+TINY_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "gemma3_text", "gemma2", "olmo2", "granite",
+                    "phi3")
 
 # Config values of a tiny model that differ per family (on top of ``tiny_llama``'s defaults):
 # Gemma 3's RoPE parameters are per layer type (local base 10k, global 1M); Gemma 2's caps are
@@ -65,6 +67,7 @@ def _config_class(model_type: str):
         "gemma2": transformers.Gemma2Config,
         "olmo2": transformers.Olmo2Config,
         "granite": transformers.GraniteConfig,
+        "phi3": transformers.Phi3Config,  # fused qkv_proj / gate_up_proj
     }
     if model_type not in classes:
         raise ValueError(f"tiny_llama: model_type must be one of {', '.join(TINY_MODEL_TYPES)}, got {model_type!r}")

@@ -37,6 +37,13 @@ CONFIGS = {
     "gemma2": ("gemma2", FAMILY_DEFAULTS["gemma2"]),
     "olmo2": ("olmo2", {}),
     "granite": ("granite", FAMILY_DEFAULTS["granite"]),
+    "phi3": ("phi3", {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
+    # Phi-4-mini: RoPE over 3/4 of each head (12 of 16 dims), LongRoPE's attention factor
+    # (~1.08 here) on the rotated dims only; prompts stay under 256 tokens (short factors).
+    "phi4mini": ("phi3", {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, "original_max_position_embeddings": 256, "rope_parameters": {
+        "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+        "original_max_position_embeddings": 256, "short_factor": [1.0 + 0.1 * i for i in range(6)],
+        "long_factor": [2.0] * 6}}),
 }
 
 

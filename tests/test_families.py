@@ -1,7 +1,7 @@
 """Family support in the architecture adapter (kvrag/arch.py) beyond what the per-family
 invariant tests (test_fusion, test_engine, the policy tests over fusion_helpers.CONFIGS)
 show: the per-layer-type RoPE tables of Gemma 3, and the refusal of what the adapter does not
-know -- an unknown family, an unknown module in a layer, a RoPE it cannot re-rotate."""
+know -- an unknown family, an unknown module in a layer --, and Phi-4-mini's partial rotary."""
 import pytest
 import torch
 import transformers
@@ -30,12 +30,13 @@ def test_gemma3_local_and_global_layers_rotate_with_their_own_base():
 
 
 def test_a_model_family_kvrag_does_not_know_is_refused_by_name():
-    cfg = transformers.Phi3Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    # OLMo (1): a close relative of OLMo 2 with another norm (a non-RMS LayerNorm).
+    cfg = transformers.OlmoConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                   num_attention_heads=4, num_key_value_heads=2, pad_token_id=0)
     model = transformers.AutoModelForCausalLM.from_config(cfg)
-    with pytest.raises(ValueError, match="model_type 'phi3' is not supported"):
+    with pytest.raises(ValueError, match="model_type 'olmo' is not supported"):
         Arch(model)
-    with pytest.raises(ModelLoadError, match="model_type 'phi3'.* is not supported"):
+    with pytest.raises(ModelLoadError, match="model_type 'olmo'.* is not supported"):
         ModelHandle.from_objects(model, smollm2_tokenizer())
 
 
@@ -46,14 +47,18 @@ def test_a_layer_with_a_module_the_step_does_not_know_is_refused():
         Arch(model)
 
 
-def test_partial_rotary_is_refused():
-    # A RoPE over half of each head (Phi-4-mini, StableLM): rotate/unrotate would be wrong.
-    # Llama's rotary module has no partial_rotary_factor: half its frequencies make the same tables.
-    model = tiny("llama")
-    rot = model.model.rotary_emb
-    rot.inv_freq = rot.inv_freq[:4].clone()
-    with pytest.raises(ValueError, match="RoPE over 8 of 16 head dims"):
-        Arch(model)
+def test_partial_rotary_passes_the_other_dims_through():
+    # Phi-4-mini: 12 of 16 dims rotate (with LongRoPE's attention factor); 4 pass through.
+    arch = Arch(tiny("phi4mini"))
+    assert (arch.rot_dim, arch.head_dim) == (12, 16) and arch.rope_gain > 1.05
+    x = torch.randn(2, 4, 16, generator=torch.Generator().manual_seed(0))
+    pos = torch.arange(3, 7)
+    y = arch.rotate(x, pos, layer=0)
+    torch.testing.assert_close(y[..., 12:], x[..., 12:])
+    assert not torch.allclose(y[..., :12], x[..., :12])
+    torch.testing.assert_close(arch.unrotate(y, pos, 0), x, atol=1e-5, rtol=1e-5)
+    into = torch.empty_like(x)
+    torch.testing.assert_close(arch.rotate(x, pos, out=into, layer=0), y)
 
 
 def test_bidirectional_gemma3_is_refused():
