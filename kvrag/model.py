@@ -752,8 +752,12 @@ class ModelHandle:
         for i, w in enumerate(arch.windows):
             if w:
                 windowed.setdefault(w, []).append(i)
+        rope_type = getattr(arch.body.rotary_emb, "rope_type", "default")
+        if isinstance(rope_type, dict):  # Gemma 3: one table per layer type, each with its base
+            params = getattr(self.config, "rope_parameters", None) or {}
+            rope_type = {t: f"{r} (base {params.get(t, {}).get('rope_theta')})" for t, r in rope_type.items()}
         return {
-            "rope_type": getattr(arch.body.rotary_emb, "rope_type", "default"),
+            "rope_type": rope_type,
             "sliding_windows": {str(w): layers for w, layers in windowed.items()},
             "nope_layers": [i for i, r in enumerate(arch.rope_layers) if not r],
         }
