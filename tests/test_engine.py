@@ -46,6 +46,10 @@ def test_policy_ratio_one_equals_full_prefill(rag):
     ("mistral", {"sliding_window": 12}, True),  # every layer windowed (Mistral-7B-v0.1 style)
     ("qwen2", {"use_sliding_window": True, "sliding_window": 12, "max_window_layers": 2}, True),  # upper layers
     ("smollm3", {}, False),  # layer 3 of 4 without RoPE
+    # Gemma 3: local layers with a 16-token window (the prompt is ~6x longer: cached chunks lie
+    # wholly beyond it, decoding runs past it) between global layers of another RoPE base.
+    ("gemma3_text", {"sliding_window": 16}, True),
+    ("gemma2", {"sliding_window": 16}, True),  # alternating windows, soft-capped attention and logits
     # A stray window in a Llama config (llamafied Qwen checkpoints): Llama's attention ignores it.
     ("llama", {"sliding_window": 12, "use_sliding_window": False}, False),
 ])
