@@ -275,6 +275,18 @@ class Arch:
         out[..., h:].addcmul_(x[..., :h], sin[..., h:])
         return out
 
+    def rotate_layers(self, x: torch.Tensor, cos_sin) -> torch.Tensor:
+        """Rotate pre-RoPE keys of every layer at once: ``x`` [L, ..., P, D] with the tables
+        ``cos_sin`` (cos, sin [P, D]) -> a new tensor of ``x``'s shape; NoPE layers (SmolLM3)
+        keep the position-free key. Three ops for all layers (plus a copy per NoPE layer),
+        the same arithmetic as ``rotate`` layer by layer."""
+        out = torch.empty_like(x)
+        self.rotate(x, None, cos_sin, out=out)
+        for layer, rope in enumerate(self.rope_layers):
+            if not rope:
+                out[layer].copy_(x[layer])
+        return out
+
     def unrotate(self, x: torch.Tensor, positions: torch.Tensor, layer: int,
                  length: int | torch.Tensor | None = None) -> torch.Tensor:
         """Position-free vectors from ``x`` [..., P, D] rotated (by the model) to ``positions``
@@ -377,6 +389,7 @@ class Arch:
         mask: torch.Tensor | None,
         causal: bool = False,
         key_limits: torch.Tensor | None = None,
+        plan: list[tuple[int, int, int]] | None = None,
     ) -> torch.Tensor:
         """Finish a layer for the active tokens.
 
@@ -388,9 +401,15 @@ class Arch:
         ``key_limits[a]`` (its mask is False there). SDPA with an explicit mask cannot skip
         masked blocks, so the rows are then attended in groups, each against only the key
         prefix it can see: for rows spread evenly over a prompt this roughly halves the
-        attention work of a partial (recompute) layer."""
-        attn = self._sdpa_grouped(q, keys, values, mask, key_limits) if key_limits is not None \
-            else self._sdpa(q, keys, values, mask, causal)
+        attention work of a partial (recompute) layer. ``plan``: the same groups, from
+        ``attention_plan(key_limits)`` (made once for the layers that share the rows: the
+        fusion engine), instead of ``key_limits``."""
+        if plan is not None:
+            attn = self._sdpa_planned(q, keys, values, mask, plan)
+        elif key_limits is not None:
+            attn = self._sdpa_grouped(q, keys, values, mask, key_limits)
+        else:
+            attn = self._sdpa(q, keys, values, mask, causal)
         block = self.layers[layer]
         out = block.self_attn.o_proj(attn)
         if self.norm_style == "pre":  # Llama: post_attention_layernorm is the MLP's input norm
@@ -468,25 +487,32 @@ class Arch:
     ATTN_GROUPS = 8
     MIN_GROUP_ROWS = 64
 
-    def _sdpa_grouped(self, q, keys, values, mask, key_limits) -> torch.Tensor:
-        """Like ``_sdpa`` with mask [A, N], rows split into contiguous groups, each attending
-        to keys ``[0, key_limits[last row of group])`` only (the rest of its mask is False)."""
-        a = q.shape[1]
+    def attention_plan(self, key_limits: torch.Tensor) -> list[tuple[int, int, int]] | None:
+        """Row groups for ``attend(plan=...)``: ``key_limits`` long [A] (see ``attend``) ->
+        [(first row, end row, keys read)], or None when the rows make one group (one SDPA
+        call over the whole mask). One host read of ``key_limits``."""
+        a = key_limits.numel()
         n_groups = max(1, min(self.ATTN_GROUPS, a // self.MIN_GROUP_ROWS))
         if n_groups == 1:
-            return self._sdpa(q, keys, values, mask)
-        # Expanded once for every group (not once per group: that copy was ~10% of a GPU prefill).
-        keys, values = self._expand_for_mask(q, keys, values)
+            return None
         bounds = torch.linspace(0, a, n_groups + 1).round().long()
         # One host read for all groups (each int() of a CUDA tensor would be a sync).
         limits = key_limits[(bounds[1:] - 1).clamp_min(0).to(key_limits.device)].tolist()
         bounds = bounds.tolist()
-        outs = []
-        for lo, hi, lim in zip(bounds[:-1], bounds[1:], limits):
-            if hi <= lo:
-                continue
-            kmax = max(1, int(lim))
-            outs.append(self._sdpa(q[:, lo:hi], keys[:, :kmax], values[:, :kmax], mask[lo:hi, :kmax]))
+        return [(lo, hi, max(1, int(lim))) for lo, hi, lim in zip(bounds[:-1], bounds[1:], limits) if hi > lo]
+
+    def _sdpa_grouped(self, q, keys, values, mask, key_limits) -> torch.Tensor:
+        """Like ``_sdpa`` with mask [A, N], rows split into contiguous groups, each attending
+        to keys ``[0, key_limits[last row of group])`` only (the rest of its mask is False)."""
+        plan = self.attention_plan(key_limits)
+        return self._sdpa(q, keys, values, mask) if plan is None else self._sdpa_planned(q, keys, values, mask, plan)
+
+    def _sdpa_planned(self, q, keys, values, mask, plan) -> torch.Tensor:
+        """``_sdpa_grouped`` with its groups given (``attention_plan``)."""
+        # Expanded once for every group (not once per group: that copy was ~10% of a GPU prefill).
+        keys, values = self._expand_for_mask(q, keys, values)
+        outs = [self._sdpa(q[:, lo:hi], keys[:, :kmax], values[:, :kmax], mask[lo:hi, :kmax])
+                for lo, hi, kmax in plan]
         return torch.cat(outs)
 
     def attention_probs(self, q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:

@@ -21,7 +21,6 @@ import torch
 from kvrag.checks import check_int
 from kvrag.policies.base import Policy, param
 from kvrag.policies.registry import register
-from kvrag.query.state import CACHED
 
 
 @dataclass
@@ -42,14 +41,16 @@ class Epic(Policy):
 
     def recompute_mask(self, layout) -> torch.Tensor:
         """bool [N]: the head/tail tokens of each cached chunk."""
-        # Imported here: kvrag.query.fusion imports the policies package (circular at load time).
-
-        m = torch.zeros(layout.n, dtype=torch.bool)
-        for _, start, end in layout.spans(CACHED):
-            m[start: min(end, start + self.params.k_head)] = True
-            if self.params.k_tail:
-                m[max(start, end - self.params.k_tail): end] = True
-        return m
+        # From each token's offset in its piece: a fixed number of ops whatever the number of
+        # chunks (the fusion engine's ops should not grow with it, policy hooks included).
+        spans = layout.spans()
+        starts = torch.tensor([s for _, s, _ in spans], dtype=torch.long)[layout.segment]
+        ends = torch.tensor([e for _, _, e in spans], dtype=torch.long)[layout.segment]
+        offset = torch.arange(layout.n) - starts
+        edge = offset < self.params.k_head
+        if self.params.k_tail:
+            edge |= (ends - starts - offset) <= self.params.k_tail
+        return layout.cached & edge
 
     def initial_active(self, state):
         # The engine adds the non-cached tokens; nothing is narrowed later (select -> None),

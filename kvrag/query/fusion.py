@@ -48,6 +48,84 @@ def gather_slots(K, V, kv_index, positions):
     return Kout, Vout, torch.stack(pos)
 
 
+def join_rows(parts: list[torch.Tensor], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """Chunk tensors [L, Hkv, T_i, D] -> one [L, Hkv, sum T_i, D] on ``device`` in ``dtype``.
+
+    Each part is moved as stored (async from a pinned read; nothing to do for hot-tier entries
+    already on the device), then joined and converted once: 2 ops on the device however many
+    chunks there are."""
+    return torch.cat([p.to(device=device, non_blocking=True) for p in parts], dim=2).to(dtype)
+
+
+@dataclass
+class _Keys:
+    """The key slots attention reads: ``idx`` [N'] of the kept tokens (None: all N), ``pos``
+    [N'] their positions."""
+
+    idx: torch.Tensor | None
+    pos: torch.Tensor
+
+
+class _Rows:
+    """What the layer loop derives from the active set [A] and ``state.keep`` [N], built once
+    per active set / keep tensor instead of once per layer: active positions, their RoPE rows,
+    the kept key slots, the causal mask [A, N'] and the attention's row-group plan.
+
+    Keyed by tensor identity: the engine makes a new ``active`` when it narrows, and policies
+    replace ``state.keep`` (SamKV, in ``prepare``) rather than writing into it."""
+
+    def __init__(self, arch: Arch, positions: torch.Tensor, positions_sorted: bool) -> None:
+        self.arch, self.positions, self.sorted = arch, positions, positions_sorted
+        self._active = self._keep = None
+
+    def _see(self, active: torch.Tensor) -> None:
+        if active is not self._active:
+            self._active = active
+            self._pos_q = self.positions[active]
+            self._cs = self._causal = None
+
+    def pos_q(self, active: torch.Tensor) -> torch.Tensor:
+        self._see(active)
+        return self._pos_q
+
+    def cos_sin(self, active: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        self._see(active)
+        if self._cs is None:
+            self._cs = (cos[active], sin[active])
+        return self._cs
+
+    def keys(self, keep: torch.Tensor) -> _Keys:
+        if keep is not self._keep:
+            self._keep = keep
+            idx = None if bool(keep.all()) else keep.nonzero().squeeze(1)
+            self._keys = _Keys(idx, self.positions if idx is None else self.positions[idx])
+            self._causal = None
+        return self._keys
+
+    def causal(self, active: torch.Tensor):
+        """(mask bool [A, N'], attention plan or None) for the active rows over the kept keys
+        (``keys`` first)."""
+        self._see(active)
+        if self._causal is None:
+            key_pos = self._keys.pos
+            mask = self._pos_q[:, None] >= key_pos[None, :]
+            plan = None
+            if self.sorted:  # each row's horizon is a key prefix
+                plan = self.arch.attention_plan(torch.searchsorted(key_pos, self._pos_q, right=True))
+            self._causal = (mask, plan)
+            self._additive = None
+        return self._causal
+
+    def additive(self, active: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``causal``'s mask as SDPA's additive float mask [A, N'] (0 = may attend, -inf = not),
+        made once: SDPA converts a bool mask to exactly this at every call (3 ops a call, a
+        call per layer and row group)."""
+        mask, _ = self.causal(active)
+        if self._additive is None or self._additive.dtype != dtype:
+            self._additive = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+        return self._additive
+
+
 class FusionEngine:
     """Runs a policy-driven fused prefill over a ``Layout``."""
 
@@ -67,16 +145,19 @@ class FusionEngine:
                 out.append(Piece(torch.zeros(emb.shape[0], dtype=torch.long), INSERTED, embeds=emb))
         return Layout.build(out, query_tokens)
 
-    @torch.no_grad()
-    def prefill(self, layout: Layout, policy: Policy, keep_state: bool = False) -> FusionResult:
+    def cached_kv(self, layout: Layout, cos: torch.Tensor, sin: torch.Tensor):
+        """Fused K/V per layer [Hkv, N, D], the cached rows filled with the chunks' keys rotated
+        to their global positions (cos/sin [N, D]: tables of all N positions) and their values;
+        the other rows uninitialised. Returns (K, V, {piece index: entry}).
+
+        A fixed number of ops whatever the number of chunks (each op is a kernel launch on a
+        GPU, where launches, not arithmetic, dominate at RAG sizes): the chunks' entries are
+        joined into one [L, Hkv, C, D] block (C cached tokens), rotated at once, and placed
+        with one ``index_copy_`` per layer -- rather than rotated and copied chunk by chunk,
+        layer by layer (``chunks x L x 5`` ops)."""
         arch = self.arch
         n, dev, dt = layout.n, arch.device, arch.dtype
         L, hkv, d = arch.n_layers, arch.n_kv_heads, arch.head_dim
-        positions = layout.positions.to(dev)
-        positions_sorted = bool((positions[1:] >= positions[:-1]).all())
-        cos, sin = arch.cos_sin(positions)
-
-        # Fused K/V start as the cached rows rotated to their global positions.
         # Uninitialised on purpose (zero-filling ~100 MB costs tens of ms of TTFT): cached rows
         # are filled here, and every other row is a required token, computed -- and so written
         # -- at each layer before any attention reads it.
@@ -85,17 +166,32 @@ class FusionEngine:
         # until the last layer's was replaced.
         K = [torch.empty(hkv, n, d, dtype=dt, device=dev) for _ in range(L)]
         V = [torch.empty(hkv, n, d, dtype=dt, device=dev) for _ in range(L)]
-        entries = {}
-        for si, start, end in layout.spans(CACHED):
-            e = layout.pieces[si].entry
-            entries[si] = e
-            k = e.keys.to(device=dev, dtype=dt, non_blocking=True)  # async from a pinned read
-            v = e.values.to(device=dev, dtype=dt, non_blocking=True)
-            cs = (cos[start:end], sin[start:end])
-            for layer in range(L):
-                # NoPE layers (SmolLM3) keep the position-free key.
-                arch.rotate(k[layer], None, cs, out=K[layer][:, start:end], layer=layer)
-                V[layer][:, start:end] = v[layer]
+        spans = layout.spans(CACHED)
+        entries = {si: layout.pieces[si].entry for si, _, _ in spans}
+        if not spans:
+            return K, V, entries
+        rows = layout.cached.nonzero().squeeze(1).to(dev)  # [C], in prompt order like the spans
+        keys = join_rows([e.keys for e in entries.values()], dev, dt)  # [L, Hkv, C, D]
+        values = join_rows([e.values for e in entries.values()], dev, dt)
+        keys = arch.rotate_layers(keys, (cos[rows], sin[rows]))
+        for layer in range(L):
+            K[layer].index_copy_(1, rows, keys[layer])
+            V[layer].index_copy_(1, rows, values[layer])
+        return K, V, entries
+
+    @torch.no_grad()
+    def prefill(self, layout: Layout, policy: Policy, keep_state: bool = False) -> FusionResult:
+        """Ops per layer do not depend on the number of chunks, and the layer loop reads
+        nothing back to the host unless the policy narrows the active set or replaces
+        ``state.keep`` (masks, index tables and RoPE rows are built once per active set)."""
+        arch = self.arch
+        n, dev, dt = layout.n, arch.device, arch.dtype
+        L = arch.n_layers
+        positions = layout.positions.to(dev)
+        # Layout positions are built in prompt order (``Layout.build``); checked on the host copy.
+        positions_sorted = bool((layout.positions[1:] >= layout.positions[:-1]).all())
+        cos, sin = arch.cos_sin(positions)
+        K, V, entries = self.cached_kv(layout, cos, sin)
 
         state = FusionState(
             arch=arch, layout=layout, policy=policy, K=K, V=V,
@@ -104,70 +200,75 @@ class FusionEngine:
         )
         del K, V
         policy.prepare(state)
-        required = state.required.to(dev)
-        active_mask = policy.initial_active(state).to(dev) | required
-        active = active_mask.nonzero().squeeze(1)
+        required_cpu = state.required
+        required = required_cpu.to(dev)
+        active_cpu = (policy.initial_active(state).cpu() | required_cpu).nonzero().squeeze(1)
+        active = active_cpu.to(dev)
         state.active = active
 
         # Input embeddings of the active tokens (inserted tokens bring their own).
-        hidden = arch.embed(layout.token_ids[active.cpu()])
-        ins = layout.kind.to(dev)[active] == INSERTED
+        hidden = arch.embed(layout.token_ids[active_cpu])
+        ins = layout.kind[active_cpu] == INSERTED
         if ins.any():
             emb_all = torch.zeros(n, arch.hidden_size, dtype=dt, device=dev)
             for si, start, end in layout.spans(INSERTED):
                 emb_all[start:end] = layout.pieces[si].embeds.to(device=dev, dtype=dt)
-            hidden[ins] = emb_all[active[ins]]
+            hidden[ins.to(dev)] = emb_all[active[ins.to(dev)]]
 
+        # What depends only on the active set and on state.keep, rebuilt when either changes.
+        rows = _Rows(arch, positions, positions_sorted)
+        counted_from = 0  # layer from which the current active set has been computed
         for layer in range(L):
-            q, k, v, _ = arch.qkv(layer, hidden, (cos[active], sin[active]))
-            # Counted before narrowing: every active token's K/V is computed at this layer.
-            state.layer_counts[active.cpu()] += 1
+            cs = rows.cos_sin(active, cos, sin)
+            q, k, v, _ = arch.qkv(layer, hidden, cs)
             sel = policy.select(layer, state, q, k, v)
             state.K[layer][:, active] = k
             state.V[layer][:, active] = v
             if sel is not None:
+                # Counted before narrowing: every active token's K/V is computed at this layer.
+                state.layer_counts[active_cpu] += layer + 1 - counted_from
+                counted_from = layer + 1
                 # The engine, not the policy, guarantees the question/template/last token
                 # stay computed: without them there are no logits and no fresh query rows.
-                keep_rows = torch.zeros(active.numel(), dtype=torch.bool, device=dev)
-                keep_rows[sel.to(dev)] = True
-                keep_rows |= required[active]
+                keep_rows = required_cpu[active_cpu]
+                keep_rows[sel.cpu()] = True
                 sel = keep_rows.nonzero().squeeze(1)
+                active_cpu = active_cpu[sel]
+                sel = sel.to(dev)
                 active, q, hidden = active[sel], q[:, sel], hidden[sel]
                 state.active = active
             # Policies may drop tokens (SamKV) at any layer: attend only to kept rows.
-            all_kept = bool(state.keep.all())
-            if not all_kept:
-                keep_idx = state.keep.nonzero().squeeze(1)
-            pos_q = positions[active]
+            keys_at = rows.keys(state.keep)
             extra = policy.extra_mask(state, active)
-            key_pos = positions if all_kept else positions[keep_idx]
-            window = arch.window_mask(layer, pos_q, key_pos)
-            if all_kept and extra is None and window is None and active.numel() == n:
+            window = arch.window_mask(layer, rows.pos_q(active), keys_at.pos)
+            if keys_at.idx is None and extra is None and window is None and active.numel() == n:
                 # Every token computed, nothing dropped: plain causal attention.
                 hidden = arch.attend(layer, hidden, q, state.K[layer], state.V[layer], None, causal=True)
                 continue
-            if all_kept:
+            if keys_at.idx is None:
                 keys, vals = state.K[layer], state.V[layer]
             else:
-                keys, vals = state.K[layer][:, keep_idx], state.V[layer][:, keep_idx]
-            mask = pos_q[:, None] >= key_pos[None, :]
+                keys, vals = state.K[layer][:, keys_at.idx], state.V[layer][:, keys_at.idx]
+            mask, plan = rows.causal(active)
+            if extra is None and window is None:
+                mask = rows.additive(active, q.dtype)
             if extra is not None:
-                mask = mask & (extra if all_kept else extra[:, keep_idx])
+                mask = mask & (extra if keys_at.idx is None else extra[:, keys_at.idx])
             if window is not None:  # the layer's sliding window (Mistral, Qwen2/3 configs)
                 mask = mask & window
             # Active rows and key slots are both in prompt order, so each row's causal horizon
-            # is a key prefix: the attention may skip what lies past it.
-            limits = torch.searchsorted(key_pos, pos_q, right=True) if positions_sorted else None
-            hidden = arch.attend(layer, hidden, q, keys, vals, mask, key_limits=limits)
+            # is a key prefix: the attention may skip what lies past it (``plan``).
+            hidden = arch.attend(layer, hidden, q, keys, vals, mask, plan=plan)
+        state.layer_counts[active_cpu] += L - counted_from
 
-        last = (active == n - 1).nonzero()
-        logits = arch.logits(hidden[int(last[0, 0])].unsqueeze(0))[0]
+        # Active rows are in prompt order and the last token is always active: it is the last row.
+        logits = arch.logits(hidden[-1:])[0]
         policy.after_prefill(state)
 
-        keep_idx = state.keep.nonzero().squeeze(1)
+        keep_idx = rows.keys(state.keep).idx  # None: every token kept
         if state.kv_index is not None:
             Kout, Vout, out_pos = gather_slots(state.K, state.V, state.kv_index, positions)
-        elif bool(state.keep.all()):
+        elif keep_idx is None:
             Kout, Vout, out_pos = state.K, state.V, positions
         else:
             Kout = [k[:, keep_idx] for k in state.K]
@@ -183,13 +284,13 @@ class FusionEngine:
             inserted_tokens=int((layout.kind == INSERTED).sum()),
             recomputed_tokens=int((counts == L).sum()) if n_cached else 0,
             recompute_fraction=float(counts.sum()) / (n_cached * L) if n_cached else 0.0,
-            kept_tokens=int(Kout[0].shape[1]) if Kout else int(keep_idx.numel()),
+            kept_tokens=int(Kout[0].shape[1]) if Kout else int(state.keep.sum()),
             chunks_hit=len(entries),
             policy=policy.name,
             policy_stats=state.scratch.setdefault("policy_stats", {}),
         )
         return FusionResult(
             logits=logits, K=Kout, V=Vout, positions=out_pos,
-            next_position=int(positions[-1]) + 1, stats=stats,
+            next_position=int(layout.positions[-1]) + 1, stats=stats,
             state=state if keep_state else None,
         )
