@@ -439,3 +439,59 @@ def test_cold_path_times_a_chunks_first_query(tmp_path, monkeypatch, hot_cache):
     assert not recs["samkv"]["error"] and len(recs["samkv"]["ttft_runs"]) == 3
     # (SamKV.forget itself empties the memo: tests/test_policy_samkv.py.)
     assert forgets.count("samkv") == (3 if hot_cache == 0 else 0)
+
+
+def test_bench_floor_option(tmp_path):
+    """--floor alone is a run (the floor scenario, no scaling unless asked); bare = 12x630."""
+    from kvrag.cli.bench import BenchError, command_line, config_from_args
+
+    args = _bench_args("--floor", "--out", str(tmp_path / "o"))
+    cfg = config_from_args(args)
+    assert cfg.floor == [(12, 630)] and cfg.scaling == [] and "--floor 12x630" in command_line(args)
+    cfg = config_from_args(_bench_args("--floor", "2x64,4x64", "--scaling", "2x64", "--out", str(tmp_path / "o")))
+    assert cfg.floor == [(2, 64), (4, 64)] and cfg.scaling == [(2, 64)]
+    with pytest.raises(BenchError, match="nothing to run"):
+        config_from_args(_bench_args("--out", str(tmp_path / "o")))
+    with pytest.raises(BenchError, match="--floor"):
+        config_from_args(_bench_args("--floor", "2by64", "--out", str(tmp_path / "o")))
+
+
+def test_floor_scenario_measures_ttft_floor_and_ops(tmp_path):
+    """Each reuse policy gets its floor (reads + move + plain forward [+ recompute]) and op
+    counts beside the plain forward's; full_prefill is the throughput reference; floor.csv and
+    the report's section are written."""
+    from kvrag.bench.report import render_markdown, write_outputs
+    from kvrag.bench.runner import Bench, BenchConfig
+    from kvrag.engine import KVRag
+    from kvrag.testing import tiny_llama
+
+    rag = KVRag(tiny_llama(seed=0), cache_dir=tmp_path / "kv", hot_cache=0)
+    bench = Bench(BenchConfig(out=tmp_path / "out", policies=["naive_reuse", "cacheblend"], floor=[(3, 64)],
+                              repeats=1))
+    bench.device = "cpu"
+    bench.run_floor(rag)
+    recs = {r["label"]: r for r in bench.floor_records}
+    assert set(recs) == {"full_prefill", "naive_reuse", "cacheblend"}
+    assert not any(r["error"] for r in recs.values())
+    assert recs["full_prefill"]["ttft_s"] > 0 and "floor_s" not in recs["full_prefill"]
+    nr, cb = recs["naive_reuse"], recs["cacheblend"]
+    for r in (nr, cb):
+        assert r["chunks"] == 3 and 3 * 60 <= r["cached_tokens"] <= 3 * 64  # edges may tokenize otherwise
+        parts = r["read_s"] + r["move_s"] + r["forward_s"] + r["recompute_s"]
+        assert r["floor_s"] == pytest.approx(parts) and r["floor_s"] > 0
+        assert r["ttft_over_floor"] == pytest.approx(r["ttft_s"] / r["floor_s"])
+        assert r["ops_prefill"] > 0 and r["ops_plain"] > 0 and r["ops_decode"] > 0
+    assert nr["recompute_s"] == 0.0 and cb["recompute_s"] > 0  # cacheblend recomputes layers 0-1 + 15%
+    assert cb["recompute_s"] == pytest.approx(
+        cb["recompute_fraction"] * cb["cached_tokens"] * cb["full_prefill_s"] / cb["prompt_tokens"])
+
+    result = {"records": [], "floor": bench.floor_records, "summary": [], "precompute": [], "footprint": {},
+              "throughput": {}, "single_hop_check": {},
+              "meta": {"config": {"devices": ["cpu"], "max_new_tokens": 1, "repeats": 1, "kl_positions": 1},
+                       "machine": {"cpu": "x", "cores": 2, "torch_threads": 2, "platform": "p", "python": "3",
+                                   "torch": "t", "transformers": "t"},
+                       "command": "kvrag bench --floor", "started": "now", "wall_s": 1.0}}
+    files = write_outputs(result, tmp_path / "out")
+    assert files["floor_csv"].read_text().splitlines()[0].startswith("device,dataset,label")
+    md = render_markdown(result, files, tmp_path / "out" / "benchmarks.md", tmp_path / "out")
+    assert "### TTFT vs its floor" in md and "`cacheblend`" in md

@@ -276,6 +276,11 @@ def write_outputs(result: dict, out: Path) -> dict:
         if rows:
             write_csv(out / f"{scen}.csv", rows, SUMMARY_FIELDS)
             files[f"{scen}_csv"] = out / f"{scen}.csv"
+    if result.get("floor"):
+        from kvrag.bench.floor import FLOOR_FIELDS
+
+        write_csv(out / "floor.csv", result["floor"], FLOOR_FIELDS)
+        files["floor_csv"] = out / "floor.csv"
     devices = result["meta"]["config"]["devices"]
     for d in devices:
         tag = d.replace(":", "")
@@ -341,6 +346,28 @@ def _by_type(records: list[dict], device: str, dataset: str) -> str:
                          f"{_fmt(sum(f) / len(f) if f else None)} (n={len(rs)})")
         body.append(cells)
     return _table(heads, body)
+
+
+def _floor_section(rows: list[dict]) -> str:
+    """The floor scenario's table (``kvrag.bench.floor``)."""
+    body = []
+    for r in rows:
+        if r.get("error") and not r.get("ttft_s"):
+            body.append([r["dataset"], f"`{r['label']}`", f"error: {r['error']}"] + [""] * 9)
+            continue
+        body.append([r["dataset"], f"`{r['label']}`", f"{_ms(r.get('ttft_s'))} ms",
+                     f"{_ms(r['floor_s'])} ms" if r.get("floor_s") else "–", _fmt(r.get("ttft_over_floor")),
+                     _ms(r.get("read_s")) if r.get("floor_s") else "–", _ms(r.get("move_s")) if r.get("floor_s") else "–",
+                     _ms(r.get("forward_s")) if r.get("floor_s") else "–",
+                     _ms(r.get("recompute_s")) if r.get("floor_s") else "–",
+                     _fmt(r.get("ops_prefill"), ".0f"), _fmt(r.get("ops_plain"), ".0f"), _fmt(r.get("ops_decode"), ".0f")])
+    return ("### TTFT vs its floor\n\nFloor = chunk lookup and reads from the serving tier + moving them to the "
+            "device/dtype + transformers' forward of the non-cached tokens over a prefix cache of the cached length "
+            "+ recomputed (token, layer) pairs at full_prefill's rate in this run; TTFT here is the prefill call. "
+            "Ops: work-doing aten ops (views excluded) of one fused prefill, of the plain forward, and of one decode "
+            "step (`kvrag.bench.ops`). Raw: `floor.csv`.\n\n"
+            + _table(["point", "policy", "TTFT", "floor", "TTFT / floor", "read ms", "move ms", "forward ms",
+                      "recompute ms", "ops prefill", "ops plain fwd", "ops decode"], body) + "\n")
 
 
 def render_markdown(result: dict, files: dict, report_path: Path, assets: Path) -> str:
@@ -437,6 +464,9 @@ def render_markdown(result: dict, files: dict, report_path: Path, assets: Path) 
             L.append(_table(heads, body) + "\n")
             if f"plot_scaling_{tag}" in files:
                 L.append(f"![TTFT vs context length]({rel(files[f'plot_scaling_{tag}'])})\n")
+        fl = [r for r in result.get("floor") or [] if r["device"] == device]
+        if fl:
+            L.append(_floor_section(fl))
         sw = [r for r in summary if r["device"] == device and r["scenario"] == "sweep"]
         if sw:
             L.append(f"### Quality vs recompute ratio ({sw[0]['dataset']}, {sw[0]['n']} examples)\n")
@@ -478,7 +508,7 @@ def render_markdown(result: dict, files: dict, report_path: Path, assets: Path) 
              "pairs of cached tokens over all of them. **peak MB**: process RSS peak during a run (CPU), "
              "`torch.cuda.max_memory_allocated` (CUDA).")
     L.append("\nRaw data: `results.json` (one record per example × policy), `summary.csv`, `records.csv`, "
-             "`scaling.csv`, `sweep.csv` in the output directory.\n")
+             "`scaling.csv`, `sweep.csv`, `floor.csv` in the output directory.\n")
     return "\n".join(L)
 
 

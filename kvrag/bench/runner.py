@@ -63,6 +63,7 @@ class BenchConfig:
     max_new_tokens: int = 32
     kl_positions: int = 16
     scaling: list[tuple[int, int]] = field(default_factory=list)   # (chunks, tokens per chunk)
+    floor: list[tuple[int, int]] = field(default_factory=list)     # floor benchmark points, as scaling
     sweep_policies: list[str] = field(default_factory=list)
     sweep_ratios: list[float] = field(default_factory=list)
     sweep_limit: int = 0
@@ -118,7 +119,7 @@ class BenchConfig:
         for r in self.sweep_ratios:
             if not 0.0 <= r <= 1.0:
                 raise ValueError(f"sweep ratios must be in [0, 1], got {r}")
-        for n, t in self.scaling:
+        for n, t in [*self.scaling, *self.floor]:
             if n < 1 or t < 32:
                 raise ValueError(f"scaling point {n}x{t}: need >= 1 chunk of >= 32 tokens")
         bad = [t for t in self.synthetic_types if t not in synthetic.QUESTION_TYPES]
@@ -360,6 +361,7 @@ class Bench:
         self.data_examples = (load_examples(cfg.data, limit=cfg.limit, passages=cfg.passages,
                                             passage_words=cfg.passage_words) if cfg.data else None)
         self.records: list[dict] = []
+        self.floor_records: list[dict] = []  # the floor scenario (kvrag.bench.floor): a table of its own
         self.precompute_log: list[dict] = []
         self.footprint: dict = {}
         self.check: dict = {}
@@ -591,6 +593,24 @@ class Bench:
             self.say(f"  {n}x{t} ({recs[REFERENCE].get('prompt_tokens')} tok): " + "  ".join(
                 f"{r['label']} {r['ttft_s'] or float('nan'):.2f}s" for r in recs.values()))
 
+    def run_floor(self, rag) -> None:
+        """TTFT beside its floor and op counts (``kvrag.bench.floor``) at each floor point."""
+        from kvrag.bench.floor import measure_floor
+
+        cfg = self.cfg
+        self.say(f"[{self.device}] floor: {', '.join(f'{n}x{t}' for n, t in cfg.floor)}")
+        for n, t in cfg.floor:
+            item = synthetic.exact_length_item(n, t, rag.handle.encode, rag.tokenizer.decode, seed=cfg.seed)
+            ex = examples_from_items([item], source="floor")[0]
+            self.precompute(rag, ex.passages, "floor")
+            recs = measure_floor(lambda run: self.rag_for(run, rag), self.messages(ex, rag), self.runs,
+                                 cfg.repeats, f"{n}x{t}", self.device, cold=not cfg.hot_cache)
+            self.floor_records += recs
+            self.say(f"  {n}x{t} ({recs[0].get('prompt_tokens')} tok): " + "  ".join(
+                f"{r['label']} {r.get('ttft_s') or float('nan'):.3f}s"
+                + (f" (floor {r['floor_s']:.3f}s, ops {r.get('ops_prefill')}/{r.get('ops_plain')})" if r.get("floor_s") else "")
+                for r in recs))
+
     def run_sweep(self, rag, datasets: dict[str, list[Example]]) -> None:
         cfg = self.cfg
         name = "synthetic" if cfg.sweep_data == "synthetic" and "synthetic" in datasets else next(
@@ -746,6 +766,8 @@ class Bench:
                     steps.append(("single-hop check", lambda: self.run_check(rag)))
                 if cfg.scaling:
                     steps.append(("scaling", lambda: self.run_scaling(rag)))
+                if cfg.floor:
+                    steps.append(("floor", lambda: self.run_floor(rag)))
                 if self.sweep_policies and cfg.sweep_ratios and cfg.sweep_limit:
                     steps.append(("sweep", lambda: self.run_sweep(rag, datasets)))
                 if cfg.footprint and first is not None and device == cfg.devices[0]:
@@ -764,7 +786,7 @@ class Bench:
         meta["wall_s"] = time.perf_counter() - t_start
         meta["model"] = self.model_info
         return {"records": self.records, "meta": meta, "precompute": self.precompute_log,
-                "footprint": self.footprint, "single_hop_check": self.check, "summary": summarize(self.records),
+                "floor": self.floor_records, "footprint": self.footprint, "single_hop_check": self.check, "summary": summarize(self.records),
                 "throughput": throughput(self.records, self.precompute_log)}
 
 

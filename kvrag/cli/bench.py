@@ -50,6 +50,10 @@ def register(sub) -> None:
     g.add_argument("--kl-positions", type=int, default=16, help="answer positions for top-1/KL (default 16)")
     g.add_argument("--scaling", metavar="LIST", help="TTFT-vs-length points NxT: N chunks of exactly T tokens "
                    f"(default {FULL['scaling']}; 'none' to skip)")
+    g.add_argument("--floor", nargs="?", const="12x630", metavar="LIST",
+                   help="floor benchmark at points NxT (bare: 12x630): each policy's TTFT beside its floor (chunk "
+                        "reads + moving them to the device + transformers' forward of the non-cached tokens over a "
+                        "prefix cache + recomputed pairs at full_prefill's rate) and op counts; floor.csv")
     g.add_argument("--chunks", type=int, metavar="N", help="add scaling points of N chunks, one per --chunk-tokens")
     g.add_argument("--chunk-tokens", metavar="LIST", help="chunk lengths for --chunks, e.g. 256,512")
     g.add_argument("--sweep-policies", default=DEFAULT_SWEEP_POLICIES, metavar="LIST",
@@ -148,7 +152,7 @@ def command_line(args) -> str:
     """The run as one canonical, rerunnable command line (every option that shapes it)."""
     parts = ["kvrag", "bench"]
     for opt in ("data", "synthetic", "limit", "passages", "seed", "policies", "repeats", "max_new_tokens",
-                "kl_positions", "scaling", "chunks", "chunk_tokens", "sweep_policies", "sweep_ratios", "sweep_limit",
+                "kl_positions", "scaling", "floor", "chunks", "chunk_tokens", "sweep_policies", "sweep_ratios", "sweep_limit",
                 "sweep_data", "synthetic_passages", "synthetic_passage_tokens", "synthetic_types", "check_items", "model", "device", "dtype",
                 "storage_dtype", "chunk_anchor", "kvlink_adapter", "hot_cache", "cache_dir", "out", "report"):
         v = getattr(args, opt, None)
@@ -170,11 +174,14 @@ def config_from_args(args):
 
     from kvrag.bench.runner import BenchConfig
 
-    if not args.data and args.synthetic == 0:
-        raise BenchError("nothing to run: give --data FILE and/or --synthetic [N]")
+    floor_only = not args.data and args.synthetic == 0
+    if floor_only and not args.floor:
+        raise BenchError("nothing to run: give --data FILE and/or --synthetic [N] (or --floor)")
     d = QUICK if args.quick else FULL
     pick = lambda name: getattr(args, name) if getattr(args, name, None) is not None else d[name]  # noqa: E731
-    scaling = _list(pick("scaling"), "--scaling", _point)
+    # A floor-only run measures the floor alone unless scaling points are asked for.
+    scaling = _list(args.scaling if floor_only else pick("scaling"), "--scaling", _point)
+    floor = _list(args.floor, "--floor", _point)
     if args.chunks is not None or args.chunk_tokens is not None:
         if args.chunks is None or args.chunk_tokens is None:
             raise BenchError("--chunks and --chunk-tokens go together (e.g. --chunks 8 --chunk-tokens 256,512)")
@@ -205,7 +212,7 @@ def config_from_args(args):
             policies=_list(args.policies, "--policies"), params=parse_params(args.param),
             limit=pick("limit"), passages=pick("passages"), passage_words=d["passage_words"],
             repeats=pick("repeats"), max_new_tokens=pick("max_new_tokens"), kl_positions=args.kl_positions,
-            scaling=scaling, sweep_policies=_list(args.sweep_policies, "--sweep-policies"),
+            scaling=scaling, floor=floor, sweep_policies=_list(args.sweep_policies, "--sweep-policies"),
             sweep_ratios=_list(pick("sweep_ratios"), "--sweep-ratios", float), sweep_limit=pick("sweep_limit"),
             sweep_data=args.sweep_data, synthetic_passages=pick("synthetic_passages"),
             synthetic_passage_tokens=pick("synthetic_passage_tokens"), check_items=pick("check_items"),
