@@ -2,7 +2,7 @@
 # kvrag on a CUDA GPU: the device invariants (tests/test_device.py with KVRAG_TEST_DEVICE=cuda)
 # and TTFT of every policy against full_prefill on random-weight Llama models of two sizes
 # (SmolLM2-135M's shape and a Llama-3.2-1B-like shape; random weights: the TTFT columns are
-# meaningful, the quality columns are not).
+# meaningful, the quality columns are not), and the floor benchmark (`kvrag bench --floor`).
 #
 # Usage: benchmarks/gpu_check.sh OUT_DIR [SHAPES]   (SHAPES: comma list of smollm2,llama1b,tiny)
 # KVRAG_BENCH_ARGS replaces the TTFT points (default: --scaling 8x512,16x512,32x512,32x1024).
@@ -45,14 +45,28 @@ model.save_pretrained(out)
 tok.save_pretrained(out)
 print(shape, sum(p.numel() for p in model.parameters()) / 1e6, "M params ->", out)
 PY
-    "$PY" -m kvrag.cli calibrate a2ats --model "$model" --device "$DEVICE" --dtype bfloat16 \
+    "$PY" -m kvrag calibrate a2ats --model "$model" --device "$DEVICE" --dtype bfloat16 \
         --tokens 4096 --codes 256 2>&1 | tail -2
     for hot in ${KVRAG_HOT_CACHE:-0 auto}; do
-        "$PY" -m kvrag.cli bench --model "$model" --device "$DEVICE" --dtype bfloat16 \
+        "$PY" -m kvrag bench --model "$model" --device "$DEVICE" --dtype bfloat16 \
             --storage-dtype bfloat16 --kvlink-adapter none --cache-dir "$OUT/home/kv_$shape" --hot-cache "$hot" \
             --synthetic 1 --synthetic-passages 3 --check-items 0 --sweep-limit 0 --no-footprint \
             ${KVRAG_BENCH_ARGS:---scaling 8x512,16x512,32x512,64x512} \
             --out "$OUT/bench_${shape}_hot$hot" --report "$OUT/bench_${shape}_hot$hot.md" 2>&1 | grep -v "^  \[" | tail -12
+    done
+    # The floor benchmark (issue 27): TTFT of each policy beside its floor (chunk reads + move to
+    # the GPU + transformers' forward of the non-cached tokens over a prefix cache [+ recompute])
+    # and op counts (kernel launches) per fused prefill / decode step vs the plain forward, at
+    # 4k-32k tokens. Tiers: "auto" = GPU memory (the hot tier), "0" = host RAM (the store's
+    # files, which the OS page cache holds after the warm-up). A cold local-disk read needs the
+    # page cache dropped between timed runs (root: echo 3 > /proc/sys/vm/drop_caches), which
+    # the bench does not do.
+    for hot in ${KVRAG_HOT_CACHE:-0 auto}; do
+        "$PY" -m kvrag bench --model "$model" --device "$DEVICE" --dtype bfloat16 \
+            --storage-dtype bfloat16 --kvlink-adapter none --cache-dir "$OUT/home/kv_$shape" --hot-cache "$hot" \
+            --policies naive_reuse,cacheblend,a3,epic --repeats 5 --no-footprint \
+            --floor "${KVRAG_FLOOR_POINTS:-8x512,16x512,32x512,64x512}" \
+            --out "$OUT/floor_${shape}_hot$hot" --report "$OUT/floor_${shape}_hot$hot.md" 2>&1 | tail -8
     done
     # Where a cold (disk) read of cached chunks spends its time: the 12 costliest calls.
     "$PY" - "$model" "$DEVICE" "${KVRAG_PROFILE_CHUNKS:-32}" <<'PY' 2>&1 | tail -70
