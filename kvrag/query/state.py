@@ -154,6 +154,8 @@ class FusionState:
     active: torch.Tensor
     cos: torch.Tensor
     sin: torch.Tensor
+    # long [N], on the CPU: layers at which each token was computed; complete once the last layer
+    # ran (the engine adds each active set's layers where the set narrows: no host read per layer).
     layer_counts: torch.Tensor
     scratch: dict = field(default_factory=dict)
     # Pre-RoPE cached keys per layer [Hkv, N, D] only for cached rows; policies that need the
