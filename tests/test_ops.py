@@ -12,7 +12,6 @@ from kvrag.arch import Arch
 from kvrag.bench.ops import OpCounter, count_ops, plain_forward, plain_forward_ops, query_ops
 from kvrag.policies import get_policy
 from kvrag.query.fusion import FusionEngine
-from kvrag.query.state import Layout
 
 TOTAL, PREFIX, QUESTION = 96, 5, 6
 
@@ -32,23 +31,25 @@ def test_views_and_allocations_are_not_counted_work_is():
     assert c.count.syncs == 2
 
 
-def fused_ops(arch, model, n_chunks, policy, seed=0):
+def fused_ops(arch, model, n_chunks, policy, seed=0, **params):
     """Ops of one fused prefill: plain prefix | n_chunks cached chunks of TOTAL tokens in all |
     plain question."""
     g = torch.Generator().manual_seed(seed)
     sizes = [TOTAL // n_chunks] * n_chunks
     segs = [(rand_ids(PREFIX, g), False)] + [(rand_ids(s, g), True) for s in sizes] + [(rand_ids(QUESTION, g), False)]
-    layout = Layout.build(pieces_for(arch, segs))
-    ops, res = count_ops(FusionEngine(arch).prefill, layout, get_policy(policy))
+    engine, pol = FusionEngine(arch), get_policy(policy, **params)
+    layout = engine.apply_insertions(pieces_for(arch, segs), pol)  # KVLink's link tokens
+    ops, res = count_ops(engine.prefill, layout, pol)
     return ops, res
 
 
-@pytest.mark.parametrize("policy", ["naive_reuse", "cacheblend", "epic", "a3"])
-def test_fused_prefill_ops_do_not_grow_with_the_number_of_chunks(policy):
+@pytest.mark.parametrize("policy, params", [
+    ("naive_reuse", {}), ("cacheblend", {}), ("epic", {}), ("a3", {}), ("kvlink", {"mode": "untrained"})])
+def test_fused_prefill_ops_do_not_grow_with_the_number_of_chunks(policy, params):
     model = tiny("llama")
     arch = Arch(model)
-    two, _ = fused_ops(arch, model, 2, policy)
-    eight, _ = fused_ops(arch, model, 8, policy)
+    two, _ = fused_ops(arch, model, 2, policy, **params)
+    eight, _ = fused_ops(arch, model, 8, policy, **params)
     # Same prompt length, 4x the chunks: the same ops (the layout's host-side bookkeeping
     # aside, which runs no device kernel per layer). Per-chunk x per-layer rotation costs
     # ~5 ops per chunk and layer: 6 more chunks x 4 layers would add ~120.

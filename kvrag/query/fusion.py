@@ -210,10 +210,10 @@ class FusionEngine:
         hidden = arch.embed(layout.token_ids[active_cpu])
         ins = layout.kind[active_cpu] == INSERTED
         if ins.any():
-            emb_all = torch.zeros(n, arch.hidden_size, dtype=dt, device=dev)
-            for si, start, end in layout.spans(INSERTED):
-                emb_all[start:end] = layout.pieces[si].embeds.to(device=dev, dtype=dt)
-            hidden[ins.to(dev)] = emb_all[active[ins.to(dev)]]
+            # Inserted tokens are never cached, so all of them are active, in prompt order:
+            # their rows take the pieces' embeddings in one write.
+            emb = torch.cat([layout.pieces[si].embeds.to(device=dev, dtype=dt) for si, _, _ in layout.spans(INSERTED)])
+            hidden[ins.to(dev)] = emb
 
         # What depends only on the active set and on state.keep, rebuilt when either changes.
         rows = _Rows(arch, positions, positions_sorted)
