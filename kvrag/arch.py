@@ -277,11 +277,20 @@ class Arch:
 
     def rotate_layers(self, x: torch.Tensor, cos_sin) -> torch.Tensor:
         """Rotate pre-RoPE keys of every layer at once: ``x`` [L, ..., P, D] with the tables
-        ``cos_sin`` (cos, sin [P, D]) -> a new tensor of ``x``'s shape; NoPE layers (SmolLM3)
-        keep the position-free key. Three ops for all layers (plus a copy per NoPE layer),
-        the same arithmetic as ``rotate`` layer by layer."""
+        ``cos_sin`` of ``cos_sin()`` (cos, sin [P, D], or [P, T, D] with one table per RoPE
+        kind) -> a new tensor of ``x``'s shape; NoPE layers (SmolLM3) keep the position-free
+        key. A fixed number of ops for all layers (one rotation per RoPE kind, a copy per NoPE
+        layer), the same arithmetic as ``rotate`` layer by layer."""
         out = torch.empty_like(x)
-        self.rotate(x, None, cos_sin, out=out)
+        cos, sin = cos_sin
+        if cos.dim() == 2:
+            self.rotate(x, None, (cos, sin), out=out)
+        else:  # Gemma 3: local and global layers rotate with their own base
+            for kind in range(len(self.rope_kinds)):
+                idx = [l for l in range(self.n_layers) if self.rope_index[l] == kind]
+                if idx:
+                    sel = torch.tensor(idx, device=x.device)
+                    out.index_copy_(0, sel, self.rotate(x[sel], None, (cos[:, kind], sin[:, kind]), out=torch.empty_like(x[sel])))
         for layer, rope in enumerate(self.rope_layers):
             if not rope:
                 out[layer].copy_(x[layer])

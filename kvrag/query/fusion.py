@@ -250,7 +250,8 @@ class FusionEngine:
             else:
                 keys, vals = state.K[layer][:, keys_at.idx], state.V[layer][:, keys_at.idx]
             mask, plan = rows.causal(active)
-            if extra is None and window is None:
+            if extra is None and window is None and arch.attn_softcap is None:
+                # (Soft-capped attention, Gemma 2, runs its own maths on the bool mask.)
                 mask = rows.additive(active, q.dtype)
             if extra is not None:
                 mask = mask & (extra if keys_at.idx is None else extra[:, keys_at.idx])
