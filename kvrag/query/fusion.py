@@ -201,7 +201,6 @@ class FusionEngine:
         del K, V
         policy.prepare(state)
         required_cpu = state.required
-        required = required_cpu.to(dev)
         active_cpu = (policy.initial_active(state).cpu() | required_cpu).nonzero().squeeze(1)
         active = active_cpu.to(dev)
         state.active = active
