@@ -114,7 +114,7 @@ class Outage:
             self._retry_at = time.monotonic() + self.retry_s
         if first:
             log.warning("%s is unreachable (%s: %s): serving from the local tiers and computing what "
-                        "they lack; retrying every %.0f s, said once per outage",
+                        "they lack; retrying every %g s, said once per outage",
                         self.what, type(e).__name__, e, self.retry_s)
 
     def ok(self) -> None:
