@@ -121,7 +121,7 @@ Worker(rag, batch=1, claim_idle_s=1).run()
 """
 
 
-def test_kill9_worker_mid_job_loses_nothing(redis_url, prefix, model_dir, tmp_path):
+def test_kill9_worker_mid_job_loses_nothing(redis_url, prefix, model_dir, tmp_path, capsys):
     producer = KVRag(model_dir, cache_dir=tmp_path / "p", shared=RedisStore(redis_url, prefix=prefix),
                      precompute_via="queue")
     keys = producer.precompute(DOCS)
@@ -139,6 +139,12 @@ def test_kill9_worker_mid_job_loses_nothing(redis_url, prefix, model_dir, tmp_pa
     assert far.client.keys(far.prefix + "p:*")
     assert all(k not in far and far.get(k, producer.fingerprint) is None for k in keys)
     assert producer.queue.progress()["pending"] == 1
+    # Visible to an operator without a model: `kvrag cache stats --shared URL`.
+    from kvrag.cli import main
+
+    assert main(["cache", "stats", "--shared", redis_url, "--prefix", prefix, "--json"]) == 0
+    (queue,) = json.loads(capsys.readouterr().out)["shared"]["queues"]
+    assert queue["queued"] == len(DOCS) and queue["pending"] == 1 and queue["done"] == 0
     _finish(_worker(redis_url, prefix, model_dir, tmp_path / "w2", "--until-idle", "--claim-idle", "1"))
     p = producer.queue.progress()
     assert p["done"] == len(DOCS) and p["queued"] == 0 and p["pending"] == 0 and p["failed"] == 0
