@@ -194,3 +194,26 @@ def test_flushed_redis_is_misses_then_recomputed(redis_url, prefix, model_dir, t
     assert out.token_ids == a.generate(prompt, policy="full_prefill", max_new_tokens=8).token_ids
     b.precompute(DOCS)  # recomputed on demand, shared again
     assert all(a.chunk_key(d) in a.store.far for d in DOCS)
+
+
+@pytest.mark.slow
+def test_example_replicas_llamaindex_over_chroma_server(model_dir, tmp_path):
+    """examples/replicas.py: Redis + `chroma run` + a worker + replica A's LlamaIndex pipeline
+    (queue) + replica B's query engine, each its own process (~1 min on 2 busy cores)."""
+    pytest.importorskip("llama_index.llms.kvrag", reason="the LlamaIndex integration is not installed")
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    try:
+        import replicas
+    finally:
+        sys.path.pop(0)
+    if replicas.chroma_binary() is None:
+        pytest.skip("the `chroma` CLI (installed with chromadb) is absent")
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "replicas.py"), "--model", model_dir,
+                        "--workdir", str(tmp_path)], env=_env(), cwd=ROOT, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    a, b = (json.loads(line) for line in r.stdout.splitlines() if line.startswith("{"))
+    assert a["drained"] and a["computed_locally"] == 0 and a["queue"]["done"] == a["nodes"] > 0
+    assert a["queue"]["failed"] == 0 and a["queue"]["queued"] == 0
+    assert b["chunks_hit"] > 0 and b["chunks_missed"] == 0 and b["hit_rate"] == 1.0
+    assert b["from_redis"] == b["local_entries"] > 0  # every chunk B used came through Redis
