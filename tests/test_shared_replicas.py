@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -19,7 +20,7 @@ from redis_helpers import RedisServer, own_redis, prefix, redis, redis_url  # no
 
 from corpus_helpers import DOCS as CORPUS, prompt_for
 from kvrag.engine import KVRag
-from kvrag.remote import RedisQueue
+from kvrag.remote import RedisQueue, Worker
 from kvrag.store.shared import RedisStore
 from kvrag.testing import tiny_llama
 
@@ -77,10 +78,17 @@ print(json.dumps({"progress": rag.queue.progress(), "local_entries": rag.store.n
 
 
 def test_replica_b_serves_what_replica_a_queued(redis_url, prefix, model_dir, tmp_path):
-    worker = _worker(redis_url, prefix, model_dir, tmp_path / "w", "--until-idle", "--claim-idle", "5")
     a = _python(REPLICA_A, redis_url, prefix, model_dir, str(tmp_path / "a"), json.dumps(DOCS))
-    res = json.loads(_finish(a).strip().splitlines()[-1])
-    _finish(worker)
+    # The worker: a thread of this process (the CLI's worker runs in the next test).
+    w = KVRag(model_dir, cache_dir=tmp_path / "w", shared=RedisStore(redis_url, prefix=prefix))
+    stop = threading.Event()
+    worker = threading.Thread(target=Worker(w, block_s=0.2).run, args=(stop,), daemon=True)
+    worker.start()
+    try:
+        res = json.loads(_finish(a).strip().splitlines()[-1])
+    finally:
+        stop.set()
+        worker.join(30)
     assert res["local_entries"] == 0  # replica A computed nothing itself
     assert res["progress"]["done"] == len(DOCS) and res["progress"]["queued"] == 0
     # Replica B: a fresh process state (this one), its own empty disk, the same Redis.

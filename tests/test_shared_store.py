@@ -213,3 +213,25 @@ def test_eviction_under_maxmemory_is_misses_only(tmp_path):
         far.close()
     finally:
         server.close()
+
+
+def test_concurrent_writers_of_one_key_leave_one_whole_version(store):
+    import threading
+
+    key, e = entry(6, t=40)
+    stores = [RedisStore(store.url, prefix=store.prefix, part_size=1024) for _ in range(3)]
+
+    def hammer(s):
+        for _ in range(15):
+            s.put(key, e)
+
+    threads = [threading.Thread(target=hammer, args=(s,)) for s in stores]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    meta = store.client.hgetall(store._meta(key))
+    parts = store.client.keys(store.prefix + "p:*")
+    assert len(parts) == int(meta[b"parts"])  # the replaced versions' parts are all gone
+    assert all(p.decode().split(":")[-2] == meta[b"ver"].decode() for p in parts)
+    assert same(store.get(key, FP), e)

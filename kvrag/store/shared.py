@@ -217,20 +217,34 @@ class RedisStore(ChunkStore):
         index_value = json.dumps({"text": entry.text, "fingerprint": entry.fingerprint, "n_tokens": int(ids.numel())})
 
         def write():
-            old = _meta_fields(self._hgetall(self._meta(key)), self.part_size)
+            import redis
+
             p = self.client.pipeline(transaction=False)
             for i, name in enumerate(parts):
                 p.set(name, view[i * self.part_size:(i + 1) * self.part_size], ex=_PENDING_TTL_S)
             p.execute()
-            t = self.client.pipeline(transaction=True)
-            for name in parts:
-                t.persist(name)
-            t.delete(self._meta(key))
-            t.hset(self._meta(key), mapping={"ver": ver, "tag": checksum(data), "size": len(data),
-                                             "part_size": self.part_size, "parts": n})
-            t.hset(self._idx, key, index_value)
-            t.incr(self._idxv)
-            t.execute()
+            # WATCH the meta: a writer that published the same key between our read of the old
+            # version and our commit makes us read again, so its parts are deleted, not leaked.
+            with self.client.pipeline(transaction=True) as t:
+                while True:
+                    try:
+                        t.watch(self._meta(key))
+                        try:
+                            old = _meta_fields(t.hgetall(self._meta(key)), self.part_size)
+                        except redis.ResponseError:  # not a hash: not ours, replaced
+                            old = None
+                        t.multi()
+                        for name in parts:
+                            t.persist(name)
+                        t.delete(self._meta(key))
+                        t.hset(self._meta(key), mapping={"ver": ver, "tag": checksum(data), "size": len(data),
+                                                         "part_size": self.part_size, "parts": n})
+                        t.hset(self._idx, key, index_value)
+                        t.incr(self._idxv)
+                        t.execute()
+                        break
+                    except redis.WatchError:
+                        continue
             if old is not None:
                 self._delete_parts(key, old)
 
