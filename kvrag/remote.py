@@ -120,11 +120,11 @@ class RedisQueue:
         p = self.client.pipeline(transaction=False)
         p.xlen(self.stream)
         p.hgetall(self._counts)
+        length, counts = p.execute()
         try:
-            length, counts = p.execute()
-            groups = self.client.xinfo_groups(self.stream) if length or counts else []
+            groups = self.client.xinfo_groups(self.stream)
         except redis.ResponseError:  # no stream yet
-            length, counts, groups = 0, {}, []
+            groups = []
         group = next((g for g in groups if g.get("name") in (GROUP, GROUP.encode())), {})
         c = {k.decode(): int(v) for k, v in counts.items()}
         return {"stream": self.stream, "queued": int(length), "pending": int(group.get("pending", 0)),
