@@ -162,6 +162,13 @@ class KVRag:
         if precompute_via == "queue" and shared is None:
             raise ValueError("precompute_via='queue' needs a shared store (shared='redis://...') "
                              "where the workers store the chunks")
+        far = None
+        if shared is not None:
+            # Imported here: a single-process kvrag never imports redis. Built before the model
+            # load, so a malformed URL fails at once (no connection is made yet).
+            from kvrag.store.shared import RedisStore
+
+            far = shared if isinstance(shared, ChunkStore) else RedisStore(shared)
         if isinstance(ingest_policies, (str, Policy)):
             ingest_policies = [ingest_policies]
         ingest = [get_policy(p) for p in ingest_policies]
@@ -183,12 +190,9 @@ class KVRag:
         cache_dir = Path(cache_dir) if cache_dir is not None else default_home() / "store"
         self.store: ChunkStore = KVStore(cache_dir, size_limit=size_limit)
         self.queue = None
-        if shared is not None:
-            # Imported here: a single-process kvrag never imports redis.
-            from kvrag.store.shared import RedisStore
+        if far is not None:
             from kvrag.store.tiered import TieredStore
 
-            far = shared if isinstance(shared, ChunkStore) else RedisStore(shared)
             self.store = TieredStore(self.store, far)
             if precompute_via == "queue":
                 from kvrag.remote import RedisQueue

@@ -235,3 +235,26 @@ def test_concurrent_writers_of_one_key_leave_one_whole_version(store):
     assert len(parts) == int(meta[b"parts"])  # the replaced versions' parts are all gone
     assert all(p.decode().split(":")[-2] == meta[b"ver"].decode() for p in parts)
     assert same(store.get(key, FP), e)
+
+
+def test_bad_shared_options_fail_before_the_model_load(tmp_path):
+    from kvrag.engine import KVRag
+
+    missing = str(tmp_path / "no-such-model")  # loading it would raise ModelLoadError
+    with pytest.raises(ValueError, match="redis://host"):
+        KVRag(missing, cache_dir=tmp_path / "kv", shared="localhost:6379")
+    with pytest.raises(ValueError, match="needs a shared store"):
+        KVRag(missing, cache_dir=tmp_path / "kv", precompute_via="queue")
+    with pytest.raises(ValueError, match="precompute_via"):
+        KVRag(missing, cache_dir=tmp_path / "kv", shared="redis://127.0.0.1:6379/0", precompute_via="remote")
+
+
+def test_a_local_kvrag_never_imports_redis(tmp_path):
+    import subprocess
+    import sys
+
+    code = ("import sys; from kvrag.engine import KVRag; from kvrag.testing import tiny_llama; "
+            f"KVRag(tiny_llama(), cache_dir={str(tmp_path / 'kv')!r}); "
+            "assert 'redis' not in sys.modules, 'redis imported'")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
