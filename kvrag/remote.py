@@ -207,7 +207,18 @@ class Worker:
                 bad.append((mid, fields.get(b"key", b"?").decode("ascii", "replace"), e))
                 continue
             jobs.append((mid, key, text))
-        todo = [j for j in jobs if not ing.ensure_listed(j[1], j[2])]
+        far, near = self.rag.store.far, self.rag.store.near
+        todo = []
+        for mid, key, text in jobs:
+            if far.ensure_indexed(key):
+                continue  # stored in Redis meanwhile (another worker, a replica's write-through)
+            # On this worker's disk but not in Redis (flushed, evicted, another prefix): copy
+            # it up instead of computing it again (``rag.precompute`` would skip it as stored).
+            entry = near.get(key, self.rag.fingerprint)
+            if entry is not None:
+                far.put(key, entry)
+            else:
+                todo.append((mid, key, text))
         errors: dict[str, BaseException] = {}
         if todo:
             try:

@@ -225,3 +225,26 @@ def test_example_replicas_llamaindex_over_chroma_server(model_dir, tmp_path):
     assert a["queue"]["failed"] == 0 and a["queue"]["queued"] == 0
     assert b["chunks_hit"] > 0 and b["chunks_missed"] == 0 and b["hit_rate"] == 1.0
     assert b["from_redis"] == b["local_entries"] > 0  # every chunk B used came through Redis
+
+
+def test_worker_publishes_a_chunk_it_only_has_on_its_own_disk(redis_url, prefix, model_dir, tmp_path):
+    """Redis lost the chunks (flushed, or a new prefix) while a worker's disk still has them:
+    its jobs copy them up rather than being left pending for ever."""
+    local = KVRag(model_dir, cache_dir=tmp_path / "w")
+    local.precompute(DOCS)  # on the worker's disk only
+    w = KVRag(local.handle, cache_dir=tmp_path / "w", shared=RedisStore(redis_url, prefix=prefix))
+    producer = KVRag(local.handle, cache_dir=tmp_path / "p", shared=RedisStore(redis_url, prefix=prefix),
+                     precompute_via="queue")
+    keys = producer.precompute(DOCS)
+    stop = threading.Event()
+    t = threading.Thread(target=Worker(w, block_s=0.2).run, args=(stop,), daemon=True)
+    t.start()
+    try:
+        assert producer.queue.wait(keys, timeout=30), producer.queue.progress()
+    finally:
+        stop.set()
+        t.join(30)
+    assert producer.queue.progress()["done"] == len(DOCS)
+    for k in keys:
+        got, want = producer.store.far.get(k, producer.fingerprint), local.store.get(k, local.fingerprint)
+        assert got is not None and (got.keys == want.keys).all()
