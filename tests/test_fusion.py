@@ -26,7 +26,7 @@ def test_rerotated_key_equals_key_at_position(model_type):
         out = model(torch.tensor([prefix + ids]), use_cache=True)
     k_true = output_cache(out).layers[0].keys[0][:, -12:]  # [Hkv, T, D] (or a window's last rows)
     k_pre, _ = compute_chunk_kv(arch, [ids])[0]
-    k_rot = arch.rotate(k_pre[0], torch.arange(7, 19))
+    k_rot = arch.rotate(k_pre[0], torch.arange(7, 19), layer=0)
     torch.testing.assert_close(k_rot[:, -k_true.shape[1]:], k_true, atol=1e-5, rtol=1e-5)
     # Undoing the rotation recovers the position-free key.
     torch.testing.assert_close(arch.unrotate(k_rot, torch.arange(7, 19), 0), k_pre[0], atol=1e-5, rtol=1e-5)

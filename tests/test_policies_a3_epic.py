@@ -32,12 +32,13 @@ def build(model_type="llama", seed=0, chunks=CHUNKS, query_tokens=None):
 def hf_attentions(model, ids):
     """Softmax attention weights of the full prompt per layer: [L][H, N, N] (eager kernel,
     which is the only one that returns them)."""
+    prev = model.config._attn_implementation
     model.set_attn_implementation("eager")
     try:
         with torch.no_grad():
             out = model(torch.tensor([ids]), output_attentions=True, use_cache=True)
     finally:
-        model.set_attn_implementation("sdpa")
+        model.set_attn_implementation(prev)
     return [a[0].float() for a in out.attentions], output_cache(out)
 
 
@@ -45,15 +46,20 @@ def hf_query_keys(model, ids, layer):
     """HF's own post-RoPE query [H, N, D] and key [Hkv, N, D] states entering ``layer``'s
     attention on the full prompt, its boolean mask [N, N] (causal, sliding window) and its
     scaling: captured from the attention call (with eager-style masks)."""
+    import sys
+
     from transformers import AttentionInterface, AttentionMaskInterface
 
-    sdpa = AttentionInterface._global_mapping["sdpa"]
+    prev = model.config._attn_implementation
     got = {}
 
     def capture(module, query, key, value, attention_mask, scaling=None, **kw):
         if module.layer_idx == layer:
             got.update(q=query[0].float(), k=key[0].float(), mask=attention_mask, scaling=scaling)
-        return sdpa(module, query, key, value, attention_mask, scaling=scaling, **kw)
+        # The model's own kernel (eager where it soft-caps: Gemma 2), so the layers below
+        # ``layer`` compute what the model computes.
+        attend = AttentionInterface._global_mapping.get(prev) or sys.modules[type(module).__module__].eager_attention_forward
+        return attend(module, query, key, value, attention_mask, scaling=scaling, **kw)
 
     AttentionInterface.register("kvrag_capture", capture)
     AttentionMaskInterface.register("kvrag_capture", AttentionMaskInterface._global_mapping["eager"])
@@ -62,7 +68,7 @@ def hf_query_keys(model, ids, layer):
         with torch.no_grad():
             model(torch.tensor([ids]), use_cache=False)
     finally:
-        model.set_attn_implementation("sdpa")
+        model.set_attn_implementation(prev)
     n = len(ids)
     mask = got["mask"]
     if mask is None:

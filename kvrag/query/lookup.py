@@ -39,6 +39,7 @@ class ChunkLookup:
         self.segmenter = segmenter
         self.fingerprint = fingerprint
         self.newline_ids = handle.encode("\n")
+        self.layout = (handle.n_layers, handle.n_kv_heads, handle.head_dim)  # what a served entry must hold
         self._refresh_s = refresh_s
         self._last_refresh = -1e9
         # One re-read of the text index at a time: concurrent queries that are due at once
@@ -113,6 +114,9 @@ class ChunkLookup:
                     entry = disk[seg.key].result()
                     if entry is None:
                         return None  # evicted/corrupt: computed instead
+                    if (problem := entry.layout_problem(self.layout)) is not None:
+                        log.warning("stored chunk %s does not fit this model (%s); computed instead", seg.key, problem)
+                        return None
                 return entry.token_ids.tolist(), entry.text, (entry, hot)
 
             for pl in place_chunks(self.tokenizer, self.newline_ids, ids, offsets, starts, spans, read):

@@ -48,6 +48,23 @@ class ChunkEntry:
         return ChunkEntry(self.fingerprint, self.text, self.token_ids[a:b], self.keys[:, :, a:b],
                           self.values[:, :, a:b], extras)
 
+    def layout_problem(self, layout: tuple[int, int, int]) -> str | None:
+        """Why this entry cannot serve a model whose K/V are laid out ``layout`` = (L, Hkv, D),
+        or None if it can: keys/values [L, Hkv, T, D] of one floating dtype, token_ids [T]
+        integers. A store may hold anything (a forged entry with a valid checksum): checked
+        before the entry reaches the fusion engine, whose error would not name the chunk."""
+        k, v, ids = self.keys, self.values, self.token_ids
+        if not isinstance(self.text, str):
+            return f"text is a {type(self.text).__name__}, not a str"
+        if ids.dim() != 1 or ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+            return f"token_ids have shape {tuple(ids.shape)} dtype {ids.dtype}, expected [T] integers"
+        want = (layout[0], layout[1], ids.numel(), layout[2])
+        if tuple(k.shape) != want or tuple(v.shape) != want:
+            return f"keys {tuple(k.shape)} / values {tuple(v.shape)}, expected [L, Hkv, T, D] = {list(want)}"
+        if k.dtype != v.dtype or not k.dtype.is_floating_point:
+            return f"keys/values have dtypes {k.dtype} / {v.dtype}, expected one floating dtype"
+        return None
+
     @property
     def nbytes(self) -> int:
         """Bytes held by the tensors (ids, keys, values, extras)."""

@@ -23,6 +23,11 @@ EXTRA_PREFIX = "extras."
 
 _CRC_PREFIX = "crc32:"
 
+#: The largest safetensors header a blob may declare (bytes). A real one is a few hundred bytes
+#: plus the chunk's text; the bound keeps a crafted length from making a reader allocate or
+#: parse without end.
+MAX_HEADER_BYTES = 2**24
+
 
 def checksum(data: bytes) -> str:
     """The tag stored with a blob: ``"crc32:<8 hex>"``. CRC-32 (zlib) rather than a
@@ -72,11 +77,37 @@ def verified_header(buf: torch.Tensor, tag: object, fingerprint: str | None = No
         if fingerprint is not None and meta.get("fingerprint") == fingerprint:
             raise Corrupt(f"format version {meta.get('kvrag_format')!r} with this kvrag's fingerprint")
         return None
+    if (end := start + data_end(header)) != len(data):  # before the checksum reads it all
+        raise Corrupt(f"blob of {len(data)} bytes, its header says {end}")
     if not checksum_matches(data, tag):
         raise Corrupt(f"checksum mismatch (stored {tag}, {len(data)} bytes)")
     if meta.get("kvrag_format") != str(CACHE_FORMAT_VERSION):
         raise Corrupt(f"format version {meta.get('kvrag_format')!r}, expected {CACHE_FORMAT_VERSION}")
     return header, start
+
+
+def data_end(header: dict[str, Any]) -> int:
+    """Where the tensor data a header describes ends (bytes after the header); Corrupt if an
+    entry's offsets are not a pair of non-negative ints."""
+    end = 0
+    for name, info in header.items():
+        if name != "__metadata__":
+            end = max(end, _offsets(name, info)[1])
+    return end
+
+
+def _ints(name: str, value: object, what: str) -> list[int]:
+    # Strict ints: a float (1e400 is inf), a bool or a string is not a size.
+    if not isinstance(value, list) or not all(type(x) is int and x >= 0 for x in value):
+        raise Corrupt(f"bad {what} {value!r:.80} for tensor {name!r:.80}")
+    return value
+
+
+def _offsets(name: str, info: object) -> tuple[int, int]:
+    offsets = _ints(name, info.get("data_offsets") if isinstance(info, dict) else None, "data_offsets")
+    if len(offsets) != 2 or offsets[0] > offsets[1]:
+        raise Corrupt(f"bad data_offsets {offsets!r:.80} for tensor {name!r:.80}")
+    return offsets[0], offsets[1]
 
 
 def validate_entry(entry: ChunkEntry) -> torch.Tensor:
@@ -87,6 +118,9 @@ def validate_entry(entry: ChunkEntry) -> torch.Tensor:
         raise ValueError("ChunkEntry.fingerprint must be a non-empty string")
     if not isinstance(entry.text, str):
         raise ValueError(f"ChunkEntry.text must be a str, got {type(entry.text).__name__}")
+    if not entry.text.strip():
+        # A blank text matches everywhere (or nowhere) in a prompt: listed, it broke every query.
+        raise ValueError(f"ChunkEntry.text must hold non-whitespace characters, got {entry.text!r}")
     for name in ("token_ids", "keys", "values"):
         if not isinstance(getattr(entry, name), torch.Tensor):
             raise ValueError(f"ChunkEntry.{name} must be a torch.Tensor, got {type(getattr(entry, name)).__name__}")
@@ -140,15 +174,21 @@ def read_header(data) -> tuple[dict[str, Any], int]:
     if len(data) < 8:
         raise Corrupt(f"blob too short ({len(data)} bytes)")
     n = int.from_bytes(data[:8], "little")
-    if n <= 0 or 8 + n > len(data):
+    if n <= 0 or 8 + n > len(data) or n > MAX_HEADER_BYTES:
         raise Corrupt(f"bad safetensors header length {n} for a {len(data)}-byte blob")
     try:
-        header = json.loads(bytes(data[8 : 8 + n]))
-    except ValueError as e:
-        raise Corrupt(f"unreadable safetensors header: {e}") from None
+        # The header is read before the checksum, so any input must end as Corrupt: deep
+        # nesting (RecursionError), NaN/Infinity (refused: not JSON, and never a size).
+        header = json.loads(bytes(data[8 : 8 + n]), parse_constant=_no_constant)
+    except (ValueError, RecursionError) as e:
+        raise Corrupt(f"unreadable safetensors header: {e!s:.200}") from None
     if not isinstance(header, dict):
         raise Corrupt("safetensors header is not a mapping")
     return header, 8 + n
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} in a safetensors header")
 
 
 def metadata(header: dict[str, Any]) -> dict[str, str]:
@@ -157,6 +197,8 @@ def metadata(header: dict[str, Any]) -> dict[str, str]:
     meta = header.get("__metadata__")
     if not isinstance(meta, dict):
         raise Corrupt("safetensors metadata is missing or not a mapping")
+    if not all(isinstance(v, str) for v in meta.values()):  # safetensors metadata is str -> str
+        raise Corrupt("safetensors metadata holds a value that is not a string")
     return meta
 
 
@@ -178,14 +220,15 @@ def deserialize(buf: torch.Tensor, header: dict[str, Any], start: int) -> ChunkE
     for name, info in header.items():
         if name == "__metadata__":
             continue
-        try:
-            dtype = DTYPES[info["dtype"]]
-            shape = [int(d) for d in info["shape"]]
-            a, b = (int(o) for o in info["data_offsets"])
-        except (KeyError, TypeError, ValueError) as e:
-            raise Corrupt(f"bad header entry for {name!r}: {e!r}") from None
-        if not 0 <= a <= b <= size or b - a != math.prod(shape) * dtype.itemsize or min(shape, default=1) < 0:
-            raise Corrupt(f"tensor {name!r} {info['dtype']}{shape} does not fit bytes {a}..{b} of {size}")
+        dtype = DTYPES.get(info.get("dtype")) if isinstance(info, dict) and isinstance(info.get("dtype"), str) else None
+        if dtype is None:
+            raise Corrupt(f"bad header entry for {name!r:.80}: no known dtype")
+        shape = _ints(name, info.get("shape"), "shape")
+        if len(shape) > 16:  # what kvrag stores has at most 4 dimensions
+            raise Corrupt(f"tensor {name!r:.80} has {len(shape)} dimensions")
+        a, b = _offsets(name, info)
+        if b > size or b - a != math.prod(shape) * dtype.itemsize:
+            raise Corrupt(f"tensor {name!r:.80} {info['dtype']}{shape!s:.80} does not fit bytes {a}..{b} of {size}")
         t = buf[start + a : start + b]
         if (start + a) % dtype.itemsize:  # safetensors aligns its tensors; a view needs it
             t = t.clone()
@@ -198,8 +241,11 @@ def deserialize(buf: torch.Tensor, header: dict[str, Any], start: int) -> ChunkE
         raise Corrupt(f"missing or bad field {e}") from None
     if ids.dim() != 1 or ids.dtype != torch.int64:
         raise Corrupt(f"token_ids has shape {tuple(ids.shape)} dtype {ids.dtype}, expected [T] int64")
-    if k.dim() != 4 or k.shape != v.shape or k.dtype != v.dtype:
-        raise Corrupt(f"keys {tuple(k.shape)} {k.dtype} / values {tuple(v.shape)} {v.dtype} are inconsistent")
+    if k.dim() != 4 or k.shape != v.shape or k.dtype != v.dtype or not k.dtype.is_floating_point:
+        raise Corrupt(f"keys {tuple(k.shape)} {k.dtype} / values {tuple(v.shape)} {v.dtype} are inconsistent "
+                      "(expected one floating dtype, [L, Hkv, T, D])")
+    if not text.strip():
+        raise Corrupt("blank chunk text")
     if k.shape[2] != ids.numel() or n_tokens != ids.numel():
         raise Corrupt(f"token count mismatch: {ids.numel()} ids, T={k.shape[2]}, n_tokens={n_tokens}")
     unknown = [n for n in tensors if not n.startswith(EXTRA_PREFIX)]

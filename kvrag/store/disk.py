@@ -18,8 +18,9 @@ A blob is a safetensors file holding the tensors ``token_ids`` [T] int64, ``keys
 metadata ``kvrag_format`` (= ``CACHE_FORMAT_VERSION``), ``fingerprint``, ``text`` and
 ``n_tokens``: a blob describes itself, the text index is only a fast listing of it.
 
-Only ``bytes`` and ``str`` values reach diskcache, so nothing is ever pickled (diskcache
-pickles any other value type).
+Only ``str`` keys and ``bytes``/``str`` values reach diskcache, so nothing is ever pickled, and
+both caches read their rows through ``kvrag.store.confined.ConfinedDisk``, so nothing a crafted
+store holds is ever unpickled or names a file outside it.
 
 Integrity: diskcache writes each value to a fresh file and then points the SQLite row at it
 (the old file is removed afterwards), so a write is atomic and two processes writing the same
@@ -50,9 +51,10 @@ import torch
 
 from kvrag.errors import StoreError
 from kvrag.store.base import CACHE_FORMAT_VERSION, ChunkEntry, ChunkStore, make_key
+from kvrag.store.confined import ConfinedDisk, check_db_files, sanitize_settings
 from kvrag.store.blob import (
-    Corrupt, checksum, deserialize, is_newer_format, metadata, read_header, serialize, validate_entry,
-    verified_header,
+    MAX_HEADER_BYTES, Corrupt, checksum, data_end, deserialize, is_newer_format, metadata, read_header, serialize,
+    validate_entry, verified_header,
 )
 
 __all__ = ["CACHE_FORMAT_VERSION", "ChunkEntry", "KVStore"]
@@ -67,8 +69,38 @@ DEFAULT_SIZE_LIMIT = 16 * 2**30
 #: diskcache writes a value's file *before* committing the row that points at it, so a young
 #: unreferenced file is most likely a write in progress in another process. A writer commits
 #: within seconds (longer only while waiting for the database lock); an hour leaves it ample
-#: time, and the files of writers that died are still reclaimed by a later gc.
+#: time, and the files of writers that died are still reclaimed by a later gc. A file whose name
+#: shows a writer of this host that no longer runs (``ConfinedDisk.writer_is_dead``) goes at once.
 _ORPHAN_GRACE_S = 3600.0
+
+
+def _index_record(raw: object) -> tuple[str, str] | None:
+    """(text, fingerprint) of a text-index value (JSON, or the blob metadata it is made from),
+    or None unless its text holds non-whitespace characters and its fingerprint is a non-empty
+    string: the index is read on every segmenter refresh, so one bad row must not break every
+    query."""
+    try:
+        rec = json.loads(raw) if isinstance(raw, str) else raw
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(rec, dict):
+        return None
+    text, fp = rec.get("text"), rec.get("fingerprint")
+    if not (isinstance(text, str) and text.strip() and isinstance(fp, str) and fp):
+        return None
+    return text, fp
+
+
+def _check_owner(key: str, entry: ChunkEntry) -> None:
+    """Corrupt unless ``key`` is ``make_key`` of the entry's own fingerprint and token ids: the
+    checksum only says the bytes are those written, not that they were written for this key (a
+    blob copied or forged under another chunk's key). One sha256 of T int64 ids: microseconds."""
+    try:
+        owner = make_key(entry.fingerprint, entry.token_ids)
+    except ValueError as e:
+        raise Corrupt(f"entry has no valid key: {e}") from None
+    if owner != key:
+        raise Corrupt(f"the blob's fingerprint and token ids belong to key {owner}, not to this key")
 
 
 class _DirLock:
@@ -79,7 +111,13 @@ class _DirLock:
         self.path = path
 
     def __enter__(self) -> "_DirLock":
-        self._f = open(self.path, "a+b")
+        # O_NOFOLLOW: a lock file planted as a symlink must not create or open a file elsewhere.
+        flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+        try:
+            self._f = os.fdopen(os.open(self.path, flags, 0o644), "a+b")
+        except OSError as e:
+            raise StoreError(f"cannot open the lock file {self.path} ({e.strerror}): a store directory "
+                             "must hold its own files") from e
         try:
             import fcntl
 
@@ -102,9 +140,16 @@ class KVStore(ChunkStore):
     least recently used entries after each ``put``. It is recorded in the store: ``None``
     uses the recorded limit (``DEFAULT_SIZE_LIMIT`` for a new store), so a maintenance job
     or a second process never applies a smaller default to a store configured larger.
-    Hit/miss/corrupt counters are per process (per ``KVStore`` object)."""
+    Hit/miss/corrupt counters are per process (per ``KVStore`` object).
 
-    def __init__(self, directory, *, size_limit: int | None = None):
+    timeout: seconds a write waits for another process holding the store's database lock
+    before it fails with a ``StoreError`` that says so.
+
+    A store directory is trusted with nothing (docs/cache.md, "Threat model"): its rows go
+    through ``kvrag.store.confined.ConfinedDisk`` (no pickles, no file outside the directory)
+    and its blobs through ``kvrag.store.blob``'s checks, so a crafted one gives misses."""
+
+    def __init__(self, directory, *, size_limit: int | None = None, timeout: float = 60.0):
         if size_limit is not None and (isinstance(size_limit, bool) or not isinstance(size_limit, int)
                                        or size_limit <= 0):
             raise ValueError(f"size_limit must be a positive number of bytes, got {size_limit!r}")
@@ -119,6 +164,9 @@ class KVStore(ChunkStore):
         if not os.access(self.directory, os.W_OK | os.X_OK):
             raise PermissionError(errno.EACCES, f"KVStore directory {self.directory} is not writable",
                                   str(self.directory))
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        self.timeout = float(timeout)
         # Opened under an exclusive lock: two processes creating a store at once would otherwise
         # race between "is there a store?" and diskcache writing its settings, and one could
         # record diskcache's 1 GB default limit for good.
@@ -134,39 +182,73 @@ class KVStore(ChunkStore):
             # disk_min_file_size=0: every blob lives in its own file, written then renamed in.
             # sqlite_mmap_size=0: SQLite reads its file, not a memory map of it, so a damaged or
             # truncated database is an error, not a SIGBUS that kills the process.
-            common = dict(cull_limit=0, sqlite_mmap_size=0)
+            common = dict(cull_limit=0, sqlite_mmap_size=0, disk=ConfinedDisk, timeout=self.timeout,
+                          disk_pickle_protocol=0, statistics=0, tag_index=0)
             try:
-                self._blobs = diskcache.Cache(
-                    str(self.directory / "blobs"), eviction_policy=_EVICTION_POLICY,
-                    disk_min_file_size=0, **common, **blob_settings,
-                )
+                self._blobs = self._open_cache("blobs", eviction_policy=_EVICTION_POLICY,
+                                               disk_min_file_size=0, **common, **blob_settings)
             except sqlite3.DatabaseError as e:
+                if (err := self._environment_error(e, "open")) is not None:
+                    raise err from e
                 raise StoreError(
                     f"the KVStore database {blob_db} is damaged ({e}); its chunks cannot be found "
                     f"without it: delete the directory {self.directory} (they are recomputed)") from e
             except (OSError, sqlite3.Error) as e:
-                raise OSError(f"cannot open the KVStore in {self.directory}: {e}") from e
+                raise self._environment_error(e, "open") or OSError(
+                    f"cannot open the KVStore in {self.directory}: {e}") from e
             self._index = self._open_index(common)
         self.size_limit = int(self._blobs.size_limit)
         self._lock = threading.Lock()
         self._counts = {"hits": 0, "misses": 0, "corrupt": 0, "wrong_model": 0, "evictions": 0}
+
+    def _open_cache(self, name: str, **settings) -> diskcache.Cache:
+        """One of the two diskcache caches, once its files are checked to be the store's own
+        and its settings cleaned of anything diskcache would obey but never writes
+        (``kvrag.store.confined``)."""
+        path = self.directory / name
+        check_db_files(path)
+        sanitize_settings(path / diskcache.core.DBNAME, self.timeout)
+        cache = diskcache.Cache(str(path), **settings)
+        # diskcache opens this thread's connection while its own timeout is still 0 (it retries
+        # by hand during __init__): give it the store's wait for the write lock too.
+        cache._con.execute(f"PRAGMA busy_timeout = {int(self.timeout * 1000)}")
+        return cache
+
+    def _environment_error(self, e: BaseException, doing: str) -> StoreError | None:
+        """A StoreError for a failure of the environment rather than of the store -- another
+        process holding the database lock, a full disk -- whose message says so (and does not
+        advise deleting a healthy store); None for any other error."""
+        text = str(e).lower()
+        if isinstance(e, diskcache.Timeout) or "database is locked" in text or "database is busy" in text:
+            return StoreError(
+                f"cannot {doing} the KVStore in {self.directory}: another process has held its database "
+                f"locked for over {self.timeout:g} s ({e or 'timeout'}); the store is not damaged: retry "
+                "once that process is done, or raise KVStore(timeout=...)")
+        if getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or "disk is full" in text:
+            return StoreError(
+                f"cannot {doing} the KVStore in {self.directory}: the disk is full ({e}); the store is "
+                "not damaged and its entries are still served: free space (or lower size_limit) and retry")
+        return None
 
     def _open_index(self, settings: dict) -> diskcache.Cache:
         """The text index; a damaged one is moved aside and rebuilt from the blobs' own
         metadata (it is only a listing of them)."""
         path = self.directory / "index"
         try:
-            return diskcache.Cache(str(path), eviction_policy="none", **settings)
+            return self._open_cache("index", eviction_policy="none", **settings)
         except sqlite3.DatabaseError as e:
+            if (err := self._environment_error(e, "open")) is not None:
+                raise err from e
             aside = path.with_name(f"index.damaged-{int(time.time())}-{os.getpid()}")
             log.warning("KVStore: text index %s is damaged (%s); moved to %s and rebuilt from the blobs",
                         path / diskcache.core.DBNAME, e, aside)
             path.rename(aside)
-            index = diskcache.Cache(str(path), eviction_policy="none", **settings)
+            index = self._open_cache("index", eviction_policy="none", **settings)
         except (OSError, sqlite3.Error) as e:
-            raise OSError(f"cannot open the KVStore in {self.directory}: {e}") from e
+            raise self._environment_error(e, "open") or OSError(
+                f"cannot open the KVStore in {self.directory}: {e}") from e
         self._index = index
-        for key in list(self._blobs.iterkeys()):
+        for key in self._keys(self._blobs):
             self._reindex(key)
         return index
 
@@ -190,18 +272,41 @@ class KVStore(ChunkStore):
                 f"size limit ({self.size_limit} bytes): not stored, nothing evicted; raise size_limit "
                 "or split the document into smaller chunks")
         tag = checksum(data)
-        self._blobs.set(key, data, tag=tag, retry=True)
         index_value = json.dumps({"text": entry.text, "fingerprint": entry.fingerprint, "n_tokens": int(ids.numel())})
+        try:
+            self._write(key, data, tag, index_value)
+        except (OSError, sqlite3.Error, diskcache.Timeout) as e:
+            if (err := self._environment_error(e, "write to")) is not None:
+                raise err from e
+            raise
+        if self._enforce_limit() and key not in self._blobs:
+            log.warning("KVStore: entry %s (%d bytes) was evicted as soon as stored: the size limit %d "
+                        "bytes leaves no room for it (the store takes %d bytes, SQLite files included); "
+                        "raise size_limit", key, len(data), self.size_limit, self._blobs.volume())
+
+    @staticmethod
+    def _set(cache: diskcache.Cache, key: str, value, **kw) -> None:
+        try:
+            # retry=False: wait ``timeout`` seconds for the write lock (SQLite's busy handler),
+            # then fail with diskcache.Timeout, which put reports as a locked store; retry=True
+            # would wait for ever behind a writer that never lets go.
+            cache.set(key, value, retry=False, **kw)
+        except (OSError, sqlite3.Error, diskcache.Timeout):  # raised before the row commits
+            # The value's file was written but the row pointing at it never committed (a full
+            # disk, a lock): the file is ours and dead, so it goes now rather than after gc's
+            # grace period for files of writers that may still be running.
+            if (name := cache.disk.last_written()) is not None:
+                cache.disk.remove(name)
+            raise
+
+    def _write(self, key: str, data: bytes, tag: str, index_value: str) -> None:
+        self._set(self._blobs, key, data, tag=tag)
         # Write the index entry only if our blob is still the one stored: when two processes
         # put the same key at once, the text index then matches the blob that won. Lock order
         # is always blobs -> index (everywhere in this class), so this cannot deadlock.
         with self._blobs.transact(retry=True):
             if self._current_tag(key) == tag:
-                self._index.set(key, index_value, retry=True)
-        if self._enforce_limit() and key not in self._blobs:
-            log.warning("KVStore: entry %s (%d bytes) was evicted as soon as stored: the size limit %d "
-                        "bytes leaves no room for it (the store takes %d bytes, SQLite files included); "
-                        "raise size_limit", key, len(data), self.size_limit, self._blobs.volume())
+                self._set(self._index, key, index_value)
 
     # ---- read ----------------------------------------------------------------------
     def get(self, key: str, fingerprint: str, *, pin_memory: bool = False) -> ChunkEntry | None:
@@ -215,9 +320,9 @@ class KVStore(ChunkStore):
             if found is None:
                 # A row whose file cannot be read is a broken entry, unless a concurrent writer
                 # just replaced the file under us: read once more before calling it corrupt.
-                if key in self._blobs:
+                if key in self:
                     found = self._read(key, pin_memory)
-                    if found is None and key in self._blobs:
+                    if found is None and key in self:
                         self._drop_corrupt(key, None, "blob file missing or unreadable")
                         return self._miss()
                 if found is None:
@@ -251,6 +356,7 @@ class KVStore(ChunkStore):
                     self._counts["wrong_model"] += 1
                 return self._miss()
             entry = deserialize(buf, header, start)
+            _check_owner(key, entry)
         except Corrupt as e:
             self._drop_corrupt(key, name, str(e))
             return self._miss()
@@ -259,14 +365,14 @@ class KVStore(ChunkStore):
         return entry
 
     def __contains__(self, key) -> bool:
-        return key in self._blobs
+        return isinstance(key, str) and key in self._blobs
 
     def ensure_indexed(self, key: str) -> bool:
         """True when ``key``'s blob is stored *and* listed in the text index, re-listing it
         from the blob's own metadata if it was not (a writer killed between its blob and its
         index write leaves such a chunk, which other processes never find: they find chunks
         through the index). False when no usable blob is stored: compute the chunk."""
-        if key not in self._blobs:
+        if key not in self:
             return False
         if not self._looks_whole(key):
             return False
@@ -282,21 +388,23 @@ class KVStore(ChunkStore):
         try:
             return self._texts(fingerprint)
         except sqlite3.DatabaseError as e:
+            if (err := self._environment_error(e, "list")) is not None:
+                raise err from e
             raise StoreError(f"cannot list the KVStore in {self.directory}: its database is damaged ({e}); "
                              "reopen it (a damaged text index is rebuilt) or delete the directory") from e
 
     def _texts(self, fingerprint: str | None) -> dict[str, str]:
         out = {}
-        for key in list(self._index.iterkeys()):
+        for key in self._keys(self._index):
             raw = self._index.get(key, retry=True)
             if raw is None:
                 continue
-            try:
-                rec = json.loads(raw)
-                text, fp = rec["text"], rec["fingerprint"]
-            except (ValueError, KeyError, TypeError):
-                log.warning("KVStore: unreadable text-index entry %s; gc() will rebuild it", key)
+            rec = _index_record(raw)
+            if rec is None:
+                log.warning("KVStore: unusable text-index entry %s; skipped (gc() or a precompute of the "
+                            "chunk rebuilds it from the blob)", key)
                 continue
+            text, fp = rec
             if (fingerprint is None or fp == fingerprint) and key in self._blobs:
                 out[key] = text
         return out
@@ -304,6 +412,8 @@ class KVStore(ChunkStore):
     # ---- maintenance ---------------------------------------------------------------
     def delete(self, key) -> bool:
         """Remove ``key``; True if a blob was stored under it."""
+        if not isinstance(key, str):
+            return False  # never stored: kvrag's keys are str
         with self._blobs.transact(retry=True):
             existed = self._blobs.delete(key, retry=True)
             self._index.delete(key, retry=True)
@@ -343,12 +453,12 @@ class KVStore(ChunkStore):
             # Before the index pass, so the text-index entries of the rows it drops go too.
             check_warnings = self._check_files(self._blobs) + self._check_files(self._index)
         dropped = 0
-        for key in list(self._index.iterkeys()):
+        for key in self._keys(self._index):
             with self._blobs.transact(retry=True):
                 if key not in self._blobs and self._index.delete(key, retry=True):
                     dropped += 1
         reindexed = corrupt = 0
-        for key in list(self._blobs.iterkeys()):
+        for key in self._keys(self._blobs):
             if verify and self._verify_one(key):
                 corrupt += 1
                 continue
@@ -387,7 +497,9 @@ class KVStore(ChunkStore):
         valid while any tensor of it is alive. With ``pin_memory`` (a CUDA consumer) the file
         is read into a page-locked buffer instead, so the host-to-device copy of the K/V runs
         at full bus speed without a staging copy."""
-        handle, tag = self._blobs.get(key, default=None, read=True, tag=True, retry=True)
+        if not isinstance(key, str):
+            return None  # never stored: kvrag's keys are str
+        handle, tag, stored_size = self._fetch(key, touch=True)
         if handle is None:
             return None
         name = getattr(handle, "name", None)
@@ -398,6 +510,10 @@ class KVStore(ChunkStore):
                     size = os.fstat(fd).st_size
                 except (AttributeError, io.UnsupportedOperation):  # a value held in SQLite
                     size = 0
+                if size and size != stored_size:
+                    # Not the file diskcache wrote (e.g. a huge or growing file put in its place):
+                    # nothing of it is read or mapped.
+                    return None
                 if size == 0:
                     data = handle.read()
                     return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data \
@@ -421,7 +537,7 @@ class KVStore(ChunkStore):
         checksum: cheap enough for every precompute of a cached text). A truncated or deleted
         file is dropped here, so the caller recomputes it instead of trusting it until a query
         reads it."""
-        handle = self._blobs.get(key, default=None, read=True, retry=True)
+        handle = self._fetch(key)[0]
         if handle is None:
             return False
         name = getattr(handle, "name", None)
@@ -434,26 +550,66 @@ class KVStore(ChunkStore):
             n = int.from_bytes(head, "little") if len(head) == 8 else 0
             end = None
             try:
-                header = read_header(head + handle.read(n))[0] if 0 < n < 2**27 else {}
+                header = read_header(head + handle.read(n))[0] if 0 < n <= MAX_HEADER_BYTES else {}
                 if header and is_newer_format(metadata(header)):
                     return True  # not ours to judge
-                end = max((int(info["data_offsets"][1]) for k, info in header.items() if k != "__metadata__"),
-                          default=None)
-            except (Corrupt, KeyError, TypeError, ValueError, IndexError):
+                end = data_end(header) if header else None
+            except Corrupt:
                 pass
         if end is None or size != 8 + n + end:
             self._drop_corrupt(key, name, f"file of {size} bytes, its header says {'?' if end is None else 8 + n + end}")
             return False
         return True
 
+    @staticmethod
+    def _keys(cache: diskcache.Cache) -> list[str]:
+        """The keys of one of the two caches; a key kvrag never writes (pickled, not text:
+        ``ConfinedDisk`` returns None for it) is left out."""
+        return [k for k in cache.iterkeys() if isinstance(k, str)]
+
+    def _fetch(self, key: str, *, touch: bool = False) -> tuple[Any, str | None, int | None]:
+        """(open file of the value, tag, stored size) of ``key``'s blob, or (None, None, None)
+        when it is absent or unreadable (a file gone, or a row ``ConfinedDisk`` refuses).
+
+        Read without a transaction, unlike diskcache's ``get`` under an LRU policy, which writes
+        the access time in the same transaction as the read: then a full disk or another process
+        holding the write lock turned every read into a miss (or a wait). With ``touch`` the
+        access is recorded afterwards, best effort (``_touch``)."""
+        rows = self._blobs._sql("SELECT rowid, tag, mode, filename, value, size FROM Cache "
+                                "WHERE key = ? AND raw = 1", (key,)).fetchall()
+        if not rows:
+            return None, None, None
+        rowid, tag, mode, filename, value, size = rows[0]
+        try:
+            handle = self._blobs.disk.fetch(mode, filename, value, True)
+        except OSError:  # replaced or evicted since the select, or refused
+            return None, None, None
+        if touch:
+            self._touch(rowid)
+        return handle, tag, size
+
+    def _touch(self, rowid: int) -> None:
+        """Record an access for LRU eviction, as diskcache's ``get`` does, but never at the cost
+        of the read: waiting at most 50 ms for the write lock, and skipped on any error (full
+        disk, lock held). The entry is sound; only its eviction order is off."""
+        con = self._blobs._con
+        try:
+            con.execute("PRAGMA busy_timeout = 50")
+            try:
+                con.execute("UPDATE Cache SET access_time = ? WHERE rowid = ?", (time.time(), rowid))
+            finally:  # every connection of the store waits ``timeout`` otherwise (_open_cache)
+                con.execute(f"PRAGMA busy_timeout = {int(self.timeout * 1000)}")
+        except sqlite3.Error as e:
+            log.debug("KVStore: access to row %s not recorded (%s)", rowid, e)
+
     def _current_tag(self, key: str) -> str | None:
-        handle, tag = self._blobs.get(key, default=None, read=True, tag=True, retry=True)
+        handle, tag, _ = self._fetch(key)
         if handle is not None:
             handle.close()
         return tag
 
     def _current_name(self, key: str) -> str | None:
-        handle = self._blobs.get(key, default=None, read=True, retry=True)
+        handle = self._fetch(key)[0]
         if handle is None:
             return None
         handle.close()
@@ -477,18 +633,24 @@ class KVStore(ChunkStore):
         ``size_limit``; returns how many were evicted."""
         # diskcache has no public "evict one LRU item" call (Cache.cull removes ten at a time),
         # so run its own policy query on its connection, inside its transaction.
-        select = diskcache.core.EVICTION_POLICY[_EVICTION_POLICY]["cull"].format(fields="key", now=0)
+        # The row goes by its rowid (as in diskcache's own delete), so a row whose key kvrag
+        # never writes (pickled) is evicted like any other instead of being looked up by a key
+        # it cannot be found by, forever.
+        select = diskcache.core.EVICTION_POLICY[_EVICTION_POLICY]["cull"].format(fields="rowid, key, raw, filename",
+                                                                                  now=0)
         evicted = 0
         while self._blobs.volume() > self.size_limit:
-            with self._blobs.transact(retry=True):
+            with self._blobs._transact(retry=True) as (sql, cleanup):
                 if self._blobs.volume() <= self.size_limit:
                     break
-                rows = self._blobs._sql(select, (1,)).fetchall()
+                rows = sql(select, (1,)).fetchall()
                 if not rows:
                     break
-                (victim,) = rows[0]
-                self._blobs.delete(victim, retry=True)
-                self._index.delete(victim, retry=True)
+                rowid, victim, raw, filename = rows[0]
+                sql("DELETE FROM Cache WHERE rowid = ?", (rowid,))
+                cleanup(filename)  # removed (inside the store only) once the delete commits
+                if raw and isinstance(victim, str):
+                    self._index.delete(victim, retry=True)
             evicted += 1
             log.debug("KVStore: evicted %s (size limit %d)", victim, self.size_limit)
         if evicted:
@@ -505,7 +667,7 @@ class KVStore(ChunkStore):
         try:
             verified = verified_header(buf, tag)
             if verified is not None:  # None: a newer format, left for the kvrag that wrote it
-                deserialize(buf, *verified)
+                _check_owner(key, deserialize(buf, *verified))
         except Corrupt as e:
             self._drop_corrupt(key, name, str(e))
             return True
@@ -530,15 +692,16 @@ class KVStore(ChunkStore):
         # Rows without files. A snapshot finds candidates without holding the write lock; each
         # is confirmed inside a transaction, where its row cannot change and its file cannot
         # legitimately vanish (diskcache removes a replaced file only after its row changed).
-        missing = [row for row in cache._sql(select).fetchall() if not (root / row[3]).exists()]
+        missing = [row for row in cache._sql(select).fetchall() if not cache.disk.exists(row[3])]
         for rowid, db_key, raw, filename in missing:
             with self._blobs.transact(retry=True), cache.transact(retry=True):
                 still = cache._sql("SELECT 1 FROM Cache WHERE rowid = ? AND filename = ?",
                                    (rowid, filename)).fetchall()
-                if not still or (root / filename).exists():
+                if not still or cache.disk.exists(filename):
                     continue
+                # A file name outside the store counts as missing: the row goes, the file stays.
                 cache._sql("DELETE FROM Cache WHERE rowid = ?", (rowid,))
-                if cache is self._blobs and raw:  # raw: a str key, ours (never unpickle one)
+                if cache is self._blobs and raw and isinstance(db_key, str):  # ours (never unpickle one)
                     self._index.delete(db_key, retry=True)
             log.warning("KVStore: entry %s in %s lost its file %s; deleted", db_key, cache.directory, filename)
             problems += 1
@@ -556,10 +719,10 @@ class KVStore(ChunkStore):
             if rel in referenced:
                 continue
             try:
-                age = now - path.stat().st_mtime
+                age = now - path.lstat().st_mtime
             except OSError:  # removed meanwhile (e.g. the old file of a replaced value)
                 continue
-            if age < _ORPHAN_GRACE_S:
+            if age < _ORPHAN_GRACE_S and not cache.disk.writer_is_dead(rel):
                 log.debug("KVStore: unreferenced file %s is %.0f s old: a write in progress, kept", path, age)
                 continue
             log.info("KVStore: removing %s, a file no entry points at (%.0f s old)", path, age)
@@ -570,14 +733,10 @@ class KVStore(ChunkStore):
     def _reindex(self, key: str) -> bool:
         """Recreate a missing or unreadable text-index entry from the blob's own metadata
         (a writer that died between the blob and the index write leaves one)."""
-        raw = self._index.get(key, retry=True)
-        if raw is not None:
-            try:
-                json.loads(raw)["text"]
-                return False
-            except (ValueError, KeyError, TypeError):
-                pass
-        handle, tag = self._blobs.get(key, default=None, read=True, tag=True, retry=True)
+        listed = self._index.get(key, retry=True)
+        if _index_record(listed) is not None:
+            return False
+        handle, tag, _ = self._fetch(key)
         if handle is None:
             return False
         with handle:
@@ -585,17 +744,24 @@ class KVStore(ChunkStore):
             head = handle.read(8)
             n = int.from_bytes(head, "little") if len(head) == 8 else 0
             try:
-                meta = metadata(read_header(head + handle.read(n))[0]) if 0 < n < 2**27 else None
+                meta = metadata(read_header(head + handle.read(n))[0]) if 0 < n <= MAX_HEADER_BYTES else None
             except Corrupt:
                 meta = None
-        if not meta or "text" not in meta or "fingerprint" not in meta:
-            return False
-        if is_newer_format(meta):
+        if meta and is_newer_format(meta):
             return False  # its text index is the newer kvrag's, which may lay it out differently
+        if not meta or _index_record(meta) is None:
+            # A blob without a usable text is never listed (its get finds it corrupt), and an
+            # unusable listing of it goes: it can only be skipped on every refresh.
+            if listed is not None:
+                with self._blobs.transact(retry=True):
+                    if self._current_tag(key) == tag:
+                        self._index.delete(key, retry=True)
+            return False
+        n_tokens = meta.get("n_tokens", "0")
         value = json.dumps({"text": meta["text"], "fingerprint": meta["fingerprint"],
-                            "n_tokens": int(meta.get("n_tokens", 0))})
+                            "n_tokens": int(n_tokens) if n_tokens.isascii() and n_tokens.isdigit() and len(n_tokens) < 12 else 0})
         with self._blobs.transact(retry=True):
             if self._current_tag(key) != tag:
                 return False
-            self._index.set(key, value, retry=True)
+            self._set(self._index, key, value)
         return True

@@ -218,22 +218,31 @@ class ChatKVRag(WrapsKVRag, BaseChatModel):
         }
 
     def _iterate(self, messages: list[BaseMessage], stop: Optional[list[str]],
-                 run_manager: Optional[CallbackManagerForLLMRun], kwargs: dict[str, Any]) -> Iterator[tuple[str, Any]]:
+                 run_manager: Optional[CallbackManagerForLLMRun], kwargs: dict[str, Any],
+                 whole: bool = False) -> Iterator[tuple[str, Any]]:
         """The one generation path (``langchain-ollama``'s ``_iterate_over_stream``): yields
         (delta, None) per text delta -- reported to ``run_manager`` as a new token, so callbacks
-        see tokens from ``invoke`` too -- then ("", Generation) once at the end."""
+        see tokens from ``invoke`` too -- then ("", Generation) once at the end.
+
+        ``whole``: the caller holds the precomputer's foreground for the whole answer (invoke);
+        otherwise (a stream, read at its consumer's pace) each step holds it while it computes."""
         s = open_stream(self.rag, self._prompt(messages), self._options(stop, kwargs), self._foreground)
-        for delta in foreground_steps(s, self._foreground):
-            if run_manager is not None:
-                run_manager.on_llm_new_token(delta, chunk=ChatGenerationChunk(message=AIMessageChunk(content=delta)))
-            yield delta, None
+        try:
+            for delta in (s if whole else foreground_steps(s, self._foreground)):
+                if run_manager is not None:
+                    run_manager.on_llm_new_token(delta, chunk=ChatGenerationChunk(message=AIMessageChunk(content=delta)))
+                yield delta, None
+        finally:
+            # Closed early (a cancelled ainvoke, a consumer that stopped reading): stop decoding
+            # and free the decode cache now, not at garbage collection.
+            s.close()
         self._last = gen = s.generation()
         yield "", gen
 
     def _generate(self, messages: list[BaseMessage], stop: Optional[list[str]] = None,
                   run_manager: Optional[CallbackManagerForLLMRun] = None, **kwargs: Any) -> ChatResult:
         with self._foreground():  # the whole answer holds background precompute back
-            for _, gen in self._iterate(messages, stop, run_manager, kwargs):
+            for _, gen in self._iterate(messages, stop, run_manager, kwargs, whole=True):
                 pass
         return self._result(gen)
 
@@ -243,7 +252,7 @@ class ChatKVRag(WrapsKVRag, BaseChatModel):
         # (a client that went away) cannot stop: it decoded up to max_new_tokens in the
         # background. Stepped here, it stops after the step in flight.
         with self._foreground():  # the whole answer holds background precompute back
-            async for _, gen in aiter_in_thread(self._iterate(messages, stop, _sync(run_manager), kwargs)):
+            async for _, gen in aiter_in_thread(self._iterate(messages, stop, _sync(run_manager), kwargs, whole=True)):
                 pass
         return self._result(gen)
 

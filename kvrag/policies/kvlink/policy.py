@@ -63,8 +63,9 @@ class KVLinkParams:
 
 
 def mean_embedding(arch) -> torch.Tensor:
-    """The mean of the input embedding matrix [E]: the untrained link token."""
-    return arch.body.embed_tokens.weight.detach().float().mean(dim=0)
+    """The mean input embedding [E] (the matrix's mean row, scaled as ``Arch.embed`` scales
+    a row: Gemma, Granite): the untrained link token."""
+    return arch.body.embed_tokens.weight.detach().float().mean(dim=0) * arch.input_scale()
 
 
 @register

@@ -427,6 +427,14 @@ def train_kvlink(
     if cfg.lora_rank > 0:
         from peft import LoraConfig, get_peft_model
 
+        # peft adapts whichever targets exist and skips the rest silently: Phi-3's fused
+        # qkv_proj would leave only o_proj adapted under the default q/k/v/o targets.
+        names = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()}
+        missing = [t for t in cfg.lora_targets if t not in names]
+        if missing:
+            attn = sorted(n for n, _ in Arch(model).layers[0].self_attn.named_children())
+            raise KVLinkError(f"LoRA targets {', '.join(missing)} name no module of this model (its attention "
+                              f"has {', '.join(attn)}); pass --lora-targets / lora_targets that exist")
         lcfg = LoraConfig(
             r=cfg.lora_rank, lora_alpha=cfg.lora_alpha or 2 * cfg.lora_rank,
             target_modules=list(cfg.lora_targets), lora_dropout=0.0, bias="none",
