@@ -342,7 +342,8 @@ class RedisStore(ChunkStore):
                     try:
                         rec = json.loads(v)
                         text, fp = rec["text"], rec["fingerprint"]
-                        if isinstance(text, str) and isinstance(fp, str):
+                        # A blank text would match everywhere in a prompt: never listed.
+                        if isinstance(text, str) and text.strip() and isinstance(fp, str):
                             index[k.decode("utf-8")] = (text, fp)
                     except (ValueError, KeyError, TypeError, UnicodeDecodeError):
                         continue  # not ours: never listed
