@@ -17,8 +17,8 @@ Keys, under a configurable ``prefix`` so several stores (or other applications) 
 Why parts (4 MiB) rather than one value: measured on this project's 2-core box against a
 local Redis 8 with hiredis, a 12 MiB blob reads in ~30 ms as one value and ~16 ms as three
 pipelined 4 MiB parts, and writes ~3x faster in parts; and one value must stay under
-``proto-max-bulk-len`` (512 MB), which a 2048-token chunk of a 70B model does not, while
-parts also spread over the shards of a Redis Cluster. A new version of an entry gets new part
+``proto-max-bulk-len`` (512 MB), which a 2048-token chunk of a 70B model does not. (Redis
+Cluster is not supported: the publishing transaction spans hash slots.) A new version of an entry gets new part
 names (``ver``), so a reader never mixes two writers' parts; parts are written with a TTL
 that the meta write removes, so a writer that dies halfway leaves nothing behind for good.
 
