@@ -92,8 +92,9 @@ def throughput(url: str, prefix: str, model: str | None, texts: list[str], worke
     cmd = [sys.executable, "-m", "kvrag", "worker", "--redis", url, "--prefix", prefix, "--claim-idle", "600"]
     if model:
         cmd += ["--model", model]
+    logs = [open(os.path.join(tmp, f"w{workers}-{i}.log"), "w") for i in range(workers)]
     procs = [subprocess.Popen(cmd + ["--cache-dir", os.path.join(tmp, f"w{workers}-{i}")], env=env,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for i in range(workers)]
+                              stdout=log, stderr=subprocess.STDOUT) for i, log in enumerate(logs)]
     time.sleep(1.0)
     # Workers load the model first; time from the queue filling to the queue drained.
     ready = time.monotonic() + 120
@@ -106,11 +107,18 @@ def throughput(url: str, prefix: str, model: str | None, texts: list[str], worke
     keys = producer.precompute(texts)
     assert producer.queue.wait(keys, timeout=1800)
     dt = time.perf_counter() - t0
+    died = [i for i, p in enumerate(procs) if p.poll() is not None]
     for p in procs:
         p.terminate()
         p.wait(30)
+    for i in died:  # a worker that stopped on its own: say why (its log's tail)
+        with open(logs[i].name) as f:
+            print(f"worker {i} of {workers} exited early:\n" + "".join(f.readlines()[-15:]), file=sys.stderr)
+    for f in logs:
+        f.close()
     tokens = sum(len(producer.chunk_ids(t)) for t in texts)
-    return {"workers": workers, "chunks": len(texts), "tokens": tokens, "seconds": round(dt, 2),
+    return {"workers": workers, "workers_died": len(died), "chunks": len(texts), "tokens": tokens,
+            "seconds": round(dt, 2),
             "tokens_per_s": round(tokens / dt, 1)}
 
 
