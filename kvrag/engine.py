@@ -25,6 +25,7 @@ from kvrag.ingest import STORAGE_DTYPES, Ingestor, cache_fingerprint, resolve_an
 from kvrag.model import ModelHandle, default_home
 from kvrag.policies import Policy, get_policy
 from kvrag.policies.kvlink.adapter import adapt_model
+from kvrag.precompute import pending_in_prompt
 from kvrag.query.align import prompt_prefix
 from kvrag.query.decode import FusedStepper, HFStepper, Sampling, TextStream, eos_ids, generate_tokens
 from kvrag.query.fusion import FusionEngine, FusionResult
@@ -64,6 +65,11 @@ class _Prepared:
     layout: Layout | None
     t0: float
     t_ready: float
+    #: Why no chunk was served, as seen at lookup (not when the warning prints: background
+    #: precompute may register chunks meanwhile): chunk texts known to the segmenter, and
+    #: texts found in the prompt that a background precomputer still had queued / in flight.
+    known: int = 0
+    pending: int = 0
 
 
 class Stream:
@@ -208,7 +214,7 @@ class KVRag:
         self.ingest_policies = ingest
         self.query_tokens = query_tokens
         self.eos = eos_ids(self.handle.model, self.tokenizer)
-        self._warned_no_reuse = False
+        self._warned: set[str] = set()  # causes _note_no_reuse warned about (once each)
         # Partial matches: a chunk the framework cut or whose edge whitespace it trimmed is
         # still served for the tokens the prompt shares with it (kvrag.query.segment). One
         # segmenter for both paths: what ingestion stores, the next query finds.
@@ -255,20 +261,31 @@ class KVRag:
         """The prompt as plain pieces and cached chunks (``kvrag.query.lookup.ChunkLookup.pieces``)."""
         return self.lookup.pieces(prompt, use_cache)
 
-    def _note_no_reuse(self, seg_stats) -> None:
-        """Say why a reuse policy got a prompt with no cached chunk, while chunks are cached:
-        the speed-up is lost silently otherwise (a framework that rewrites the chunk texts, a
-        store another process evicted). A warning the first time per KVRag, debug after."""
-        registered = len(self.segmenter)
-        if not registered:
-            return  # nothing ingested yet: computing in full is the expected path
-        level = logging.DEBUG if self._warned_no_reuse else logging.WARNING
-        self._warned_no_reuse = True
-        log.log(level, "no cached chunk served in this prompt (%d chunk texts cached; %d found but "
-                "unreadable/evicted, %d found but tokenized otherwise): computed in full. Expected for "
-                "a prompt without retrieved text (a chat engine's question rewrite); if it holds "
-                "retrieved text, see docs/segmentation.md for what breaks a match. Said once.",
-                registered, seg_stats.chunks_missed, seg_stats.chunks_unaligned)
+    def _note_no_reuse(self, prep: "_Prepared") -> None:
+        """Say why a reuse policy got a prompt with no cached chunk, while chunks are cached
+        or being computed: the speed-up is lost silently otherwise (chunks still queued for
+        background precompute, a framework that rewrites the chunk texts, a store another
+        process evicted). Counts are those at lookup time (``_prepare``). A warning the first
+        time per KVRag and cause, debug after."""
+        if prep.pending:
+            # Not a segmentation problem: the chunks are in the prompt, their K/V is not ready.
+            self._say_once("pending", "no cached chunk served in this prompt: %d chunk text(s) it contains were "
+                           "still queued or being computed by the background precomputer (%d chunk texts cached "
+                           "at lookup): computed in full. Call precomputer.wait_until_idle() after ingestion for "
+                           "the first queries to hit (docs/integrations.md#background-precompute). Said once.",
+                           prep.pending, prep.known)
+        elif prep.known:  # (nothing ingested yet: computing in full is the expected path)
+            self._say_once("no_reuse", "no cached chunk served in this prompt (%d chunk texts cached at lookup; %d "
+                           "found but unreadable/evicted, %d found but tokenized otherwise): computed in full. "
+                           "Expected for a prompt without retrieved text (a chat engine's question rewrite); if "
+                           "it holds retrieved text, see docs/segmentation.md for what breaks a match. Said once.",
+                           prep.known, prep.seg_stats.chunks_missed, prep.seg_stats.chunks_unaligned)
+
+    def _say_once(self, cause: str, msg: str, *args) -> None:
+        """A warning the first time per KVRag and ``cause``, debug after."""
+        level = logging.DEBUG if cause in self._warned else logging.WARNING
+        self._warned.add(cause)
+        log.log(level, msg, *args)
 
     def _prepare(self, text: str, pol: Policy, t0: float) -> "_Prepared":
         """Everything of a prefill that can reject the request: the policy against this model,
@@ -279,6 +296,9 @@ class KVRag:
         pol.check_model(self.arch)
         pieces, seg_stats = self.pieces(text, use_cache=pol.uses_cache)
         has_cached = any(p.kind == CACHED for p in pieces)
+        known = pending = 0
+        if pol.uses_cache and not has_cached:  # what _note_no_reuse reports, as it stands now
+            known, pending = len(self.segmenter), pending_in_prompt(self, text)
         layout = None
         if pol.uses_cache and has_cached:
             layout = self.fusion.apply_insertions(pieces, pol, self.query_tokens)
@@ -287,7 +307,7 @@ class KVRag:
                     f"prompt of {layout.n} tokens with the {layout.n - sum(int(p.token_ids.numel()) for p in pieces)} "
                     f"tokens {pol.name} inserts exceeds the model context ({self.handle.max_context})")
             pol.check_layout(layout, self.arch)
-        return _Prepared(pol, pieces, seg_stats, layout, t0, time.perf_counter())
+        return _Prepared(pol, pieces, seg_stats, layout, t0, time.perf_counter(), known, pending)
 
     def _fuse(self, prep: "_Prepared"):
         """The prefill itself, after ``_prepare``: (logits [V], stepper, stats, prompt ids)."""
@@ -317,7 +337,7 @@ class KVRag:
             # The tokenizer's sequence: inserted (link) tokens have no id and are not part of it.
             prompt_ids = layout.token_ids[layout.kind != INSERTED].tolist()
         if pol.uses_cache and layout is None:
-            self._note_no_reuse(seg_stats)
+            self._note_no_reuse(prep)
         stats.chunks_hit = sum(p.kind == CACHED for p in pieces)
         stats.add_lookup(seg_stats)
         stats.load_s = prep.t_ready - prep.t0

@@ -43,7 +43,8 @@ def resolve_policy(policy, policy_params: dict | None, flat: dict[str, Any], rag
     recompute_ratio=...)`` takes them; any other name is a typo, reported here rather than
     dropped (pydantic models would drop it silently)."""
     own = getattr(rag, "policy", None)
-    inherited = {} if own is None else {f.name: getattr(own.params, f.name) for f in dataclasses.fields(own.params)}
+    inherited = {} if own is None else {f.name: _as_json(getattr(own.params, f.name))
+                                        for f in dataclasses.fields(own.params)}
     params = {}
     if policy is None and own is not None:
         policy, params = own.name, dict(inherited)
@@ -64,7 +65,13 @@ def resolve_policy(policy, policy_params: dict | None, flat: dict[str, Any], rag
     arch = getattr(rag, "arch", None)
     if arch is not None:
         pol.check_model(arch)  # and on a policy the wrapped model cannot run (a2ats, no codebook)
-    return policy, params
+    return policy, {k: _as_json(v) for k, v in params.items()}
+
+
+def _as_json(value: Any) -> Any:
+    """A parameter value as JSON holds it (a tuple as a list): a wrapper serialized and loaded
+    again has the same settings, and compares equal to them."""
+    return list(value) if isinstance(value, tuple) else value
 
 
 def max_tokens_alias(kwargs: dict[str, Any], owner: str) -> None:
@@ -166,6 +173,102 @@ class WrapsKVRag:
     def _foreground(self):
         """Tell the shared precomputer (if any) that a query runs: no new pack starts."""
         return foreground(self._precomputer, self.rag)
+
+    def _record(self, gen) -> None:
+        """After each generation: the latest one, and the running totals."""
+        self._last = gen
+        self._usage.add(gen.stats)
+
+    @property
+    def usage_totals(self) -> dict[str, Any]:
+        """Running totals over every generation of this object: calls, prompt / cached /
+        recomputed / completion tokens, chunks served from the cache, calls that hit, and
+        ``cache_hit_rate`` (cached / prompt tokens). ``reset_usage()`` zeroes them."""
+        return self._usage.snapshot()
+
+    def reset_usage(self) -> None:
+        self._usage.reset()
+
+    # A wrapper holds a loaded model, its store and background threads: a copy shares them
+    # (a second model in memory is never what a framework's copy means), and pickling is
+    # refused rather than half-done (LlamaIndex's default drops what it cannot pickle from
+    # the *live* object, which then fails at its next call).
+    def __deepcopy__(self, memo: dict) -> Any:
+        memo[id(self.rag)] = self.rag
+        for shared in (self._precomputer, self._last):
+            if shared is not None:
+                memo[id(shared)] = shared
+        return super().__deepcopy__(memo)
+
+    def __getstate__(self) -> Any:
+        raise TypeError(
+            f"{type(self).__name__} holds a loaded model and background threads and cannot be pickled; "
+            "build one per process from its settings instead (LlamaIndex: to_dict()/from_dict(); "
+            "LangChain: langchain_core.load.dumpd()/load())")
+
+
+class UsageTotals:
+    """Thread-safe running totals of an LLM wrapper's generations (``WrapsKVRag.usage_totals``)."""
+
+    FIELDS = ("calls", "calls_with_hit", "prompt_tokens", "cached_tokens", "recomputed_tokens",
+              "completion_tokens", "chunks_hit")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._n = dict.fromkeys(self.FIELDS, 0)
+
+    def add(self, stats) -> None:
+        with self._lock:
+            n = self._n
+            n["calls"] += 1
+            n["calls_with_hit"] += stats.chunks_hit > 0
+            n["prompt_tokens"] += stats.prompt_tokens
+            n["cached_tokens"] += stats.cached_tokens
+            n["recomputed_tokens"] += stats.recomputed_tokens
+            n["completion_tokens"] += stats.new_tokens
+            n["chunks_hit"] += stats.chunks_hit
+
+    def snapshot(self) -> dict[str, Any]:
+        with self._lock:
+            out: dict[str, Any] = dict(self._n)
+        out["cache_hit_rate"] = out["cached_tokens"] / out["prompt_tokens"] if out["prompt_tokens"] else 0.0
+        return out
+
+    def reset(self) -> None:
+        with self._lock:
+            self._n = dict.fromkeys(self.FIELDS, 0)
+
+    def __deepcopy__(self, memo: dict) -> "UsageTotals":
+        new = UsageTotals()
+        new._n = self.snapshot()
+        del new._n["cache_hit_rate"]
+        return new
+
+
+def usage_counts(stats) -> dict[str, Any]:
+    """One generation's token counts in the OpenAI ``usage`` form, which LlamaIndex's
+    ``TokenCountingHandler`` reads from ``raw["usage"]`` (``prompt_tokens_details.cached_tokens``:
+    prompt tokens served from the KV cache)."""
+    return {
+        "prompt_tokens": stats.prompt_tokens,
+        "completion_tokens": stats.new_tokens,
+        "total_tokens": stats.prompt_tokens + stats.new_tokens,
+        "prompt_tokens_details": {"cached_tokens": stats.cached_tokens},
+    }
+
+
+def hook_target(owner: str, target: Any = None, **aliases: Any) -> Any:
+    """The one target a hook was given: positionally or under a framework's conventional
+    keyword (``llm=`` as LlamaIndex components and LangChain chains name the model,
+    ``rag=``, ``precomputer=``). TypeError when none or more than one is given."""
+    given = {k: v for k, v in aliases.items() if v is not None}
+    if target is not None:
+        given = {"target": target, **given}
+    if len(given) != 1:
+        what = "got none" if not given else f"got {len(given)}: {', '.join(given)}"
+        raise TypeError(f"{owner} needs a target, one of: a kvrag LLM (positionally or llm=...), a KVRag (rag=...) "
+                        f"or a Precomputer (precomputer=...); {what}")
+    return next(iter(given.values()))
 
 
 def schedule_retrieved(pc: Precomputer, texts: Iterable[str], defer_s: float) -> None:

@@ -62,8 +62,12 @@ DTYPES: dict[str, torch.dtype] = {
 
 # ---- paths ---------------------------------------------------------------------------
 def default_home() -> Path:
-    """kvrag's cache root: ``$KVRAG_HOME`` or ``~/.cache/kvrag``."""
-    return Path(os.environ.get("KVRAG_HOME") or Path.home() / ".cache" / "kvrag")
+    """kvrag's cache root: ``$KVRAG_HOME``, else the platform's user cache directory
+    (``platformdirs``: ``$XDG_CACHE_HOME/kvrag``, i.e. ``~/.cache/kvrag`` on Linux;
+    ``~/Library/Caches/kvrag`` on macOS; ``%LOCALAPPDATA%\\kvrag\\Cache`` on Windows)."""
+    import platformdirs
+
+    return Path(os.environ.get("KVRAG_HOME") or platformdirs.user_cache_dir("kvrag", appauthor=False))
 
 
 def default_model_path() -> Path:

@@ -139,6 +139,17 @@ class _Job:
         self.waiters: list[_Job] = []  # other texts with the same key, finished with this one
 
 
+def pending_in_prompt(rag, prompt: str) -> int:
+    """How many texts the precomputers of ``rag`` have queued or in flight that ``prompt``
+    contains (verbatim, edge whitespace aside): chunks a query misses only because their K/V
+    is not ready yet. Read when a query found no cached chunk, to say so instead of blaming
+    segmentation."""
+    with Precomputer._of_rag_lock:
+        pcs = list(Precomputer._of_rag.get(rag, ()))
+    texts = {t.strip() for pc in pcs for t in pc.pending_texts()}
+    return sum(1 for t in texts if t and t in prompt)
+
+
 def _preview(text: str, n: int = 60) -> str:
     return repr(text[:n] + ("..." if len(text) > n else ""))
 
@@ -228,12 +239,17 @@ class Precomputer:
                        rejected=0, dropped=0, tokens_computed=0)
         self._busy_s = 0.0
         self._atexit_ref = None
+        with Precomputer._of_rag_lock:
+            Precomputer._of_rag.setdefault(rag, weakref.WeakSet()).add(self)
         if start:
             self.start()
 
     # ---- shared instances ---------------------------------------------------------------
     _shared: "weakref.WeakKeyDictionary[Any, Precomputer]" = weakref.WeakKeyDictionary()
     _shared_lock = threading.Lock()
+    #: Every live precomputer of a KVRag (shared or not): what ``pending_in_prompt`` asks.
+    _of_rag: "weakref.WeakKeyDictionary[Any, weakref.WeakSet]" = weakref.WeakKeyDictionary()
+    _of_rag_lock = threading.Lock()  # not _shared_lock: for_rag holds that while it constructs one
 
     @classmethod
     def for_rag(cls, rag, *, create: bool = True, **kwargs) -> "Precomputer | None":
@@ -466,6 +482,11 @@ class Precomputer:
         with self._cond:
             return PrecomputeProgress(queued=len(self._queue), in_flight=self._in_flight,
                                       busy_s=self._busy_s, **self._c)
+
+    def pending_texts(self) -> list[str]:
+        """The texts queued or in flight now (a snapshot)."""
+        with self._cond:
+            return list(self._by_text)
 
     def failures(self) -> list[PrecomputeFailure]:
         """The most recent failures (up to ``keep_failures``), oldest first."""

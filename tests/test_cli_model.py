@@ -29,7 +29,7 @@ def test_no_command_is_a_usage_error(capsys):
 
 def test_missing_model_prints_error_and_exits_2(tmp_path, capsys):
     missing = tmp_path / "nope"
-    rc = main(["model", "info", "--model", str(missing), "--cache-dir", str(tmp_path)])
+    rc = main(["model", "info", "--model", str(missing), "--home", str(tmp_path)])
     out = capsys.readouterr()
     assert rc == 2
     assert out.err.startswith("kvrag: error: ")
@@ -46,27 +46,34 @@ def test_module_entry_point_help():
 
 
 @pytest.mark.real
-def test_model_info_on_default_model(capsys):
+def test_model_info_on_default_model(capsys, tmp_path):
+    from kvrag.engine import KVRag
+
     handle = ModelHandle.load()
     cfg = handle.model.config
+    rag = KVRag(handle, cache_dir=tmp_path / "kv")
 
     assert main(["model", "info", "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
-    assert info["fingerprint"] == handle.fingerprint
+    # The fingerprint the store keys entries by (the model's + the chunk anchor), and the bytes
+    # a token takes there (float16), not the model's own fingerprint and fp32 compute bytes.
+    assert info["cache_fingerprint"] == rag.fingerprint != handle.fingerprint
+    assert info["model_fingerprint"] == handle.fingerprint
     assert info["source"] == handle.source
     assert (info["layers"], info["heads"], info["kv_heads"]) == (
         cfg.num_hidden_layers,
         cfg.num_attention_heads,
         cfg.num_key_value_heads,
     )
-    assert info["kv_bytes_per_token"] == 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 4
+    assert info["kv_bytes_per_token"] == 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 2
+    assert info["compute_kv_bytes_per_token"] == 2 * info["kv_bytes_per_token"]
 
     assert main(["model", "info"]) == 0
     lines = dict(line.split(":", 1) for line in capsys.readouterr().out.splitlines())
-    assert lines["fingerprint"].strip() == handle.fingerprint
+    assert lines["cache fingerprint"].split()[0] == rag.fingerprint
     assert lines["model"].strip() == handle.source
     assert lines["layers"].strip() == "30"
-    assert lines["KV bytes/token"].split()[0] == "46080"  # 2 x 30 x 3 x 64 x 4 bytes (SmolLM2, fp32)
+    assert lines["KV bytes/token"].split()[0] == "23040"  # 2 x 30 x 3 x 64 x 2 bytes (SmolLM2, stored fp16)
     assert lines["attention"].strip() == "RoPE default, full attention on every layer"
 
 
@@ -234,7 +241,7 @@ def test_unusable_cache_dir_for_a_conversion_is_a_clear_error(tmp_path, capsys, 
         with pytest.raises(ModelLoadError, match="must be a writable directory") as e:
             ModelHandle.load(fake_gguf, cache_dir=root)
         assert str(root) in str(e.value)
-        _fails(["model", "info", "--model", str(fake_gguf), "--cache-dir", str(root)], capsys, str(root), "writable")
+        _fails(["model", "info", "--model", str(fake_gguf), "--home", str(root)], capsys, str(root), "writable")
         monkeypatch.setenv("KVRAG_HOME", str(root))
         _fails(["model", "info", "--model", str(fake_gguf)], capsys, str(root), "writable")
         monkeypatch.delenv("KVRAG_HOME")

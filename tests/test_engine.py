@@ -648,6 +648,36 @@ def test_a_reuse_query_that_finds_no_cached_chunk_says_so_once(rag, caplog):
     assert not [r for r in caplog.records if "no cached chunk" in r.getMessage()]
 
 
+def test_a_miss_on_chunks_still_being_precomputed_says_so(rag, caplog, monkeypatch):
+    """The first query of a quickstart runs while background precompute is still busy: the
+    warning must name that cause, with the counts as they stood when the prompt was looked up
+    (by the time it printed, the worker had registered the chunks, and it used to blame
+    segmentation)."""
+    import logging
+
+    from kvrag.precompute import Precomputer
+
+    caplog.set_level(logging.DEBUG, logger="kvrag")
+    rag.precompute(DOCS[:1])
+    pc = Precomputer(rag, start=False)
+    pc.submit_many(DOCS[1:])
+    fuse = rag._fuse
+
+    def worker_finishes_meanwhile(prep):
+        rag.precompute(DOCS[1:])  # what the worker does while the prompt is prefilled
+        return fuse(prep)
+
+    monkeypatch.setattr(rag, "_fuse", worker_finishes_meanwhile)
+    out = rag.generate(prompt_for(DOCS[1:]), max_new_tokens=1)
+    assert out.stats.cached_tokens == 0
+    notes = [r.getMessage() for r in caplog.records if "no cached chunk" in r.getMessage()]
+    assert len(notes) == 1
+    assert "2 chunk text(s) it contains were still queued or being computed" in notes[0]
+    assert "1 chunk texts cached at lookup" in notes[0] and "wait_until_idle" in notes[0]
+    assert "segmentation" not in notes[0]
+    pc.shutdown(cancel_pending=True)
+
+
 def test_an_empty_cache_dir_is_refused_before_anything_is_written(handle, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ValueError, match="cache_dir must be a non-empty path"):

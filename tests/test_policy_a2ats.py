@@ -445,15 +445,15 @@ def test_cli_calibrate_a2ats(tiny_handle, tmp_path, capsys):
     text.write_text(" ".join(DOCS) * 5)
     out = tmp_path / "books.safetensors"
     code = main(["calibrate", "a2ats", "--model", str(model_dir), "--tokens", "500", "--codes", "16",
-                 "--iters", "2", "--text", str(text), "--out", str(out), "--cache-dir", str(tmp_path), "--json"])
+                 "--iters", "2", "--text", str(text), "--out", str(out), "--home", str(tmp_path), "--json"])
     assert code == 0
     info = json.loads(capsys.readouterr().out)
     assert info["path"] == str(out) and info["codes"] == 16 and info["layers"] == 4
     assert books.Codebooks.load(out).codebook.shape == (4, 2, 16, 16)
     # User errors are exit code 2 with a message, not a traceback.
-    assert main(["calibrate", "a2ats", "--model", str(model_dir), "--codes", "0", "--cache-dir", str(tmp_path)]) == 2
+    assert main(["calibrate", "a2ats", "--model", str(model_dir), "--codes", "0", "--home", str(tmp_path)]) == 2
     assert main(["calibrate", "a2ats", "--model", str(model_dir), "--tokens", "10", "--codes", "64",
-                 "--text", str(text), "--out", str(out), "--cache-dir", str(tmp_path)]) == 2
+                 "--text", str(text), "--out", str(out), "--home", str(tmp_path)]) == 2
     assert "codewords" in capsys.readouterr().err
 
 
@@ -481,7 +481,7 @@ def test_cli_calibrate_a2ats_on_the_documents_of_a_kv_store(tiny_handle, tmp_pat
     monkeypatch.setattr(cal, "calibration_sequences", spy)
     out = tmp_path / "books.safetensors"
     code = main(["calibrate", "a2ats", "--model", str(model_dir), "--tokens", "400", "--codes", "16", "--iters", "2",
-                 "--store", str(store_dir), "--text", str(extra), "--out", str(out), "--cache-dir", str(tmp_path), "--json"])
+                 "--store", str(store_dir), "--text", str(extra), "--out", str(out), "--home", str(tmp_path), "--json"])
     assert code == 0 and out.is_file()
     assert sorted(seen[0]) == sorted([extra.read_text(), *DOCS])
 

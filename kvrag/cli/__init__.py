@@ -49,7 +49,23 @@ def build_parser() -> argparse.ArgumentParser:
         register = getattr(module, "register", None)
         if callable(register):
             register(subparsers)
+    _plain_help(parser)
     return parser
+
+
+def _plain_help(parser: argparse.ArgumentParser) -> None:
+    """Help texts are written like docstrings (``code``); a terminal shows `code`."""
+    def plain(text):
+        return text.replace("``", "`") if isinstance(text, str) else text
+
+    parser.description, parser.epilog = plain(parser.description), plain(parser.epilog)
+    for action in parser._actions:
+        action.help = plain(action.help)
+        if isinstance(action, argparse._SubParsersAction):
+            for choice in action._choices_actions:
+                choice.help = plain(choice.help)
+            for sub in dict.fromkeys(action.choices.values()):
+                _plain_help(sub)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -2,39 +2,35 @@
 from __future__ import annotations
 
 import json
-import re
 import sys
-from decimal import Decimal
 from pathlib import Path
 
 from kvrag.errors import StoreError
 
-_UNITS = {"": 1, "B": 1, "K": 2**10, "KB": 2**10, "KIB": 2**10, "M": 2**20, "MB": 2**20, "MIB": 2**20,
-          "G": 2**30, "GB": 2**30, "GIB": 2**30, "T": 2**40, "TB": 2**40, "TIB": 2**40}
 # The store records its size limit in SQLite, whose INTEGER is a signed 64-bit number.
 MAX_SIZE = 2**63 - 1
 
 
 def parse_size(text: str) -> int:
-    """'512M', '16G', '1.5GiB', '1000000' -> bytes (binary units), 1 .. ``MAX_SIZE``."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(text))
-    if not m or m.group(2).upper() not in _UNITS:
-        raise ValueError(f"bad size {text!r}: use a number of bytes or e.g. 512M, 16G")
-    # Decimal, not float: exact for any length of digits (a float overflows to inf).
-    n = int(Decimal(m.group(1)) * _UNITS[m.group(2).upper()])
+    """'512M', '16G', '1.5GiB', '1000000' -> bytes (binary units: ``humanfriendly``), 1 .. ``MAX_SIZE``."""
+    import humanfriendly
+
+    try:
+        n = humanfriendly.parse_size(str(text), binary=True)
+    except humanfriendly.InvalidSize:
+        raise ValueError(f"bad size {text!r}: use a number of bytes or e.g. 512M, 16G") from None
     if n <= 0:
         raise ValueError(f"size must be positive, got {text!r}")
     if n > MAX_SIZE:
         raise ValueError(f"size {text!r} is too large: at most {MAX_SIZE} bytes (8 EiB)")
-    return n
+    return int(n)
 
 
 def human(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
+    """Bytes for people: '22.5 KiB', '517 MiB' (``humanfriendly``, binary units)."""
+    import humanfriendly
+
+    return humanfriendly.format_size(n, binary=True)
 
 
 def default_cache_dir() -> Path:
@@ -50,8 +46,9 @@ def register(sub) -> None:
     cmds = p.add_subparsers(dest="cache_command", metavar="ACTION", required=True)
 
     def common(q):
-        q.add_argument("--cache-dir", default=None,
-                       help="the store directory (default: $KVRAG_HOME/store, i.e. ~/.cache/kvrag/store)")
+        q.add_argument("store_dir", nargs="?", metavar="DIR", default=None,
+                       help="the store directory: a KVRag's cache_dir (default: $KVRAG_HOME/store)")
+        q.add_argument("--cache-dir", default=None, help="the same as DIR")
         q.add_argument("--json", action="store_true", help="print one JSON object instead of text")
 
     s = cmds.add_parser("stats", help="entries, bytes on disk, size limit; with --shared: the Redis tier and queue")
@@ -75,6 +72,32 @@ def register(sub) -> None:
     c.set_defaults(func=run_clear)
 
 
+def _store_dir(args) -> str | None:
+    if args.store_dir and args.cache_dir and args.store_dir != args.cache_dir:
+        raise StoreError(f"two store directories given ({args.store_dir} and --cache-dir {args.cache_dir}); pass one")
+    return args.store_dir or args.cache_dir
+
+
+def find_stores(root: Path, depth: int = 3) -> list[Path]:
+    """kvrag KV stores (directories holding ``blobs/``) under ``root``, ``depth`` levels down at
+    most, hidden directories included (``.kvrag``); for the hint when no store was named."""
+    found, level = [], [root]
+    for _ in range(depth):
+        nxt = []
+        for d in level:
+            try:
+                subs = sorted(p for p in d.iterdir() if p.is_dir() and not p.is_symlink())
+            except OSError:
+                continue
+            for p in subs:
+                if (p / "blobs").is_dir():
+                    found.append(p)
+                elif p.name not in ("blobs", "node_modules", ".git", ".venv", "__pycache__"):
+                    nxt.append(p)
+        level = nxt
+    return found
+
+
 def open_store(cache_dir: str | None, size_limit: int | None = None, option: str = "--cache-dir"):
     """The existing KVStore in ``cache_dir`` (None: the default one); a StoreError naming the
     problem, never a new empty store, if there is none. ``option``: the flag that named it."""
@@ -82,9 +105,13 @@ def open_store(cache_dir: str | None, size_limit: int | None = None, option: str
 
     directory = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
     if not directory.exists():
-        hint = "" if cache_dir else (
-            f"; pass the store's directory with {option} (the cache_dir of your KVRag; kvrag demo and "
-            "bench use a temporary store unless given --cache-dir)")
+        hint = ""
+        if not cache_dir:
+            here = [str(p.relative_to(Path.cwd())) for p in find_stores(Path.cwd())]
+            hint = (f"; KV stores under this directory: {', '.join(here)} (pass one, e.g. kvrag cache stats {here[0]})"
+                    if here else
+                    f"; pass the store's directory with {option} (the cache_dir of your KVRag; kvrag demo and bench use a "
+                    f"temporary store unless given --cache-dir)")
         raise StoreError(f"no KV store at {directory} (the directory does not exist){hint}")
     if not directory.is_dir():
         raise StoreError(f"{directory} is not a directory")
@@ -106,8 +133,9 @@ def _emit(args, record: dict, lines: list[str]) -> None:
 
 def run_stats(args) -> int:
     rec, lines = {}, []
-    if args.shared is None or args.cache_dir is not None:
-        with open_store(args.cache_dir) as store:
+    store_dir = _store_dir(args)
+    if args.shared is None or store_dir is not None:
+        with open_store(store_dir) as store:
             st = store.stats()
         rec = {k: st[k] for k in ("directory", "entries", "bytes", "size_limit")}
         lines = [
@@ -157,7 +185,7 @@ def run_gc(args) -> int:
         limit = parse_size(args.size_limit) if args.size_limit else None
     except ValueError as e:
         raise StoreError(str(e)) from None
-    with open_store(args.cache_dir, limit) as store:
+    with open_store(_store_dir(args), limit) as store:
         try:
             res = store.gc(verify=args.verify)
         except OSError as e:
@@ -176,7 +204,7 @@ def run_gc(args) -> int:
 
 
 def run_clear(args) -> int:
-    with open_store(args.cache_dir) as store:
+    with open_store(_store_dir(args)) as store:
         n = store.stats()["entries"]
         if not args.yes:
             if not sys.stdin.isatty():

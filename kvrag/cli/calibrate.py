@@ -10,11 +10,20 @@ import json
 import sys
 import time
 
+from kvrag.cli._options import add_home_option
+
+
+#: The calibrator's defaults (``kvrag.policies.a2ats.calibrate`` / ``.codebook``), written out:
+#: importing those modules imports torch, and building the parser must not (``kvrag --version``,
+#: ``--help``). tests/test_cli_first_hour.py checks that they agree.
+DEFAULTS = dict(tokens=8192, codes=512, iters=8, seq_len=512, uuid_fraction=0.2, rope_offset=2048)
+
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("calibrate", help="fit per-model data a policy needs (A2ATS codebooks)")
+    p = subparsers.add_parser("calibrate", help="fit per-model data a policy needs (A2ATS codebooks)",
+                              description="Fit the per-model data a policy needs before it can run "
+                                          "(the a2ats policy's key codebooks).")
     sub = p.add_subparsers(dest="calibrate_command", metavar="POLICY", required=True)
-    from kvrag.policies.a2ats import calibrate as cal  # light: no torch work at import
 
     a = sub.add_parser(
         "a2ats",
@@ -27,26 +36,26 @@ def register(subparsers) -> None:
         ),
     )
     a.add_argument("--model", metavar="PATH", default=None, help="HF model directory, .gguf file or a model name: smollm2, gemma3-270m (default: SmolLM2)")
-    a.add_argument("--tokens", type=int, default=cal.DEFAULT_TOKENS,
-                   help=f"calibration tokens (default {cal.DEFAULT_TOKENS}; the paper used 80K)")
-    a.add_argument("--codes", type=int, default=cal.DEFAULT_CODES,
-                   help=f"codewords per layer and KV head (default {cal.DEFAULT_CODES}; the paper used 4096)")
-    a.add_argument("--iters", type=int, default=cal.DEFAULT_ITERS, help=f"Lloyd iterations after k-means++ seeding (default {cal.DEFAULT_ITERS})")
+    a.add_argument("--tokens", type=int, default=DEFAULTS["tokens"],
+                   help=f"calibration tokens (default {DEFAULTS['tokens']}; the paper used 80K)")
+    a.add_argument("--codes", type=int, default=DEFAULTS["codes"],
+                   help=f"codewords per layer and KV head (default {DEFAULTS['codes']}; the paper used 4096)")
+    a.add_argument("--iters", type=int, default=DEFAULTS["iters"], help=f"Lloyd iterations after k-means++ seeding (default {DEFAULTS['iters']})")
     a.add_argument("--text", metavar="FILE", action="append", default=None,
                    help="calibration text: .txt, or .json/.jsonl (every string in it); repeatable")
     a.add_argument("--store", metavar="DIR", default=None,
                    help="calibration text: the chunk texts ingested into this kvrag KV store (a KVRag's "
                         "cache_dir), i.e. your own documents; combines with --text")
-    a.add_argument("--uuid-fraction", type=float, default=cal.DEFAULT_UUID_FRACTION,
-                   help=f"share of the tokens that are random uuids (default {cal.DEFAULT_UUID_FRACTION}, as in the paper)")
-    a.add_argument("--seq-len", type=int, default=cal.DEFAULT_SEQ_LEN, help=f"tokens per calibration sequence (default {cal.DEFAULT_SEQ_LEN})")
-    a.add_argument("--rope-offset", type=int, default=cal.DEFAULT_ROPE_OFFSET,
-                   help=f"b, the fixed relative position of windowed RoPE (default {cal.DEFAULT_ROPE_OFFSET})")
+    a.add_argument("--uuid-fraction", type=float, default=DEFAULTS["uuid_fraction"],
+                   help=f"share of the tokens that are random uuids (default {DEFAULTS['uuid_fraction']}, as in the paper)")
+    a.add_argument("--seq-len", type=int, default=DEFAULTS["seq_len"], help=f"tokens per calibration sequence (default {DEFAULTS['seq_len']})")
+    a.add_argument("--rope-offset", type=int, default=DEFAULTS["rope_offset"],
+                   help=f"b, the fixed relative position of windowed RoPE (default {DEFAULTS['rope_offset']})")
     a.add_argument("--seed", type=int, default=0, help="random seed (uuids, k-means++)")
     a.add_argument("--out", metavar="FILE", default=None, help="output file (default $KVRAG_HOME/a2ats/<fingerprint>.safetensors)")
     a.add_argument("--dtype", default="float32", help="compute dtype (default float32)")
     a.add_argument("--device", default="cpu", help="torch device (default cpu)")
-    a.add_argument("--cache-dir", default=None, help="kvrag cache root for model conversions (default $KVRAG_HOME)")
+    add_home_option(a)
     a.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     a.set_defaults(func=_a2ats)
 
@@ -83,7 +92,7 @@ def _a2ats(args: argparse.Namespace) -> int:
         with open_store(args.store, option="--store") as store:
             texts = (texts or []) + cal.store_texts(store)
     t0 = time.perf_counter()
-    handle = ModelHandle.load(args.model, dtype=args.dtype, device=args.device, cache_dir=args.cache_dir)
+    handle = ModelHandle.load(args.model, dtype=args.dtype, device=args.device, cache_dir=args.home)
     bars: dict = {}
 
     def progress(stage: str, n: int) -> None:

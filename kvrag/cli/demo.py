@@ -13,7 +13,10 @@ DEFAULT_POLICIES = "full_prefill,naive_reuse,cacheblend,kvlink"
 
 
 def register(sub) -> None:
-    p = sub.add_parser("demo", help="ingest a demo corpus, ask questions, print answers and TTFT per policy")
+    p = sub.add_parser("demo", help="ingest a demo corpus, ask questions, print answers and TTFT per policy",
+                       description="Ingest a corpus (default: kvrag's demo corpus), precompute its chunks' KV, "
+                                   "ask its questions under each policy and print the answers with TTFT, "
+                                   "against full prefill (no reuse).")
     p.add_argument("--model", default=None, help="HF model dir, .gguf or a model name: smollm2, gemma3-270m (default: SmolLM2-135M-Instruct)")
     p.add_argument("--cache-dir", default=None, help="KV store directory (default: a fresh temporary one)")
     p.add_argument("--corpus", default=None, help="JSON object with instruction (optional), documents and "

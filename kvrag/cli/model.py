@@ -4,9 +4,12 @@ from __future__ import annotations
 import argparse
 import json
 
+from kvrag.cli._options import add_home_option
+
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("model", help="inspect the model kvrag uses")
+    p = subparsers.add_parser("model", help="inspect the model kvrag uses",
+                              description="Inspect the model kvrag loads (no KV store is touched).")
     sub = p.add_subparsers(dest="model_command", metavar="ACTION", required=True)
     info = sub.add_parser(
         "info",
@@ -16,7 +19,9 @@ def register(subparsers) -> None:
     info.add_argument("--model", metavar="PATH", default=None, help="HF model directory, .gguf file or a model name: smollm2, gemma3-270m (default: SmolLM2)")
     info.add_argument("--dtype", default="float32", help="compute dtype: float32, float16 or bfloat16 (default float32)")
     info.add_argument("--device", default="cpu", help="torch device (default cpu)")
-    info.add_argument("--cache-dir", default=None, help="kvrag cache root (default $KVRAG_HOME or ~/.cache/kvrag)")
+    info.add_argument("--storage-dtype", default="float16", choices=("float16", "bfloat16", "float32"),
+                      help="dtype the KV store holds (KVRag's storage_dtype; default float16)")
+    add_home_option(info)
     info.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     info.set_defaults(func=_info)
 
@@ -43,10 +48,19 @@ def _attention(d: dict) -> str:
 
 def _info(args: argparse.Namespace) -> int:
     # Imported here so `kvrag --help` stays fast (torch/transformers take seconds to import).
+    from kvrag.ingest import cache_fingerprint, resolve_anchor
     from kvrag.model import ModelHandle
 
-    handle = ModelHandle.load(args.model, dtype=args.dtype, device=args.device, cache_dir=args.cache_dir)
+    handle = ModelHandle.load(args.model, dtype=args.dtype, device=args.device, cache_dir=args.home)
     d = handle.describe()
+    # What the store sees: entries are keyed by the cache fingerprint (the model's, extended
+    # with the anchor chunks are computed behind, as KVRag's default chunk_anchor="auto") and
+    # hold K/V in the storage dtype, not the compute dtype.
+    d["model_fingerprint"] = d.pop("fingerprint")
+    d["cache_fingerprint"] = cache_fingerprint(handle.fingerprint, resolve_anchor(handle, "auto"))
+    d["compute_kv_bytes_per_token"] = d.pop("kv_bytes_per_token")
+    d["storage_dtype"] = args.storage_dtype
+    d["kv_bytes_per_token"] = handle.kv_bytes_per_token(args.storage_dtype)
     if args.json:
         print(json.dumps(d, indent=2))
         return 0
@@ -63,8 +77,11 @@ def _info(args: argparse.Namespace) -> int:
         ("attention", _attention(d)),
         ("dtype", d["dtype"]),
         ("device", d["device"]),
-        ("fingerprint", d["fingerprint"]),
-        ("KV bytes/token", f"{kv} ({kv / 1024:.1f} KiB; 2 x {d['layers']} layers x {d['kv_heads']} KV heads x {d['head_dim']} dims)"),
+        ("cache fingerprint", f"{d['cache_fingerprint']} (keys this model's entries in a KV store)"),
+        ("model fingerprint", d["model_fingerprint"]),
+        ("KV bytes/token", f"{kv} ({kv / 1024:.1f} KiB stored as {d['storage_dtype']}; 2 x {d['layers']} layers x "
+                           f"{d['kv_heads']} KV heads x {d['head_dim']} dims; {d['compute_kv_bytes_per_token']} "
+                           f"in the {d['dtype']} compute dtype)"),
     ]
     width = max(len(k) for k, _ in lines)
     for k, v in lines:

@@ -21,7 +21,9 @@ class _DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def register(sub) -> None:
-    p = sub.add_parser("train", help="fine-tune a model for a policy that needs training (kvlink)")
+    p = sub.add_parser("train", help="fine-tune a model for a policy that needs training (kvlink)",
+                       description="Fine-tune a model for a policy that needs training (kvlink); the policy "
+                                   "finds the result under $KVRAG_HOME.")
     methods = p.add_subparsers(dest="method", metavar="METHOD", required=True)
     k = methods.add_parser(
         "kvlink",

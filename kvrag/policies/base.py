@@ -48,6 +48,8 @@ class Policy:
 
     name: ClassVar[str] = ""
     summary: ClassVar[str] = ""
+    #: What must be done once (per model) before the policy can run; shown by ``kvrag policies``.
+    setup: ClassVar[str] = ""
     Params: ClassVar[type] = NoParams
     #: False: the engine skips fusion and runs the model's own forward on all tokens.
     uses_cache: ClassVar[bool] = True

@@ -7,6 +7,8 @@ from typing import Any
 from kvrag.policies.base import Policy
 
 _REGISTRY: dict[str, type[Policy]] = {}
+#: The policy KVRag and the framework adapters run when none is named.
+DEFAULT_POLICY = "cacheblend"
 
 
 def register(cls: type[Policy]) -> type[Policy]:
@@ -50,5 +52,6 @@ def describe() -> list[dict[str, Any]]:
              "help": f.metadata.get("help", "")}
             for f in dataclasses.fields(cls.Params)
         ]
-        out.append({"name": name, "summary": cls.summary, "params": params})
+        out.append({"name": name, "summary": cls.summary, "params": params, "default": name == DEFAULT_POLICY,
+                    "setup": cls.setup})
     return out

@@ -24,8 +24,8 @@ from pydantic import ConfigDict, Field, PrivateAttr, model_validator
 
 from kvrag.engine import Generation, KVRag
 from kvrag.frameworks import (
-    WrapsKVRag, aiter_in_thread, call_options, foreground_steps, max_tokens_alias, open_stream, resolve_policy,
-    stop_list,
+    UsageTotals, WrapsKVRag, aiter_in_thread, call_options, foreground_steps, max_tokens_alias, open_stream,
+    resolve_policy, stop_list,
 )
 from kvrag.query.prompt import has_chat_template, plain_chat_prompt
 
@@ -106,8 +106,10 @@ class ChatKVRag(WrapsKVRag, BaseChatModel):
     model_config = ConfigDict(arbitrary_types_allowed=True)
 
     rag: Any = Field(default=None, exclude=True, description="A kvrag.engine.KVRag (built from model/cache_dir if None).")
-    model: Optional[str] = Field(default=None, description="HF model directory or .gguf (None: SmolLM2-135M-Instruct).")
-    cache_dir: Optional[str] = Field(default=None, description="KV store directory (None: $KVRAG_HOME/store).")
+    model: Optional[str] = Field(default=None, description="HF model directory or .gguf (None: SmolLM2-135M-Instruct); "
+                                 "filled in with the path the KVRag loaded (None for a model built in memory).")
+    cache_dir: Optional[str] = Field(default=None, description="KV store directory (None: $KVRAG_HOME/store); "
+                                     "filled in with the KVRag's store.")
     policy: str = "cacheblend"
     policy_params: dict[str, Any] = Field(default_factory=dict)
     max_new_tokens: int = Field(default=256, gt=0)
@@ -117,9 +119,14 @@ class ChatKVRag(WrapsKVRag, BaseChatModel):
     stop: Optional[list[str]] = None
     seed: Optional[int] = None
     precompute_options: dict[str, Any] = Field(default_factory=dict, description="Precomputer(...) options.")
+    fingerprint: Optional[str] = Field(default=None, description="The cache fingerprint of the model "
+                                       "(filled in; a serialized chat model checks it when loaded again).")
+    streaming: bool = Field(default=False, description="LangChain's convention: invoke() goes through the "
+                            "streaming path. Tokens reach on_llm_new_token callbacks either way.")
 
     _precomputer: Any = PrivateAttr(default=None)
     _last: Any = PrivateAttr(default=None)
+    _usage: Any = PrivateAttr(default_factory=UsageTotals)
 
     @model_validator(mode="before")
     @classmethod
@@ -138,18 +145,60 @@ class ChatKVRag(WrapsKVRag, BaseChatModel):
 
     @model_validator(mode="after")
     def _build(self) -> "ChatKVRag":
+        if self.rag is None and self.model is None and self.fingerprint is not None:
+            # Serialization always records the model's path; none means it was built in memory.
+            raise ValueError("this ChatKVRag was serialized from a model built in memory, which cannot be loaded "
+                             "from its settings: pass rag= with that model's KVRag")
         if self.rag is None:
             # The chat model's policy is also the KVRag's: a KVRag built for kvlink loads the
             # KVLink model (trained adapter) where one exists for this model.
             self.rag = KVRag(self.model, cache_dir=self.cache_dir, policy=self.policy, **self.policy_params)
-            _BUILT_FROM[self.rag] = (self.model, self.cache_dir)
         elif not isinstance(self.rag, KVRag):
             raise TypeError(f"rag must be a kvrag.engine.KVRag, got {type(self.rag).__name__}")
         elif (self.model is not None or self.cache_dir is not None) and \
                 _BUILT_FROM.get(self.rag) != (self.model, self.cache_dir):
             raise ValueError("pass either an existing `rag` or `model`/`cache_dir`, not both "
                              "(`model`/`cache_dir` are not configurable fields: they load another model)")
+        # ``model`` and ``cache_dir`` name what the KVRag was loaded from (LangChain's
+        # convention: ``model`` holds the model's id; a serialized chat model loads them again).
+        source = getattr(self.rag.handle, "source", None)
+        if self.fingerprint is not None and self.fingerprint != self.rag.fingerprint:
+            raise ValueError(
+                f"ChatKVRag was given fingerprint {self.fingerprint[:16]}..., but model "
+                f"{source or '(in memory)'} has {self.rag.fingerprint[:16]}...: it was serialized from another model "
+                "(or one built in memory, which cannot be loaded from settings: pass rag=)")
+        self.model = str(source) if source else None
+        self.cache_dir = str(self.rag.store.directory)
+        self.fingerprint = self.rag.fingerprint
+        _BUILT_FROM[self.rag] = (self.model, self.cache_dir)
         return self
+
+    @classmethod
+    def is_lc_serializable(cls) -> bool:
+        """``dumpd(llm)`` records the settings, ``model`` and ``cache_dir`` included, never the
+        loaded KVRag (``rag`` is excluded); ``load`` builds the model again from them."""
+        return True
+
+    @classmethod
+    def get_lc_namespace(cls) -> list[str]:
+        return ["langchain_kvrag", "chat_models"]
+
+    def to_json(self):
+        out = super().to_json()
+        # Serializable records the constructor's keywords; the model and store it resolved
+        # belong in it too (the defaults would load another model over another store), and the
+        # fingerprint, checked on load (LangChain's LLM cache also keys answers on this record).
+        if out.get("type") == "constructor":
+            out["kwargs"] = {k: v for k, v in {**out["kwargs"], "model": self.model, "cache_dir": self.cache_dir,
+                                                "fingerprint": self.fingerprint}.items() if k != "rag"}
+        return out
+
+    def _get_ls_params(self, stop: Optional[list[str]] = None, **kwargs: Any):
+        params = super()._get_ls_params(stop=stop, **kwargs)
+        params["ls_provider"] = "kvrag"
+        if not isinstance(kwargs.get("model"), str):  # a per-call model= is what the trace reports
+            params["ls_model_name"] = self._identifying_params["model"] or "in-memory"
+        return params
 
     # ---- kvrag objects ---------------------------------------------------------------
     def _precompute_options(self) -> dict[str, Any]:
@@ -236,7 +285,8 @@ class ChatKVRag(WrapsKVRag, BaseChatModel):
             # Closed early (a cancelled ainvoke, a consumer that stopped reading): stop decoding
             # and free the decode cache now, not at garbage collection.
             s.close()
-        self._last = gen = s.generation()
+        gen = s.generation()
+        self._record(gen)
         yield "", gen
 
     def _generate(self, messages: list[BaseMessage], stop: Optional[list[str]] = None,

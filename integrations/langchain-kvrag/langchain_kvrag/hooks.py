@@ -27,8 +27,8 @@ from langchain_core.documents import Document
 from langchain_core.retrievers import BaseRetriever
 from pydantic import ConfigDict, Field
 
-from kvrag.errors import ChunkError
-from kvrag.precompute import Precomputer, PrecomputerClosedError, QueueFullError
+from kvrag.frameworks import hook_target, schedule_retrieved
+from kvrag.precompute import Precomputer
 
 __all__ = ["KVPrecomputeHook", "precompute_on_add", "KVWarmingRetriever"]
 
@@ -80,7 +80,9 @@ class KVPrecomputeHook:
     unchanged). block: when the precompute queue is full, wait for room (back-pressure on
     ingestion) instead of dropping."""
 
-    def __init__(self, target: Any, *, text_fn: Optional[Callable[[str], str]] = None, block: bool = True):
+    def __init__(self, target: Any = None, *, llm: Any = None, rag: Any = None, precomputer: Any = None,
+                 text_fn: Optional[Callable[[str], str]] = None, block: bool = True):
+        target = hook_target("KVPrecomputeHook", target, llm=llm, rag=rag, precomputer=precomputer)
         Precomputer.of(target)  # a wrong target fails here, not at the first add_documents
         self.target = target
         self.text_fn = text_fn
@@ -196,7 +198,8 @@ class KVPrecomputeHook:
         del vectorstore.__dict__[_ATTR]
 
 
-def precompute_on_add(vectorstore, target: Any, *, text_fn: Optional[Callable[[str], str]] = None,
+def precompute_on_add(vectorstore, target: Any = None, *, llm: Any = None, rag: Any = None,
+                      precomputer: Any = None, text_fn: Optional[Callable[[str], str]] = None,
                       block: bool = True, backfill: bool = False):
     """Make ``vectorstore.add_documents``/``add_texts`` (and async variants, and
     ``update_documents``) schedule the KV precompute of what they store; returns the store.
@@ -205,17 +208,8 @@ def precompute_on_add(vectorstore, target: Any, *, text_fn: Optional[Callable[[s
     ``backfill=True`` also schedules the documents the store already holds — for a store made
     by ``Chroma.from_documents(...)``, which adds its documents before any hook can be attached:
     ``precompute_on_add(Chroma.from_documents(docs, emb), llm, backfill=True)``."""
-    return KVPrecomputeHook(target, text_fn=text_fn, block=block).attach(vectorstore, backfill=backfill)
-
-
-def _schedule_retrieved(pc: Precomputer, texts: Sequence[str], defer_s: float) -> None:
-    """Never blocks, never raises into the query: a full queue or a bad text is counted by the
-    precomputer and the document is tried again the next time it is retrieved."""
-    for t in texts:
-        try:
-            pc.submit(t, block=False, defer_s=defer_s)
-        except (QueueFullError, ChunkError, PrecomputerClosedError) as e:
-            log.debug("kvrag retriever hook: not scheduled: %s", e)
+    hook = KVPrecomputeHook(target, llm=llm, rag=rag, precomputer=precomputer, text_fn=text_fn, block=block)
+    return hook.attach(vectorstore, backfill=backfill)
 
 
 class KVWarmingRetriever(BaseRetriever):
@@ -235,10 +229,8 @@ class KVWarmingRetriever(BaseRetriever):
     def __init__(self, retriever: Optional[BaseRetriever] = None, target: Any = None, **kwargs: Any):
         if retriever is not None:
             kwargs["retriever"] = retriever
-        if target is None:
-            target = kwargs.pop("precomputer", None)
-        if target is None:
-            raise TypeError("KVWarmingRetriever needs a target: a ChatKVRag, a KVRag or a Precomputer")
+        target = hook_target("KVWarmingRetriever", target, llm=kwargs.pop("llm", None), rag=kwargs.pop("rag", None),
+                             precomputer=kwargs.pop("precomputer", None))
         Precomputer.of(target)  # a wrong target fails here
         super().__init__(target=target, **kwargs)
 
@@ -252,11 +244,11 @@ class KVWarmingRetriever(BaseRetriever):
 
     def _get_relevant_documents(self, query: str, *, run_manager: CallbackManagerForRetrieverRun) -> list[Document]:
         docs = self.retriever.invoke(query, config={"callbacks": run_manager.get_child()})
-        _schedule_retrieved(self.precomputer, self._texts(docs), self.defer_s)
+        schedule_retrieved(self.precomputer, self._texts(docs), self.defer_s)
         return docs
 
     async def _aget_relevant_documents(self, query: str, *,
                                        run_manager: AsyncCallbackManagerForRetrieverRun) -> list[Document]:
         docs = await self.retriever.ainvoke(query, config={"callbacks": run_manager.get_child()})
-        _schedule_retrieved(self.precomputer, self._texts(docs), self.defer_s)
+        schedule_retrieved(self.precomputer, self._texts(docs), self.defer_s)
         return docs

@@ -66,6 +66,7 @@ class A2ATS(Policy):
     summary = ("decode-time top-k attention: keys scored from query-aware VQ codes (windowed RoPE); each KV head "
                "reads its top 3% + sink + window rows")
     Params = A2ATSParams
+    setup = "needs per-model codebooks first: kvrag calibrate a2ats"
 
     def validate(self) -> None:
         p = self.params

@@ -74,6 +74,7 @@ class KVLink(Policy):
     summary = ("re-encoded cached documents + K link tokens after each, computed at query time "
                "(trained mode needs a KVLink adapter: kvrag train kvlink)")
     Params = KVLinkParams
+    setup = "trained mode needs a KVLink model: kvrag train kvlink (untrained mode runs as is)"
 
     def __init__(self, **params) -> None:
         super().__init__(**params)

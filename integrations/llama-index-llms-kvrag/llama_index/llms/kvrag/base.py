@@ -47,7 +47,7 @@ from llama_index.core.schema import BaseNode, Document, MetadataMode, NodeWithSc
 from kvrag.engine import Generation, KVRag
 from kvrag.frameworks import (
     WrapsKVRag, aiter_in_thread, aopen_stream, arun_stream, call_options, max_tokens_alias, open_stream,
-    foreground_steps, resolve_policy, schedule_retrieved,
+    UsageTotals, foreground_steps, hook_target, resolve_policy, schedule_retrieved, usage_counts,
 )
 from kvrag.precompute import Precomputer
 from kvrag.query.prompt import has_chat_template
@@ -140,6 +140,17 @@ def _info(gen: Generation) -> dict[str, Any]:
     }
 
 
+def _raw(gen: Generation) -> dict[str, Any]:
+    """``raw`` of a response: the token ids, and ``usage`` in the OpenAI form LlamaIndex's
+    ``TokenCountingHandler`` reads (without it, it re-counts the prompt string with its own
+    tokenizer, and never sees the cached tokens)."""
+    return {"token_ids": gen.token_ids, "prompt_ids": gen.prompt_ids, "usage": usage_counts(gen.stats)}
+
+
+#: ``model`` of a KVRagLLM whose model was built in memory (no path to load it from again).
+IN_MEMORY = "<in-memory model>"
+
+
 # ---- the LLM -------------------------------------------------------------------------------
 class KVRagLLM(WrapsKVRag, LLM):
     """A LlamaIndex LLM backed by :class:`kvrag.engine.KVRag`.
@@ -166,11 +177,15 @@ class KVRagLLM(WrapsKVRag, LLM):
     top_k: int = Field(default=0, ge=0)
     stop: list[str] = Field(default_factory=list, description="Stop strings (not included in the output).")
     seed: Optional[int] = Field(default=None, description="Sampling seed (temperature > 0).")
+    model: Optional[str] = Field(default=None, description="The model loaded: HF directory or .gguf path "
+                                 "(filled in from the KVRag; what from_dict loads again).")
+    cache_dir: Optional[str] = Field(default=None, description="The KV store directory (filled in from the KVRag).")
 
     _rag: Any = PrivateAttr(default=None)
     _precomputer: Any = PrivateAttr(default=None)
     _precompute_options_: dict = PrivateAttr(default_factory=dict)
     _last: Any = PrivateAttr(default=None)
+    _usage: Any = PrivateAttr(default_factory=UsageTotals)
 
     def __init__(
         self,
@@ -203,6 +218,11 @@ class KVRagLLM(WrapsKVRag, LLM):
             kwargs["messages_to_prompt"] = _ChatTemplate(rag) if chat else generic_messages_to_prompt
         if kwargs.get("completion_to_prompt") is None and chat:
             kwargs["completion_to_prompt"] = _UserTurn(rag)
+        # What the wrapped KVRag was loaded from, so that to_dict()/from_dict() rebuild it and
+        # not a default model over the default store.
+        source = getattr(rag.handle, "source", None)
+        kwargs["model"] = str(source) if source else IN_MEMORY
+        kwargs["cache_dir"] = str(rag.store.directory)
         super().__init__(**kwargs)
         if set_tokenizer:
             _install_tokenizer(rag)
@@ -213,6 +233,16 @@ class KVRagLLM(WrapsKVRag, LLM):
     @classmethod
     def class_name(cls) -> str:
         return "KVRagLLM"
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], **kwargs: Any) -> "KVRagLLM":
+        """Rebuild from ``to_dict()``: loads ``model`` again over the store in ``cache_dir``."""
+        data = {**data, **kwargs}
+        if data.get("model") == IN_MEMORY:
+            raise ValueError("this KVRagLLM wrapped a model built in memory, which cannot be loaded again from "
+                             "its settings: pass KVRagLLM(rag) with that KVRag instead")
+        data.pop("class_name", None)
+        return cls(**data)
 
     # ---- kvrag objects ---------------------------------------------------------------
     @property
@@ -242,7 +272,7 @@ class KVRagLLM(WrapsKVRag, LLM):
     def _generate(self, prompt: str, kwargs: dict[str, Any]) -> Generation:
         with self._foreground():
             gen = self._rag.generate(prompt, **self._options(kwargs))
-        self._last = gen
+        self._record(gen)
         return gen
 
     async def _agenerate(self, prompt: str, kwargs: dict[str, Any]) -> Generation:
@@ -250,7 +280,7 @@ class KVRagLLM(WrapsKVRag, LLM):
         s = await aopen_stream(self._rag, prompt, self._options(kwargs), self._foreground)  # bad input raises here
         await arun_stream(s, self._foreground)
         gen = s.generation()
-        self._last = gen
+        self._record(gen)
         return gen
 
     def _stream(self, prompt: str, kwargs: dict[str, Any]) -> Iterator[tuple[str, Any]]:
@@ -259,7 +289,7 @@ class KVRagLLM(WrapsKVRag, LLM):
         for delta in foreground_steps(s, self._foreground):
             yield delta, None
         gen = s.generation()
-        self._last = gen
+        self._record(gen)
         yield "", gen
 
     def _completion_prompt(self, prompt: str, formatted: bool) -> str:
@@ -271,7 +301,7 @@ class KVRagLLM(WrapsKVRag, LLM):
     @staticmethod
     def _completion_response(gen: Generation) -> CompletionResponse:
         return CompletionResponse(text=gen.text, additional_kwargs=_info(gen),
-                                  raw={"token_ids": gen.token_ids, "prompt_ids": gen.prompt_ids})
+                                  raw=_raw(gen))
 
     def _stream_complete_impl(self, prompt: str, formatted: bool, kwargs) -> CompletionResponseGen:
         text = self._completion_prompt(prompt, formatted)
@@ -284,7 +314,7 @@ class KVRagLLM(WrapsKVRag, LLM):
                     yield CompletionResponse(text=acc, delta=delta)
                 else:
                     yield CompletionResponse(text=acc, delta="", additional_kwargs=_info(final),
-                                             raw={"token_ids": final.token_ids, "prompt_ids": final.prompt_ids})
+                                             raw=_raw(final))
 
         return gen()
 
@@ -400,9 +430,9 @@ class KVPrecompute(_Unpicklable, TransformComponent):
     _target: Any = PrivateAttr(default=None)
     _warned: bool = PrivateAttr(default=False)
 
-    def __init__(self, target: Any = None, **data: Any) -> None:
-        if target is None:
-            raise TypeError("KVPrecompute needs a target: a KVRagLLM, a KVRag or a Precomputer")
+    def __init__(self, target: Any = None, *, llm: Any = None, rag: Any = None, precomputer: Any = None,
+                 **data: Any) -> None:
+        target = hook_target("KVPrecompute", target, llm=llm, rag=rag, precomputer=precomputer)
         super().__init__(**data)
         Precomputer.of(target)  # a wrong target fails here, not at the first node
         self._target = target
@@ -453,9 +483,9 @@ class KVCacheWarmer(_Unpicklable, BaseNodePostprocessor):
 
     _target: Any = PrivateAttr(default=None)
 
-    def __init__(self, target: Any = None, **data: Any) -> None:
-        if target is None:
-            raise TypeError("KVCacheWarmer needs a target: a KVRagLLM, a KVRag or a Precomputer")
+    def __init__(self, target: Any = None, *, llm: Any = None, rag: Any = None, precomputer: Any = None,
+                 **data: Any) -> None:
+        target = hook_target("KVCacheWarmer", target, llm=llm, rag=rag, precomputer=precomputer)
         super().__init__(**data)
         Precomputer.of(target)
         self._target = target
@@ -478,8 +508,10 @@ class KVWarmingRetriever(BaseRetriever):
     """Retriever wrapper with the same effect as :class:`KVCacheWarmer`, for code that takes a
     retriever (``RetrieverQueryEngine.from_args(KVWarmingRetriever(index.as_retriever(), llm), llm=llm)``)."""
 
-    def __init__(self, retriever: BaseRetriever, target: Any, *, metadata_mode: MetadataMode = MetadataMode.LLM,
+    def __init__(self, retriever: BaseRetriever, target: Any = None, *, llm: Any = None, rag: Any = None,
+                 precomputer: Any = None, metadata_mode: MetadataMode = MetadataMode.LLM,
                  strip: bool = True, defer_s: float = 10.0) -> None:
+        target = hook_target("KVWarmingRetriever", target, llm=llm, rag=rag, precomputer=precomputer)
         if not isinstance(retriever, BaseRetriever):
             raise TypeError(f"retriever must be a LlamaIndex BaseRetriever, got {type(retriever).__name__}")
         super().__init__(callback_manager=retriever.callback_manager)
