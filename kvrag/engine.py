@@ -33,7 +33,7 @@ from kvrag.query.lookup import ChunkLookup
 from kvrag.query.prompt import render_prompt
 from kvrag.query.segment import Segmenter
 from kvrag.query.state import CACHED, INSERTED, FusionStats, Layout, Piece
-from kvrag.store import KVStore
+from kvrag.store import ChunkStore, KVStore
 from kvrag.store.hot import HotCache, resolve_budget
 
 log = logging.getLogger("kvrag")
@@ -125,7 +125,16 @@ class KVRag:
     hot_cache: bytes of served chunk K/V kept in memory on the compute device, least recently
     used dropped first (``kvrag.store.hot``): a chunk served again skips the disk read, checksum
     and host-to-device copy. ``"auto"``: a fifth of the GPU's memory, or 1 GiB on the CPU; 0
-    reads every chunk from disk. ``FusionStats.chunks_hot`` counts the chunks it served."""
+    reads every chunk from disk. ``FusionStats.chunks_hot`` counts the chunks it served.
+    shared: a tier that several replicas share, behind the local store: a Redis URL
+    (``redis://[:password@]host:6379/0``, ``rediss://`` for TLS; keys under ``kvrag:``) or a
+    ``ChunkStore`` such as ``kvrag.store.shared.RedisStore(url, prefix=...)``. Writes go to
+    the local store then the shared one; a local miss is read from the shared tier and copied
+    to the local store (``kvrag.store.tiered``, docs/deploy.md). None (default): local only,
+    no server. precompute_via: ``"local"`` computes chunks in this process; ``"queue"`` (needs
+    ``shared`` on Redis) hands them to ``kvrag worker`` processes through a Redis stream
+    (``self.queue``, ``kvrag.remote``): ``precompute`` and the ingestion hooks then return
+    once the chunks are queued."""
 
     def __init__(
         self,
@@ -143,6 +152,8 @@ class KVRag:
         kvlink_adapter: str | os.PathLike | None = "default",
         chunk_anchor: str | Sequence[int] = "auto",
         hot_cache: int | str = "auto",
+        shared: "str | ChunkStore | None" = None,
+        precompute_via: str = "local",
         **policy_params,
     ) -> None:
         # Bad options fail before a model load, and before the store is opened: opening it
@@ -157,6 +168,18 @@ class KVRag:
             resolve_budget(hot_cache, torch.device("cpu"))  # a bad value fails before the model load
         if query_tokens is not None:
             query_tokens = check_int("query_tokens (the last k prompt tokens are the question)", query_tokens, 1)
+        if precompute_via not in ("local", "queue"):
+            raise ValueError(f"precompute_via must be 'local' or 'queue', got {precompute_via!r}")
+        if precompute_via == "queue" and shared is None:
+            raise ValueError("precompute_via='queue' needs a shared store (shared='redis://...') "
+                             "where the workers store the chunks")
+        far = None
+        if shared is not None:
+            # Imported here: a single-process kvrag never imports redis. Built before the model
+            # load, so a malformed URL fails at once (no connection is made yet).
+            from kvrag.store.shared import RedisStore
+
+            far = shared if isinstance(shared, ChunkStore) else RedisStore(shared)
         if isinstance(ingest_policies, (str, Policy)):
             ingest_policies = [ingest_policies]
         ingest = [get_policy(p) for p in ingest_policies]
@@ -176,7 +199,16 @@ class KVRag:
         # fingerprint, so a store shared by differently configured instances never mixes them.
         self.fingerprint = cache_fingerprint(self.handle.fingerprint, self.anchor)
         cache_dir = Path(cache_dir) if cache_dir is not None else default_home() / "store"
-        self.store = KVStore(cache_dir, size_limit=size_limit)
+        self.store: ChunkStore = KVStore(cache_dir, size_limit=size_limit)
+        self.queue = None
+        if far is not None:
+            from kvrag.store.tiered import TieredStore
+
+            self.store = TieredStore(self.store, far)
+            if precompute_via == "queue":
+                from kvrag.remote import RedisQueue
+
+                self.queue = RedisQueue(far, self.fingerprint)
         self.hot = HotCache(resolve_budget(hot_cache, self.handle.device), self.handle.device, self.handle.dtype)
         self.policy = pol
         self.ingest_policies = ingest
@@ -207,7 +239,11 @@ class KVRag:
     def precompute(self, texts: Iterable[str], *, batch_tokens: int = 2048, progress: bool = False) -> list[str]:
         """Compute and store the KV of every text not cached yet; returns their keys.
 
-        Chunks are packed ``batch_tokens`` at a time (one pass per pack)."""
+        Chunks are packed ``batch_tokens`` at a time (one pass per pack). With
+        ``precompute_via="queue"``: the texts not stored yet are queued for ``kvrag worker``
+        processes instead (``self.queue.wait(keys)`` waits for them)."""
+        if self.queue is not None:
+            return self.queue.submit(texts, self.ingestor)
         return self.ingestor.precompute(texts, batch_tokens=batch_tokens, progress=progress)
 
     # ---- prompts ---------------------------------------------------------------------

@@ -100,12 +100,14 @@ FORBIDDEN = {
     "kvrag.query": ("kvrag.engine", "kvrag.ingest", "kvrag.precompute", "kvrag.frameworks", "kvrag.cli",
                     "kvrag.bench"),
     "kvrag.store": ("kvrag.engine", "kvrag.ingest", "kvrag.precompute", "kvrag.query", "kvrag.policies",
-                    "kvrag.model", "kvrag.arch", "kvrag.frameworks"),
+                    "kvrag.model", "kvrag.arch", "kvrag.frameworks", "kvrag.remote"),
     "kvrag.policies": ("kvrag.engine", "kvrag.ingest", "kvrag.precompute", "kvrag.query.fusion",
                        "kvrag.query.lookup", "kvrag.query.decode", "kvrag.frameworks", "kvrag.store"),
     "kvrag.ingest": ("kvrag.engine", "kvrag.precompute", "kvrag.query.fusion", "kvrag.query.lookup",
                      "kvrag.query.decode", "kvrag.frameworks"),
     "kvrag.precompute": ("kvrag.engine", "kvrag.frameworks"),
+    # The Redis queue works through a KVRag's ingestor and store it is handed, never above them.
+    "kvrag.remote": ("kvrag.engine", "kvrag.precompute", "kvrag.query", "kvrag.policies", "kvrag.frameworks"),
 }
 
 

@@ -51,8 +51,12 @@ def register(sub) -> None:
         q.add_argument("--cache-dir", default=None, help="the same as DIR")
         q.add_argument("--json", action="store_true", help="print one JSON object instead of text")
 
-    s = cmds.add_parser("stats", help="entries, bytes on disk, size limit")
+    s = cmds.add_parser("stats", help="entries, bytes on disk, size limit; with --shared: the Redis tier and queue")
     common(s)
+    s.add_argument("--shared", default=None, metavar="URL",
+                   help="also report the shared Redis tier (redis://host:6379/0): listed chunks, memory, "
+                        "and each precompute queue's length, pending jobs and progress")
+    s.add_argument("--prefix", default="kvrag:", help="key prefix of the shared store (default kvrag:)")
     s.set_defaults(func=run_stats)
     g = cmds.add_parser("gc", help="evict to the size limit, repair the text index; --verify checks every blob")
     common(g)
@@ -128,17 +132,52 @@ def _emit(args, record: dict, lines: list[str]) -> None:
 
 
 def run_stats(args) -> int:
-    with open_store(_store_dir(args)) as store:
-        st = store.stats()
-    rec = {k: st[k] for k in ("directory", "entries", "bytes", "size_limit")}
-    _emit(args, rec, [
-        f"store       {rec['directory']}",
-        f"entries     {rec['entries']}",
-        f"on disk     {human(rec['bytes'])} ({rec['bytes']} bytes)",
-        f"size limit  {human(rec['size_limit'])} (recorded in the store, enforced after each write; "
-        "`kvrag cache gc --size-limit` to change)",
-    ])
+    rec, lines = {}, []
+    store_dir = _store_dir(args)
+    if args.shared is None or store_dir is not None:
+        with open_store(store_dir) as store:
+            st = store.stats()
+        rec = {k: st[k] for k in ("directory", "entries", "bytes", "size_limit")}
+        lines = [
+            f"store       {rec['directory']}",
+            f"entries     {rec['entries']}",
+            f"on disk     {human(rec['bytes'])} ({rec['bytes']} bytes)",
+            f"size limit  {human(rec['size_limit'])} (recorded in the store, enforced after each write; "
+            "`kvrag cache gc --size-limit` to change)",
+        ]
+    if args.shared is not None:
+        rec["shared"] = shared_stats(args.shared, args.prefix)
+        sh = rec["shared"]
+        if not sh.get("reachable", True):
+            raise StoreError(f"the shared store {sh['url']} is unreachable")
+        lines += [f"shared      {sh['url']} (prefix {sh['prefix']})",
+                  f"  listed    {sh['listed']} chunks",
+                  f"  memory    {human(sh['used_memory'] or 0)} used, maxmemory "
+                  f"{human(sh['maxmemory']) if sh['maxmemory'] else 'unlimited'}, policy {sh['maxmemory_policy']}"]
+        for q in sh["queues"]:
+            lines.append(f"  queue     {q['stream']}: {q['queued']} not done ({q['pending']} in a worker), "
+                         f"{q['done']} done, {q['failed']} failed, {q['consumers']} worker(s) seen")
+    _emit(args, rec, lines)
     return 0
+
+
+def shared_stats(url: str, prefix: str) -> dict:
+    """The shared tier's listing and memory, and every precompute queue under ``prefix``."""
+    from kvrag.remote import RedisQueue
+    from kvrag.store.shared import RedisStore
+
+    store = RedisStore(url, prefix=prefix)
+    try:
+        st = store.stats()
+        keep = ("url", "prefix", "listed", "used_memory", "maxmemory", "maxmemory_policy", "reachable")
+        out = {k: st[k] for k in keep if k in st}
+        if out.get("reachable") is False:
+            return out
+        fps = sorted(f.decode() for f in store.client.smembers(f"{prefix}q:streams"))
+        out["queues"] = [RedisQueue(store, fp).progress() for fp in fps]
+        return out
+    finally:
+        store.close()
 
 
 def run_gc(args) -> int:

@@ -1,0 +1,260 @@
+"""The shared tier on a real Redis (kvrag.store.shared, kvrag.store.tiered): round trip, the
+text index, verification of every read (tampered, foreign, truncated, not kvrag's values are
+misses that never crash), eviction, and a server going away and coming back."""
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+
+from redis_helpers import RedisServer, own_redis, prefix, redis, redis_url  # noqa: F401 (fixtures)
+
+from kvrag.store import ChunkEntry, KVStore, make_key
+from kvrag.store.blob import checksum, serialize
+from kvrag.store.shared import RedisStore, redact
+from kvrag.store.tiered import TieredStore
+
+FP = "fp-shared-test"
+
+
+def entry(seed: int, t: int = 7, fp: str = FP, text: str | None = None) -> tuple[str, ChunkEntry]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 1000, (t,), generator=g)
+    k = torch.randn(2, 2, t, 8, generator=g).half()
+    e = ChunkEntry(fp, text or f"chunk {seed}", ids, k, torch.randn(2, 2, t, 8, generator=g).half(),
+                   {"x.codes": torch.arange(t, dtype=torch.int16).view(1, 1, t).expand(2, 2, t).contiguous()})
+    return make_key(fp, ids), e
+
+
+def same(a: ChunkEntry, b: ChunkEntry) -> bool:
+    return (a.text == b.text and a.fingerprint == b.fingerprint and torch.equal(a.token_ids, b.token_ids)
+            and torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+            and a.extras.keys() == b.extras.keys() and all(torch.equal(a.extras[n], b.extras[n]) for n in a.extras))
+
+
+@pytest.fixture
+def store(redis_url, prefix):
+    s = RedisStore(redis_url, prefix=prefix, part_size=1024)  # small parts: entries span several
+    yield s
+    s.close()
+
+
+def test_round_trip_index_and_prefix_isolation(store, redis_url, prefix):
+    key, e = entry(1, t=40)  # 40 tokens x 2 x 2 x 8 x fp16 x 2 + extras: several 1 KiB parts
+    assert key not in store and store.get(key, FP) is None
+    store.put(key, e)
+    assert key in store and store.ensure_indexed(key)
+    got = store.get(key, FP)
+    assert got is not None and same(got, e)
+    assert store.texts(FP) == {key: e.text} and store.texts("other") == {}
+    meta = store.client.hgetall(store._meta(key))
+    assert int(meta[b"parts"]) > 1
+    other = RedisStore(redis_url, prefix=prefix + "other:")
+    assert key not in other and other.texts(None) == {} and other.get(key, FP) is None
+    # A replacement gets new parts; the old ones are deleted.
+    old_ver = meta[b"ver"].decode()
+    store.put(key, e)
+    assert store.client.exists(store._part(key, old_ver, 0)) == 0
+    assert same(store.get(key, FP), e)
+    assert store.delete(key) and key not in store and store.texts(None) == {}
+
+
+def test_redact_hides_the_password():
+    assert redact("redis://:s3cret@h:6379/0") == "redis://***@h:6379/0"
+    assert redact("rediss://user:s3cret@h/1") == "rediss://user:***@h/1"
+    with pytest.raises(ValueError, match="redis://host"):
+        RedisStore("localhost:6379")
+
+
+def _tamper_cases(store, key, e):
+    """(name, action) pairs that each damage the stored entry under ``key`` differently."""
+    c = store.client
+    meta = {k.decode(): v.decode() for k, v in c.hgetall(store._meta(key)).items()}
+    part0 = store._part(key, meta["ver"], 0)
+
+    def flip():
+        b = bytearray(c.get(part0))
+        b[len(b) // 2] ^= 0xFF
+        c.set(part0, bytes(b))
+
+    def other_key_value():
+        k2, e2 = entry(99, t=40)
+        store.put(k2, e2)
+        m2 = c.hgetall(store._meta(k2))
+        for i in range(int(m2[b"parts"])):
+            c.set(store._part(key, "copied", i), c.get(store._part(k2, m2[b"ver"].decode(), i)))
+        c.hset(store._meta(key), mapping={**{k.decode(): v for k, v in m2.items()}, "ver": "copied"})
+
+    def foreign_fp():  # a sound entry of another model, stored under this key
+        data = serialize(entry(1, t=40, fp="another-model")[1], e.token_ids)
+        c.set(store._part(key, "foreign", 0), data)
+        c.hset(store._meta(key), mapping={"ver": "foreign", "tag": checksum(data), "size": len(data),
+                                          "part_size": len(data), "parts": 1})
+
+    def crafted_header():  # its own valid checksum, but the header claims more bytes than exist
+        data = bytearray(serialize(e, e.token_ids))
+        n = int.from_bytes(data[:8], "little")
+        header = json.loads(bytes(data[8:8 + n]))
+        header["keys"]["shape"] = [2, 2, 4000, 8]
+        hb = json.dumps(header).encode()
+        data = len(hb).to_bytes(8, "little") + hb + bytes(data[8 + n:])
+        c.set(store._part(key, "crafted", 0), data)
+        c.hset(store._meta(key), mapping={"ver": "crafted", "tag": checksum(data), "size": len(data),
+                                          "part_size": len(data), "parts": 1})
+
+    def not_kvrag_string():
+        c.delete(store._meta(key))
+        c.set(store._meta(key), b"\x80\x04pickle?")
+
+    def not_kvrag_hash():
+        c.hset(store._meta(key), mapping={"ver": "x", "parts": "1000000000", "size": "5", "tag": "t"})
+
+    def truncated():  # the last part cut short
+        last = store._part(key, meta["ver"], int(meta["parts"]) - 1)
+        c.set(last, c.get(last)[:-3])
+
+    def garbage_part():
+        c.set(part0, b"\x00" * len(c.get(part0)))
+
+    return [("flipped bytes", flip), ("another key's value", other_key_value), ("foreign fingerprint", foreign_fp),
+            ("crafted header", crafted_header), ("non-kvrag string", not_kvrag_string),
+            ("non-kvrag hash", not_kvrag_hash), ("truncated part", truncated), ("garbage part", garbage_part)]
+
+
+def test_tampered_entries_are_never_served(store, caplog):
+    key, e = entry(1, t=40)
+    store.put(key, e)
+    for i, (name, _) in enumerate(_tamper_cases(store, key, e)):
+        store.put(key, e)
+        assert same(store.get(key, FP), e)
+        action = dict(_tamper_cases(store, key, e))[name]
+        action()
+        with caplog.at_level(logging.WARNING):
+            got = store.get(key, FP)  # never raises
+        assert got is None, name
+        # Nothing of it lingers as servable, and a clean put repairs it.
+        assert store.get(key, FP) is None, name
+    store.put(key, e)
+    assert same(store.get(key, FP), e)
+    assert store.stats()["corrupt"] >= 4
+
+
+def test_evicted_part_is_a_miss_and_unlisted(store):
+    key, e = entry(2, t=40)
+    store.put(key, e)
+    ver = store.client.hget(store._meta(key), "ver").decode()
+    store.client.delete(store._part(key, ver, 1))  # what allkeys-lru may do to one part
+    assert not store.ensure_indexed(key)
+    assert store.get(key, FP) is None
+    assert key not in store.texts(FP)
+
+
+def test_tiered_write_through_read_through_promotion(store, tmp_path):
+    near = KVStore(tmp_path / "a")
+    tiered = TieredStore(near, store)
+    key, e = entry(3)
+    tiered.put(key, e)
+    assert key in near and key in store
+    # Replica B: its own empty disk, the same Redis.
+    b = TieredStore(KVStore(tmp_path / "b"), RedisStore(store.url, prefix=store.prefix))
+    assert b.texts(FP) == {key: e.text}
+    assert key not in b.near
+    assert same(b.get(key, FP), e)
+    b.flush()
+    assert key in b.near and same(b.near.get(key, FP), e)
+    assert b.stats()["tiers"]["far_hits"] == 1
+    b.close()
+    tiered.close()
+
+
+def test_redis_down_then_back(own_redis, tmp_path, caplog):
+    far = RedisStore(own_redis.url, socket_timeout=0.5, retry_s=0.2)
+    tiered = TieredStore(KVStore(tmp_path / "d"), far)
+    key, e = entry(4)
+    tiered.put(key, e)
+    k2, e2 = entry(5)
+    own_redis.stop()
+    with caplog.at_level(logging.WARNING, logger="kvrag.store.shared"):
+        assert same(tiered.get(key, FP), e)   # the near tier serves it
+        tiered.put(k2, e2)                   # stored locally, no error
+        assert tiered.near.get(k2, FP) is not None
+        for _ in range(5):
+            assert far.get(key, FP) is None  # a miss, not an exception
+        assert key in tiered.texts(FP)       # what was listed last (+ near)
+    warnings = [r for r in caplog.records if "unreachable" in r.getMessage()]
+    assert len(warnings) == 1, [r.getMessage() for r in caplog.records]
+    own_redis.start()  # an empty server on the same port
+    import time
+
+    time.sleep(0.3)
+    far.put(k2, e2)  # reconnects without a new client
+    assert same(far.get(k2, FP), e2)
+    assert any("reachable again" in r.getMessage() for r in caplog.records)
+    tiered.close()
+
+
+def test_eviction_under_maxmemory_is_misses_only(tmp_path):
+    server = RedisServer(maxmemory="3mb").start()
+    try:
+        far = RedisStore(server.url, part_size=64 * 1024)
+        keys = []
+        for i in range(40):  # ~200 KiB each: far more than 3 MB in all
+            key, e = entry(100 + i, t=1600)
+            far.put(key, e)
+            keys.append((key, e))
+        served = [far.get(k, FP) for k, _ in keys]
+        assert any(s is None for s in served) and any(s is not None for s in served)
+        for (k, e), s in zip(keys, served):
+            assert s is None or same(s, e)
+        assert len(far.texts(FP)) <= 40
+        assert far.stats()["maxmemory_policy"] == "allkeys-lru"
+        far.close()
+    finally:
+        server.close()
+
+
+def test_concurrent_writers_of_one_key_leave_one_whole_version(store):
+    import threading
+
+    key, e = entry(6, t=40)
+    stores = [RedisStore(store.url, prefix=store.prefix, part_size=1024) for _ in range(3)]
+
+    def hammer(s):
+        for _ in range(15):
+            s.put(key, e)
+
+    threads = [threading.Thread(target=hammer, args=(s,)) for s in stores]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    meta = store.client.hgetall(store._meta(key))
+    parts = store.client.keys(store.prefix + "p:*")
+    assert len(parts) == int(meta[b"parts"])  # the replaced versions' parts are all gone
+    assert all(p.decode().split(":")[-2] == meta[b"ver"].decode() for p in parts)
+    assert same(store.get(key, FP), e)
+
+
+def test_bad_shared_options_fail_before_the_model_load(tmp_path):
+    from kvrag.engine import KVRag
+
+    missing = str(tmp_path / "no-such-model")  # loading it would raise ModelLoadError
+    with pytest.raises(ValueError, match="redis://host"):
+        KVRag(missing, cache_dir=tmp_path / "kv", shared="localhost:6379")
+    with pytest.raises(ValueError, match="needs a shared store"):
+        KVRag(missing, cache_dir=tmp_path / "kv", precompute_via="queue")
+    with pytest.raises(ValueError, match="precompute_via"):
+        KVRag(missing, cache_dir=tmp_path / "kv", shared="redis://127.0.0.1:6379/0", precompute_via="remote")
+
+
+def test_a_local_kvrag_never_imports_redis(tmp_path):
+    import subprocess
+    import sys
+
+    code = ("import sys; from kvrag.engine import KVRag; from kvrag.testing import tiny_llama; "
+            f"KVRag(tiny_llama(), cache_dir={str(tmp_path / 'kv')!r}); "
+            "assert 'redis' not in sys.modules, 'redis imported'")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
