@@ -170,3 +170,70 @@ def test_resume_without_checkpoint_is_named(handle, tmp_path):
     sampler, _ = _sampler(handle)
     with pytest.raises(KVLinkError, match="nothing to resume"):
         train_kvlink(handle, TrainConfig(steps=2, **CFG), tmp_path, sampler=sampler, resume=True)
+
+
+# ---- the command ---------------------------------------------------------------------------------
+def _qa_file(tmp_path, n=16):
+    rows = [{"question": f"What does keeper {i} keep?", "answers": [f"lamp{i}"],
+             "ctxs": [{"title": "Keepers", "text": f"Keeper {i} keeps lamp{i} in the tower."},
+                      {"title": "Weather", "text": PROSE}]} for i in range(n)]
+    p = tmp_path / "qa.json"
+    p.write_text(json.dumps(rows))
+    return p
+
+
+def test_cli_tune_trains_resumes_is_found_by_default_and_evaluates_held_out(handle, tmp_path, monkeypatch, capsys):
+    from kvrag.cli import main
+    from kvrag.model import ModelHandle
+    from kvrag.policies.kvlink.adapter import default_adapter_dirs, find_adapter
+
+    monkeypatch.setenv("KVRAG_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(ModelHandle, "load", lambda *a, **k: handle)
+    (tmp_path / "notes.txt").write_text("\n\n".join(PROSE.replace("three", str(i)) for i in range(40)))
+    qa = _qa_file(tmp_path)
+    argv = ["tune", "--text", str(tmp_path / "notes.txt"), "--musique", str(qa), "--sources", "none",
+            "--steps", "3", "--lora-rank", "2", "--link-tokens", "1", "--max-docs", "3", "--docs", "3",
+            "--answer-tokens", "3", "--passage-tokens", "60", "--threads", "1", "--checkpoint-every", "0"]
+    # A sitting that ends at its time budget: 1 step, a checkpoint, a partial adapter.
+    monkeypatch.setattr("sys.argv", ["kvrag", *argv])  # what kvlink.json records as the command
+    assert main([*argv, "--max-minutes", "0.00001"]) == 0
+    out = default_adapter_dirs(handle)[0]
+    meta = json.loads((out / "kvlink.json").read_text())
+    assert meta["steps"] == 1 and not meta["complete"]
+    assert "--resume" in capsys.readouterr().out
+    assert main(argv) == 2  # neither --resume nor --force: refuses to start over
+    assert "--resume" in capsys.readouterr().err
+    assert main([*argv, "--resume", "--eval", "--eval-limit", "2", "--eval-max-new-tokens", "2"]) == 0
+    printed = capsys.readouterr().out
+    meta = json.loads((out / "kvlink.json").read_text())
+    assert meta["steps"] == 3 and meta["complete"] and meta["command"][:2] == ["kvrag", "tune"]
+    assert [(s["from_step"], s["to_step"]) for s in meta["sittings"]] == [(0, 1), (1, 3)]
+    assert set(meta["data"]["sources"]) == {"text", "musique"} and str(qa) in meta["data"]["files"]
+    assert sum(meta["samples_by_source"].values()) == 3
+    assert find_adapter(handle) == out  # applied by default for this model
+    # Trained on the 'train' half; evaluated on the other half and on held-out text passages.
+    train_q = {i.question for i in D.qa_items(qa, "train")}
+    held = json.loads((out / "eval" / "musique_eval.json").read_text())
+    assert held and not {r["question"] for r in held} & train_q
+    report = json.loads((out / "eval.json").read_text())
+    assert report["trained_on"]["sources"]["musique"]["items"] == len(train_q)
+    sets = {s["name"]: s for s in report["sets"]}
+    assert "musique" in sets and "text_cloze" in sets
+    labels = {r["label"] for r in sets["musique"]["rows"]}
+    assert {"full_prefill", "naive_reuse", "cacheblend", "kvlink"} <= labels
+    assert all(r["kl"] is not None for r in sets["musique"]["rows"] if r["label"] != "full_prefill")
+    assert "trained on: " in printed and "musique" in (out / "eval" / "musique" / "benchmarks.md").read_text()[:400]
+
+
+def test_cli_tune_checks_before_loading_the_model(tmp_path, monkeypatch, capsys):
+    from kvrag.cli import main
+    from kvrag.model import ModelHandle
+
+    monkeypatch.setattr(ModelHandle, "load", lambda *a, **k: pytest.fail("model loaded"))
+    for extra, msg in ((["--qa", str(tmp_path / "none.json")], "does not exist"),
+                       (["--sources", "pydoc,wiki"], "unknown ['wiki']"),
+                       (["--weights", "text:2"], "source=number"),
+                       (["--resume", "--force"], "pass one"),
+                       (["--steps", "0"], "--steps must be >= 1")):
+        assert main(["tune", "--out", str(tmp_path / "o"), *extra]) == 2, extra
+        assert msg in capsys.readouterr().err, extra

@@ -392,3 +392,29 @@ class TaskSampler:
     def __call__(self, rng: random.Random):
         task = self.mixture.task(rng)
         return self.sample(task), task.source
+
+
+# ---- held-out evaluation sets ------------------------------------------------------------------
+POOL_EVAL_PERCENT = 10  # of a passage pool, held out by passage hash for the label-free cloze eval
+
+
+def pool_split(passages: Sequence[str], split: str | None, eval_percent: int = POOL_EVAL_PERCENT) -> list[str]:
+    """The passages of ``split`` (by the sha256 of the text; None = all)."""
+    _check_split(split)
+    return [p for p in passages if split is None or split_of(p, eval_percent) == split]
+
+
+def cloze_items(pool: Sequence[str], n: int, seed: int = 0, *, docs: int = 4) -> list[dict]:
+    """``n`` labelled questions from unlabelled passages, for ``kvrag bench --data``: a cloze
+    (quote the sentence after a given one) over ``docs`` shuffled passages that include the
+    one it quotes; the gold answer is that sentence. As ``qa_data`` dicts."""
+    rng = random.Random(f"kvrag-cloze:{seed}")
+    out: list[dict] = []
+    for _ in range(20 * n):
+        if len(out) == n:
+            break
+        t = pool_task("eval", pool, rng, docs, p_without=0.0, kinds=("cloze",))
+        if t.kind == "cloze":
+            out.append({"id": f"cloze-{seed}-{len(out)}", "question": t.question, "answers": t.answers,
+                        "ctxs": [{"title": "", "text": p} for p in t.passages]})
+    return out

@@ -427,7 +427,9 @@ def train_kvlink(
     out_dir = Path(out).expanduser() if out is not None else default_adapter_dirs(handle)[0]
     ckpt = _load_checkpoint(out_dir, cfg) if resume else None
     if (out_dir / META_FILE).exists() and not force and ckpt is None:
-        raise KVLinkError(f"{out_dir} already holds a KVLink adapter; pass force=True (--force) to overwrite it")
+        more = (", or resume=True (--resume) to continue its run"
+                if (out_dir / CHECKPOINT_DIR / _CKPT_FILE).is_file() else "")
+        raise KVLinkError(f"{out_dir} already holds a KVLink adapter; pass force=True (--force) to overwrite it{more}")
     if checkpoint_every < 0:
         raise KVLinkError(f"checkpoint_every must be >= 0 (0 = only when stopping early), got {checkpoint_every}")
     from kvrag.outpaths import check_dir
@@ -497,6 +499,7 @@ def train_kvlink(
     skipped = 0
     trained_rows = 0  # link-table rows some sample used (the rest keep their initial value)
     source_counts: dict[str, int] = {}
+    sittings: list[dict] = []  # each sitting of a resumed run: its command and the steps it ran
     start = 0
     if ckpt is not None:
         if peft_model is not None:
@@ -512,14 +515,19 @@ def train_kvlink(
         start, losses = int(ckpt["step"]), [float(x) for x in ckpt["losses"]]
         skipped, trained_rows = int(ckpt["skipped"]), int(ckpt["trained_rows"])
         source_counts = {str(k): int(v) for k, v in json.loads(ckpt["source_counts"]).items()}
+        sittings = json.loads(ckpt["sittings"])
         say(f"resuming from {out_dir / CHECKPOINT_DIR} at step {start}/{cfg.steps}")
 
+    sittings.append({"command": list(command) if command is not None else None, "from_step": start})
+
     def checkpoint(step: int) -> None:
+        sittings[-1]["to_step"] = step
         _save_checkpoint(out_dir, cfg, {
             "lora": _lora_state(peft_model), "links": links.detach().cpu(), "optimizer": opt.state_dict(),
             "scheduler": sched.state_dict(), "torch_rng": torch.get_rng_state(), "py_rng": rng.getstate(),
             "step": step, "losses": torch.tensor(losses, dtype=torch.float64), "skipped": skipped,
             "trained_rows": trained_rows, "source_counts": json.dumps(source_counts),
+            "sittings": json.dumps(sittings),
         })
 
     pbar = None
@@ -588,6 +596,7 @@ def train_kvlink(
         "data": data_meta,
         "samples_by_source": source_counts,
         "command": list(command) if command is not None else None,
+        "sittings": sittings,
         "steps": len(losses),
         "complete": len(losses) == cfg.steps,
         "losses": [round(x, 6) for x in losses],
