@@ -36,7 +36,7 @@ def register(sub) -> None:
         formatter_class=_DefaultsHelp,
     )
     g = p.add_argument_group("sources")
-    g.add_argument("--text", nargs="+", action="extend", default=[], metavar="PATH",
+    g.add_argument("--text", nargs="+", action="extend", default=None, metavar="PATH",
                    help="text files (or directories of .txt/.md/.rst) cut into passages")
     g.add_argument("--store", default=None, metavar="DIR", help="a kvrag chunk store: its ingested chunk texts")
     g.add_argument("--qa", default=None, metavar="FILE", help="labelled QA file (kvrag.qa_data formats); "
@@ -53,7 +53,8 @@ def register(sub) -> None:
                    help="share of prompts without the passage the instruction is about")
     g.add_argument("--answer-tokens", type=int, default=24, help="length of the teacher's answers (self-distillation)")
     add_training_options(p)
-    p.set_defaults(steps=500)
+    # Ten passages of ~200 tokens are ~2.2k tokens with the template and links.
+    p.set_defaults(steps=500, max_tokens=4096)
     p.add_argument("--docs", type=int, default=10, help="most passages per prompt")
     p.add_argument("--min-docs", type=int, default=2, help="fewest passages per prompt")
     p.add_argument("--objective", choices=("answer", "distill"), default="distill",
@@ -108,6 +109,7 @@ def check_args(args) -> None:
             raise KVLinkError(f"--{flag.replace('_', '-')} {v!r} does not exist")
     if args.store is not None and not Path(args.store).expanduser().is_dir():
         raise KVLinkError(f"--store {args.store!r} is not a directory")
+    args.text = args.text or []
     for t in args.text:
         if not Path(t).expanduser().exists():
             raise KVLinkError(f"--text {t!r} does not exist")

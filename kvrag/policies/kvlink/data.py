@@ -187,7 +187,8 @@ def man_passages(max_tokens: int = 200, *, max_pages: int = 40, section_dir: str
         return []
     pages = sorted({f.name.split(".")[0] for f in Path(section_dir).glob("*")}) if Path(section_dir).is_dir() else []
     out = []
-    env = {**os.environ, "MANWIDTH": "100", "MAN_KEEP_FORMATTING": "", "LC_ALL": "C.UTF-8"}
+    # No hyphenation (-rHY=0): a word split over two lines would be two words once joined.
+    env = {**os.environ, "MANWIDTH": "100", "MAN_KEEP_FORMATTING": "", "LC_ALL": "C.UTF-8", "MANROFFOPT": "-rHY=0"}
     for name in pages[:max_pages]:
         try:
             r = subprocess.run(["man", "-P", "cat", name], capture_output=True, text=True, timeout=10, env=env)

@@ -671,4 +671,7 @@ def _load_checkpoint(out_dir: Path, cfg: TrainConfig) -> dict:
 
 def command_line() -> list[str]:
     """The command that is running (recorded in kvlink.json)."""
-    return ["kvrag", *sys.argv[1:]] if sys.argv and sys.argv[0].endswith("kvrag") else list(sys.argv)
+    launched = sys.argv[0] if sys.argv else ""
+    # `kvrag ...` and `python -m kvrag ...` (argv[0] is then kvrag/__main__.py) are the same command.
+    ours = launched.endswith("kvrag") or launched.endswith(os.path.join("kvrag", "__main__.py"))
+    return ["kvrag", *sys.argv[1:]] if ours else list(sys.argv)
