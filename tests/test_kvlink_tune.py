@@ -16,12 +16,7 @@ PROSE = ("The river rose for three days before the town council met. Farmers mov
          "steps of the old mill, where the miller kept a record of every flood since his grandfather's time.")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +115,7 @@ def test_mixture_draws_every_source_shuffled_with_and_without_the_answering_pass
         D.Mixture({"text": _pool()}, weights={"man": 1.0})
 
 
-def test_teacher_targets_are_the_base_models_own_full_prefill_answer(handle):
+def test_teacher_targets_are_the_base_models_own_full_prefill_answer(handle, monkeypatch):
     mix = D.Mixture({"text": _pool()}, min_docs=2, max_docs=3)
     sampler = D.TaskSampler(handle, mix, link_tokens=2, max_docs=4, answer_tokens=6)
     task = mix.task(random.Random(3))
@@ -131,6 +126,14 @@ def test_teacher_targets_are_the_base_models_own_full_prefill_answer(handle):
                                  do_sample=False, pad_token_id=0)[0, prompt.numel():]
     assert s.ids[s.answer_start:].tolist() == want.tolist()
     assert int(s.segment.max()) == len(task.passages) and bool((s.link_slot >= 0).any())
+    # A prompt over the training length limit costs no teacher generation (training skips it).
+    from kvrag.policies.kvlink.train import prompt_pieces, rag_prompt
+
+    pieces = prompt_pieces(handle, rag_prompt(handle, task.passages, task.question), task.passages)
+    assert sampler._prompt_tokens(pieces) == s.answer_start
+    short = D.TaskSampler(handle, mix, link_tokens=2, max_docs=4, answer_tokens=6, max_tokens=s.answer_start)
+    monkeypatch.setattr(handle.model, "generate", lambda *a, **k: pytest.fail("teacher ran"))
+    assert short.sample(task).n > s.answer_start
 
 
 # ---- resumable training -------------------------------------------------------------------------

@@ -22,14 +22,7 @@ from kvrag.policies.kvlink.policy import ADAPTER_ATTR, mean_embedding
 from kvrag.testing import tiny_llama
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # Tiny models gain nothing from intra-op threads, and on a busy 2-core machine OpenMP's
-    # spinning threads made each tiny forward ~50x slower (measured: 0.96 s vs 0.019 s).
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 # ---- engine level: tiny models with a 512-token vocabulary ------------------------------

@@ -195,7 +195,8 @@ def run(args) -> int:
         for name, d in meta["sources"].items():
             print(f"source {name}: " + ", ".join(f"{k} {v}" for k, v in d.items() if k != "sha256"), flush=True)
         sampler = D.TaskSampler(handle, mix, link_tokens=cfg.link_tokens, max_docs=cfg.max_docs,
-                                answer_tokens=args.answer_tokens, max_passage_chars=cfg.max_passage_chars)
+                                answer_tokens=args.answer_tokens, max_passage_chars=cfg.max_passage_chars,
+                                max_tokens=cfg.max_tokens)
         res = train_kvlink(handle, cfg, out, command=command_line(), force=args.force, sampler=sampler,
                            data_meta=meta, checkpoint_every=args.checkpoint_every, resume=args.resume, bar=True,
                            progress=lambda m: print(m, flush=True))

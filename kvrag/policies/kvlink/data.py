@@ -361,12 +361,18 @@ class TaskSampler:
     training never changes (it trains a copy). Call as ``sampler(rng) -> (Sample, source)``."""
 
     def __init__(self, handle, mixture: Mixture, *, link_tokens: int, max_docs: int, answer_tokens: int = 24,
-                 max_passage_chars: int = 0):
+                 max_passage_chars: int = 0, max_tokens: int | None = None):
         if answer_tokens < 1:
             raise KVLinkError(f"answer_tokens must be >= 1, got {answer_tokens}")
         self.handle, self.mixture = handle, mixture
         self.link_tokens, self.max_docs = link_tokens, max_docs
         self.answer_tokens, self.max_passage_chars = answer_tokens, max_passage_chars
+        self.max_tokens = max_tokens  # a longer prompt gets no teacher answer: training skips it anyway
+
+    def _prompt_tokens(self, pieces) -> int:
+        """The length of the sample ``build_sample`` makes of ``pieces``, without its answer."""
+        per_doc = len(self.handle.anchor_ids()) + self.link_tokens
+        return sum(len(p[0]) + (len(p[2]) + per_doc if p[1] else 0) for p in pieces)
 
     def sample(self, task: Task):
         import torch
@@ -378,11 +384,13 @@ class TaskSampler:
                                       if p.strip()))
         prompt = rag_prompt(h, passages, task.question)
         pieces = prompt_pieces(h, prompt, passages)
+        eos = h.tokenizer.eos_token_id
         if task.target == "gold":
             ans = answer_ids(h, task.answers[0])
+        elif self.max_tokens is not None and self._prompt_tokens(pieces) >= self.max_tokens:
+            ans = [eos if eos is not None else 0]  # over the limit already: the caller skips it
         else:
             ids = torch.tensor([[t for piece in pieces for t in piece[0]]], device=h.device)
-            eos = h.tokenizer.eos_token_id
             with torch.no_grad():
                 out = h.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=self.answer_tokens,
                                        do_sample=False, eos_token_id=eos,
