@@ -220,8 +220,9 @@ def eval_sets(args, held: dict[str, list[str]], out: Path) -> list[tuple[str, Pa
     sets = []
     for name, path in (("musique", args.musique), ("qa", args.qa)):
         if path:
-            items = [it for it in qa_data.read_items(path)
-                     if isinstance(it, dict) and D.split_of(str(it.get("question", it.get("input", "")))) == "eval"]
+            raw = qa_data.read_items(path)
+            # Split by the parsed question, exactly as training's qa_items did.
+            items = [it for it, rec in zip(raw, qa_data.parse_items(raw, str(path))) if D.split_of(rec.question) == "eval"]
             f = d / f"{name}_eval.json"
             f.write_text(json.dumps(items), encoding="utf-8")
             sets.append((name, f, f"the 'eval' half of {path} by question hash ({len(items)} items)"))
