@@ -240,3 +240,19 @@ def test_cli_tune_checks_before_loading_the_model(tmp_path, monkeypatch, capsys)
                        (["--steps", "0"], "--steps must be >= 1")):
         assert main(["tune", "--out", str(tmp_path / "o"), *extra]) == 2, extra
         assert msg in capsys.readouterr().err, extra
+
+
+def test_cli_train_kvlink_resumes_too(handle, tmp_path, monkeypatch, capsys):
+    from kvrag.cli import main
+    from kvrag.model import ModelHandle
+
+    monkeypatch.setattr(ModelHandle, "load", lambda *a, **k: handle)
+    out = tmp_path / "ad"
+    argv = ["train", "kvlink", "--data", str(_qa_file(tmp_path)), "--steps", "3", "--lora-rank", "2",
+            "--link-tokens", "1", "--docs", "2", "--out", str(out), "--threads", "1"]
+    assert main([*argv, "--max-minutes", "0.00001"]) == 0
+    assert json.loads((out / "kvlink.json").read_text())["steps"] == 1
+    assert main(argv) == 2 and "--resume" in capsys.readouterr().err
+    assert main([*argv, "--resume"]) == 0
+    meta = json.loads((out / "kvlink.json").read_text())
+    assert meta["steps"] == 3 and meta["complete"] and len(meta["sittings"]) == 2

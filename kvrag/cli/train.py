@@ -73,6 +73,10 @@ def add_training_options(k) -> None:
     k.add_argument("--max-minutes", type=float, default=0.0,
                    help="stop (and save) after this much training time; 0 = run all --steps")
     k.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    k.add_argument("--checkpoint-every", type=int, default=0, help="checkpoint (in --out/checkpoint/) every N "
+                   "steps and at the end; 0: only when --max-minutes ends the run early")
+    k.add_argument("--resume", action="store_true", help="continue the run checkpointed in --out (same options; "
+                   "--max-minutes may differ)")
 
 
 def config_from_args(args, data: str):
@@ -84,6 +88,10 @@ def config_from_args(args, data: str):
         raise KVLinkError(f"--threads must be >= 1, got {args.threads}")
     if not args.max_minutes >= 0:  # also NaN
         raise KVLinkError(f"--max-minutes must be >= 0 (0 = run all --steps), got {args.max_minutes}")
+    if args.checkpoint_every < 0:
+        raise KVLinkError(f"--checkpoint-every must be >= 0, got {args.checkpoint_every}")
+    if args.resume and args.force:
+        raise KVLinkError("--resume continues the run in --out; --force would start over: pass one")
     cfg = TrainConfig(
         data=data, steps=args.steps, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
         lora_targets=tuple(t.strip() for t in args.lora_targets.split(",") if t.strip()),
@@ -126,8 +134,9 @@ def run_kvlink(args) -> int:
         raise KVLinkError(f"--holdout {args.holdout} leaves no training examples out of {len(items)} in {args.data}")
     if args.out is not None:
         out = check_dir(args.out, "--out", KVLinkError)
-        if (out / META_FILE).exists() and not args.force:
-            raise KVLinkError(f"--out {out} already holds a KVLink adapter; pass --force to overwrite it")
+        if (out / META_FILE).exists() and not (args.force or args.resume):
+            raise KVLinkError(f"--out {out} already holds a KVLink adapter; pass --force to overwrite it "
+                              "(or --resume to continue its run)")
     else:  # $KVRAG_HOME/kvlink/<model key>/: the key needs the model, its parent does not
         check_dir(default_home() / "kvlink", "the adapter directory ($KVRAG_HOME/kvlink)", KVLinkError)
     if args.threads:
@@ -135,6 +144,7 @@ def run_kvlink(args) -> int:
     print("loading model ...", flush=True)
     handle = ModelHandle.load(args.model, dtype=args.dtype)
     res = train_kvlink(handle, cfg, args.out, command=command_line(), force=args.force,
+                       checkpoint_every=args.checkpoint_every, resume=args.resume,
                        progress=lambda m: print(m, flush=True))
     print_losses(res)
     return 0

@@ -61,8 +61,7 @@ def register(sub) -> None:
                    help="distill: KL to the base model's full prefill on the target tokens; answer: cross-entropy")
     r = p.add_argument_group("run")
     r.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N")
-    r.add_argument("--checkpoint-every", type=int, default=50, help="checkpoint every N steps (0: only when stopping)")
-    r.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
+    p.set_defaults(checkpoint_every=50)
     e = p.add_argument_group("evaluation")
     e.add_argument("--eval", action="store_true", help="after training, evaluate on the held-out splits")
     e.add_argument("--eval-only", action="store_true", help="evaluate the adapter in --out without training")
@@ -115,11 +114,9 @@ def check_args(args) -> None:
             raise KVLinkError(f"--text {t!r} does not exist")
     for name, v, low in (("--synthetic", args.synthetic, 0), ("--passage-tokens", args.passage_tokens, 16),
                          ("--max-pool", args.max_pool, 1), ("--answer-tokens", args.answer_tokens, 1),
-                         ("--checkpoint-every", args.checkpoint_every, 0), ("--eval-limit", args.eval_limit, 1)):
+                         ("--eval-limit", args.eval_limit, 1)):
         if v < low:
             raise KVLinkError(f"{name} must be >= {low}, got {v}")
-    if args.resume and args.force:
-        raise KVLinkError("--resume continues the run in --out; --force would start over: pass one")
 
 
 def build_data(args, handle):
@@ -169,7 +166,7 @@ def run(args) -> int:
     from kvrag.policies.kvlink.adapter import META_FILE, KVLinkError, default_adapter_dirs
     from kvrag.policies.kvlink.train import command_line, train_kvlink
 
-    cfg = config_from_args(args, "kvrag tune mixture")
+    cfg = config_from_args(args, "kvrag tune mixture")  # checks --resume/--force and --checkpoint-every too
     check_args(args)
     weights = _weights(args.weights)
     _machine_sources(args.sources)

@@ -417,8 +417,8 @@ def train_kvlink(
     tune``'s mixture of sources, :mod:`kvrag.policies.kvlink.data`); ``data_meta`` (its sources,
     counts, hashes) goes into ``kvlink.json``. Checkpoints (:data:`CHECKPOINT_DIR` in ``out``:
     LoRA and link weights, optimizer, scheduler, both RNGs -- the RNG being the data cursor --
-    step, losses) are written every ``checkpoint_every`` steps (0: never) and whenever the run
-    stops early (``cfg.max_seconds``, ``stop_at_step``); ``resume`` continues from the one in
+    step, losses) are written every ``checkpoint_every`` steps and at the end (0: neither) and
+    whenever the run stops early (``cfg.max_seconds``, ``stop_at_step``); ``resume`` continues from the one in
     ``out``, and a resumed run computes what an uninterrupted one does. ``bar``: a tqdm
     progress bar with the loss. Returns the output directory, the per-step losses and the
     loaded adapter."""
@@ -574,10 +574,11 @@ def train_kvlink(
             say(f"time budget of {cfg.max_seconds:.0f} s reached after {step + 1} steps; saving (resume to go on)")
             checkpoint(step + 1)
             break
-        if last or (checkpoint_every and (step + 1) % checkpoint_every == 0):
+        if checkpoint_every and (last or (step + 1) % checkpoint_every == 0):
             checkpoint(step + 1)  # at the end too: resuming a finished run re-saves it, no error
     if pbar is not None:
         pbar.close()
+    sittings[-1]["to_step"] = len(losses)
 
     meta = {
         "format": FORMAT_VERSION,
