@@ -151,14 +151,20 @@ def test_resumed_run_equals_the_uninterrupted_one(handle, tmp_path):
     sampler, mix = _sampler(handle)
     straight = train_kvlink(handle, TrainConfig(steps=6, **CFG), tmp_path / "a", sampler=sampler,
                             data_meta=mix.describe())
-    first = train_kvlink(handle, TrainConfig(steps=6, **CFG), tmp_path / "b", sampler=sampler, stop_at_step=3)
+    first = train_kvlink(handle, TrainConfig(steps=6, **CFG), tmp_path / "b", sampler=sampler, stop_at_step=3,
+                         data_meta=mix.describe())
     assert len(first.losses) == 3 and not first.meta["complete"]
     assert (tmp_path / "b" / CHECKPOINT_DIR / "state.pt").is_file()
     with pytest.raises(KVLinkError, match="already holds"):  # a fresh run must not overwrite it silently
         train_kvlink(handle, TrainConfig(steps=6, **CFG), tmp_path / "b", sampler=sampler)
-    with pytest.raises(KVLinkError, match="other options: lr="):
-        train_kvlink(handle, TrainConfig(steps=6, **{**CFG, "lr": 1e-3}), tmp_path / "b", sampler=sampler, resume=True)
-    resumed = train_kvlink(handle, TrainConfig(steps=6, **CFG), tmp_path / "b", sampler=sampler, resume=True)
+    with pytest.raises(KVLinkError, match="other options or data: lr="):
+        train_kvlink(handle, TrainConfig(steps=6, **{**CFG, "lr": 1e-3}), tmp_path / "b", sampler=sampler,
+                     data_meta=mix.describe(), resume=True)
+    other = D.Mixture({"text": _pool(9)}).describe()
+    with pytest.raises(KVLinkError, match="other options or data: data="):
+        train_kvlink(handle, TrainConfig(steps=6, **CFG), tmp_path / "b", sampler=sampler, data_meta=other, resume=True)
+    resumed = train_kvlink(handle, TrainConfig(steps=6, **CFG), tmp_path / "b", sampler=sampler,
+                           data_meta=mix.describe(), resume=True)
     assert resumed.losses == straight.losses and resumed.meta["complete"]
     assert resumed.meta["samples_by_source"] == straight.meta["samples_by_source"]
     assert sum(straight.meta["samples_by_source"].values()) == 6

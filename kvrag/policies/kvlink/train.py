@@ -425,8 +425,7 @@ def train_kvlink(
     cfg.validate()
     say = progress or (lambda msg: log.info("%s", msg))
     out_dir = Path(out).expanduser() if out is not None else default_adapter_dirs(handle)[0]
-    ckpt = _load_checkpoint(out_dir, cfg) if resume else None
-    if (out_dir / META_FILE).exists() and not force and ckpt is None:
+    if (out_dir / META_FILE).exists() and not force and not resume:
         more = (", or resume=True (--resume) to continue its run"
                 if (out_dir / CHECKPOINT_DIR / _CKPT_FILE).is_file() else "")
         raise KVLinkError(f"{out_dir} already holds a KVLink adapter; pass force=True (--force) to overwrite it{more}")
@@ -453,6 +452,10 @@ def train_kvlink(
             n_docs = rng.randint(cfg.min_docs, cfg.docs) if cfg.min_docs else cfg.docs
             return make_sample(handle, item, rng, docs=n_docs, max_passage_chars=cfg.max_passage_chars,
                                link_tokens=cfg.link_tokens, max_docs=cfg.max_docs), "data"
+    # What a resumed run must share with the checkpoint's: every option that changes a step,
+    # and the data (its digests).
+    identity = {**_resumable_config(cfg), "data_sha256": data_sha, "data": data_meta}
+    ckpt = _load_checkpoint(out_dir, identity) if resume else None
     rng = random.Random(cfg.seed)
     torch.manual_seed(cfg.seed)
 
@@ -522,7 +525,7 @@ def train_kvlink(
 
     def checkpoint(step: int) -> None:
         sittings[-1]["to_step"] = step
-        _save_checkpoint(out_dir, cfg, {
+        _save_checkpoint(out_dir, identity, {
             "lora": _lora_state(peft_model), "links": links.detach().cpu(), "optimizer": opt.state_dict(),
             "scheduler": sched.state_dict(), "torch_rng": torch.get_rng_state(), "py_rng": rng.getstate(),
             "step": step, "losses": torch.tensor(losses, dtype=torch.float64), "skipped": skipped,
@@ -535,7 +538,6 @@ def train_kvlink(
         from tqdm import tqdm
 
         pbar = tqdm(total=cfg.steps, initial=start, unit="step", dynamic_ncols=True)
-    step = start
     for step in range(start, cfg.steps):
         opt.zero_grad(set_to_none=True)
         total = 0.0
@@ -638,20 +640,20 @@ def _rng_state(state) -> tuple:
     return (int(version), tuple(int(x) for x in internal), gauss)
 
 
-def _save_checkpoint(out_dir: Path, cfg: TrainConfig, state: dict) -> None:
-    """Write ``out_dir/checkpoint/``: the config a resume must match, then the state (atomically:
-    a crash mid-write leaves the previous checkpoint)."""
+def _save_checkpoint(out_dir: Path, identity: dict, state: dict) -> None:
+    """Write ``out_dir/checkpoint/``: what a resume must match (options, data digests), then
+    the state (atomically: a crash mid-write leaves the previous checkpoint)."""
     d = out_dir / CHECKPOINT_DIR
     d.mkdir(parents=True, exist_ok=True)
-    (d / _CKPT_CONFIG).write_text(json.dumps(_resumable_config(cfg), indent=1, default=str), encoding="utf-8")
+    (d / _CKPT_CONFIG).write_text(json.dumps(identity, indent=1, default=str), encoding="utf-8")
     tmp = d / f".{_CKPT_FILE}.tmp"
     torch.save(state, tmp)
     os.replace(tmp, d / _CKPT_FILE)
 
 
-def _load_checkpoint(out_dir: Path, cfg: TrainConfig) -> dict:
+def _load_checkpoint(out_dir: Path, identity: dict) -> dict:
     """The checkpoint in ``out_dir`` (a KVLinkError naming what is wrong: none, another run's
-    config, unreadable). Loaded with ``weights_only``: a checkpoint is data, never code."""
+    options or data, unreadable). Loaded with ``weights_only``: a checkpoint is data, never code."""
     d = out_dir / CHECKPOINT_DIR
     if not (d / _CKPT_FILE).is_file():
         raise KVLinkError(f"nothing to resume: {d} holds no checkpoint ({_CKPT_FILE})")
@@ -659,11 +661,12 @@ def _load_checkpoint(out_dir: Path, cfg: TrainConfig) -> dict:
         saved = json.loads((d / _CKPT_CONFIG).read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
         raise KVLinkError(f"cannot read the checkpoint's {_CKPT_CONFIG} in {d}: {e}") from None
-    now = json.loads(json.dumps(_resumable_config(cfg), default=str))
+    now = json.loads(json.dumps(identity, default=str))
     diff = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k))
     if diff:
-        raise KVLinkError("the checkpoint in " + str(d) + " was made with other options: " + ", ".join(
-            f"{k}={saved.get(k)!r} (now {now.get(k)!r})" for k in diff) + "; resume with the same options")
+        show = lambda v: repr(v) if len(repr(v)) <= 80 else "<another value>"  # noqa: E731 - data digests are long
+        raise KVLinkError("the checkpoint in " + str(d) + " was made with other options or data: " + ", ".join(
+            f"{k}={show(saved.get(k))} (now {show(now.get(k))})" for k in diff) + "; resume with the same ones")
     try:
         return torch.load(d / _CKPT_FILE, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - any unreadable file is the same problem
