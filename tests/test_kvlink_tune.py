@@ -243,7 +243,8 @@ def test_cli_tune_checks_before_loading_the_model(tmp_path, monkeypatch, capsys)
                        (["--sources", "pydoc,wiki"], "unknown ['wiki']"),
                        (["--weights", "text:2"], "source=number"),
                        (["--resume", "--force"], "pass one"),
-                       (["--steps", "0"], "--steps must be >= 1")):
+                       (["--steps", "0"], "--steps must be >= 1"),
+                       (["--store", str(tmp_path)], "not a kvrag chunk store")):
         assert main(["tune", "--out", str(tmp_path / "o"), *extra]) == 2, extra
         assert msg in capsys.readouterr().err, extra
 
@@ -262,3 +263,20 @@ def test_cli_train_kvlink_resumes_too(handle, tmp_path, monkeypatch, capsys):
     assert main([*argv, "--resume"]) == 0
     meta = json.loads((out / "kvlink.json").read_text())
     assert meta["steps"] == 3 and meta["complete"] and len(meta["sittings"]) == 2
+
+
+def test_cli_tune_reads_an_ingested_store(handle, tmp_path, monkeypatch):
+    from kvrag.cli import main
+    from kvrag.engine import KVRag
+    from kvrag.model import ModelHandle
+
+    monkeypatch.setattr(ModelHandle, "load", lambda *a, **k: handle)
+    KVRag(handle, cache_dir=tmp_path / "kv", kvlink_adapter=None).precompute(_pool(6))
+    out = tmp_path / "ad"
+    assert main(["tune", "--store", str(tmp_path / "kv"), "--sources", "none", "--steps", "1", "--lora-rank", "0",
+                 "--link-tokens", "1", "--max-docs", "2", "--docs", "2", "--answer-tokens", "2", "--threads", "1",
+                 "--out", str(out)]) == 0
+    meta = json.loads((out / "kvlink.json").read_text())
+    held = sum(D.split_of(p, D.POOL_EVAL_PERCENT) == "eval" for p in _pool(6))
+    assert meta["data"]["sources"] == {"store": {**meta["data"]["sources"]["store"], "passages": 6 - held}}
+    assert meta["samples_by_source"] == {"store": 1}

@@ -106,8 +106,9 @@ def check_args(args) -> None:
         v = getattr(args, flag)
         if v is not None and not Path(v).expanduser().is_file():
             raise KVLinkError(f"--{flag.replace('_', '-')} {v!r} does not exist")
-    if args.store is not None and not Path(args.store).expanduser().is_dir():
-        raise KVLinkError(f"--store {args.store!r} is not a directory")
+    if args.store is not None and not (Path(args.store).expanduser() / "index" / "cache.db").is_file():
+        # Opening another directory as a store would create one there.
+        raise KVLinkError(f"--store {args.store!r} is not a kvrag chunk store (no index/cache.db in it)")
     args.text = args.text or []
     for t in args.text:
         if not Path(t).expanduser().exists():
