@@ -51,6 +51,7 @@ MACHINE_SOURCES = ("pydoc", "usr-share-doc", "man")
 TASK_KINDS = ("continue", "summary", "cloze")
 SPLITS = ("train", "eval")
 EVAL_PERCENT = 50  # MuSiQue's dev file has 100 items: half to train on, half held out
+SYNTHETIC_SEED = 1000  # training draws the synthetic generator from here; `kvrag bench` uses seed 0
 
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z0-9\"'(])")
 _PARAGRAPH = re.compile(r"\n\s*\n")
