@@ -132,6 +132,37 @@ def test_zero_link_tokens_equals_naive_reuse():
     assert not torch.allclose(res5.logits, hf_logits(arch.model, all_ids), atol=1e-3)
 
 
+def test_links_plus_recompute_composes_kvlink_and_cacheblend():
+    """kvlink(recompute_ratio=r): link tokens inserted *and* cacheblend's selection on top."""
+    arch = Arch(tiny("llama"))
+    segs = _segments(4)
+    layout = Layout.build(pieces_for(arch, segs))
+    eng = FusionEngine(arch)
+
+    def run(**kw):
+        pol = get_policy("kvlink", mode="untrained", **kw)
+        return eng.prefill(eng.apply_insertions(layout.pieces, pol), pol)
+
+    links = run(link_tokens=2)
+    assert links.stats.recomputed_tokens == 0
+    both = run(link_tokens=2, recompute_ratio=0.5)
+    n_cached = sum(len(s) for s, cached in segs if cached)
+    assert both.stats.inserted_tokens == links.stats.inserted_tokens == 4
+    assert both.stats.recomputed_tokens == n_cached // 2  # cacheblend's count: the links are not ranked
+    assert not torch.allclose(both.logits, links.logits, atol=1e-4)
+    blend = eng.prefill(layout, get_policy("cacheblend", recompute_ratio=0.5))
+    assert both.stats.recomputed_tokens == blend.stats.recomputed_tokens
+    # The exact limit: no links, everything recomputed == full prefill.
+    exact = run(link_tokens=0, recompute_ratio=1.0)
+    torch.testing.assert_close(exact.logits, hf_logits(arch.model, [t for s, _ in segs for t in s]),
+                               atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="check_layers"):
+        get_policy("kvlink", recompute_ratio=0.2, check_layers=(9,)).check_model(arch)
+    for bad in ({"recompute_ratio": 1.5}, {"check_layers": (0,)}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            get_policy("kvlink", **bad)
+
+
 def test_untrained_link_embedding_is_the_mean_embedding():
     arch = Arch(tiny("llama"))
     layout = Layout.build(pieces_for(arch, _segments()))
