@@ -244,7 +244,8 @@ def test_cli_tune_checks_before_loading_the_model(tmp_path, monkeypatch, capsys)
                        (["--weights", "text:2"], "source=number"),
                        (["--resume", "--force"], "pass one"),
                        (["--steps", "0"], "--steps must be >= 1"),
-                       (["--store", str(tmp_path)], "not a kvrag chunk store")):
+                       (["--store", str(tmp_path)], "not a kvrag chunk store"),
+                       (["--eval-policies", "kvlink,magic"], "unknown ['magic']")):
         assert main(["tune", "--out", str(tmp_path / "o"), *extra]) == 2, extra
         assert msg in capsys.readouterr().err, extra
 

@@ -69,6 +69,8 @@ def register(sub) -> None:
     e.add_argument("--eval-data", default=None, metavar="FILE", help="also evaluate on this QA file (a source "
                    "not trained on)")
     e.add_argument("--eval-limit", type=int, default=20, help="items per evaluation set")
+    e.add_argument("--eval-policies", default=",".join(EVAL_POLICIES),
+                   help="policies compared (full_prefill, the reference, always runs)")
     e.add_argument("--eval-max-new-tokens", type=int, default=32)
     p.set_defaults(func=run)
 
@@ -99,6 +101,17 @@ def _machine_sources(s: str) -> list[str]:
     return names
 
 
+def _eval_policies(args) -> list[str]:
+    from kvrag.policies import policy_names
+    from kvrag.policies.kvlink.adapter import KVLinkError
+
+    names = [p.strip() for p in args.eval_policies.split(",") if p.strip()]
+    bad = [p for p in names if p not in policy_names()]
+    if bad or not names:
+        raise KVLinkError(f"--eval-policies: unknown {bad or names}; registered: {', '.join(policy_names())}")
+    return names
+
+
 def check_args(args) -> None:
     """Every check that needs no model (a typo must not cost a model load)."""
     from kvrag.policies.kvlink.adapter import KVLinkError
@@ -107,6 +120,7 @@ def check_args(args) -> None:
         v = getattr(args, flag)
         if v is not None and not Path(v).expanduser().is_file():
             raise KVLinkError(f"--{flag.replace('_', '-')} {v!r} does not exist")
+    _eval_policies(args)
     if args.store is not None and not (Path(args.store).expanduser() / "index" / "cache.db").is_file():
         # Opening another directory as a store would create one there.
         raise KVLinkError(f"--store {args.store!r} is not a kvrag chunk store (no index/cache.db in it)")
@@ -255,7 +269,7 @@ def evaluate(args, out: Path, held: dict[str, list[str]]) -> dict:
     print(header, flush=True)
     report = {"adapter": str(out), "trained_on": trained_on, "steps": trained.get("steps"), "sets": []}
     for name, path, what in eval_sets(args, held, out):
-        cfg = BenchConfig(out=out / "eval" / name, data=str(path), policies=list(EVAL_POLICIES), repeats=1,
+        cfg = BenchConfig(out=out / "eval" / name, data=str(path), policies=_eval_policies(args), repeats=1,
                           limit=args.eval_limit, max_new_tokens=args.eval_max_new_tokens, devices=[args.device],
                           model=args.model, dtype=args.dtype, kvlink_adapter=str(out), footprint=False, warmup=False,
                           seed=args.seed, command=f"kvrag tune --eval ({name})")
