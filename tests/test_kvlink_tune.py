@@ -217,6 +217,7 @@ def test_cli_tune_trains_resumes_is_found_by_default_and_evaluates_held_out(hand
     meta = json.loads((out / "kvlink.json").read_text())
     assert meta["steps"] == 3 and meta["complete"] and meta["command"][:2] == ["kvrag", "tune"]
     assert [(s["from_step"], s["to_step"]) for s in meta["sittings"]] == [(0, 1), (1, 3)]
+    assert meta["train_seconds"] == pytest.approx(sum(s["seconds"] for s in meta["sittings"]), abs=0.11)
     assert set(meta["data"]["sources"]) == {"text", "musique"} and str(qa) in meta["data"]["files"]
     assert sum(meta["samples_by_source"].values()) == 3
     assert find_adapter(handle) == out  # applied by default for this model

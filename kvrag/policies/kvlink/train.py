@@ -524,7 +524,7 @@ def train_kvlink(
     sittings.append({"command": list(command) if command is not None else None, "from_step": start})
 
     def checkpoint(step: int) -> None:
-        sittings[-1]["to_step"] = step
+        sittings[-1].update(to_step=step, seconds=round(time.perf_counter() - t0, 1))
         _save_checkpoint(out_dir, identity, {
             "lora": _lora_state(peft_model), "links": links.detach().cpu(), "optimizer": opt.state_dict(),
             "scheduler": sched.state_dict(), "torch_rng": torch.get_rng_state(), "py_rng": rng.getstate(),
@@ -580,7 +580,7 @@ def train_kvlink(
             checkpoint(step + 1)  # at the end too: resuming a finished run re-saves it, no error
     if pbar is not None:
         pbar.close()
-    sittings[-1]["to_step"] = len(losses)
+    sittings[-1].update(to_step=len(losses), seconds=round(time.perf_counter() - t0, 1))
 
     meta = {
         "format": FORMAT_VERSION,
@@ -603,7 +603,7 @@ def train_kvlink(
         "steps": len(losses),
         "complete": len(losses) == cfg.steps,
         "losses": [round(x, 6) for x in losses],
-        "train_seconds": round(time.perf_counter() - t0, 1),
+        "train_seconds": round(sum(x.get("seconds", 0.0) for x in sittings), 1),  # every sitting
         "torch": torch.__version__,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
