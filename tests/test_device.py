@@ -194,3 +194,22 @@ def test_half_precision_compute_at_ratio_one_tracks_full_prefill(dtype, tmp_path
         # token per position must still agree.
         assert torch.equal(lp.argmax(-1), lf.argmax(-1))
         assert (lp.float() - lf.float()).abs().max() < 0.1 * lf.float().abs().max()
+
+
+@pytest.mark.skipif(DEVICE == "cpu", reason="the CPU case is tests/test_kvlink_tune.py::test_resumed_run_equals_the_uninterrupted_one")
+def test_kvrag_tune_trains_and_resumes_on_the_device(tmp_path):
+    """`kvrag tune`'s loop on the device: teacher answers generated there, LoRA + links trained
+    there, and a checkpoint (saved from device tensors, loaded on the CPU) resumed there."""
+    from kvrag.policies.kvlink import data as D
+    from kvrag.policies.kvlink.train import TrainConfig, train_kvlink
+
+    handle = tiny_llama(seed=0, device=DEVICE)
+    mix = D.Mixture({"text": [" ".join(d.split()[:60]) for d in DOCS]}, min_docs=2, max_docs=3)
+    sampler = D.TaskSampler(handle, mix, link_tokens=2, max_docs=3, answer_tokens=3)
+    cfg = dict(data="mixture", steps=4, lora_rank=2, link_tokens=2, max_docs=3, docs=3, warmup=1, log_every=100,
+               objective="distill", seed=1)
+    straight = train_kvlink(handle, TrainConfig(**cfg), tmp_path / "a", sampler=sampler)
+    train_kvlink(handle, TrainConfig(**cfg), tmp_path / "b", sampler=sampler, stop_at_step=2)
+    resumed = train_kvlink(handle, TrainConfig(**cfg), tmp_path / "b", sampler=sampler, resume=True)
+    assert resumed.losses == pytest.approx(straight.losses, rel=1e-4, abs=1e-5)
+    assert straight.adapter.links.device.type == "cpu" and torch.isfinite(straight.adapter.links).all()

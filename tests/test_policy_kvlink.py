@@ -22,14 +22,7 @@ from kvrag.policies.kvlink.policy import ADAPTER_ATTR, mean_embedding
 from kvrag.testing import tiny_llama
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # Tiny models gain nothing from intra-op threads, and on a busy 2-core machine OpenMP's
-    # spinning threads made each tiny forward ~50x slower (measured: 0.96 s vs 0.019 s).
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 # ---- engine level: tiny models with a 512-token vocabulary ------------------------------
@@ -137,6 +130,37 @@ def test_zero_link_tokens_equals_naive_reuse():
     # ... and neither is full prefill: untrained re-encoded concatenation stays approximate.
     all_ids = [t for s, _ in segs for t in s]
     assert not torch.allclose(res5.logits, hf_logits(arch.model, all_ids), atol=1e-3)
+
+
+def test_links_plus_recompute_composes_kvlink_and_cacheblend():
+    """kvlink(recompute_ratio=r): link tokens inserted *and* cacheblend's selection on top."""
+    arch = Arch(tiny("llama"))
+    segs = _segments(4)
+    layout = Layout.build(pieces_for(arch, segs))
+    eng = FusionEngine(arch)
+
+    def run(**kw):
+        pol = get_policy("kvlink", mode="untrained", **kw)
+        return eng.prefill(eng.apply_insertions(layout.pieces, pol), pol)
+
+    links = run(link_tokens=2)
+    assert links.stats.recomputed_tokens == 0
+    both = run(link_tokens=2, recompute_ratio=0.5)
+    n_cached = sum(len(s) for s, cached in segs if cached)
+    assert both.stats.inserted_tokens == links.stats.inserted_tokens == 4
+    assert both.stats.recomputed_tokens == n_cached // 2  # cacheblend's count: the links are not ranked
+    assert not torch.allclose(both.logits, links.logits, atol=1e-4)
+    blend = eng.prefill(layout, get_policy("cacheblend", recompute_ratio=0.5))
+    assert both.stats.recomputed_tokens == blend.stats.recomputed_tokens
+    # The exact limit: no links, everything recomputed == full prefill.
+    exact = run(link_tokens=0, recompute_ratio=1.0)
+    torch.testing.assert_close(exact.logits, hf_logits(arch.model, [t for s, _ in segs for t in s]),
+                               atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="check_layers"):
+        get_policy("kvlink", recompute_ratio=0.2, check_layers=(9,)).check_model(arch)
+    for bad in ({"recompute_ratio": 1.5}, {"check_layers": (0,)}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            get_policy("kvlink", **bad)
 
 
 def test_untrained_link_embedding_is_the_mean_embedding():

@@ -37,7 +37,22 @@ def register(sub) -> None:
     k.add_argument("--data", required=True, help="QA examples: JSON list or JSON lines of "
                    "{question, answers, ctxs: [{title, text}]}; MuSiQue, HotpotQA/2Wiki, LongBench and SQuAD "
                    "files as released too")
-    k.add_argument("--model", default=None, help="HF model dir, .gguf or a model name: smollm2, gemma3-270m (default: SmolLM2-135M-Instruct)")
+    add_training_options(k)
+    k.add_argument("--docs", type=int, default=3, help="passages per training prompt (one holds the answer)")
+    k.add_argument("--min-docs", type=int, default=0, help="> 0: each prompt draws its passage count "
+                   "uniformly from [--min-docs, --docs] (trains every link row up to --docs); 0 = always --docs")
+    k.add_argument("--holdout", type=int, default=0, help="never train on the last N examples (for evaluation)")
+    k.add_argument("--objective", choices=("answer", "distill"), default="answer",
+                   help="answer: cross-entropy on the gold answer (paper); distill: KL to the base "
+                        "model's full-prefill distribution on the answer tokens")
+    k.set_defaults(func=run_kvlink)
+
+
+def add_training_options(k) -> None:
+    """The options ``kvrag train kvlink`` and ``kvrag tune`` share: model, output, LoRA and
+    link-table shape, optimizer, budget."""
+    k.add_argument("--model", default=None, help="HF model dir, .gguf or a model name: smollm2, gemma3-270m "
+                   "(default: SmolLM2-135M-Instruct)")
     k.add_argument("--dtype", default="float32", help="training dtype of the base model")
     k.add_argument("--out", default=None, help="adapter directory (default: $KVRAG_HOME/kvlink/<model key>/, "
                    "where KVRag(policy='kvlink') finds it)")
@@ -51,14 +66,7 @@ def register(sub) -> None:
                    help="comma-separated module names that get LoRA")
     k.add_argument("--link-tokens", type=int, default=5, help="link tokens per document (paper: 0, 1, 5)")
     k.add_argument("--max-docs", type=int, default=10, help="rows of the per-document link table")
-    k.add_argument("--docs", type=int, default=3, help="passages per training prompt (one holds the answer)")
-    k.add_argument("--min-docs", type=int, default=0, help="> 0: each prompt draws its passage count "
-                   "uniformly from [--min-docs, --docs] (trains every link row up to --docs); 0 = always --docs")
     k.add_argument("--max-passage-chars", type=int, default=0, help="truncate passages (0 = keep whole)")
-    k.add_argument("--holdout", type=int, default=0, help="never train on the last N examples (for evaluation)")
-    k.add_argument("--objective", choices=("answer", "distill"), default="answer",
-                   help="answer: cross-entropy on the gold answer (paper); distill: KL to the base "
-                        "model's full-prefill distribution on the answer tokens")
     k.add_argument("--lr", type=float, default=2e-4, help="LoRA learning rate")
     k.add_argument("--link-lr", type=float, default=1e-3, help="link-embedding learning rate")
     k.add_argument("--warmup", type=int, default=10, help="linear warm-up steps (then cosine decay)")
@@ -68,27 +76,30 @@ def register(sub) -> None:
     k.add_argument("--max-minutes", type=float, default=0.0,
                    help="stop (and save) after this much training time; 0 = run all --steps")
     k.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    k.set_defaults(func=run_kvlink)
+    k.add_argument("--checkpoint-every", type=int, default=0, help="checkpoint (in --out/checkpoint/) every N "
+                   "steps and at the end; 0: only when --max-minutes ends the run early")
+    k.add_argument("--resume", action="store_true", help="continue the run checkpointed in --out (same options; "
+                   "--max-minutes may differ)")
 
 
-def run_kvlink(args) -> int:
-    import torch
+def config_from_args(args, data: str):
+    """The checked ``TrainConfig`` of the parsed options (errors name the option)."""
+    from kvrag.policies.kvlink.adapter import KVLinkError
+    from kvrag.policies.kvlink.train import TrainConfig
 
-    from kvrag.outpaths import check_dir
-    from kvrag.policies.kvlink.adapter import META_FILE, KVLinkError
-    from kvrag.policies.kvlink.train import TrainConfig, command_line, load_qa, train_kvlink
-    from kvrag.model import ModelHandle, default_home
-
-    # Every check before the model load (and long before the adapter is saved).
     if args.threads is not None and args.threads < 1:
         raise KVLinkError(f"--threads must be >= 1, got {args.threads}")
     if not args.max_minutes >= 0:  # also NaN
         raise KVLinkError(f"--max-minutes must be >= 0 (0 = run all --steps), got {args.max_minutes}")
+    if args.checkpoint_every < 0:
+        raise KVLinkError(f"--checkpoint-every must be >= 0, got {args.checkpoint_every}")
+    if args.resume and args.force:
+        raise KVLinkError("--resume continues the run in --out; --force would start over: pass one")
     cfg = TrainConfig(
-        data=args.data, steps=args.steps, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
+        data=data, steps=args.steps, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
         lora_targets=tuple(t.strip() for t in args.lora_targets.split(",") if t.strip()),
         link_tokens=args.link_tokens, max_docs=args.max_docs, docs=args.docs, min_docs=args.min_docs,
-        max_passage_chars=args.max_passage_chars, holdout=args.holdout, objective=args.objective,
+        max_passage_chars=args.max_passage_chars, holdout=getattr(args, "holdout", 0), objective=args.objective,
         lr=args.lr, link_lr=args.link_lr, batch=args.batch, warmup=args.warmup,
         max_tokens=args.max_tokens, seed=args.seed, log_every=args.log_every,
         max_seconds=60.0 * args.max_minutes,
@@ -97,22 +108,11 @@ def run_kvlink(args) -> int:
         cfg.validate()
     except KVLinkError as e:  # name the option, not the TrainConfig field
         raise KVLinkError(_option_names(str(e), args)) from None
-    items = load_qa(args.data)  # read again by train_kvlink (which records its digest); cheap
-    if args.holdout >= len(items):
-        raise KVLinkError(f"--holdout {args.holdout} leaves no training examples out of {len(items)} in {args.data}")
-    if args.out is not None:
-        out = check_dir(args.out, "--out", KVLinkError)
-        if (out / META_FILE).exists() and not args.force:
-            raise KVLinkError(f"--out {out} already holds a KVLink adapter; pass --force to overwrite it")
-    else:  # $KVRAG_HOME/kvlink/<model key>/: the key needs the model, its parent does not
-        check_dir(default_home() / "kvlink", "the adapter directory ($KVRAG_HOME/kvlink)", KVLinkError)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    print("loading model ...", flush=True)
-    handle = ModelHandle.load(args.model, dtype=args.dtype)
-    res = train_kvlink(handle, cfg, args.out, command=command_line(), force=args.force,
-                       progress=lambda m: print(m, flush=True))
-    # Means over the first and last w steps (w <= 10 and at most half the run: never overlapping).
+    return cfg
+
+
+def print_losses(res) -> None:
+    """Means over the first and last w steps (w <= 10 and at most half the run: never overlapping)."""
     n = len(res.losses)
     w = max(1, min(10, n // 2))
     if n >= 2:
@@ -120,6 +120,36 @@ def run_kvlink(args) -> int:
         print(f"loss {first:.4f} (first {w} steps) -> {last:.4f} (last {w}); adapter: {res.out}")
     else:
         print(f"loss {res.losses[0]:.4f} (1 step); adapter: {res.out}" if n else f"no step trained; adapter: {res.out}")
+
+
+def run_kvlink(args) -> int:
+    import torch
+
+    from kvrag.outpaths import check_dir
+    from kvrag.policies.kvlink.adapter import META_FILE, KVLinkError
+    from kvrag.policies.kvlink.train import command_line, load_qa, train_kvlink
+    from kvrag.model import ModelHandle, default_home
+
+    # Every check before the model load (and long before the adapter is saved).
+    cfg = config_from_args(args, args.data)
+    items = load_qa(args.data)  # read again by train_kvlink (which records its digest); cheap
+    if args.holdout >= len(items):
+        raise KVLinkError(f"--holdout {args.holdout} leaves no training examples out of {len(items)} in {args.data}")
+    if args.out is not None:
+        out = check_dir(args.out, "--out", KVLinkError)
+        if (out / META_FILE).exists() and not (args.force or args.resume):
+            raise KVLinkError(f"--out {out} already holds a KVLink adapter; pass --force to overwrite it "
+                              "(or --resume to continue its run)")
+    else:  # $KVRAG_HOME/kvlink/<model key>/: the key needs the model, its parent does not
+        check_dir(default_home() / "kvlink", "the adapter directory ($KVRAG_HOME/kvlink)", KVLinkError)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print("loading model ...", flush=True)
+    handle = ModelHandle.load(args.model, dtype=args.dtype)
+    res = train_kvlink(handle, cfg, args.out, command=command_line(), force=args.force,
+                       checkpoint_every=args.checkpoint_every, resume=args.resume,
+                       progress=lambda m: print(m, flush=True))
+    print_losses(res)
     return 0
 
 

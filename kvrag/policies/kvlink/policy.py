@@ -30,6 +30,7 @@ import torch
 
 from kvrag.query.state import CACHED
 from kvrag.policies.base import Policy, param
+from kvrag.policies.cacheblend import CacheBlend, CacheBlendParams
 from kvrag.policies.registry import register
 
 #: Attribute of an adapted HF model that holds its ``KVLinkAdapter`` (set by
@@ -49,6 +50,10 @@ class KVLinkParams:
         "auto", "'trained': use the KVLink adapter the model was loaded with (error if none); "
                 "'untrained': mean-embedding link tokens, no fine-tuning (far below full prefill); "
                 "'auto': trained if the model carries an adapter, else untrained")
+    recompute_ratio: float = param(
+        0.0, "links + recompute: also recompute this fraction of the cached tokens, chosen as "
+             "cacheblend chooses them (value deviation at check_layers); 0 = links only (the paper)")
+    check_layers: tuple = param((1,), "layers where deviation is measured (with recompute_ratio > 0)")
 
     def __post_init__(self) -> None:
         k = self.link_tokens
@@ -60,6 +65,9 @@ class KVLinkParams:
                 raise ValueError(f"link_tokens must be in [0, {MAX_LINK_TOKENS}], got {k}")
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        # Checked (and normalised) by cacheblend's own parameters, which run the selection.
+        blend = CacheBlendParams(recompute_ratio=self.recompute_ratio, check_layers=self.check_layers)
+        self.recompute_ratio, self.check_layers = blend.recompute_ratio, blend.check_layers
 
 
 def mean_embedding(arch) -> torch.Tensor:
@@ -79,6 +87,22 @@ class KVLink(Policy):
     def __init__(self, **params) -> None:
         super().__init__(**params)
         self._mean_cache: tuple | None = None
+        p = self.params
+        # Links + recompute (issue 31, item 4): the link tokens are computed tokens like the
+        # question, so cacheblend's selection -- which keeps every non-cached row and ranks
+        # only cached ones -- composes with them unchanged.
+        self._blend = (CacheBlend(recompute_ratio=p.recompute_ratio, check_layers=p.check_layers)
+                       if p.recompute_ratio > 0 else None)
+
+    def check_model(self, arch) -> None:
+        if self._blend is not None:
+            self._blend.check_model(arch)
+
+    def initial_active(self, state):
+        return super().initial_active(state) if self._blend is None else self._blend.initial_active(state)
+
+    def select(self, layer, state, q, k, v):
+        return None if self._blend is None else self._blend.select(layer, state, q, k, v)
 
     def adapter(self, arch):
         """The ``KVLinkAdapter`` the model carries, or None."""

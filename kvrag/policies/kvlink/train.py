@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
 import logging
 import math
 import os
@@ -401,24 +402,60 @@ def train_kvlink(
     command: Sequence[str] | None = None,
     progress: Callable[[str], None] | None = None,
     force: bool = False,
+    sampler: Callable[[random.Random], tuple[Sample, str]] | None = None,
+    data_meta: dict | None = None,
+    checkpoint_every: int = 0,
+    resume: bool = False,
+    stop_at_step: int | None = None,
+    bar: bool = False,
 ) -> TrainResult:
     """Fine-tune ``handle``'s model (a copy) for KVLink and save the adapter to ``out``
     (default: ``$KVRAG_HOME/kvlink/<model key>/``, where ``adapter="auto"`` finds it).
 
     ``items`` overrides ``cfg.data`` (tests); the last ``cfg.holdout`` examples are never used.
-    Returns the output directory, the per-step losses and the loaded adapter."""
+    ``sampler(rng) -> (Sample, source name)`` replaces the QA examples altogether (``kvrag
+    tune``'s mixture of sources, :mod:`kvrag.policies.kvlink.data`); ``data_meta`` (its sources,
+    counts, hashes) goes into ``kvlink.json``. Checkpoints (:data:`CHECKPOINT_DIR` in ``out``:
+    LoRA and link weights, optimizer, scheduler, both RNGs -- the RNG being the data cursor --
+    step, losses) are written every ``checkpoint_every`` steps and at the end (0: neither) and
+    whenever the run stops early (``cfg.max_seconds``, ``stop_at_step``); ``resume`` continues from the one in
+    ``out``, and a resumed run computes what an uninterrupted one does. ``bar``: a tqdm
+    progress bar with the loss. Returns the output directory, the per-step losses and the
+    loaded adapter."""
     cfg.validate()
     say = progress or (lambda msg: log.info("%s", msg))
     out_dir = Path(out).expanduser() if out is not None else default_adapter_dirs(handle)[0]
-    if (out_dir / META_FILE).exists() and not force:
-        raise KVLinkError(f"{out_dir} already holds a KVLink adapter; pass force=True (--force) to overwrite it")
+    if (out_dir / META_FILE).exists() and not force and not resume:
+        more = (", or resume=True (--resume) to continue its run"
+                if (out_dir / CHECKPOINT_DIR / _CKPT_FILE).is_file() else "")
+        raise KVLinkError(f"{out_dir} already holds a KVLink adapter; pass force=True (--force) to overwrite it{more}")
+    if checkpoint_every < 0:
+        raise KVLinkError(f"checkpoint_every must be >= 0 (0 = only when stopping early), got {checkpoint_every}")
     from kvrag.outpaths import check_dir
 
     check_dir(out_dir, "adapter directory", KVLinkError)  # now, not after the training
-    data = list(items) if items is not None else load_qa(cfg.data)
-    if cfg.holdout >= len(data):
-        raise KVLinkError(f"holdout={cfg.holdout} leaves no training examples out of {len(data)}")
-    train_items = data[: len(data) - cfg.holdout]
+    n_train = None  # QA examples trained on (None: a caller's sampler)
+    data_sha = None
+    if sampler is None:
+        data = list(items) if items is not None else load_qa(cfg.data)
+        if cfg.holdout >= len(data):
+            raise KVLinkError(f"holdout={cfg.holdout} leaves no training examples out of {len(data)}")
+        train_items = data[: len(data) - cfg.holdout]
+        n_train = len(train_items)
+        data_sha = sha256_file(Path(cfg.data)) if items is None else None
+
+        def sampler(rng: random.Random) -> tuple[Sample, str]:
+            item = train_items[rng.randrange(len(train_items))]
+            # A varying count trains every link row up to ``docs`` with the prompt lengths of
+            # each place (the paper's data mixes prompts of many sizes); drawn only when asked,
+            # so runs without it keep their sample sequence.
+            n_docs = rng.randint(cfg.min_docs, cfg.docs) if cfg.min_docs else cfg.docs
+            return make_sample(handle, item, rng, docs=n_docs, max_passage_chars=cfg.max_passage_chars,
+                               link_tokens=cfg.link_tokens, max_docs=cfg.max_docs), "data"
+    # What a resumed run must share with the checkpoint's: every option that changes a step,
+    # and the data (its digests).
+    identity = {**_resumable_config(cfg), "data_sha256": data_sha, "data": data_meta}
+    ckpt = _load_checkpoint(out_dir, identity) if resume else None
     rng = random.Random(cfg.seed)
     torch.manual_seed(cfg.seed)
 
@@ -472,18 +509,49 @@ def train_kvlink(
     t0 = time.perf_counter()
     skipped = 0
     trained_rows = 0  # link-table rows some sample used (the rest keep their initial value)
-    for step in range(cfg.steps):
+    source_counts: dict[str, int] = {}
+    sittings: list[dict] = []  # each sitting of a resumed run: its command and the steps it ran
+    start = 0
+    if ckpt is not None:
+        if peft_model is not None:
+            from peft import set_peft_model_state_dict
+
+            set_peft_model_state_dict(peft_model, ckpt["lora"])
+        with torch.no_grad():
+            links.copy_(ckpt["links"].to(links.device))
+        opt.load_state_dict(ckpt["optimizer"])
+        sched.load_state_dict(ckpt["scheduler"])
+        torch.set_rng_state(ckpt["torch_rng"])
+        rng.setstate(_rng_state(ckpt["py_rng"]))
+        start, losses = int(ckpt["step"]), [float(x) for x in ckpt["losses"]]
+        skipped, trained_rows = int(ckpt["skipped"]), int(ckpt["trained_rows"])
+        source_counts = {str(k): int(v) for k, v in json.loads(ckpt["source_counts"]).items()}
+        sittings = json.loads(ckpt["sittings"])
+        say(f"resuming from {out_dir / CHECKPOINT_DIR} at step {start}/{cfg.steps}")
+
+    sittings.append({"command": list(command) if command is not None else None, "from_step": start})
+
+    def checkpoint(step: int) -> None:
+        sittings[-1].update(to_step=step, seconds=round(time.perf_counter() - t0, 1))
+        _save_checkpoint(out_dir, identity, {
+            "lora": _lora_state(peft_model), "links": links.detach().cpu(), "optimizer": opt.state_dict(),
+            "scheduler": sched.state_dict(), "torch_rng": torch.get_rng_state(), "py_rng": rng.getstate(),
+            "step": step, "losses": torch.tensor(losses, dtype=torch.float64), "skipped": skipped,
+            "trained_rows": trained_rows, "source_counts": json.dumps(source_counts),
+            "sittings": json.dumps(sittings),
+        })
+
+    pbar = None
+    if bar:
+        from tqdm import tqdm
+
+        pbar = tqdm(total=cfg.steps, initial=start, unit="step", dynamic_ncols=True)
+    for step in range(start, cfg.steps):
         opt.zero_grad(set_to_none=True)
         total = 0.0
         done = 0
         while done < cfg.batch:
-            item = train_items[rng.randrange(len(train_items))]
-            # A varying count trains every link row up to ``docs`` with the prompt lengths of
-            # each place (the paper's data mixes prompts of many sizes); drawn only when asked,
-            # so runs without it keep their sample sequence.
-            n_docs = rng.randint(cfg.min_docs, cfg.docs) if cfg.min_docs else cfg.docs
-            sample = make_sample(handle, item, rng, docs=n_docs, max_passage_chars=cfg.max_passage_chars,
-                                 link_tokens=cfg.link_tokens, max_docs=cfg.max_docs)
+            sample, source = sampler(rng)
             if sample.n > cfg.max_tokens:
                 skipped += 1
                 if skipped > 100 * cfg.steps:
@@ -494,18 +562,33 @@ def train_kvlink(
             loss = sample_loss(arch, sample, links, cfg.objective, teacher(sample)) / cfg.batch
             loss.backward()
             total += float(loss.detach())
+            source_counts[source] = source_counts.get(source, 0) + 1
             done += 1
         torch.nn.utils.clip_grad_norm_([p for g in groups for p in g["params"]], 1.0)
         opt.step()
         sched.step()
         losses.append(total)
-        if (step + 1) % cfg.log_every == 0 or step == 0 or step + 1 == cfg.steps:
-            recent = losses[-cfg.log_every:]
+        recent = losses[-cfg.log_every:]
+        if pbar is not None:
+            pbar.update(1)
+            pbar.set_postfix(loss=f"{sum(recent) / len(recent):.4f}")
+        elif (step + 1) % cfg.log_every == 0 or step == start or step + 1 == cfg.steps:
             say(f"step {step + 1}/{cfg.steps}  loss {sum(recent) / len(recent):.4f}  "
-                f"{(time.perf_counter() - t0) / (step + 1):.2f} s/step")
-        if cfg.max_seconds and time.perf_counter() - t0 > cfg.max_seconds and step + 1 < cfg.steps:
-            say(f"time budget of {cfg.max_seconds:.0f} s reached after {step + 1} steps; saving")
+                f"{(time.perf_counter() - t0) / (step + 1 - start):.2f} s/step")
+        last = step + 1 == cfg.steps
+        if stop_at_step is not None and step + 1 >= stop_at_step and not last:
+            say(f"stopping at step {step + 1} as asked; saving (resume to go on)")
+            checkpoint(step + 1)
             break
+        if cfg.max_seconds and time.perf_counter() - t0 > cfg.max_seconds and not last:
+            say(f"time budget of {cfg.max_seconds:.0f} s reached after {step + 1} steps; saving (resume to go on)")
+            checkpoint(step + 1)
+            break
+        if checkpoint_every and (last or (step + 1) % checkpoint_every == 0):
+            checkpoint(step + 1)  # at the end too: resuming a finished run re-saves it, no error
+    if pbar is not None:
+        pbar.close()
+    sittings[-1].update(to_step=len(losses), seconds=round(time.perf_counter() - t0, 1))
 
     meta = {
         "format": FORMAT_VERSION,
@@ -519,12 +602,16 @@ def train_kvlink(
             "rank": cfg.lora_rank, "alpha": cfg.lora_alpha or 2 * cfg.lora_rank, "targets": list(cfg.lora_targets),
         },
         "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(cfg).items()},
-        "data_sha256": sha256_file(Path(cfg.data)) if items is None else None,
-        "train_examples": len(train_items),
+        "data_sha256": data_sha,
+        "train_examples": n_train,
+        "data": data_meta,
+        "samples_by_source": source_counts,
         "command": list(command) if command is not None else None,
+        "sittings": sittings,
         "steps": len(losses),
+        "complete": len(losses) == cfg.steps,
         "losses": [round(x, 6) for x in losses],
-        "train_seconds": round(time.perf_counter() - t0, 1),
+        "train_seconds": round(sum(x.get("seconds", 0.0) for x in sittings), 1),  # every sitting
         "torch": torch.__version__,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
@@ -533,6 +620,70 @@ def train_kvlink(
     return TrainResult(out_dir, losses, load_adapter(out_dir), meta)
 
 
+# ---- checkpoints (resumable runs) ----------------------------------------------------------
+CHECKPOINT_DIR = "checkpoint"
+_CKPT_FILE = "state.pt"
+_CKPT_CONFIG = "config.json"
+# Options a resumed sitting may change: they decide when a sitting stops or what it prints,
+# not what a step computes.
+_PER_SITTING = ("max_seconds", "log_every")
+
+
+def _resumable_config(cfg: TrainConfig) -> dict:
+    d = {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(cfg).items()}
+    return {k: v for k, v in d.items() if k not in _PER_SITTING}
+
+
+def _lora_state(peft_model) -> dict:
+    if peft_model is None:
+        return {}
+    from peft import get_peft_model_state_dict
+
+    return {k: v.detach().cpu().clone() for k, v in get_peft_model_state_dict(peft_model).items()}
+
+
+def _rng_state(state) -> tuple:
+    """``random.Random.getstate()`` as saved (its tuples may come back as lists)."""
+    version, internal, gauss = state
+    return (int(version), tuple(int(x) for x in internal), gauss)
+
+
+def _save_checkpoint(out_dir: Path, identity: dict, state: dict) -> None:
+    """Write ``out_dir/checkpoint/``: what a resume must match (options, data digests), then
+    the state (atomically: a crash mid-write leaves the previous checkpoint)."""
+    d = out_dir / CHECKPOINT_DIR
+    d.mkdir(parents=True, exist_ok=True)
+    (d / _CKPT_CONFIG).write_text(json.dumps(identity, indent=1, default=str), encoding="utf-8")
+    tmp = d / f".{_CKPT_FILE}.tmp"
+    torch.save(state, tmp)
+    os.replace(tmp, d / _CKPT_FILE)
+
+
+def _load_checkpoint(out_dir: Path, identity: dict) -> dict:
+    """The checkpoint in ``out_dir`` (a KVLinkError naming what is wrong: none, another run's
+    options or data, unreadable). Loaded with ``weights_only``: a checkpoint is data, never code."""
+    d = out_dir / CHECKPOINT_DIR
+    if not (d / _CKPT_FILE).is_file():
+        raise KVLinkError(f"nothing to resume: {d} holds no checkpoint ({_CKPT_FILE})")
+    try:
+        saved = json.loads((d / _CKPT_CONFIG).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise KVLinkError(f"cannot read the checkpoint's {_CKPT_CONFIG} in {d}: {e}") from None
+    now = json.loads(json.dumps(identity, default=str))
+    diff = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k))
+    if diff:
+        show = lambda v: repr(v) if len(repr(v)) <= 80 else "<another value>"  # noqa: E731 - data digests are long
+        raise KVLinkError("the checkpoint in " + str(d) + " was made with other options or data: " + ", ".join(
+            f"{k}={show(saved.get(k))} (now {show(now.get(k))})" for k in diff) + "; resume with the same ones")
+    try:
+        return torch.load(d / _CKPT_FILE, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - any unreadable file is the same problem
+        raise KVLinkError(f"cannot read the checkpoint {d / _CKPT_FILE}: {type(e).__name__}: {e}") from None
+
+
 def command_line() -> list[str]:
     """The command that is running (recorded in kvlink.json)."""
-    return ["kvrag", *sys.argv[1:]] if sys.argv and sys.argv[0].endswith("kvrag") else list(sys.argv)
+    launched = sys.argv[0] if sys.argv else ""
+    # `kvrag ...` and `python -m kvrag ...` (argv[0] is then kvrag/__main__.py) are the same command.
+    ours = launched.endswith("kvrag") or launched.endswith(os.path.join("kvrag", "__main__.py"))
+    return ["kvrag", *sys.argv[1:]] if ours else list(sys.argv)
