@@ -14,9 +14,9 @@ change what the key holds, and serving the copy gives the same answer as reading
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
 
 import torch
+from cachetools import LRUCache
 
 from kvrag.store.base import ChunkEntry
 
@@ -47,8 +47,8 @@ class HotCache:
         self.budget = budget
         self.device = device
         self.dtype = dtype
-        self._entries: OrderedDict[str, ChunkEntry] = OrderedDict()
-        self._bytes = 0
+        # cachetools' LRU sized in bytes (getsizeof); it is not thread-safe, hence the lock.
+        self._entries: LRUCache[str, ChunkEntry] = LRUCache(maxsize=budget, getsizeof=self._size)
         self._lock = threading.Lock()
         self.hits = 0
         self.misses = 0
@@ -59,19 +59,17 @@ class HotCache:
 
     def get(self, key: str) -> ChunkEntry | None:
         with self._lock:
-            entry = self._entries.get(key)
+            entry = self._entries.get(key)  # a hit becomes the most recently used
             if entry is None:
                 self.misses += 1
                 return None
-            self._entries.move_to_end(key)
             self.hits += 1
             return entry
 
     def put(self, key: str, entry: ChunkEntry) -> ChunkEntry:
         """Keep ``entry`` (converted); returns the converted entry, or ``entry`` itself when it
         alone is over the budget (then nothing is kept, e.g. with budget 0)."""
-        size = self._size(entry)
-        if size > self.budget:
+        if self._size(entry) > self.budget:
             return entry
         # copy=True: a disk read's tensors are views of the blob's file mapping (or pinned
         # buffer); a kept view would hold a file descriptor and, once the blob is evicted, its
@@ -82,24 +80,16 @@ class HotCache:
                          entry.values.to(device=self.device, dtype=self.dtype, non_blocking=True, copy=True),
                          {k: v.clone() for k, v in entry.extras.items()})
         with self._lock:
-            old = self._entries.pop(key, None)
-            if old is not None:
-                self._bytes -= self._size(old)
-            self._entries[key] = hot
-            self._bytes += size
-            while self._bytes > self.budget:
-                _, dropped = self._entries.popitem(last=False)
-                self._bytes -= self._size(dropped)
+            self._entries[key] = hot  # evicts least recently used entries down to the budget
         return hot
 
     def clear(self) -> None:
         with self._lock:
             self._entries.clear()
-            self._bytes = 0
 
     def stats(self) -> dict:
         with self._lock:
-            return {"entries": len(self._entries), "bytes": self._bytes, "budget": self.budget,
+            return {"entries": len(self._entries), "bytes": int(self._entries.currsize), "budget": self.budget,
                     "hits": self.hits, "misses": self.misses}
 
     def __len__(self) -> int:
