@@ -198,8 +198,9 @@ class KVRag:
         # Chunk K/V depend on the anchor they were computed behind: it is part of the cache
         # fingerprint, so a store shared by differently configured instances never mixes them.
         self.fingerprint = cache_fingerprint(self.handle.fingerprint, self.anchor)
-        cache_dir = Path(cache_dir) if cache_dir is not None else default_home() / "store"
-        self.store: ChunkStore = KVStore(cache_dir, size_limit=size_limit)
+        #: The local store's directory (also with a shared tier in front of which it sits).
+        self.cache_dir = Path(cache_dir) if cache_dir is not None else default_home() / "store"
+        self.store: ChunkStore = KVStore(self.cache_dir, size_limit=size_limit)
         self.queue = None
         if far is not None:
             from kvrag.store.tiered import TieredStore

@@ -258,3 +258,19 @@ def test_a_local_kvrag_never_imports_redis(tmp_path):
             "assert 'redis' not in sys.modules, 'redis imported'")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_framework_wrappers_over_a_kvrag_with_a_shared_tier(redis_url, prefix, tmp_path):
+    """The LLM wrappers record the local store's directory (what they serialize) also when a
+    shared tier stands in front of it."""
+    from langchain_kvrag import ChatKVRag
+    from llama_index.llms.kvrag import KVRagLLM
+
+    from kvrag import KVRag
+    from kvrag.testing import tiny_llama
+
+    rag = KVRag(tiny_llama(seed=0), cache_dir=tmp_path / "kv", shared=RedisStore(redis_url, prefix=prefix),
+                policy="naive_reuse")
+    assert isinstance(rag.store, TieredStore) and rag.cache_dir == tmp_path / "kv"
+    assert KVRagLLM(rag, set_tokenizer=False).cache_dir == str(tmp_path / "kv")
+    assert ChatKVRag(rag=rag).cache_dir == str(tmp_path / "kv")

@@ -168,7 +168,7 @@ class ChatKVRag(WrapsKVRag, BaseChatModel):
                 f"{source or '(in memory)'} has {self.rag.fingerprint[:16]}...: it was serialized from another model "
                 "(or one built in memory, which cannot be loaded from settings: pass rag=)")
         self.model = str(source) if source else None
-        self.cache_dir = str(self.rag.store.directory)
+        self.cache_dir = str(self.rag.cache_dir)
         self.fingerprint = self.rag.fingerprint
         _BUILT_FROM[self.rag] = (self.model, self.cache_dir)
         return self

@@ -222,7 +222,7 @@ class KVRagLLM(WrapsKVRag, LLM):
         # not a default model over the default store.
         source = getattr(rag.handle, "source", None)
         kwargs["model"] = str(source) if source else IN_MEMORY
-        kwargs["cache_dir"] = str(rag.store.directory)
+        kwargs["cache_dir"] = str(rag.cache_dir)
         super().__init__(**kwargs)
         if set_tokenizer:
             _install_tokenizer(rag)
