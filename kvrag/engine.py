@@ -282,6 +282,10 @@ class KVRag:
                            "it holds retrieved text, see docs/segmentation.md for what breaks a match. Said once.",
                            prep.known, prep.seg_stats.chunks_missed, prep.seg_stats.chunks_unaligned)
 
+    def _note_would_show(self) -> bool:
+        """Whether a ``_note_no_reuse`` now would reach a log (a cause not warned yet, or debug)."""
+        return not {"pending", "no_reuse"} <= self._warned or log.isEnabledFor(logging.DEBUG)
+
     def _say_once(self, cause: str, msg: str, *args) -> None:
         """A warning the first time per KVRag and ``cause``, debug after."""
         level = logging.DEBUG if cause in self._warned else logging.WARNING
@@ -298,7 +302,9 @@ class KVRag:
         pieces, seg_stats = self.pieces(text, use_cache=pol.uses_cache)
         has_cached = any(p.kind == CACHED for p in pieces)
         known = pending = 0
-        if pol.uses_cache and not has_cached:  # what _note_no_reuse reports, as it stands now
+        if pol.uses_cache and not has_cached and self._note_would_show():
+            # What _note_no_reuse reports, as it stands now. Scanning the precomputer's queue
+            # costs TTFT, so only while the note can still be seen (not yet said, or debug on).
             known, pending = len(self.segmenter), pending_in_prompt(self, text)
         layout = None
         if pol.uses_cache and has_cached:

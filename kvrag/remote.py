@@ -240,7 +240,7 @@ class Worker:
                 continue
             # Acknowledged only once the entry is whole in the shared store: if the write to
             # Redis failed, the job stays pending and is retried (by us or another worker).
-            if not self.rag.store.far.ensure_indexed(key):
+            if not far.ensure_indexed(key):
                 log.error("kvrag worker %s: chunk %s is not in the shared store after computing it; "
                           "left pending", self.name, key)
                 continue

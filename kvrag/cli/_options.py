@@ -7,6 +7,10 @@ from __future__ import annotations
 
 import argparse
 
+#: ``--model``'s help on every command that loads a model (the names are ``kvrag.model.MODEL_NAMES``,
+#: written out: importing ``kvrag.model`` imports torch, and building the parser must not).
+MODEL_HELP = "HF model dir, .gguf or a model name: smollm2, gemma3-270m (default: SmolLM2-135M-Instruct)"
+
 
 class _StoreIsNotHome(argparse.Action):
     """``--cache-dir`` on a command that needs the kvrag home: it used to mean the home there,

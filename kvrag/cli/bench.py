@@ -8,6 +8,7 @@ import json
 import re
 import shlex
 
+from kvrag.cli._options import MODEL_HELP
 from kvrag.errors import KVRagError
 
 # Defaults of a full run, and of --quick (a smoke test: seconds per policy, tiny prompts).
@@ -76,7 +77,7 @@ def register(sub) -> None:
     g.add_argument("--quick", action="store_true", help="smoke test: 2 examples, 3 passages cut to their first 40 words, "
                    "8 new tokens, 1 repeat, tiny scaling and sweep")
     g = p.add_argument_group("model and output")
-    g.add_argument("--model", help="HF model dir, .gguf or a model name: smollm2, gemma3-270m (default: SmolLM2-135M-Instruct)")
+    g.add_argument("--model", help=MODEL_HELP)
     g.add_argument("--device", default="auto", help="comma-separated devices; 'auto' = cpu, plus cuda if present")
     g.add_argument("--dtype", default="float32", help="compute dtype (default float32)")
     g.add_argument("--storage-dtype", default="float16", choices=("float32", "float16", "bfloat16"),

@@ -10,7 +10,7 @@ import json
 import sys
 import time
 
-from kvrag.cli._options import add_home_option
+from kvrag.cli._options import MODEL_HELP, add_home_option
 
 
 #: The calibrator's defaults (``kvrag.policies.a2ats.calibrate`` / ``.codebook``), written out:
@@ -35,7 +35,7 @@ def register(subparsers) -> None:
             "random uuids as in the paper; in-domain text (--store, --text) is better."
         ),
     )
-    a.add_argument("--model", metavar="PATH", default=None, help="HF model directory, .gguf file or a model name: smollm2, gemma3-270m (default: SmolLM2)")
+    a.add_argument("--model", metavar="PATH", default=None, help=MODEL_HELP)
     a.add_argument("--tokens", type=int, default=DEFAULTS["tokens"],
                    help=f"calibration tokens (default {DEFAULTS['tokens']}; the paper used 80K)")
     a.add_argument("--codes", type=int, default=DEFAULTS["codes"],

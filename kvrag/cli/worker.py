@@ -11,6 +11,8 @@ import logging
 import signal
 import threading
 
+from kvrag.cli._options import MODEL_HELP
+
 
 def register(sub) -> None:
     p = sub.add_parser("worker", help="compute queued chunks into a shared Redis store",
@@ -19,8 +21,8 @@ def register(sub) -> None:
     p.add_argument("--redis", required=True, metavar="URL",
                    help="the shared store, e.g. redis://:password@host:6379/0 (rediss:// for TLS)")
     p.add_argument("--prefix", default="kvrag:", help="key prefix of the shared store (default kvrag:)")
-    p.add_argument("--model", default=None, help="HF model dir or .gguf (default: SmolLM2-135M-Instruct); "
-                                                 "the replicas' model: jobs are per model fingerprint")
+    p.add_argument("--model", default=None,
+                   help=f"{MODEL_HELP}; the replicas' model: jobs are per model fingerprint")
     p.add_argument("--cache-dir", default=None, help="the worker's local store (default: $KVRAG_HOME/store)")
     p.add_argument("--storage-dtype", default="float16", help="dtype of stored K/V, as the replicas' (float16)")
     p.add_argument("--ingest-policies", default="",

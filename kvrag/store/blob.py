@@ -166,6 +166,28 @@ def serialize(entry: ChunkEntry, ids: torch.Tensor) -> bytes:
     return safetensors.torch.save(tensors, metadata=metadata)
 
 
+def index_value(text: str, fingerprint: str, n_tokens: int) -> str:
+    """The text-index record of an entry (JSON), as every tier lists it."""
+    return json.dumps({"text": text, "fingerprint": fingerprint, "n_tokens": int(n_tokens)})
+
+
+def index_record(raw: object) -> tuple[str, str] | None:
+    """(text, fingerprint) of a text-index value (JSON, or the blob metadata it is made from),
+    or None unless its text holds non-whitespace characters and its fingerprint is a non-empty
+    string: the index is read on every segmenter refresh, so one bad row must not break every
+    query."""
+    try:
+        rec = json.loads(raw) if isinstance(raw, str) else raw
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(rec, dict):
+        return None
+    text, fp = rec.get("text"), rec.get("fingerprint")
+    if not (isinstance(text, str) and text.strip() and isinstance(fp, str) and fp):
+        return None
+    return text, fp
+
+
 def read_header(data) -> tuple[dict[str, Any], int]:
     """The JSON header of a safetensors buffer (bytes, a file mapping or a uint8 array) and the
     offset its tensor data starts at. Format: u64 little-endian header length, then the JSON
@@ -185,6 +207,15 @@ def read_header(data) -> tuple[dict[str, Any], int]:
     if not isinstance(header, dict):
         raise Corrupt("safetensors header is not a mapping")
     return header, 8 + n
+
+
+def read_file_header(f) -> tuple[dict[str, Any], int]:
+    """``read_header`` of a blob file opened for reading, reading only the header's bytes."""
+    head = f.read(8)
+    n = int.from_bytes(head, "little") if len(head) == 8 else 0
+    if not 0 < n <= MAX_HEADER_BYTES:
+        raise Corrupt(f"bad safetensors header length {n}")
+    return read_header(head + f.read(n))
 
 
 def _no_constant(name: str):

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import errno
 import io
-import json
 import logging
 import mmap
 import os
@@ -53,8 +52,8 @@ from kvrag.errors import StoreError
 from kvrag.store.base import CACHE_FORMAT_VERSION, ChunkEntry, ChunkStore, make_key
 from kvrag.store.confined import ConfinedDisk, check_db_files, sanitize_settings
 from kvrag.store.blob import (
-    MAX_HEADER_BYTES, Corrupt, checksum, data_end, deserialize, is_newer_format, metadata, read_header, serialize,
-    validate_entry, verified_header,
+    Corrupt, checksum, data_end, deserialize, index_record, index_value, is_newer_format, metadata, read_file_header,
+    serialize, validate_entry, verified_header,
 )
 
 __all__ = ["CACHE_FORMAT_VERSION", "ChunkEntry", "KVStore"]
@@ -72,23 +71,6 @@ DEFAULT_SIZE_LIMIT = 16 * 2**30
 #: time, and the files of writers that died are still reclaimed by a later gc. A file whose name
 #: shows a writer of this host that no longer runs (``ConfinedDisk.writer_is_dead``) goes at once.
 _ORPHAN_GRACE_S = 3600.0
-
-
-def _index_record(raw: object) -> tuple[str, str] | None:
-    """(text, fingerprint) of a text-index value (JSON, or the blob metadata it is made from),
-    or None unless its text holds non-whitespace characters and its fingerprint is a non-empty
-    string: the index is read on every segmenter refresh, so one bad row must not break every
-    query."""
-    try:
-        rec = json.loads(raw) if isinstance(raw, str) else raw
-    except (ValueError, RecursionError):
-        return None
-    if not isinstance(rec, dict):
-        return None
-    text, fp = rec.get("text"), rec.get("fingerprint")
-    if not (isinstance(text, str) and text.strip() and isinstance(fp, str) and fp):
-        return None
-    return text, fp
 
 
 def _check_owner(key: str, entry: ChunkEntry) -> None:
@@ -272,9 +254,8 @@ class KVStore(ChunkStore):
                 f"size limit ({self.size_limit} bytes): not stored, nothing evicted; raise size_limit "
                 "or split the document into smaller chunks")
         tag = checksum(data)
-        index_value = json.dumps({"text": entry.text, "fingerprint": entry.fingerprint, "n_tokens": int(ids.numel())})
         try:
-            self._write(key, data, tag, index_value)
+            self._write(key, data, tag, index_value(entry.text, entry.fingerprint, ids.numel()))
         except (OSError, sqlite3.Error, diskcache.Timeout) as e:
             if (err := self._environment_error(e, "write to")) is not None:
                 raise err from e
@@ -299,14 +280,14 @@ class KVStore(ChunkStore):
                 cache.disk.remove(name)
             raise
 
-    def _write(self, key: str, data: bytes, tag: str, index_value: str) -> None:
+    def _write(self, key: str, data: bytes, tag: str, listing: str) -> None:
         self._set(self._blobs, key, data, tag=tag)
         # Write the index entry only if our blob is still the one stored: when two processes
         # put the same key at once, the text index then matches the blob that won. Lock order
         # is always blobs -> index (everywhere in this class), so this cannot deadlock.
         with self._blobs.transact(retry=True):
             if self._current_tag(key) == tag:
-                self._set(self._index, key, index_value)
+                self._set(self._index, key, listing)
 
     # ---- read ----------------------------------------------------------------------
     def get(self, key: str, fingerprint: str, *, pin_memory: bool = False) -> ChunkEntry | None:
@@ -399,7 +380,7 @@ class KVStore(ChunkStore):
             raw = self._index.get(key, retry=True)
             if raw is None:
                 continue
-            rec = _index_record(raw)
+            rec = index_record(raw)
             if rec is None:
                 log.warning("KVStore: unusable text-index entry %s; skipped (gc() or a precompute of the "
                             "chunk rebuilds it from the blob)", key)
@@ -546,18 +527,16 @@ class KVStore(ChunkStore):
                 size = os.fstat(handle.fileno()).st_size
             except (AttributeError, io.UnsupportedOperation):
                 return True  # a value held in SQLite: checked when read
-            head = handle.read(8)
-            n = int.from_bytes(head, "little") if len(head) == 8 else 0
             end = None
             try:
-                header = read_header(head + handle.read(n))[0] if 0 < n <= MAX_HEADER_BYTES else {}
-                if header and is_newer_format(metadata(header)):
+                header, start = read_file_header(handle)
+                if is_newer_format(metadata(header)):
                     return True  # not ours to judge
-                end = data_end(header) if header else None
+                end = start + data_end(header)
             except Corrupt:
                 pass
-        if end is None or size != 8 + n + end:
-            self._drop_corrupt(key, name, f"file of {size} bytes, its header says {'?' if end is None else 8 + n + end}")
+        if end is None or size != end:
+            self._drop_corrupt(key, name, f"file of {size} bytes, its header says {'?' if end is None else end}")
             return False
         return True
 
@@ -734,22 +713,20 @@ class KVStore(ChunkStore):
         """Recreate a missing or unreadable text-index entry from the blob's own metadata
         (a writer that died between the blob and the index write leaves one)."""
         listed = self._index.get(key, retry=True)
-        if _index_record(listed) is not None:
+        if index_record(listed) is not None:
             return False
         handle, tag, _ = self._fetch(key)
         if handle is None:
             return False
         with handle:
             # Only the header is needed; the checksum is verified when the blob is loaded.
-            head = handle.read(8)
-            n = int.from_bytes(head, "little") if len(head) == 8 else 0
             try:
-                meta = metadata(read_header(head + handle.read(n))[0]) if 0 < n <= MAX_HEADER_BYTES else None
+                meta = metadata(read_file_header(handle)[0])
             except Corrupt:
                 meta = None
         if meta and is_newer_format(meta):
             return False  # its text index is the newer kvrag's, which may lay it out differently
-        if not meta or _index_record(meta) is None:
+        if not meta or index_record(meta) is None:
             # A blob without a usable text is never listed (its get finds it corrupt), and an
             # unusable listing of it goes: it can only be skipped on every refresh.
             if listed is not None:
@@ -758,8 +735,8 @@ class KVStore(ChunkStore):
                         self._index.delete(key, retry=True)
             return False
         n_tokens = meta.get("n_tokens", "0")
-        value = json.dumps({"text": meta["text"], "fingerprint": meta["fingerprint"],
-                            "n_tokens": int(n_tokens) if n_tokens.isascii() and n_tokens.isdigit() and len(n_tokens) < 12 else 0})
+        value = index_value(meta["text"], meta["fingerprint"],
+                            int(n_tokens) if n_tokens.isascii() and n_tokens.isdigit() and len(n_tokens) < 12 else 0)
         with self._blobs.transact(retry=True):
             if self._current_tag(key) != tag:
                 return False

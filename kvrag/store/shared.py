@@ -33,7 +33,6 @@ again: redis-py opens a new connection for the next command, so it reconnects by
 """
 from __future__ import annotations
 
-import json
 import logging
 import math
 import threading
@@ -46,7 +45,10 @@ import torch
 
 from kvrag.errors import StoreError
 from kvrag.store.base import ChunkEntry, ChunkStore, make_key
-from kvrag.store.blob import Corrupt, checksum, deserialize, metadata, serialize, validate_entry, verified_header
+from kvrag.store.blob import (
+    Corrupt, checksum, deserialize, index_record, index_value, metadata, read_header, serialize, validate_entry,
+    verified_header,
+)
 
 log = logging.getLogger("kvrag.store.shared")
 
@@ -214,7 +216,7 @@ class RedisStore(ChunkStore):
         n = max(1, math.ceil(len(data) / self.part_size))
         view = memoryview(data)
         parts = [self._part(key, ver, i) for i in range(n)]
-        index_value = json.dumps({"text": entry.text, "fingerprint": entry.fingerprint, "n_tokens": int(ids.numel())})
+        listing = index_value(entry.text, entry.fingerprint, ids.numel())
 
         def write():
             import redis
@@ -239,7 +241,7 @@ class RedisStore(ChunkStore):
                         t.delete(self._meta(key))
                         t.hset(self._meta(key), mapping={"ver": ver, "tag": checksum(data), "size": len(data),
                                                          "part_size": self.part_size, "parts": n})
-                        t.hset(self._idx, key, index_value)
+                        t.hset(self._idx, key, listing)
                         t.incr(self._idxv)
                         t.execute()
                         break
@@ -268,9 +270,8 @@ class RedisStore(ChunkStore):
                 self._count("misses")
                 return None
             header, start = verified
-            if metadata(header).get("fingerprint") != fingerprint:
-                log.warning("RedisStore: entry %s belongs to model %s, not %s; not used",
-                            key, metadata(header).get("fingerprint"), fingerprint)
+            if (owner := metadata(header).get("fingerprint")) != fingerprint:
+                log.warning("RedisStore: entry %s belongs to model %s, not %s; not used", key, owner, fingerprint)
                 self._count("wrong_model")
                 self._count("misses")
                 return None
@@ -315,7 +316,7 @@ class RedisStore(ChunkStore):
                 return False
             if not listed:
                 head = self.client.getrange(self._part(key, meta["ver"], 0), 0, min(meta["size"], 2**20) - 1)
-                rec = _index_record(head)
+                rec = _listing_from_head(head)
                 if rec is None:
                     return False
                 t = self.client.pipeline(transaction=True)
@@ -339,14 +340,14 @@ class RedisStore(ChunkStore):
                 raw = self.client.hgetall(self._idx)
                 index = {}
                 for k, v in raw.items():
+                    # A blank text would match everywhere in a prompt, one not ours is unusable:
+                    # never listed.
                     try:
-                        rec = json.loads(v)
-                        text, fp = rec["text"], rec["fingerprint"]
-                        # A blank text would match everywhere in a prompt: never listed.
-                        if isinstance(text, str) and text.strip() and isinstance(fp, str):
-                            index[k.decode("utf-8")] = (text, fp)
-                    except (ValueError, KeyError, TypeError, UnicodeDecodeError):
-                        continue  # not ours: never listed
+                        rec = index_record(v.decode("utf-8"))
+                        if rec is not None:
+                            index[k.decode("utf-8")] = rec
+                    except UnicodeDecodeError:
+                        continue
                 self._index, self._index_version = index, version
 
         self._call(run)
@@ -421,7 +422,7 @@ class RedisStore(ChunkStore):
     def _unlist(self, key: str) -> None:
         """Drop the index entry of an entry that is gone (evicted, or not kvrag's)."""
         def run():
-            if not self.client.exists(self._meta(key)) or self._read(key) == "gone":
+            if self._read(key) in (None, "gone"):  # None: no meta any more
                 t = self.client.pipeline(transaction=True)
                 t.hdel(self._idx, key)
                 t.incr(self._idxv)
@@ -483,14 +484,11 @@ def _meta_fields(raw: dict, default_part: int) -> dict[str, Any] | None:
     return out
 
 
-def _index_record(head: bytes) -> str | None:
+def _listing_from_head(head: bytes) -> str | None:
     """The index value (JSON) of a blob whose first bytes are ``head``, from its own header."""
-    from kvrag.store.blob import read_header
-
     try:
         meta = metadata(read_header(head)[0])
-        return json.dumps({"text": meta["text"], "fingerprint": meta["fingerprint"],
-                           "n_tokens": int(meta.get("n_tokens", 0))})
+        return index_value(meta["text"], meta["fingerprint"], int(meta.get("n_tokens", 0)))
     except (Corrupt, KeyError, ValueError, TypeError):
         return None
 

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from kvrag.errors import KVRagError
-from kvrag.model import ModelHandle, default_home
+from kvrag.model import ModelHandle, _sha256_file, default_home
 from kvrag.policies.kvlink.policy import ADAPTER_ATTR
 
 log = logging.getLogger("kvrag.kvlink")
@@ -129,12 +129,9 @@ class KVLinkAdapter:
         return self.links[min(int(doc_index), self.max_docs - 1)]
 
 
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 20):
-            h.update(block)
-    return h.hexdigest()
+def sha256_file(path: str | os.PathLike) -> str:
+    """The sha256 of a file's bytes (``kvrag.model``'s streaming digest)."""
+    return _sha256_file(Path(path))
 
 
 def load_adapter(path: str | os.PathLike) -> KVLinkAdapter:

@@ -277,20 +277,19 @@ def qa_task(source: str, item, rng: random.Random, n_docs: int, *, p_without: fl
     """A labelled task: ``n_docs`` of the item's passages, shuffled, the one holding a gold
     answer included -- or, with probability ``p_without``, left out; then the target is the
     teacher's answer (a gold answer the context does not hold would teach guessing)."""
+    from kvrag.policies.kvlink.train import pick_passages
+
     low = [a.lower() for a in item.answers]
     gold = [i for i, p in enumerate(item.passages) if any(a in p.lower() for a in low)]
     without = bool(gold) and len(item.passages) > len(gold) and rng.random() < p_without
     if without:
         idx = [i for i in range(len(item.passages)) if i not in gold]
         rng.shuffle(idx)
-        chosen = idx[:n_docs]
-    else:
-        chosen = [rng.choice(gold)] if gold else []
-        rest = [i for i in range(len(item.passages)) if i not in chosen]
-        rng.shuffle(rest)
-        chosen += rest[: max(0, n_docs - len(chosen))]
-    rng.shuffle(chosen)
-    return Task(source, "qa", [item.passages[i] for i in chosen], item.question, list(item.answers),
+        passages = [item.passages[i] for i in idx[:n_docs]]
+        rng.shuffle(passages)
+    else:  # the gold passage and others, shuffled: as `kvrag train kvlink` picks them
+        passages = pick_passages(item, n_docs, rng)
+    return Task(source, "qa", passages, item.question, list(item.answers),
                 "teacher" if without else "gold", not without)
 
 
