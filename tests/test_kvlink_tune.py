@@ -126,6 +126,15 @@ def test_teacher_targets_are_the_base_models_own_full_prefill_answer(handle, mon
                                  do_sample=False, pad_token_id=0)[0, prompt.numel():]
     assert s.ids[s.answer_start:].tolist() == want.tolist()
     assert int(s.segment.max()) == len(task.passages) and bool((s.link_slot >= 0).any())
+    # The generation's own logits are the distillation target: those of a plain full forward.
+    from kvrag.arch import Arch
+    from kvrag.policies.kvlink.train import Sample, answer_logits
+
+    full = Sample(plain.ids, plain.link_slot, torch.zeros_like(plain.segment), plain.answer_start)
+    with torch.no_grad():
+        ref = answer_logits(Arch(handle.model), full, None)
+    assert s.teacher_logits is not None and s.teacher_logits.shape == ref.shape == (6, ref.shape[-1])
+    torch.testing.assert_close(s.teacher_logits, ref, rtol=1e-4, atol=1e-4)
     # A prompt over the training length limit costs no teacher generation (training skips it).
     from kvrag.policies.kvlink.train import prompt_pieces, rag_prompt
 

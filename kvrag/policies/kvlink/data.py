@@ -385,6 +385,7 @@ class TaskSampler:
         prompt = rag_prompt(h, passages, task.question)
         pieces = prompt_pieces(h, prompt, passages)
         eos = h.tokenizer.eos_token_id
+        logits = None
         if task.target == "gold":
             ans = answer_ids(h, task.answers[0])
         elif self.max_tokens is not None and self._prompt_tokens(pieces) >= self.max_tokens:
@@ -394,9 +395,16 @@ class TaskSampler:
             with torch.no_grad():
                 out = h.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=self.answer_tokens,
                                        do_sample=False, eos_token_id=eos,
-                                       pad_token_id=eos if eos is not None else 0)
-            ans = out[0, ids.shape[1]:].tolist() or ([eos] if eos is not None else [0])
-        return build_sample(pieces, ans, self.link_tokens, self.max_docs, h.anchor_ids())
+                                       pad_token_id=eos if eos is not None else 0,
+                                       output_logits=True, return_dict_in_generate=True)
+            ans = out.sequences[0, ids.shape[1]:].tolist()
+            # Row t of the generation's logits predicts answer token t over the plain prompt:
+            # the distillation target, so training need not run the teacher again.
+            logits = torch.cat(out.logits, dim=0)[: len(ans)].float() if ans else None
+            ans = ans or ([eos] if eos is not None else [0])
+        sample = build_sample(pieces, ans, self.link_tokens, self.max_docs, h.anchor_ids())
+        sample.teacher_logits = logits
+        return sample
 
     def __call__(self, rng: random.Random):
         task = self.mixture.task(rng)

@@ -112,6 +112,10 @@ class Sample:
     answer_start: int
     private: torch.Tensor | None = None
     positions: torch.Tensor | None = None
+    #: [T, V] the base model's logits predicting the T answer tokens over the plain prompt, when
+    #: the sampler already has them (the teacher's own greedy generation computes exactly these):
+    #: saves the distillation step a second no-grad forward over the whole prompt.
+    teacher_logits: torch.Tensor | None = None
 
     @property
     def n(self) -> int:
@@ -499,6 +503,8 @@ def train_kvlink(
     def teacher(sample: Sample) -> torch.Tensor | None:
         if cfg.objective != "distill":
             return None
+        if sample.teacher_logits is not None:
+            return sample.teacher_logits
         plain = sample.without_links()
         plain = Sample(plain.ids, plain.link_slot, torch.zeros_like(plain.segment), plain.answer_start)
         ctx = peft_model.disable_adapter() if peft_model is not None else contextlib.nullcontext()
