@@ -163,7 +163,7 @@ def run_stats(args) -> int:
 
 def shared_stats(url: str, prefix: str) -> dict:
     """The shared tier's listing and memory, and every precompute queue under ``prefix``."""
-    from kvrag.remote import RedisQueue
+    from kvrag.remote import RedisQueue, streams_key
     from kvrag.store.shared import RedisStore
 
     store = RedisStore(url, prefix=prefix)
@@ -173,7 +173,7 @@ def shared_stats(url: str, prefix: str) -> dict:
         out = {k: st[k] for k in keep if k in st}
         if out.get("reachable") is False:
             return out
-        fps = sorted(f.decode() for f in store.client.smembers(f"{prefix}q:streams"))
+        fps = sorted(f.decode() for f in store.client.smembers(streams_key(prefix)))
         out["queues"] = [RedisQueue(store, fp).progress() for fp in fps]
         return out
     finally:
