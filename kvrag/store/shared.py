@@ -183,6 +183,12 @@ class Outage:
         self._lock = threading.Lock()
         self._down_since: float | None = None
         self._retry_at = 0.0
+        self._on_recover: list = []
+
+    def on_recover(self, fn) -> None:
+        """Call ``fn()`` each time the server answers again after an outage (in the thread of
+        the command that found it back: ``fn`` must only schedule work)."""
+        self._on_recover.append(fn)
 
     @property
     def down(self) -> bool:
@@ -210,6 +216,11 @@ class Outage:
             since, self._down_since = self._down_since, None
         if since is not None:
             log.warning("%s is reachable again (down %.1f s)", self.what, time.monotonic() - since)
+            for fn in self._on_recover:
+                try:
+                    fn()
+                except Exception as e:  # a listener must not fail the command that reconnected
+                    log.warning("%s: a reconnect listener failed: %s", self.what, e)
 
 
 class RedisStore(ChunkStore):
