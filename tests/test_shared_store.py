@@ -334,3 +334,44 @@ def test_framework_wrappers_over_a_kvrag_with_a_shared_tier(redis_url, prefix, t
     assert isinstance(rag.store, TieredStore) and rag.cache_dir == tmp_path / "kv"
     assert KVRagLLM(rag, set_tokenizer=False).cache_dir == str(tmp_path / "kv")
     assert ChatKVRag(rag=rag).cache_dir == str(tmp_path / "kv")
+
+
+def test_wrappers_serialize_the_shared_url_never_its_password(tmp_path, monkeypatch):
+    """A round trip of the LlamaIndex and LangChain wrappers keeps the shared tier (URL, prefix,
+    precompute_via) with the password removed; loaded again, the password comes from
+    $KVRAG_REDIS_PASSWORD and the rebuilt KVRag reads the shared tier (a Redis that requires it)."""
+    from langchain_core.load import dumpd, load
+    from langchain_kvrag import ChatKVRag
+    from llama_index.llms.kvrag import KVRagLLM
+
+    from kvrag import KVRag
+    from kvrag.testing import tiny_llama
+
+    model_dir = tmp_path / "model"
+    h = tiny_llama(seed=0)
+    h.model.save_pretrained(model_dir)
+    h.tokenizer.save_pretrained(model_dir)
+    server = RedisServer(password="s3cret-pw").start()
+    try:
+        url = f"redis://:s3cret-pw@127.0.0.1:{server.port}/0"
+        rag = KVRag(str(model_dir), cache_dir=tmp_path / "kv", shared=RedisStore(url, prefix="team-a:"))
+        rag.precompute(["A chunk that replica one stored in the shared tier."])
+        key = rag.chunk_key("A chunk that replica one stored in the shared tier.")
+        want = {"shared": f"redis://127.0.0.1:{server.port}/0", "shared_prefix": "team-a:", "precompute_via": "local"}
+        d = KVRagLLM(rag, set_tokenizer=False).to_dict()
+        lc = dumpd(ChatKVRag(rag=rag))
+        assert {k: d[k] for k in want} == want and {k: lc["kwargs"][k] for k in want} == want
+        assert "s3cret" not in json.dumps(d) and "s3cret" not in json.dumps(lc)
+        monkeypatch.setenv("KVRAG_REDIS_PASSWORD", "s3cret-pw")
+        again = KVRagLLM.from_dict(d, cache_dir=str(tmp_path / "kv-b"), set_tokenizer=False)  # an empty disk
+        assert again.rag.store.far.prefix == "team-a:" and key in again.rag.store.far  # authenticated
+        lc["kwargs"]["cache_dir"] = str(tmp_path / "kv-c")
+        chat = load(lc, valid_namespaces=["langchain_kvrag"], allowed_objects=[ChatKVRag])
+        assert chat.shared == want["shared"] and key in chat.rag.store.far
+        with pytest.raises(ValueError, match="either an existing `rag`"):
+            KVRagLLM(rag, shared="redis://elsewhere:6379/0")
+        # Built from settings with the password in the URL: recorded without it.
+        built = ChatKVRag(model=str(model_dir), cache_dir=str(tmp_path / "kv-d"), shared=url, shared_prefix="team-a:")
+        assert built.shared == want["shared"] and key in built.rag.store.far
+    finally:
+        server.close()
