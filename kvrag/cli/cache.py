@@ -54,7 +54,8 @@ def register(sub) -> None:
     s = cmds.add_parser("stats", help="entries, bytes on disk, size limit; with --shared: the Redis tier and queue")
     common(s)
     s.add_argument("--shared", default=None, metavar="URL",
-                   help="also report the shared Redis tier (redis://host:6379/0): listed chunks, memory, "
+                   help="also report the shared Redis tier (redis://host:6379/0, redis+cluster://host:6379): listed "
+                        "chunks, memory, "
                         "and each precompute queue's length, pending jobs and progress")
     s.add_argument("--prefix", default="kvrag:", help="key prefix of the shared store (default kvrag:)")
     s.set_defaults(func=run_stats)

@@ -154,15 +154,13 @@ def public_url(url: str) -> str:
     from urllib.parse import parse_qsl, urlencode
 
     head, sep, tail = url.partition("://")
-    if "@" in tail.split("?", 1)[0]:
-        cred, _, tail = tail.rpartition("@")
+    tail, q, query = tail.partition("?")
+    if "@" in tail:
+        cred, _, host = tail.rpartition("@")
         user = cred.split(":", 1)[0]
-        tail = f"{user + '@' if user else ''}{tail}"
-    if "?" in tail:
-        tail, _, query = tail.partition("?")
-        kept = [(k, v) for k, v in parse_qsl(query, keep_blank_values=True) if k.lower() != "password"]
-        tail += "?" + urlencode(kept) if kept else ""
-    return f"{head}{sep}{tail}"
+        tail = f"{user + '@' if user else ''}{host}"
+    kept = [(k, v) for k, v in parse_qsl(query, keep_blank_values=True) if k.lower() != "password"]
+    return f"{head}{sep}{tail}" + ("?" + urlencode(kept) if q and kept else "")
 
 
 def _routing_error(e: BaseException) -> bool:
