@@ -17,8 +17,10 @@ Redis Streams with a consumer group give the guarantees (no hand-rolled queue):
 * **no partial entry**: an entry becomes visible only with its meta, written after all its
   parts in one transaction (``kvrag.store.shared``).
 
-One stream per cache fingerprint (``<prefix>q:<fingerprint>``): a worker only takes jobs for
-the model and anchor it runs.
+One stream per cache fingerprint (``<prefix>q:{<fingerprint>}``): a worker only takes jobs
+for the model and anchor it runs. The stream, its counters, its failures and its claims
+(``<prefix>q:{<fingerprint>}:claim:<key>``) share the hash tag ``{<fingerprint>}``, so the
+transaction that acknowledges a job stays in one slot of a Redis Cluster.
 """
 from __future__ import annotations
 
@@ -39,6 +41,11 @@ log = logging.getLogger("kvrag.remote")
 GROUP = "kvrag-workers"
 
 
+def streams_key(prefix: str) -> str:
+    """The set of the fingerprints that have a queue under ``prefix`` (for ``kvrag cache stats``)."""
+    return f"{prefix}q:streams"
+
+
 class RedisQueue:
     """The precompute queue of one cache fingerprint on the shared store's Redis.
 
@@ -49,17 +56,23 @@ class RedisQueue:
     def __init__(self, store, fingerprint: str, *, claim_ttl_s: int = 3600) -> None:
         if not hasattr(store, "client") or not hasattr(store, "prefix"):
             raise TypeError(f"precompute_via='queue' needs a Redis shared store, got {type(store).__name__}")
+        if not isinstance(fingerprint, str) or not fingerprint or "{" in fingerprint or "}" in fingerprint:
+            raise ValueError(f"fingerprint must be a non-empty string without braces, got {fingerprint!r}")
         self.store = store
-        self.client = store.client
         self.fingerprint = fingerprint
         self.claim_ttl_s = int(claim_ttl_s)
         p = store.prefix
-        self.stream = f"{p}q:{fingerprint}"
-        self._claim = f"{p}q:claim:"
-        self._counts = f"{p}q:counts:{fingerprint}"
-        self._failed = f"{p}q:failed:{fingerprint}"
-        self._streams = f"{p}q:streams"
+        # One hash tag for every key of this queue: _ack's transaction touches four of them.
+        self.stream = f"{p}q:{{{fingerprint}}}"
+        self._claim = f"{self.stream}:claim:"
+        self._counts = f"{self.stream}:counts"
+        self._failed = f"{self.stream}:failed"
+        self._streams = streams_key(p)
         self._group_ready = False
+
+    @property
+    def client(self):
+        return self.store.client  # a cluster's client is made at first use (RedisStore.client)
 
     def ensure_group(self) -> None:
         import redis
@@ -106,8 +119,9 @@ class RedisQueue:
             raise
         except Exception as e:
             import redis
+            from redis.exceptions import ClusterError, RedisClusterException
 
-            if isinstance(e, (redis.ConnectionError, redis.TimeoutError)):
+            if isinstance(e, (redis.ConnectionError, redis.TimeoutError, ClusterError, RedisClusterException)):
                 raise SharedStoreDown(f"cannot queue chunks on {self.store.outage.what}: {e}") from e
             raise
         return keys
@@ -171,12 +185,15 @@ class Worker:
             raise ValueError("a worker computes its jobs: build its KVRag with precompute_via='local'")
         self.rag = rag
         self.queue = RedisQueue(far, rag.fingerprint)
-        self.client = far.client
         self.name = name or f"{socket.gethostname()}:{os.getpid()}"
         self.batch = batch
         self.claim_idle_ms = int(claim_idle_s * 1000)
         self.block_ms = int(block_s * 1000)
         self.done = 0
+
+    @property
+    def client(self):
+        return self.queue.client
 
     def _take(self) -> list[tuple[bytes, dict]]:
         """Up to ``batch`` jobs: first those a dead worker left pending, then new ones."""
@@ -266,12 +283,13 @@ class Worker:
         """Process jobs until ``stop`` is set (or, with ``until_idle``, until a read finds
         none and nothing is pending); Redis outages are waited out. Returns the jobs done."""
         import redis
+        from redis.exceptions import ClusterError, RedisClusterException
 
         stop = stop or threading.Event()
         while not stop.is_set():
             try:
                 n = self.step()
-            except (redis.ConnectionError, redis.TimeoutError) as e:
+            except (redis.ConnectionError, redis.TimeoutError, ClusterError, RedisClusterException) as e:
                 log.warning("kvrag worker %s: Redis unreachable (%s); retrying in 2 s", self.name, e)
                 self.queue._group_ready = False
                 stop.wait(2.0)

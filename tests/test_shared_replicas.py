@@ -16,11 +16,13 @@ import time
 
 import pytest
 
-from redis_helpers import RedisServer, own_redis, prefix, redis, redis_url  # noqa: F401 (fixtures)
+from redis_helpers import (  # noqa: F401 (fixtures)
+    RedisServer, any_url, cluster_url, own_redis, prefix, redis, redis_url,
+)
 
 from corpus_helpers import DOCS as CORPUS, prompt_for
 from kvrag.engine import KVRag
-from kvrag.remote import RedisQueue, Worker
+from kvrag.remote import GROUP, RedisQueue, Worker
 from kvrag.store.shared import RedisStore
 from kvrag.testing import tiny_llama
 
@@ -248,3 +250,59 @@ def test_worker_publishes_a_chunk_it_only_has_on_its_own_disk(redis_url, prefix,
     for k in keys:
         got, want = producer.store.far.get(k, producer.fingerprint), local.store.get(k, local.fingerprint)
         assert got is not None and (got.keys == want.keys).all()
+
+
+def test_queue_submit_work_dedup_and_takeover(any_url, prefix, model_dir, tmp_path):
+    """The queue on one server and on a real Redis Cluster: jobs are queued once (dedup),
+    a worker computes them into the shared store and acknowledges them (one transaction over
+    the stream, its counters and the claim: one slot), and a job a dead consumer read is taken
+    over (XAUTOCLAIM)."""
+    w = KVRag(model_dir, cache_dir=tmp_path / "w", shared=RedisStore(any_url, prefix=prefix))
+    producer = KVRag(w.handle, cache_dir=tmp_path / "p", shared=RedisStore(any_url, prefix=prefix),
+                     precompute_via="queue")
+    q = producer.queue
+    keys = producer.precompute(DOCS[:2])
+    assert q.submit(DOCS[:2], producer.ingestor) == keys  # claimed already: not queued again
+    assert q.progress()["queued"] == 2 and q.progress()["submitted"] == 2
+    worker = Worker(w, block_s=0.1)
+    for _ in range(20):
+        if worker.step() and worker.done == 2:
+            break
+    p = q.progress()
+    assert p["done"] == 2 and p["queued"] == 0 and p["pending"] == 0
+    assert all(producer.store.far.get(k, producer.fingerprint) is not None for k in keys)
+    assert not q.client.exists(q._claim + keys[0])  # the claim is released with the job
+    q.submit(DOCS[:2], producer.ingestor)  # stored now: nothing queued
+    assert q.progress()["submitted"] == 2
+    # A consumer reads the third job and dies: another worker takes it over.
+    (key3,) = q.submit(DOCS[2:3], producer.ingestor)
+    assert q.client.xreadgroup(GROUP, "dead", {q.stream: ">"}, count=1)
+    assert q.progress()["pending"] == 1
+    taker = Worker(w, block_s=0.1, claim_idle_s=0)
+    assert taker.step() == 1
+    assert q.progress()["pending"] == 0 and q.progress()["done"] == 3 and key3 in producer.store.far
+
+
+def test_chunks_stored_locally_during_an_outage_are_pushed_up_later(own_redis, model_dir, tmp_path, caplog):
+    """Redis down while replica A precomputes: the chunks go to A's disk only. Redis comes back
+    (empty: no persistence); once A sees it again they are pushed up in the background, and a
+    second replica with an empty disk reads them from Redis."""
+    a = KVRag(model_dir, cache_dir=tmp_path / "a",
+              shared=RedisStore(own_redis.url, socket_timeout=0.5, retry_s=0.2))
+    own_redis.stop()
+    keys = a.precompute(DOCS[:2])
+    tiers = a.store.stats()["tiers"]
+    assert tiers["far_write_failures"] == 2 and tiers["unsynced"] == 2
+    own_redis.start()
+    time.sleep(0.3)  # past retry_s
+    with caplog.at_level(logging.WARNING):
+        a.lookup.refresh()  # any command reaching Redis: here the index refresh of the query path
+        a.store.flush()
+    tiers = a.store.stats()["tiers"]
+    assert tiers["pushed_after_outage"] == 2 and tiers["unsynced"] == 0
+    assert any("pushed 2 chunk" in r.getMessage() for r in caplog.records)
+    b = KVRag(a.handle, cache_dir=tmp_path / "b", shared=RedisStore(own_redis.url))
+    assert set(b.store.far.texts(b.fingerprint)) == set(keys)
+    for k in keys:
+        assert b.store.get(k, b.fingerprint) is not None
+    assert b.store.stats()["tiers"]["far_hits"] == 2

@@ -1,6 +1,7 @@
 """The shared tier on a real Redis (kvrag.store.shared, kvrag.store.tiered): round trip, the
 text index, verification of every read (tampered, foreign, truncated, not kvrag's values are
-misses that never crash), eviction, and a server going away and coming back."""
+misses that never crash), eviction, and a server going away and coming back. The store's
+key tests run twice: on one server and on a real 3-node Redis Cluster (``cluster_url``)."""
 from __future__ import annotations
 
 import json
@@ -9,11 +10,13 @@ import logging
 import pytest
 import torch
 
-from redis_helpers import RedisServer, own_redis, prefix, redis, redis_url  # noqa: F401 (fixtures)
+from redis_helpers import (  # noqa: F401 (fixtures)
+    RedisServer, any_url, cluster_url, own_redis, prefix, redis, redis_url,
+)
 
 from kvrag.store import ChunkEntry, KVStore, make_key
 from kvrag.store.blob import checksum, serialize
-from kvrag.store.shared import RedisStore, redact
+from kvrag.store.shared import PART_SIZE, RedisStore, SharedStoreDown, public_url, redact
 from kvrag.store.tiered import TieredStore
 
 FP = "fp-shared-test"
@@ -35,13 +38,14 @@ def same(a: ChunkEntry, b: ChunkEntry) -> bool:
 
 
 @pytest.fixture
-def store(redis_url, prefix):
-    s = RedisStore(redis_url, prefix=prefix, part_size=1024)  # small parts: entries span several
+def store(any_url, prefix):
+    """A store on one server, then on a cluster."""
+    s = RedisStore(any_url, prefix=prefix, part_size=1024)  # small parts: entries span several
     yield s
     s.close()
 
 
-def test_round_trip_index_and_prefix_isolation(store, redis_url, prefix):
+def test_round_trip_index_and_prefix_isolation(store, prefix):
     key, e = entry(1, t=40)  # 40 tokens x 2 x 2 x 8 x fp16 x 2 + extras: several 1 KiB parts
     assert key not in store and store.get(key, FP) is None
     store.put(key, e)
@@ -51,7 +55,7 @@ def test_round_trip_index_and_prefix_isolation(store, redis_url, prefix):
     assert store.texts(FP) == {key: e.text} and store.texts("other") == {}
     meta = store.client.hgetall(store._meta(key))
     assert int(meta[b"parts"]) > 1
-    other = RedisStore(redis_url, prefix=prefix + "other:")
+    other = RedisStore(store.url, prefix=prefix + "other:")
     assert key not in other and other.texts(None) == {} and other.get(key, FP) is None
     # A replacement gets new parts; the old ones are deleted.
     old_ver = meta[b"ver"].decode()
@@ -64,8 +68,61 @@ def test_round_trip_index_and_prefix_isolation(store, redis_url, prefix):
 def test_redact_hides_the_password():
     assert redact("redis://:s3cret@h:6379/0") == "redis://***@h:6379/0"
     assert redact("rediss://user:s3cret@h/1") == "rediss://user:***@h/1"
+    assert public_url("redis://:s3cret@h:6379/0") == "redis://h:6379/0"
+    assert public_url("rediss+cluster://user:s3cret@h:7000") == "rediss+cluster://user@h:7000"
+    assert public_url("unix:///r.sock?db=1&password=s3cret") == "unix:///r.sock?db=1"
     with pytest.raises(ValueError, match="redis://host"):
         RedisStore("localhost:6379")
+
+
+def test_bad_urls_and_prefixes_are_clear_errors():
+    with pytest.raises(ValueError, match="only database 0"):
+        RedisStore("redis+cluster://127.0.0.1:7000/2")
+    with pytest.raises(ValueError, match="redis\\+cluster://"):
+        RedisStore("memcached://127.0.0.1:11211")
+    with pytest.raises(ValueError, match="names one of its nodes"):
+        RedisStore("redis+cluster:///0")
+    with pytest.raises(ValueError, match="hash tags"):
+        RedisStore("redis://127.0.0.1:6379/0", prefix="team{a}:")
+
+
+def test_multi_part_entry_keys_share_one_slot(any_url, prefix):
+    """An entry over 4 MiB (default parts): its parts and meta are in one hash slot (a
+    cluster's transaction needs that), and a second store (another replica) reads it and
+    lists it."""
+    from redis.cluster import key_slot
+
+    a = RedisStore(any_url, prefix=prefix)
+    key, e = entry(7, t=40000)  # ~5.4 MB: two 4 MiB parts
+    a.put(key, e)
+    meta = a.client.hgetall(a._meta(key))
+    assert int(meta[b"parts"]) == 2 and int(meta[b"size"]) > PART_SIZE
+    names = [a._meta(key)] + [a._part(key, meta[b"ver"].decode(), i) for i in range(2)]
+    assert len({key_slot(n.encode()) for n in names}) == 1
+    assert key_slot(a._idx.encode()) == key_slot(a._idxv.encode())
+    b = RedisStore(any_url, prefix=prefix)
+    assert b.texts(FP) == {key: e.text}
+    assert same(b.get(key, FP), e)
+    a.close()
+    b.close()
+
+
+def test_a_plain_url_to_a_cluster_node_says_use_redis_cluster(cluster_url, prefix):
+    """redis:// at a cluster node: the keys on other nodes answer MOVED, which is reported as
+    a configuration problem (the store treats it as unreachable), never taken for a value."""
+    port = int(cluster_url.rsplit(":", 1)[1])
+    key, e = entry(8)
+    nodes = [f"{n.host}:{n.port}" for n in redis.cluster.RedisCluster(host="127.0.0.1", port=port).get_primaries()]
+    assert len(nodes) == 3
+    errors = []
+    for addr in nodes:
+        s = RedisStore(f"redis://{addr}/0", prefix=prefix)
+        try:
+            s.put(key, e)
+        except SharedStoreDown as err:
+            errors.append(str(err))
+        s.close()
+    assert len(errors) >= len(nodes) - 1 and all("redis+cluster://" in m for m in errors), errors
 
 
 def _tamper_cases(store, key, e):
@@ -204,6 +261,9 @@ def test_eviction_under_maxmemory_is_misses_only(tmp_path):
             key, e = entry(100 + i, t=1600)
             far.put(key, e)
             keys.append((key, e))
+        # Newest first: reading an entry takes output-buffer memory, which under maxmemory
+        # evicts others; the oldest-first order could leave none to serve (seen once).
+        keys.reverse()
         served = [far.get(k, FP) for k, _ in keys]
         assert any(s is None for s in served) and any(s is not None for s in served)
         for (k, e), s in zip(keys, served):
@@ -231,7 +291,7 @@ def test_concurrent_writers_of_one_key_leave_one_whole_version(store):
     for t in threads:
         t.join()
     meta = store.client.hgetall(store._meta(key))
-    parts = store.client.keys(store.prefix + "p:*")
+    parts = list(store.client.scan_iter(match=store.prefix + "p:*"))  # on every node of a cluster
     assert len(parts) == int(meta[b"parts"])  # the replaced versions' parts are all gone
     assert all(p.decode().split(":")[-2] == meta[b"ver"].decode() for p in parts)
     assert same(store.get(key, FP), e)
@@ -274,3 +334,44 @@ def test_framework_wrappers_over_a_kvrag_with_a_shared_tier(redis_url, prefix, t
     assert isinstance(rag.store, TieredStore) and rag.cache_dir == tmp_path / "kv"
     assert KVRagLLM(rag, set_tokenizer=False).cache_dir == str(tmp_path / "kv")
     assert ChatKVRag(rag=rag).cache_dir == str(tmp_path / "kv")
+
+
+def test_wrappers_serialize_the_shared_url_never_its_password(tmp_path, monkeypatch):
+    """A round trip of the LlamaIndex and LangChain wrappers keeps the shared tier (URL, prefix,
+    precompute_via) with the password removed; loaded again, the password comes from
+    $KVRAG_REDIS_PASSWORD and the rebuilt KVRag reads the shared tier (a Redis that requires it)."""
+    from langchain_core.load import dumpd, load
+    from langchain_kvrag import ChatKVRag
+    from llama_index.llms.kvrag import KVRagLLM
+
+    from kvrag import KVRag
+    from kvrag.testing import tiny_llama
+
+    model_dir = tmp_path / "model"
+    h = tiny_llama(seed=0)
+    h.model.save_pretrained(model_dir)
+    h.tokenizer.save_pretrained(model_dir)
+    server = RedisServer(password="s3cret-pw").start()
+    try:
+        url = f"redis://:s3cret-pw@127.0.0.1:{server.port}/0"
+        rag = KVRag(str(model_dir), cache_dir=tmp_path / "kv", shared=RedisStore(url, prefix="team-a:"))
+        rag.precompute(["A chunk that replica one stored in the shared tier."])
+        key = rag.chunk_key("A chunk that replica one stored in the shared tier.")
+        want = {"shared": f"redis://127.0.0.1:{server.port}/0", "shared_prefix": "team-a:", "precompute_via": "local"}
+        d = KVRagLLM(rag, set_tokenizer=False).to_dict()
+        lc = dumpd(ChatKVRag(rag=rag))
+        assert {k: d[k] for k in want} == want and {k: lc["kwargs"][k] for k in want} == want
+        assert "s3cret" not in json.dumps(d) and "s3cret" not in json.dumps(lc)
+        monkeypatch.setenv("KVRAG_REDIS_PASSWORD", "s3cret-pw")
+        again = KVRagLLM.from_dict(d, cache_dir=str(tmp_path / "kv-b"), set_tokenizer=False)  # an empty disk
+        assert again.rag.store.far.prefix == "team-a:" and key in again.rag.store.far  # authenticated
+        lc["kwargs"]["cache_dir"] = str(tmp_path / "kv-c")
+        chat = load(lc, valid_namespaces=["langchain_kvrag"], allowed_objects=[ChatKVRag])
+        assert chat.shared == want["shared"] and key in chat.rag.store.far
+        with pytest.raises(ValueError, match="either an existing `rag`"):
+            KVRagLLM(rag, shared="redis://elsewhere:6379/0")
+        # Built from settings with the password in the URL: recorded without it.
+        built = ChatKVRag(model=str(model_dir), cache_dir=str(tmp_path / "kv-d"), shared=url, shared_prefix="team-a:")
+        assert built.shared == want["shared"] and key in built.rag.store.far
+    finally:
+        server.close()

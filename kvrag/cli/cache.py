@@ -54,7 +54,8 @@ def register(sub) -> None:
     s = cmds.add_parser("stats", help="entries, bytes on disk, size limit; with --shared: the Redis tier and queue")
     common(s)
     s.add_argument("--shared", default=None, metavar="URL",
-                   help="also report the shared Redis tier (redis://host:6379/0): listed chunks, memory, "
+                   help="also report the shared Redis tier (redis://host:6379/0, redis+cluster://host:6379): listed "
+                        "chunks, memory, "
                         "and each precompute queue's length, pending jobs and progress")
     s.add_argument("--prefix", default="kvrag:", help="key prefix of the shared store (default kvrag:)")
     s.set_defaults(func=run_stats)
@@ -163,7 +164,7 @@ def run_stats(args) -> int:
 
 def shared_stats(url: str, prefix: str) -> dict:
     """The shared tier's listing and memory, and every precompute queue under ``prefix``."""
-    from kvrag.remote import RedisQueue
+    from kvrag.remote import RedisQueue, streams_key
     from kvrag.store.shared import RedisStore
 
     store = RedisStore(url, prefix=prefix)
@@ -173,7 +174,7 @@ def shared_stats(url: str, prefix: str) -> dict:
         out = {k: st[k] for k in keep if k in st}
         if out.get("reachable") is False:
             return out
-        fps = sorted(f.decode() for f in store.client.smembers(f"{prefix}q:streams"))
+        fps = sorted(f.decode() for f in store.client.smembers(streams_key(prefix)))
         out["queues"] = [RedisQueue(store, fp).progress() for fp in fps]
         return out
     finally:

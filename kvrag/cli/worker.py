@@ -19,7 +19,8 @@ def register(sub) -> None:
                        description="Consume the precompute queue that replicas built with "
                                    "KVRag(shared=URL, precompute_via='queue') fill (docs/deploy.md).")
     p.add_argument("--redis", required=True, metavar="URL",
-                   help="the shared store, e.g. redis://:password@host:6379/0 (rediss:// for TLS)")
+                   help="the shared store, e.g. redis://host:6379/0 (rediss:// for TLS, redis+cluster://host:6379 "
+                        "for a Redis Cluster; the password in the URL or in $KVRAG_REDIS_PASSWORD)")
     p.add_argument("--prefix", default="kvrag:", help="key prefix of the shared store (default kvrag:)")
     p.add_argument("--model", default=None,
                    help=f"{MODEL_HELP}; the replicas' model: jobs are per model fingerprint")

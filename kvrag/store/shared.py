@@ -6,21 +6,35 @@ never code: a value that is missing, damaged, of another key, of another model o
 kvrag's at all is a miss (None) -- never deserialized as anything but tensors, never raised
 to the reader.
 
-Keys, under a configurable ``prefix`` so several stores (or other applications) share a DB:
+Keys, under a configurable ``prefix`` so several stores (or other applications) share a DB.
+Every key of one entry carries the entry key as a Redis hash tag (``{<key>}``), and the two
+index keys share the tag ``{idx}``, so each transaction touches one hash slot and the same
+layout works on one server and on a Redis Cluster:
 
-* ``<prefix>m:<key>``: a hash ``{ver, tag, size, part_size, parts}``, the entry's *meta*;
-* ``<prefix>p:<key>:<ver>:<i>``: the blob's bytes in parts of ``part_size`` bytes;
-* ``<prefix>idx``: a hash ``key -> JSON {text, fingerprint, n_tokens}``, the text index
-  that segmentation reads (``texts``); ``<prefix>idxv``: a counter bumped on every change
+* ``<prefix>m:{<key>}``: a hash ``{ver, tag, size, part_size, parts}``, the entry's *meta*;
+* ``<prefix>p:{<key>}:<ver>:<i>``: the blob's bytes in parts of ``part_size`` bytes;
+* ``<prefix>{idx}``: a hash ``key -> JSON {text, fingerprint, n_tokens}``, the text index
+  that segmentation reads (``texts``); ``<prefix>{idx}:v``: a counter bumped on every change
   of it, so a replica re-reads the index only when it changed.
+
+(Layout 2. Layout 1, before hash tags, named them ``m:<key>``, ``p:<key>:...``, ``idx`` and
+``idxv``: a store of layout 1 is simply empty to this code -- misses, never errors -- and
+``clear`` removes its keys with the rest of the prefix.)
 
 Why parts (4 MiB) rather than one value: measured on this project's 2-core box against a
 local Redis 8 with hiredis, a 12 MiB blob reads in ~30 ms as one value and ~16 ms as three
 pipelined 4 MiB parts, and writes ~3x faster in parts; and one value must stay under
-``proto-max-bulk-len`` (512 MB), which a 2048-token chunk of a 70B model does not. (Redis
-Cluster is not supported: the publishing transaction spans hash slots.) A new version of an entry gets new part
-names (``ver``), so a reader never mixes two writers' parts; parts are written with a TTL
-that the meta write removes, so a writer that dies halfway leaves nothing behind for good.
+``proto-max-bulk-len`` (512 MB), which a 2048-token chunk of a 70B model does not. A new
+version of an entry gets new part names (``ver``), so a reader never mixes two writers'
+parts; parts are written with a TTL that the meta transaction removes, so a writer that dies
+halfway leaves nothing behind for good. The index entry is written just after the meta (a
+second transaction: another slot); a writer that dies between the two leaves an entry that is
+stored but not listed, which ``ensure_indexed`` re-lists from the blob's own header.
+
+Servers: ``redis://``/``rediss://``/``unix://`` URLs reach one server (Redis or Valkey),
+``redis+cluster://``/``rediss+cluster://`` a Redis (or Valkey) Cluster through redis-py's
+``RedisCluster``. A password is never required in the URL: without one, ``connect`` takes it
+from ``$KVRAG_REDIS_PASSWORD``, so URLs can be logged and serialized (``public_url``).
 
 Eviction is Redis's own (``maxmemory-policy allkeys-lru``): a meta or any one part evicted
 makes the entry a miss, and its index entry is dropped when a read finds it gone.
@@ -35,6 +49,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import threading
 import time
 import uuid
@@ -63,18 +78,61 @@ class SharedStoreDown(StoreError):
     """The shared store's server cannot be reached (or timed out)."""
 
 
-def connect(url: str, *, socket_timeout: float = 2.0):
-    """A redis-py client for ``url`` (``redis://[:password@]host:port/db``, ``rediss://`` for
-    TLS, ``unix://``); imported here so kvrag without a shared tier never imports redis."""
+#: URL schemes of a Redis Cluster (redis-py's ``RedisCluster``), and the plain scheme each maps to.
+CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
+#: The password of a URL that has none (so a URL never has to carry it, see ``public_url``).
+PASSWORD_ENV = "KVRAG_REDIS_PASSWORD"
+
+
+def parse_url(url: str) -> tuple[str, bool]:
+    """(the URL redis-py takes, whether it names a cluster) for a shared store URL; ValueError
+    with the accepted forms for anything else."""
+    from urllib.parse import urlsplit
+
+    forms = ("redis://host:6379/0 (redis://[[user]:password@]host:port/db), rediss:// (TLS), "
+             "unix:///path.sock, or redis+cluster://host:6379 (rediss+cluster://) for a Redis Cluster")
     if not isinstance(url, str) or "://" not in url:
-        raise ValueError(f"shared store URL must look like redis://host:6379/0, got {url!r}")
+        raise ValueError(f"shared store URL must look like {forms}; got {url!r}")
+    scheme, rest = url.split("://", 1)
+    if scheme.lower() in CLUSTER_SCHEMES:
+        plain = f"{CLUSTER_SCHEMES[scheme.lower()]}://{rest}"
+        try:
+            parts = urlsplit(plain)
+            parts.port  # noqa: B018 - raises ValueError on a bad port
+        except ValueError as e:
+            raise ValueError(f"bad shared store URL {redact(url)}: {e}") from None
+        if not parts.hostname:
+            raise ValueError(f"bad shared store URL {redact(url)}: a cluster URL names one of its nodes (host:port)")
+        if parts.path.strip("/") not in ("", "0") or "db=" in parts.query:
+            raise ValueError(f"bad shared store URL {redact(url)}: a Redis Cluster has only database 0")
+        return plain, True
+    if scheme.lower() not in ("redis", "rediss", "unix"):
+        raise ValueError(f"shared store URL must look like {forms}; got scheme {scheme!r} in {redact(url)}")
+    return url, False
+
+
+def connect(url: str, *, socket_timeout: float = 2.0):
+    """A redis-py client for ``url`` (see ``parse_url``): a ``Redis``, or a ``RedisCluster``
+    for ``redis+cluster://``, which asks the node it names for the cluster's slot map (so it
+    raises ``redis.ConnectionError`` when no node answers). Imported here so kvrag without a
+    shared tier never imports redis."""
+    plain, cluster = parse_url(url)
     try:
         import redis
+        from redis.cluster import RedisCluster
+        from redis.exceptions import RedisClusterException
     except ImportError as e:  # pragma: no cover - redis is a core dependency
         raise StoreError("a shared store needs redis-py: pip install 'redis[hiredis]'") from e
+    opts = {"socket_timeout": socket_timeout, "socket_connect_timeout": socket_timeout}
+    if os.environ.get(PASSWORD_ENV):
+        opts["password"] = os.environ[PASSWORD_ENV]  # a password in the URL wins (redis-py)
     try:
-        return redis.Redis.from_url(url, socket_timeout=socket_timeout, socket_connect_timeout=socket_timeout,
-                                    health_check_interval=30)
+        if not cluster:
+            return redis.Redis.from_url(plain, health_check_interval=30, **opts)
+        try:
+            return RedisCluster.from_url(plain, **opts)
+        except RedisClusterException as e:  # no node answered: an outage like any other
+            raise redis.ConnectionError(str(e)) from e
     except ValueError as e:
         raise ValueError(f"bad shared store URL {redact(url)}: {e}") from None
 
@@ -89,6 +147,30 @@ def redact(url: str) -> str:
     return url
 
 
+def public_url(url: str) -> str:
+    """``url`` with its password removed (not masked; also a ``password=`` query option): what
+    a serialized wrapper records; the password then comes from ``$KVRAG_REDIS_PASSWORD`` when
+    the URL is used again."""
+    from urllib.parse import parse_qsl, urlencode
+
+    head, sep, tail = url.partition("://")
+    tail, q, query = tail.partition("?")
+    if "@" in tail:
+        cred, _, host = tail.rpartition("@")
+        user = cred.split(":", 1)[0]
+        tail = f"{user + '@' if user else ''}{host}"
+    kept = [(k, v) for k, v in parse_qsl(query, keep_blank_values=True) if k.lower() != "password"]
+    return f"{head}{sep}{tail}" + ("?" + urlencode(kept) if q and kept else "")
+
+
+def _routing_error(e: BaseException) -> bool:
+    """A cluster's own errors (down, moved, cross-slot, try again): not a value that is not
+    kvrag's, so never taken for one."""
+    from redis import exceptions as x
+
+    return isinstance(e, (x.ClusterError, x.AskError, x.TryAgainError, x.ClusterCrossSlotError))
+
+
 class Outage:
     """One warning per outage of a server, and a pause before retrying it: shared by a store
     and a queue on the same connection."""
@@ -99,6 +181,12 @@ class Outage:
         self._lock = threading.Lock()
         self._down_since: float | None = None
         self._retry_at = 0.0
+        self._on_recover: list = []
+
+    def on_recover(self, fn) -> None:
+        """Call ``fn()`` each time the server answers again after an outage (in the thread of
+        the command that found it back: ``fn`` must only schedule work)."""
+        self._on_recover.append(fn)
 
     @property
     def down(self) -> bool:
@@ -126,26 +214,38 @@ class Outage:
             since, self._down_since = self._down_since, None
         if since is not None:
             log.warning("%s is reachable again (down %.1f s)", self.what, time.monotonic() - since)
+            for fn in self._on_recover:
+                try:
+                    fn()
+                except Exception as e:  # a listener must not fail the command that reconnected
+                    log.warning("%s: a reconnect listener failed: %s", self.what, e)
 
 
 class RedisStore(ChunkStore):
     """Chunk entries in Redis, shared by every replica configured with the same URL and prefix.
 
-    url: ``redis://[[user]:password@]host:port/db`` (``rediss://`` for TLS). prefix: the key
-    prefix of this store's keys. part_size: bytes per stored part. socket_timeout: seconds
-    per command (short: a dead server must cost a query little). retry_s: after a failure,
-    seconds during which the server is not tried. Counters are per process."""
+    url: ``redis://[[user]:password@]host:port/db`` (``rediss://`` for TLS), or
+    ``redis+cluster://host:port`` (``rediss+cluster://``) for a Redis Cluster (see
+    ``parse_url``). prefix: the key prefix of this store's keys (no ``{`` or ``}``: they make
+    the hash tags). part_size: bytes per stored part. socket_timeout: seconds per command
+    (short: a dead server must cost a query little). retry_s: after a failure, seconds during
+    which the server is not tried. Counters are per process."""
 
     def __init__(self, url: str, *, prefix: str = "kvrag:", part_size: int = PART_SIZE,
                  socket_timeout: float = 2.0, retry_s: float = 2.0, client=None) -> None:
-        if not isinstance(prefix, str) or not prefix:
-            raise ValueError(f"prefix must be a non-empty string, got {prefix!r}")
+        if not isinstance(prefix, str) or not prefix or "{" in prefix or "}" in prefix:
+            raise ValueError(f"prefix must be a non-empty string without '{{' or '}}' (kvrag's hash tags), "
+                             f"got {prefix!r}")
         if isinstance(part_size, bool) or not isinstance(part_size, int) or part_size < 1024:
             raise ValueError(f"part_size must be an int >= 1024 bytes, got {part_size!r}")
         self.url = url
         self.prefix = prefix
         self.part_size = part_size
-        self.client = client if client is not None else connect(url, socket_timeout=socket_timeout)
+        _, self.cluster = parse_url(url)  # a bad URL fails here, before any connection
+        self.socket_timeout = socket_timeout
+        self._client = client
+        if client is None and not self.cluster:
+            self._client = connect(url, socket_timeout=socket_timeout)  # connects lazily itself
         self.outage = Outage(f"shared KV store {redact(url)}", retry_s)
         self._lock = threading.Lock()
         self._counts = {"hits": 0, "misses": 0, "corrupt": 0, "wrong_model": 0, "unreachable": 0}
@@ -155,26 +255,38 @@ class RedisStore(ChunkStore):
     def __repr__(self) -> str:
         return f"RedisStore({redact(self.url)!r}, prefix={self.prefix!r})"
 
-    # ---- key names -----------------------------------------------------------------
+    @property
+    def client(self):
+        """The redis-py client. A cluster's is made at first use (making it asks a node for
+        the slot map): a replica starts while the cluster is down, and its first command
+        then fails like any command of an outage (``redis.ConnectionError``)."""
+        if self._client is None:
+            with self._lock:
+                if self._client is None:
+                    self._client = connect(self.url, socket_timeout=self.socket_timeout)
+        return self._client
+
+    # ---- key names (layout 2: hash tags, see the module docstring) ---------------------
     def _meta(self, key: str) -> str:
-        return f"{self.prefix}m:{key}"
+        return f"{self.prefix}m:{{{key}}}"
 
     def _part(self, key: str, ver: str, i: int) -> str:
-        return f"{self.prefix}p:{key}:{ver}:{i}"
+        return f"{self.prefix}p:{{{key}}}:{ver}:{i}"
 
     @property
     def _idx(self) -> str:
-        return f"{self.prefix}idx"
+        return f"{self.prefix}{{idx}}"
 
     @property
     def _idxv(self) -> str:
-        return f"{self.prefix}idxv"
+        return f"{self.prefix}{{idx}}:v"
 
     # ---- plumbing ------------------------------------------------------------------
     def _call(self, fn, *, default=None, write: bool = False):
         """Run ``fn()`` against the server; connection trouble -> ``default`` (reads) or
         ``SharedStoreDown`` (writes), logged once per outage."""
         import redis
+        from redis.exceptions import AskError, ClusterCrossSlotError, ClusterError, RedisClusterException
 
         if self.outage.skip():
             if write:
@@ -183,8 +295,13 @@ class RedisStore(ChunkStore):
                 self._counts["unreachable"] += 1
             return default
         try:
-            out = fn()
-        except (redis.ConnectionError, redis.TimeoutError, OSError) as e:
+            try:
+                out = fn()
+            except (AskError, ClusterCrossSlotError) as e:
+                # MOVED/ASK/CROSSSLOT from a plain client: the URL names a cluster node.
+                raise redis.ConnectionError(f"{e} (the server is a Redis Cluster node: use a "
+                                            "redis+cluster:// URL)") from e
+        except (redis.ConnectionError, redis.TimeoutError, OSError, ClusterError, RedisClusterException) as e:
             self.outage.failed(e)
             if write:
                 raise SharedStoreDown(f"{self.outage.what} is unreachable: {e}") from e
@@ -233,7 +350,9 @@ class RedisStore(ChunkStore):
                         t.watch(self._meta(key))
                         try:
                             old = _meta_fields(t.hgetall(self._meta(key)), self.part_size)
-                        except redis.ResponseError:  # not a hash: not ours, replaced
+                        except redis.ResponseError as e:  # not a hash: not ours, replaced
+                            if _routing_error(e):
+                                raise
                             old = None
                         t.multi()
                         for name in parts:
@@ -241,12 +360,11 @@ class RedisStore(ChunkStore):
                         t.delete(self._meta(key))
                         t.hset(self._meta(key), mapping={"ver": ver, "tag": checksum(data), "size": len(data),
                                                          "part_size": self.part_size, "parts": n})
-                        t.hset(self._idx, key, listing)
-                        t.incr(self._idxv)
                         t.execute()
                         break
                     except redis.WatchError:
                         continue
+            self._list(key, listing)
             if old is not None:
                 self._delete_parts(key, old)
 
@@ -289,11 +407,8 @@ class RedisStore(ChunkStore):
     def delete(self, key: str) -> bool:
         def run():
             old = _meta_fields(self._hgetall(self._meta(key)), self.part_size)
-            t = self.client.pipeline(transaction=True)
-            t.delete(self._meta(key))
-            t.hdel(self._idx, key)
-            t.incr(self._idxv)
-            existed = t.execute()[0]
+            existed = self.client.delete(self._meta(key))
+            self._list(key, None)
             if old is not None:
                 self._delete_parts(key, old)
             return bool(existed)
@@ -319,10 +434,7 @@ class RedisStore(ChunkStore):
                 rec = _listing_from_head(head)
                 if rec is None:
                     return False
-                t = self.client.pipeline(transaction=True)
-                t.hset(self._idx, key, rec)
-                t.incr(self._idxv)
-                t.execute()
+                self._list(key, rec)
                 log.warning("RedisStore: chunk %s was stored but not listed; re-listed it", key)
             return True
 
@@ -359,12 +471,17 @@ class RedisStore(ChunkStore):
         lookups = c["hits"] + c["misses"]
 
         def run():
-            p = self.client.pipeline(transaction=False)
-            p.hlen(self._idx)
-            p.info("memory")
-            listed, mem = p.execute()
-            return {"listed": listed, "used_memory": mem.get("used_memory"), "maxmemory": mem.get("maxmemory"),
-                    "maxmemory_policy": mem.get("maxmemory_policy")}
+            listed = self.client.hlen(self._idx)
+            if not self.cluster:
+                mem = self.client.info("memory")
+                return {"listed": listed, "used_memory": mem.get("used_memory"), "maxmemory": mem.get("maxmemory"),
+                        "maxmemory_policy": mem.get("maxmemory_policy")}
+            # A cluster: summed over its primaries (``nodes``), one policy if they agree.
+            mems = list(self.client.info("memory", target_nodes=self.client.PRIMARIES).values())
+            policies = sorted({str(m.get("maxmemory_policy")) for m in mems})
+            return {"listed": listed, "nodes": len(mems), "used_memory": sum(m.get("used_memory", 0) for m in mems),
+                    "maxmemory": sum(m.get("maxmemory", 0) for m in mems),
+                    "maxmemory_policy": policies[0] if len(policies) == 1 else ",".join(policies)}
 
         server = self._call(run, default={"reachable": False})
         return {"url": redact(self.url), "prefix": self.prefix, **server, **c,
@@ -388,8 +505,10 @@ class RedisStore(ChunkStore):
         return self._call(run, write=True)
 
     def close(self) -> None:
+        if self._client is None:
+            return
         try:
-            self.client.close()
+            self._client.close()
         except Exception:  # closing must not fail on a dead connection
             pass
 
@@ -401,7 +520,9 @@ class RedisStore(ChunkStore):
 
         try:
             raw = self.client.hgetall(self._meta(key))
-        except redis.ResponseError:  # WRONGTYPE: someone else's value under our name
+        except redis.ResponseError as e:  # WRONGTYPE: someone else's value under our name
+            if _routing_error(e):
+                raise
             return "gone"
         if not raw:
             return None
@@ -413,7 +534,9 @@ class RedisStore(ChunkStore):
             p.get(self._part(key, meta["ver"], i))
         try:
             parts = p.execute()
-        except redis.ResponseError:
+        except redis.ResponseError as e:
+            if _routing_error(e):
+                raise
             return "gone"
         if any(not isinstance(x, bytes) for x in parts) or sum(map(len, parts)) != meta["size"]:
             return "gone"
@@ -423,10 +546,7 @@ class RedisStore(ChunkStore):
         """Drop the index entry of an entry that is gone (evicted, or not kvrag's)."""
         def run():
             if self._read(key) in (None, "gone"):  # None: no meta any more
-                t = self.client.pipeline(transaction=True)
-                t.hdel(self._idx, key)
-                t.incr(self._idxv)
-                t.execute()
+                self._list(key, None)
 
         self._call(run)
 
@@ -448,14 +568,26 @@ class RedisStore(ChunkStore):
                         return
                     t.multi()
                     t.delete(self._meta(key))
-                    t.hdel(self._idx, key)
-                    t.incr(self._idxv)
                     t.execute()
-                except (redis.WatchError, redis.ResponseError):
+                except (redis.WatchError, redis.ResponseError) as e:
+                    if _routing_error(e):
+                        raise
                     return
+            self._list(key, None)
             self._delete_parts(key, meta)
 
         self._call(run)
+
+    def _list(self, key: str, listing: str | None) -> None:
+        """Set (``listing``: its JSON) or drop (None) ``key``'s index entry and bump the index
+        version, in one transaction (both keys share the ``{idx}`` slot)."""
+        t = self.client.pipeline(transaction=True)
+        if listing is None:
+            t.hdel(self._idx, key)
+        else:
+            t.hset(self._idx, key, listing)
+        t.incr(self._idxv)
+        t.execute()
 
     def _delete_parts(self, key: str, meta: dict[str, Any]) -> None:
         self.client.delete(*(self._part(key, meta["ver"], i) for i in range(meta["parts"])))
@@ -466,7 +598,9 @@ class RedisStore(ChunkStore):
 
         try:
             return self.client.hgetall(name)
-        except redis.ResponseError:
+        except redis.ResponseError as e:
+            if _routing_error(e):
+                raise
             return {}
 
 

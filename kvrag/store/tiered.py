@@ -6,11 +6,19 @@ that found it does not wait for the disk write). Listing is the union of both, s
 finds what other replicas stored. The far tier being unreachable never fails a read or a
 write here: the near tier serves or holds the entry (``kvrag.store.shared`` warns once per
 outage).
+
+Chunks stored while the far tier was unreachable are remembered (their keys, in memory, at
+most ``max_unsynced``) and pushed up once it answers again: when the far store reports its
+reconnection (``RedisStore.outage.on_recover``), or at the next successful write. The push
+runs in a background thread, never in a query's path; a process restarted before it loses
+the list (the chunks stay on its disk; other replicas compute them, or a ``kvrag worker``
+that has them copies them up).
 """
 from __future__ import annotations
 
 import logging
 import threading
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -21,15 +29,28 @@ log = logging.getLogger("kvrag.store.tiered")
 
 
 class TieredStore(ChunkStore):
-    """``near`` (durable, local: a ``KVStore``) in front of ``far`` (shared: a ``RedisStore``)."""
+    """``near`` (durable, local: a ``KVStore``) in front of ``far`` (shared: a ``RedisStore``).
 
-    def __init__(self, near: ChunkStore, far: ChunkStore) -> None:
+    max_unsynced: how many chunks stored only locally (far tier unreachable) are remembered
+    to be pushed up later; beyond it the oldest are forgotten (they stay local)."""
+
+    def __init__(self, near: ChunkStore, far: ChunkStore, *, max_unsynced: int = 100_000) -> None:
+        if isinstance(max_unsynced, bool) or not isinstance(max_unsynced, int) or max_unsynced < 0:
+            raise ValueError(f"max_unsynced must be an int >= 0, got {max_unsynced!r}")
         self.near = near
         self.far = far
+        self.max_unsynced = max_unsynced
         self._promoter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvrag-promote")
+        self._pusher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvrag-push")
         self._promoting: set[str] = set()
+        self._unsynced: OrderedDict[str, str] = OrderedDict()  # key -> fingerprint, oldest first
+        self._pushing = False
         self._lock = threading.Lock()
-        self._counts = {"near_hits": 0, "far_hits": 0, "misses": 0, "promoted": 0, "far_write_failures": 0}
+        self._counts = {"near_hits": 0, "far_hits": 0, "misses": 0, "promoted": 0, "far_write_failures": 0,
+                        "pushed_after_outage": 0, "unsynced_dropped": 0}
+        outage = getattr(far, "outage", None)
+        if outage is not None and hasattr(outage, "on_recover"):
+            outage.on_recover(self._schedule_push)
 
     def __repr__(self) -> str:
         return f"TieredStore(near={self.near!r}, far={self.far!r})"
@@ -76,7 +97,63 @@ class TieredStore(ChunkStore):
             self.far.put(key, entry)
         except StoreError as e:
             self._count("far_write_failures")
+            self._remember_unsynced(key, entry.fingerprint)
             log.debug("TieredStore: chunk %s stored locally only: %s", key, e)
+            return
+        if self._unsynced:
+            self._schedule_push()  # the far tier writes again: push what it missed
+
+    # ---- the push-up of chunks stored while the far tier was down ----------------------
+    def _remember_unsynced(self, key: str, fingerprint: str) -> None:
+        with self._lock:
+            self._unsynced[key] = fingerprint
+            self._unsynced.move_to_end(key)
+            dropped = 0
+            while len(self._unsynced) > self.max_unsynced:
+                self._unsynced.popitem(last=False)
+                dropped += 1
+            self._counts["unsynced_dropped"] += dropped
+            first_drop = dropped and self._counts["unsynced_dropped"] == dropped
+        if first_drop:
+            log.warning("TieredStore: more than %d chunks stored only locally while the shared tier is down; "
+                        "the oldest will not be pushed up to it (said once)", self.max_unsynced)
+
+    def _schedule_push(self) -> None:
+        with self._lock:
+            if self._pushing or not self._unsynced:
+                return
+            self._pushing = True
+        self._pusher.submit(self._push)
+
+    def _push(self) -> None:
+        """Copy the remembered chunks from the near tier to the far one, oldest first; stops
+        (keeping the rest) if the far tier fails again."""
+        pushed = 0
+        try:
+            while True:
+                with self._lock:
+                    if not self._unsynced:
+                        break
+                    key, fp = next(iter(self._unsynced.items()))
+                entry = self.near.get(key, fp)
+                # Another replica may have stored it meanwhile; one EXISTS beats re-sending it.
+                if entry is not None and key not in self.far:
+                    self.far.put(key, entry)  # StoreError (down again): stop, keep the rest
+                    pushed += 1
+                with self._lock:
+                    if self._unsynced.get(key) == fp:
+                        del self._unsynced[key]
+        except StoreError as e:
+            log.debug("TieredStore: push-up paused, the shared tier failed again: %s", e)
+        except Exception as e:  # a background thread: report, keep the list for the next try
+            log.warning("TieredStore: pushing chunks up to the shared tier failed: %s", e)
+        finally:
+            with self._lock:
+                self._pushing = False
+                self._counts["pushed_after_outage"] += pushed
+            if pushed:
+                log.warning("TieredStore: pushed %d chunk(s) stored locally during the outage up to the shared tier",
+                            pushed)
 
     def delete(self, key: str) -> bool:
         near = self.near.delete(key)
@@ -94,14 +171,16 @@ class TieredStore(ChunkStore):
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
-            c = dict(self._counts)
+            c = {**self._counts, "unsynced": len(self._unsynced)}
         return {**self.near.stats(), "tiers": c, "shared": self.far.stats()}
 
     def flush(self) -> None:
-        """Wait for the promotions already started (tests, shutdown)."""
+        """Wait for the promotions and the push-up already started (tests, shutdown)."""
         self._promoter.submit(lambda: None).result()
+        self._pusher.submit(lambda: None).result()
 
     def close(self) -> None:
         self._promoter.shutdown(wait=True)
+        self._pusher.shutdown(wait=True)
         self.near.close()
         self.far.close()

@@ -24,8 +24,8 @@ from pydantic import ConfigDict, Field, PrivateAttr, model_validator
 
 from kvrag.engine import Generation, KVRag
 from kvrag.frameworks import (
-    UsageTotals, WrapsKVRag, aiter_in_thread, call_options, foreground_steps, max_tokens_alias, open_stream,
-    resolve_policy, stop_list,
+    SHARED_FIELDS, UsageTotals, WrapsKVRag, aiter_in_thread, call_options, check_shared_matches, foreground_steps,
+    max_tokens_alias, open_stream, resolve_policy, shared_options, shared_settings, stop_list,
 )
 from kvrag.query.prompt import has_chat_template, plain_chat_prompt
 
@@ -110,6 +110,10 @@ class ChatKVRag(WrapsKVRag, BaseChatModel):
                                  "filled in with the path the KVRag loaded (None for a model built in memory).")
     cache_dir: Optional[str] = Field(default=None, description="KV store directory (None: $KVRAG_HOME/store); "
                                      "filled in with the KVRag's store.")
+    shared: Optional[str] = Field(default=None, description="The shared tier's URL, without its password (filled "
+                                  "in; loaded again with the password from $KVRAG_REDIS_PASSWORD).")
+    shared_prefix: Optional[str] = Field(default=None, description="The shared tier's key prefix (filled in).")
+    precompute_via: str = Field(default="local", description="'local' or 'queue' (filled in from the KVRag).")
     policy: str = "cacheblend"
     policy_params: dict[str, Any] = Field(default_factory=dict)
     max_new_tokens: int = Field(default=256, gt=0)
@@ -149,16 +153,20 @@ class ChatKVRag(WrapsKVRag, BaseChatModel):
             # Serialization always records the model's path; none means it was built in memory.
             raise ValueError("this ChatKVRag was serialized from a model built in memory, which cannot be loaded "
                              "from its settings: pass rag= with that model's KVRag")
+        given = self.rag is not None
         if self.rag is None:
             # The chat model's policy is also the KVRag's: a KVRag built for kvlink loads the
             # KVLink model (trained adapter) where one exists for this model.
-            self.rag = KVRag(self.model, cache_dir=self.cache_dir, policy=self.policy, **self.policy_params)
+            self.rag = KVRag(self.model, cache_dir=self.cache_dir, policy=self.policy, **self.policy_params,
+                             **shared_options(self.shared, self.shared_prefix, self.precompute_via))
         elif not isinstance(self.rag, KVRag):
             raise TypeError(f"rag must be a kvrag.engine.KVRag, got {type(self.rag).__name__}")
         elif (self.model is not None or self.cache_dir is not None) and \
                 _BUILT_FROM.get(self.rag) != (self.model, self.cache_dir):
             raise ValueError("pass either an existing `rag` or `model`/`cache_dir`, not both "
                              "(`model`/`cache_dir` are not configurable fields: they load another model)")
+        if given:
+            check_shared_matches({k: getattr(self, k) for k in SHARED_FIELDS}, self.rag, "ChatKVRag")
         # ``model`` and ``cache_dir`` name what the KVRag was loaded from (LangChain's
         # convention: ``model`` holds the model's id; a serialized chat model loads them again).
         source = getattr(self.rag.handle, "source", None)
@@ -170,6 +178,8 @@ class ChatKVRag(WrapsKVRag, BaseChatModel):
         self.model = str(source) if source else None
         self.cache_dir = str(self.rag.cache_dir)
         self.fingerprint = self.rag.fingerprint
+        for k, v in shared_settings(self.rag).items():  # never its password
+            setattr(self, k, v)
         _BUILT_FROM[self.rag] = (self.model, self.cache_dir)
         return self
 
@@ -190,7 +200,8 @@ class ChatKVRag(WrapsKVRag, BaseChatModel):
         # fingerprint, checked on load (LangChain's LLM cache also keys answers on this record).
         if out.get("type") == "constructor":
             out["kwargs"] = {k: v for k, v in {**out["kwargs"], "model": self.model, "cache_dir": self.cache_dir,
-                                                "fingerprint": self.fingerprint}.items() if k != "rag"}
+                                                "fingerprint": self.fingerprint,
+                                                **{k: getattr(self, k) for k in SHARED_FIELDS}}.items() if k != "rag"}
         return out
 
     def _get_ls_params(self, stop: Optional[list[str]] = None, **kwargs: Any):

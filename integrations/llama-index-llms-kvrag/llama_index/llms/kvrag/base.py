@@ -46,8 +46,9 @@ from llama_index.core.schema import BaseNode, Document, MetadataMode, NodeWithSc
 
 from kvrag.engine import Generation, KVRag
 from kvrag.frameworks import (
-    WrapsKVRag, aiter_in_thread, aopen_stream, arun_stream, call_options, max_tokens_alias, open_stream,
-    UsageTotals, foreground_steps, hook_target, resolve_policy, schedule_retrieved, usage_counts,
+    SHARED_FIELDS, WrapsKVRag, aiter_in_thread, aopen_stream, arun_stream, call_options, check_shared_matches,
+    max_tokens_alias, open_stream, UsageTotals, foreground_steps, hook_target, resolve_policy, schedule_retrieved,
+    shared_options, shared_settings, usage_counts,
 )
 from kvrag.precompute import Precomputer
 from kvrag.query.prompt import has_chat_template
@@ -180,6 +181,10 @@ class KVRagLLM(WrapsKVRag, LLM):
     model: Optional[str] = Field(default=None, description="The model loaded: HF directory or .gguf path "
                                  "(filled in from the KVRag; what from_dict loads again).")
     cache_dir: Optional[str] = Field(default=None, description="The KV store directory (filled in from the KVRag).")
+    shared: Optional[str] = Field(default=None, description="The shared tier's URL, without its password (filled in "
+                                  "from the KVRag; loaded again with the password from $KVRAG_REDIS_PASSWORD).")
+    shared_prefix: Optional[str] = Field(default=None, description="The shared tier's key prefix (filled in).")
+    precompute_via: str = Field(default="local", description="'local' or 'queue' (filled in from the KVRag).")
 
     _rag: Any = PrivateAttr(default=None)
     _precomputer: Any = PrivateAttr(default=None)
@@ -203,6 +208,9 @@ class KVRagLLM(WrapsKVRag, LLM):
             raise ValueError("pass either an existing `rag` or `model`/`cache_dir`/`rag_options`, not both")
         if rag is not None and not isinstance(rag, KVRag):
             raise TypeError(f"rag must be a kvrag.engine.KVRag, got {type(rag).__name__}")
+        shared = {k: kwargs.pop(k, None) for k in SHARED_FIELDS}
+        if rag is not None:
+            check_shared_matches(shared, rag, "KVRagLLM")
         max_tokens_alias(kwargs, "KVRagLLM")
         flat = {k: kwargs.pop(k) for k in list(kwargs) if k not in type(self).model_fields}
         # Checked before a model is loaded.
@@ -211,7 +219,8 @@ class KVRagLLM(WrapsKVRag, LLM):
         if rag is None:
             # The LLM's policy is also the KVRag's: a KVRag built for kvlink loads the KVLink
             # model (trained adapter) where one exists for this model.
-            rag_options = {"policy": kwargs["policy"], **kwargs["policy_params"], **(rag_options or {})}
+            rag_options = {"policy": kwargs["policy"], **kwargs["policy_params"], **shared_options(**shared),
+                           **(rag_options or {})}
             rag = KVRag(model, cache_dir=cache_dir, **rag_options)
         chat = _has_chat_template(rag)
         if kwargs.get("messages_to_prompt") is None:
@@ -223,6 +232,7 @@ class KVRagLLM(WrapsKVRag, LLM):
         source = getattr(rag.handle, "source", None)
         kwargs["model"] = str(source) if source else IN_MEMORY
         kwargs["cache_dir"] = str(rag.cache_dir)
+        kwargs.update(shared_settings(rag))  # never its password
         super().__init__(**kwargs)
         if set_tokenizer:
             _install_tokenizer(rag)
@@ -236,7 +246,9 @@ class KVRagLLM(WrapsKVRag, LLM):
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], **kwargs: Any) -> "KVRagLLM":
-        """Rebuild from ``to_dict()``: loads ``model`` again over the store in ``cache_dir``."""
+        """Rebuild from ``to_dict()``: loads ``model`` again over the store in ``cache_dir`` and
+        the shared tier ``shared`` (its password from ``$KVRAG_REDIS_PASSWORD``, or pass
+        ``shared=`` with it again as a keyword)."""
         data = {**data, **kwargs}
         if data.get("model") == IN_MEMORY:
             raise ValueError("this KVRagLLM wrapped a model built in memory, which cannot be loaded again from "
