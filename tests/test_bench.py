@@ -495,3 +495,45 @@ def test_floor_scenario_measures_ttft_floor_and_ops(tmp_path):
     assert files["floor_csv"].read_text().splitlines()[0].startswith("device,dataset,label")
     md = render_markdown(result, files, tmp_path / "out" / "benchmarks.md", tmp_path / "out")
     assert "### TTFT vs its floor" in md and "`cacheblend`" in md
+
+
+def test_qa_journal_resumes_an_interrupted_run(tmp_path, monkeypatch):
+    """Each finished QA example is journaled; --resume keeps those (a torn last line dropped)
+    and runs only the rest; a journal of another configuration is refused, not mixed in."""
+    from kvrag.bench.runner import Bench, BenchConfig, Example, journal_path
+    from kvrag.engine import KVRag
+    from kvrag.testing import tiny_llama
+
+    rag = KVRag(tiny_llama(seed=0), cache_dir=tmp_path / "kv")
+    exs = [Example(f"e{i}", f"Who keeps lantern {i}?", ["Ada"],
+                   [f"Passage {i}.{k}: " + " ".join(f"w{i}x{k}x{j}" for j in range(20)) for k in range(2)])
+           for i in range(3)]
+
+    def bench(**kw):
+        b = Bench(BenchConfig(out=tmp_path / "out", policies=["naive_reuse"], repeats=1, max_new_tokens=2, **kw))
+        b.device, b.model_info = "cpu", {"fingerprint": "f" * 16}
+        return b
+
+    first = bench()
+    first.run_qa(rag, "d", exs[:2])  # "interrupted" after two examples
+    path = journal_path(tmp_path / "out", "cpu", "d")
+    with path.open("a", encoding="utf-8") as f:
+        f.write('{"key": "2:e2", "records": [')  # torn by the interruption
+    timed = []
+    again = bench(resume=True)
+    real = again.time_policies
+    monkeypatch.setattr(again, "time_policies", lambda r, sc, ds, ex, *a: (timed.append(ex.id), real(r, sc, ds, ex, *a))[1])
+    again.run_qa(rag, "d", exs)
+    assert timed == ["e2"]
+    assert [(r["example_id"], r["label"]) for r in again.records] == \
+        [(f"e{i}", p) for i in range(3) for p in ("full_prefill", "naive_reuse")]
+    assert again.records[:4] == first.records  # kept as measured
+    assert len(path.read_text(encoding="utf-8").splitlines()) == 1 + 3
+    # Without --resume the journal starts anew.
+    fresh = bench()
+    fresh.run_qa(rag, "d", exs[:1])
+    assert len(path.read_text(encoding="utf-8").splitlines()) == 1 + 1
+    with pytest.raises(ValueError, match=r"another run configuration \(differs in: max_new_tokens\)"):
+        b = bench(resume=True)
+        b.cfg.max_new_tokens = 3
+        b.run_qa(rag, "d", exs)

@@ -19,7 +19,9 @@ precomputed as one chunk and appears verbatim in the prompt. Precompute is never
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
+import re
 import math
 import os
 import platform
@@ -90,6 +92,9 @@ class BenchConfig:
     report: Path | None = None
     command: str = ""
     quick: bool = False
+    # Keep the QA examples an interrupted run with this configuration finished (its journal in
+    # ``out``) instead of running them again.
+    resume: bool = False
 
     def __post_init__(self) -> None:
         self.out = Path(self.out)
@@ -328,6 +333,18 @@ class Run:
         return label_of(self.policy, self.params)
 
 
+#: The QA scenario's journal: one JSON line per finished example, after a header naming the
+#: configuration, so an interrupted run (hours on a CPU) continues with ``resume`` instead of
+#: starting over. Options that only say where results go, or how many examples, may differ.
+JOURNAL_FORMAT = 1
+_NOT_IN_JOURNAL_IDENTITY = ("out", "report", "command", "limit", "cache_dir", "resume")
+
+
+def journal_path(out: str | os.PathLike, device: str, dataset: str) -> Path:
+    """Where the QA journal of ``dataset`` on ``device`` lives in the output directory."""
+    return Path(out) / re.sub(r"[^\w.-]", "_", f"qa_journal.{device}.{dataset}.jsonl")
+
+
 class Bench:
     """Runs the scenarios of a ``BenchConfig`` and collects records.
 
@@ -562,16 +579,70 @@ class Bench:
         for rec in recs.values():
             self.records.append(rec)
 
+    # -- the QA journal --
+    def _journal_identity(self, dataset: str) -> dict:
+        cfg = {k: v for k, v in dataclasses.asdict(self.cfg).items() if k not in _NOT_IN_JOURNAL_IDENTITY}
+        ident = {"format": JOURNAL_FORMAT, "device": self.device, "dataset": dataset,
+                 "model": self.model_info.get("fingerprint"), "kvlink_adapter": self.model_info.get("kvlink_adapter"),
+                 "runs": [r.label for r in self.runs], "config": _jsonable(cfg)}
+        return json.loads(json.dumps(ident, default=str))  # as it reads back: tuples are lists
+
+    def open_journal(self, dataset: str) -> tuple[dict[str, list[dict]], Path]:
+        """({example key: its records} already finished, the journal path). Without ``resume``
+        the journal starts anew; with it, a journal of another configuration is an error and
+        a line torn by the interruption is dropped."""
+        path = journal_path(self.cfg.out, self.device, dataset)
+        ident = self._journal_identity(dataset)
+        done: dict[str, list[dict]] = {}
+        kept: list[str] = []
+        if self.cfg.resume and path.is_file():
+            lines = path.read_text(encoding="utf-8").splitlines()
+            try:
+                head = json.loads(lines[0])["journal"] if lines else None
+            except (json.JSONDecodeError, KeyError, TypeError):
+                head = None
+            if head != ident:
+                differ = sorted(k for k in ident["config"] if not isinstance(head, dict)
+                                or (head.get("config") or {}).get(k) != ident["config"][k])
+                differ += [k for k in ident if k != "config" and (not isinstance(head, dict) or head.get(k) != ident[k])]
+                raise ValueError(f"--resume: {path} was written by another run configuration (differs in: "
+                                 f"{', '.join(differ) or 'its header'}); use another --out, or run without --resume")
+            for line in lines[1:]:
+                try:
+                    row = json.loads(line)
+                    done[str(row["key"])] = list(row["records"])
+                except (json.JSONDecodeError, KeyError, TypeError):
+                    break  # the line the interrupted run was writing, and nothing after it
+                kept.append(line)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("\n".join([json.dumps({"journal": ident})] + kept) + "\n", encoding="utf-8")
+        return done, path
+
+    @staticmethod
+    def _journal_key(i: int, ex: Example) -> str:
+        return f"{i}:{ex.id}"
+
     # -- scenarios --
     def run_qa(self, rag, dataset: str, examples: list[Example]) -> None:
-        self.say(f"[{self.device}] qa/{dataset}: {len(examples)} examples x {len(self.runs)} policies")
-        for ex in examples:
+        done, journal = self.open_journal(dataset)
+        todo = [ex for i, ex in enumerate(examples) if self._journal_key(i, ex) not in done]
+        self.say(f"[{self.device}] qa/{dataset}: {len(examples)} examples x {len(self.runs)} policies"
+                 + (f" ({len(examples) - len(todo)} kept from {journal})" if len(todo) < len(examples) else ""))
+        for ex in todo:
             self.precompute(rag, ex.passages, f"qa/{dataset}")
         for i, ex in enumerate(examples):
+            key = self._journal_key(i, ex)
+            if key in done:
+                self.records.extend(done[key])
+                continue
             t0 = time.perf_counter()
             recs = self.time_policies(rag, "qa", dataset, ex, self.runs, i, self.cfg.repeats, self.cfg.max_new_tokens)
             self.quality(rag, ex, recs, self.runs)
             self._done(recs)
+            with journal.open("a", encoding="utf-8") as f:
+                f.write(json.dumps({"key": key, "records": list(recs.values())}, default=str) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
             fp = recs[REFERENCE]
             self.say(f"  {dataset} {i + 1}/{len(examples)} ({fp.get('prompt_tokens')} tok, "
                      f"{time.perf_counter() - t0:.0f}s): " + "  ".join(

@@ -74,6 +74,9 @@ def register(sub) -> None:
                         "that the model can answer them (default 24; quick 2; 0 to skip)")
     g.add_argument("--no-footprint", action="store_true", help="skip the KV disk footprint measurement")
     g.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up run")
+    g.add_argument("--resume", action="store_true",
+                   help="continue an interrupted run in --out: the QA examples its journal holds are kept, not "
+                        "run again (same options; --limit may grow)")
     g.add_argument("--quick", action="store_true", help="smoke test: 2 examples, 3 passages cut to their first 40 words, "
                    "8 new tokens, 1 repeat, tiny scaling and sweep")
     g = p.add_argument_group("model and output")
@@ -164,7 +167,7 @@ def command_line(args) -> str:
         parts += [f"--{opt.replace('_', '-')}", str(v)]
     for prm in args.param:
         parts += ["--param", prm]
-    for flag in ("no_footprint", "no_warmup", "quick"):
+    for flag in ("no_footprint", "no_warmup", "quick", "resume"):
         if getattr(args, flag, False):
             parts.append(f"--{flag.replace('_', '-')}")
     return " ".join(shlex.quote(p) for p in parts)
@@ -222,7 +225,7 @@ def config_from_args(args):
             storage_dtype=args.storage_dtype, chunk_anchor=args.chunk_anchor,
             kvlink_adapter=args.kvlink_adapter, hot_cache=_hot_cache(args.hot_cache), seed=args.seed, footprint=not args.no_footprint,
             warmup=not args.no_warmup, cache_dir=args.cache_dir, report=args.report, command=command_line(args),
-            quick=args.quick,
+            quick=args.quick, resume=args.resume,
         )
     except ValueError as e:
         raise BenchError(_option_names(str(e), args)) from None
