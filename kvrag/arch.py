@@ -326,6 +326,16 @@ class Arch:
             return x
         return self._ungain(self.rotate(x, None, cos_sin, layer=layer), 1)
 
+    def shift_layers(self, x: torch.Tensor, cos_sin) -> torch.Tensor:
+        """``shift`` at every layer at once: ``x`` [L, ..., P, D], rotated at each layer, moved
+        by the offsets whose tables ``cos_sin`` holds (as for ``rotate_layers``) -> a new
+        tensor of ``x``'s shape. A fixed number of ops for all layers."""
+        out = self.rotate_layers(x, cos_sin)
+        if self.rope_gain == 1.0:
+            return out
+        rope = torch.tensor([l for l, r in enumerate(self.rope_layers) if r], dtype=torch.long, device=x.device)
+        return out.index_copy_(0, rope, self._ungain(out[rope], 1))
+
     def _ungain(self, x: torch.Tensor, power: int) -> torch.Tensor:
         """``x`` [..., D] with its rotated dims divided by ``rope_gain ** power`` (the
         pass-through dims of a partial rotary never got the attention factor)."""

@@ -12,6 +12,7 @@ from kvrag.query.fusion import FusionEngine
 from kvrag.query.state import Layout
 from kvrag.policies import get_policy, policy_class
 from kvrag.policies import samkv as sk
+from kvrag.policies.base import top_indices
 from kvrag.query.decode import cache_kwargs
 
 BS = 4  # tiny documents need tiny blocks: 1 initial block (4 tokens) + 2 local blocks (8)
@@ -208,14 +209,142 @@ def test_block_selection_picks_the_block_aligned_with_the_query():
 
 
 def test_anchor_proportion_eq2():
-    blocks = torch.tensor([1.0, 2.0, 5.0])
-    assert sk.anchor_proportion(blocks, 2.0) == pytest.approx((5 - 2) / (5 - 1))
-    assert sk.anchor_proportion(blocks, 5.0) == 0.0  # s_anc = s_max: nothing beats the anchor
-    assert sk.anchor_proportion(blocks, 6.0) == 0.0
-    assert sk.anchor_proportion(blocks, 0.5) == 1.0  # every block beats the anchor
-    assert sk.anchor_proportion(torch.tensor([3.0]), 2.0) == 1.0
-    assert sk.anchor_proportion(torch.tensor([3.0]), 4.0) == 0.0
-    assert sk.anchor_proportion(torch.zeros(0), 0.0) == 0.0
+    def p(blocks, s_anc):
+        b = torch.tensor(blocks, dtype=torch.float64)
+        hi, lo = (b.max(), b.min()) if b.numel() else (torch.tensor(float("-inf")), torch.tensor(float("inf")))
+        return float(sk.anchor_proportion(hi, lo, torch.tensor(s_anc, dtype=torch.float64), torch.tensor(b.numel())))
+
+    blocks = [1.0, 2.0, 5.0]
+    assert p(blocks, 2.0) == pytest.approx((5 - 2) / (5 - 1))
+    assert p(blocks, 5.0) == 0.0  # s_anc = s_max: nothing beats the anchor
+    assert p(blocks, 6.0) == 0.0
+    assert p(blocks, 0.5) == 1.0  # every block beats the anchor
+    assert p([3.0], 2.0) == 1.0
+    assert p([3.0], 4.0) == 0.0
+    assert p([], 0.0) == 0.0
+
+
+# ---- the per-document computation the batched one replaced, kept as its reference ----------
+def _ref_anchor_proportion(s_blocks, s_anc):
+    if s_blocks.numel() == 0:
+        return 0.0
+    s_max, s_min = float(s_blocks.max()), float(s_blocks.min())
+    if s_max <= s_min:
+        return 1.0 if s_max > s_anc else 0.0
+    if s_anc <= s_min:
+        return 1.0
+    return 0.0 if s_anc > s_max else (s_max - s_anc) / (s_max - s_min)
+
+
+def _ref_normalize(x, how):
+    if how == "none" or x.numel() == 0:
+        return x
+    if how == "minmax":
+        span = x.max() - x.min()
+        return (x - x.min()) / span if span > 0 else torch.ones_like(x)
+    std = x.std(unbiased=False) if x.numel() > 1 else x.new_zeros(())
+    return (x - x.mean()) / std if std > 0 else torch.zeros_like(x)
+
+
+def _ref_select_blocks(qhat, keys, docs, budget_tokens=None, budget_blocks=None, adaptive_p=True, normalize="minmax"):
+    """Document by document, layer by layer, block by block (the code before batching)."""
+    ps, scores, cands = [], [], []
+    for i, d in enumerate(docs):
+        m = len(d.middle)
+        per_p, per_s = [], []
+        anchor = torch.tensor([t for s, e in d.forced for t in range(s, e)], dtype=torch.long)
+        for n, kn in enumerate(keys):
+            qg = qhat[i, n].float().reshape(kn.shape[0], -1, qhat.shape[-1]).sum(1)
+            ts = torch.einsum("kd,ktd->t", qg, kn[:, d.start:d.end].float())
+            if m == 0:
+                continue
+            blk = torch.stack([ts[s - d.start:e - d.start].mean() for s, e in d.middle])
+            s_anc = float(ts[anchor - d.start].mean()) if anchor.numel() else float("-inf")
+            per_p.append(_ref_anchor_proportion(blk, s_anc))
+            per_s.append(_ref_normalize(blk, normalize))
+        if m == 0:
+            ps.append(0.0), scores.append(torch.zeros(0)), cands.append([])
+            continue
+        p = float(torch.tensor(per_p).mean()) if adaptive_p else 1.0
+        sc = torch.stack(per_s).mean(0)
+        ps.append(p), scores.append(sc)
+        cands.append(top_indices(sc, min(m, math.ceil(p * m - 1e-9))).tolist())
+    pool = sorted(((float(scores[i][b]), i, b) for i in range(len(docs)) for b in cands[i]), reverse=True)
+    kept, used = [[] for _ in docs], 0
+    for _, i, b in pool:
+        size = 1 if budget_blocks is not None else docs[i].middle[b][1] - docs[i].middle[b][0]
+        limit = budget_blocks if budget_blocks is not None else budget_tokens
+        if used + size <= limit:
+            kept[i].append(b)
+            used += size
+        elif budget_blocks is not None:
+            break
+    return ps, scores, cands, [sorted(k) for k in kept]
+
+
+@pytest.mark.parametrize("normalize", sk.NORMALIZATIONS)
+@pytest.mark.parametrize("adaptive_p", [True, False])
+def test_batched_block_selection_equals_the_per_document_one(normalize, adaptive_p):
+    """Documents of every shape (no middle, one block, a short last block, no initial span)
+    scored at 2 stable layers with random GQA queries: the batched selection decides what
+    scoring each document, layer and block on its own decides."""
+    g = torch.Generator().manual_seed(5)
+    hkv, h, d_head = 2, 4, 16
+    docs, start = [], 3
+    for t, bs, ini in ((40, 4, 1), (9, 3, 1), (14, 4, 1), (30, 4, 0), (57, 5, 1), (6, 4, 1)):
+        docs.append(sk.doc_blocks(start, start + t, bs, ini, 1))
+        start += t + 2
+    assert [len(d.middle) for d in docs][-1] == 0 and any(len(d.middle) == 1 for d in docs)
+    keys = [torch.randn(hkv, start, d_head, generator=g) for _ in range(2)]
+    qhat = torch.randn(len(docs), 2, h, d_head, generator=g)
+    for budget in (dict(budget_tokens=30), dict(budget_tokens=7), dict(budget_blocks=5)):
+        sel = sk.select_blocks(qhat, keys, docs, adaptive_p=adaptive_p, normalize=normalize, **budget)
+        ps, scores, cands, kept = _ref_select_blocks(qhat, keys, docs, adaptive_p=adaptive_p, normalize=normalize, **budget)
+        assert sel.candidates == cands and sel.kept == kept, budget
+        assert sel.p == pytest.approx(ps, abs=1e-6)
+        for got, want in zip(sel.scores, scores):
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_batched_preliminary_equals_the_per_document_passes():
+    """The one batched preliminary pass (prompt rows over the compressed cache, every
+    document's local rows over their own document) gives what the two passes it replaced
+    give: the prompt rows over a copy of the cache, then each document's local rows alone."""
+    model, arch, segs, layout = _setup("mistral-window", seed=4, doc_lens=(40, 23, 44))
+    _, info = _run(arch, layout, keep_ratio=0.4, stable_layers=(1, 3))
+    pol = get_policy("samkv", block_size=BS, keep_ratio=0.4, stable_layers=(1, 3))
+    engine = FusionEngine(arch)
+    pos = layout.positions
+    cos, sin = arch.cos_sin(pos)
+    K, V, _ = engine.cached_kv(layout, cos, sin)
+    forced = torch.zeros(layout.n, dtype=torch.bool)
+    for d in info.docs:
+        for s, e in d.forced:
+            forced[s:e] = True
+    own = ~layout.cached
+    rows = own.nonzero().squeeze(1)
+    mask = (pos[rows][:, None] >= pos[None, :]) & (forced | own)[None, :]
+    hidden, query_attn = arch.embed(layout.token_ids[rows]), torch.zeros(layout.n)
+    q_rows = torch.isin(rows, layout.query).nonzero().squeeze(1)
+    with torch.no_grad():
+        for layer in range(arch.n_layers):
+            q, k, v, _ = arch.qkv(layer, hidden, (cos[rows], sin[rows]))
+            keys, vals = K[layer].clone(), V[layer].clone()
+            keys[:, rows], vals[:, rows] = k, v
+            lmask = arch.windowed(layer, mask, pos[rows], pos)
+            if layer in info.stable:
+                visible = lmask[q_rows].sum(1, keepdim=True).float()
+                probs = arch.attention_probs(q[:, q_rows], keys, lmask[q_rows]).mean(0) * visible
+                query_attn += probs.mean(0) / len(info.stable)
+            hidden = arch.attend(layer, hidden, q, keys, vals, lmask)
+        torch.testing.assert_close(info.query_attn, query_attn, atol=1e-5, rtol=1e-4)
+        # Each document alone through the same pass with no prompt rows (what ingestion runs).
+        for (si, start, end), d in zip(layout.spans(1), info.docs):
+            e = layout.pieces[si].entry
+            extras = pol.chunk_extras(arch, e.keys, e.values, e.token_ids)
+            torch.testing.assert_close(info.context_attn[start:end], extras[sk.CONTEXT_KEY], atol=1e-5, rtol=1e-4)
+            q_doc = pol._shift(arch, extras[sk.Q_LOC_KEY].view(1, arch.n_layers, arch.n_heads, -1), [start], layout.n)
+            torch.testing.assert_close(info.q_loc[list(info.docs).index(d)], q_doc[0], atol=1e-5, rtol=1e-4)
 
 
 def test_fusion_update_follows_eq4():

@@ -168,41 +168,36 @@ def personalized_queries(q_que: torch.Tensor, q_loc: torch.Tensor) -> torch.Tens
     return (qf.unsqueeze(0) + others).reshape(q_loc.shape).to(q_loc.dtype)
 
 
-def token_scores(qhat: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """Inner products of one query vector with every key, summed over heads (GQA aware):
-    qhat [H, D], keys [Hkv, T, D] -> [T]. A block's score is the mean of its tokens' scores,
-    i.e. the query's inner product with the block's mean key (the paper's representative)."""
-    hkv = keys.shape[0]
-    qg = qhat.float().to(keys.device).reshape(hkv, -1, qhat.shape[-1]).sum(1)  # heads sharing a KV head
-    return torch.einsum("kd,ktd->t", qg, keys.float())
-
-
-def anchor_proportion(s_blocks: torch.Tensor, s_anc: float) -> float:
-    """Eq. 2: share of middle blocks worth keeping, from the anchor score. s_blocks [M].
+def anchor_proportion(s_max: torch.Tensor, s_min: torch.Tensor, s_anc: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """Eq. 2, elementwise: share of a document's ``m`` middle blocks worth keeping at one layer,
+    from their max and min score and the anchor score (tensors of one shape; m long).
     ``(s_max - s_anc) / (s_max - s_min)`` if ``s_min < s_anc <= s_max``, else 0 — except that
     an anchor below every block means all of them beat it (P = 1; the paper's interval leaves
-    this case out, but its own argument — keep what beats the anchor — gives 1), and a single
-    block is kept iff it beats the anchor."""
-    if s_blocks.numel() == 0:
-        return 0.0
-    s_max, s_min = float(s_blocks.max()), float(s_blocks.min())
-    if s_max <= s_min:  # one block, or all equal
-        return 1.0 if s_max > s_anc else 0.0
-    if s_anc <= s_min:
-        return 1.0
-    if s_anc > s_max:
-        return 0.0
-    return (s_max - s_anc) / (s_max - s_min)
+    this case out, but its own argument — keep what beats the anchor — gives 1), a single
+    block (or all equal) is kept iff it beats the anchor, and no middle block gives 0."""
+    frac = (s_max - s_anc) / (s_max - s_min)
+    p = torch.where(s_anc <= s_min, 1.0, torch.where(s_anc > s_max, 0.0, frac))
+    p = torch.where(s_max <= s_min, (s_max > s_anc).to(p.dtype), p)
+    return torch.where(m > 0, p, 0.0)
 
 
-def _normalize(x: torch.Tensor, how: str) -> torch.Tensor:
-    if how == "none" or x.numel() == 0:
-        return x
+def _normalize(blk: torch.Tensor, blk_doc: torch.Tensor, m: torch.Tensor, s_max: torch.Tensor,
+               s_min: torch.Tensor, how: str) -> torch.Tensor:
+    """Every document's block scores normalized over its own blocks, all documents at once:
+    blk [S, B] (the B middle blocks of all documents), blk_doc [B] their document, m [Dd]
+    blocks per document, s_max/s_min [S, Dd] -> [S, B]. minmax: (x - min) / span (1 when the
+    span is 0); zscore: (x - mean) / population std (0 when that is 0, or for one block);
+    none: x."""
+    if how == "none":
+        return blk
     if how == "minmax":
-        span = x.max() - x.min()
-        return (x - x.min()) / span if span > 0 else torch.ones_like(x)
-    std = x.std(unbiased=False) if x.numel() > 1 else x.new_zeros(())
-    return (x - x.mean()) / std if std > 0 else torch.zeros_like(x)
+        span = (s_max - s_min)[:, blk_doc]
+        return torch.where(span > 0, (blk - s_min[:, blk_doc]) / span, 1.0)
+    cnt = m.clamp(min=1).to(blk.dtype)
+    dev = blk - (blk.new_zeros(s_max.shape).index_add_(1, blk_doc, blk) / cnt)[:, blk_doc]
+    std = (blk.new_zeros(s_max.shape).index_add_(1, blk_doc, dev * dev) / cnt).sqrt()
+    std = torch.where(m > 1, std, 0.0)[:, blk_doc]
+    return torch.where(std > 0, dev / std, 0.0)
 
 
 @dataclass
@@ -218,47 +213,66 @@ class Selection:
     kept: list[list[int]]
 
 
-def local_pass(arch, ids: torch.Tensor, rows: torch.Tensor, doc_of: torch.Tensor, keys, values,
-               positions: torch.Tensor, n_docs: int, stable: list[int], cos_sin):
-    """Run documents' local tokens through every layer against their own document's cached K/V
-    (their original context, RoPE being relative): step 2's Q_loc and the original-context
-    attention that ranks middle tokens for recomputation (step 4).
+def prelim_pass(arch, ids: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor, keys, values,
+                positions: torch.Tensor, stable: list[int], cos_sin, n_write: int, n_query: int,
+                member: torch.Tensor):
+    """Steps 1-2 in one pass: run ``rows`` [R] (token ids ``ids`` [R]) through every layer, row
+    r attending to the keys ``mask`` [R, N] lets it see in ``keys``/``values`` (per layer
+    [Hkv, N, D], keys rotated to ``positions`` [N]); cos_sin: the rows' RoPE tables [R, D].
+    The prompt's own tokens (against the compressed cache) and every document's local rows
+    (against their own document) share one batch, so the layers' ops do not grow with the
+    number of documents.
 
-    ids [R]: token ids of the local rows; rows [R]: their indices on the key axis; doc_of [N]:
-    document (0..n_docs-1) of every key, -1 = none; keys/values: per layer [Hkv, N, D], keys
-    rotated to ``positions`` [N]; cos_sin: the rows' RoPE tables [R, D]. Returns q_loc
-    [n_docs, L, H, D] (mean rotated Q of each document's local rows, float32, CPU) and
-    context_attn [N] (attention each key gets from its document's local rows relative to
-    uniform, mean over heads, those rows and the stable layers; float32, CPU)."""
-    dev = arch.device
-    L = arch.n_layers
-    # Only the documents' own keys take part: the others are never attended to here, and rows
-    # of the engine's cache not computed yet (template, question) hold uninitialised memory.
-    cols = (doc_of >= 0).nonzero().squeeze(1)
-    doc_r, doc_k, pos_k = doc_of[rows], doc_of[cols], positions[cols]
-    mask = (positions[rows][:, None] >= pos_k[None, :]) & (doc_r[:, None] == doc_k[None, :])
-    member = (doc_r[None, :] == torch.arange(n_docs, device=dev)[:, None]).float()
-    member /= member.sum(1, keepdim=True)  # [Dd, R]: mean over each document's rows
+    Three groups of rows, in this order: ``rows[:n_write]`` are the prompt's own tokens,
+    computed here: their fresh K/V are written into keys/values at their rows before being
+    attended (the caller must let no local row see them, and must not need those rows'
+    previous contents); of these the last ``n_query`` are the question; ``rows[n_write:]`` are
+    cached local rows, which read their context's cached K/V. member [Dd, R - n_write]: each
+    document's averaging weights over the local rows.
+
+    Returns q_que [L, H, D] (mean rotated Q of the question rows), q_loc [Dd, L, H, D]
+    (``member``'s means of the local rows' rotated Q), query_attn [N] (attention the question
+    rows pay to each key relative to uniform over the keys each row sees, mean over heads and
+    rows) and context_attn [N] (attention each key gets from the local rows that see it, same
+    normalization, mean over those rows), both averaged over the ``stable`` layers; float32, on
+    the model's device."""
+    L, n = arch.n_layers, mask.shape[1]
+    n_loc = rows.numel() - n_write
+    probe = n_write - n_query  # question + local rows: a contiguous tail, sliced without a copy
+    pos_r = positions[rows]
     hidden = arch.embed(ids)
-    q_loc = torch.zeros(n_docs, L, arch.n_heads, arch.head_dim, device=dev)
-    attn = torch.zeros(cols.numel(), device=dev)
+    qs = []
+    query_attn = torch.zeros(n, device=mask.device)
+    context_attn = torch.zeros(n, device=mask.device)
+    # The mask and its row / column counts, made once per sliding-window size, not per layer.
+    by_window: dict = {}
     for layer in range(L):
-        q, _, _, _ = arch.qkv(layer, hidden, cos_sin)
-        q_loc[:, layer] = torch.einsum("dr,hrk->dhk", member, q.float())
-        lmask = arch.windowed(layer, mask, positions[rows], pos_k)
-        k, v = keys[layer][:, cols], values[layer][:, cols]
-        if layer in stable:
+        q, k, v, _ = arch.qkv(layer, hidden, cos_sin)
+        qs.append(q)
+        keys_l, vals_l = keys[layer], values[layer]
+        if n_write:
+            keys_l[:, rows[:n_write]] = k[:, :n_write]
+            vals_l[:, rows[:n_write]] = v[:, :n_write]
+        w = arch.windows[layer]
+        if w not in by_window:
+            lm = arch.windowed(layer, mask, pos_r, positions)
+            seen = lm[probe:]
             # Relative to uniform over the keys each row sees at this layer (its sliding window,
-            # if any); a key is seen only by its own document's rows in that window.
-            visible = lmask.sum(1, keepdim=True).float()
-            hits = lmask.float().sum(0).clamp(min=1)
-            probs = arch.attention_probs(q, k, lmask).mean(0) * visible  # [R, C]
-            attn += probs.sum(0) / hits / len(stable)
+            # if any); a key is seen only by its own document's local rows in that window.
+            by_window[w] = (lm, seen.sum(1, keepdim=True).float(), seen[n_query:].float().sum(0).clamp(min=1))
+        lm, visible, hits = by_window[w]
+        if layer in stable:
+            probs = arch.attention_probs(q[:, probe:], keys_l, lm[probe:]).mean(0) * visible  # [P, N]
+            if n_query:
+                query_attn += probs[:n_query].mean(0) / len(stable)
+            if n_loc:
+                context_attn += probs[n_query:].sum(0) / hits / len(stable)
         if layer < L - 1:  # the last layer's output is never used, only its q
-            hidden = arch.attend(layer, hidden, q, k, v, lmask)
-    context_attn = torch.zeros(positions.numel(), device=dev)
-    context_attn[cols] = attn
-    return q_loc.cpu(), context_attn.cpu()
+            hidden = arch.attend(layer, hidden, q, keys_l, vals_l, lm)
+    q_all = torch.stack(qs).float()  # [L, H, R, D]
+    q_que = q_all[:, :, probe:n_write].mean(2)
+    q_loc = torch.einsum("dr,lhrk->dlhk", member, q_all[:, :, n_write:])
+    return q_que, q_loc, query_attn, context_attn
 
 
 def select_blocks(
@@ -276,38 +290,69 @@ def select_blocks(
     qhat [Dd, S, H, D] personalized queries at the S stable layers; keys: S tensors
     [Hkv, N, D] (keys at those layers, rotated to prompt positions); exactly one of
     ``budget_tokens`` (middle tokens allowed in total) or ``budget_blocks`` (paper: total
-    blocks / Dd) bounds the cross-context filter."""
+    blocks / Dd) bounds the cross-context filter.
+
+    A block's score is the inner product of its document's query with every token's key,
+    summed over heads (GQA: the query heads sharing a KV head add up), averaged over the block
+    -- the query's inner product with the block's mean key, the paper's representative. Every
+    document, stable layer and block is scored by a fixed number of ops (segment sums over
+    index tables built on the host), and read back once; the candidates (top P_i of each
+    document; equal scores: the earlier block) and the cross-context filter are host work."""
     if (budget_tokens is None) == (budget_blocks is None):
         raise ValueError("give exactly one of budget_tokens / budget_blocks")
-    ps, p_layers, scores, cands = [], [], [], []
-    for i, d in enumerate(docs):
-        m = len(d.middle)
-        per_layer_p, per_layer_s = [], []
-        anchor = torch.tensor([t for s, e in d.forced for t in range(s, e)], dtype=torch.long)
-        for n, kn in enumerate(keys):
-            ts = token_scores(qhat[i, n], kn[:, d.start:d.end])  # [T]
-            if m == 0:
-                continue
-            blk = torch.stack([ts[s - d.start:e - d.start].mean() for s, e in d.middle])
-            s_anc = float(ts[anchor - d.start].mean()) if anchor.numel() else float("-inf")
-            per_layer_p.append(anchor_proportion(blk, s_anc))
-            per_layer_s.append(_normalize(blk, normalize))
-        if m == 0:
-            ps.append(0.0)
-            p_layers.append(torch.zeros(len(keys)))
-            scores.append(torch.zeros(0))
-            cands.append([])
-            continue
-        pl = torch.tensor(per_layer_p)
-        p = float(pl.mean()) if adaptive_p else 1.0  # eq. 3
-        sc = torch.stack(per_layer_s).mean(0)
-        k = min(m, math.ceil(p * m - 1e-9))
-        ps.append(p)
-        p_layers.append(pl)
-        scores.append(sc)
-        cands.append(top_indices(sc, k).tolist())
+    n_docs, s, d = qhat.shape[0], len(keys), qhat.shape[-1]
+    hkv, dev = keys[0].shape[0], keys[0].device
+    # Index tables built on the host, one entry per document token (its document, middle block
+    # -- n_blk for none --, anchor document -- n_docs for a middle token), per middle block
+    # (document, length) and per document (middle blocks, anchor tokens).
+    cols, col_doc, col_blk, col_anc, blk_doc, blk_len = [], [], [], [], [], []
+    for i, doc in enumerate(docs):
+        cols.extend(range(doc.start, doc.end))
+        col_doc.extend([i] * (doc.end - doc.start))
+        col_blk.extend([-1] * (doc.init[1] - doc.init[0]))
+        for s0, e0 in doc.middle:
+            col_blk.extend([len(blk_doc)] * (e0 - s0))
+            blk_doc.append(i)
+            blk_len.append(e0 - s0)
+        col_blk.extend([-1] * (doc.end - doc.local[0]))
+        col_anc.extend([i] * (doc.init[1] - doc.init[0]) + [n_docs] * (doc.local[0] - doc.init[1])
+                       + [i] * (doc.end - doc.local[0]))
+    n_blk = len(blk_doc)
+    col_blk = [n_blk if b < 0 else b for b in col_blk]
+    cols_t, doc_t, blk_t, anc_t = torch.tensor([cols, col_doc, col_blk, col_anc], device=dev)
+    blk_doc_t, blk_len_t = torch.tensor([blk_doc, blk_len], dtype=torch.long, device=dev).view(2, n_blk)
+    m, n_anc = torch.tensor([[len(doc.middle) for doc in docs],
+                             [sum(e0 - s0 for s0, e0 in doc.forced) for doc in docs]], device=dev)
+
+    # Token scores ts [S, C]: every document's queries against every key, each token then
+    # taking its own document's (Dd x the arithmetic of scoring each document alone, in one op).
+    qg = qhat.float().to(dev).reshape(n_docs, s, hkv, -1, d).sum(3)  # [Dd, S, Hkv, D]
+    k_all = torch.stack(keys).float()  # [S, Hkv, N, D]
+    ts = torch.einsum("iskd,sknd->sin", qg, k_all)[:, doc_t, cols_t]
+    blk = ts.new_zeros(s, n_blk + 1).index_add_(1, blk_t, ts)[:, :n_blk] / blk_len_t  # [S, B]
+    s_anc = ts.new_zeros(s, n_docs + 1).index_add_(1, anc_t, ts)[:, :n_docs] / n_anc
+    s_anc = torch.where(n_anc > 0, s_anc, float("-inf"))  # [S, Dd]
+    idx = blk_doc_t.expand(s, -1)
+    s_max = ts.new_full((s, n_docs), float("-inf")).scatter_reduce_(1, idx, blk, "amax")
+    s_min = ts.new_full((s, n_docs), float("inf")).scatter_reduce_(1, idx, blk, "amin")
+    # Eq. 2 in double precision, as P is a share of blocks; eq. 3: P_i = mean over layers.
+    p_layers = anchor_proportion(s_max.double(), s_min.double(), s_anc.double(), m).float().T  # [Dd, S]
+    p = p_layers.mean(1) if adaptive_p else (m > 0).float()
+    score = _normalize(blk, blk_doc_t, m, s_max, s_min, normalize).mean(0)  # [B]
+    host = torch.cat([score, p]).tolist()  # the one read back
+    score_h, p_h = host[:n_blk], host[n_blk:]
+
+    ms = [len(doc.middle) for doc in docs]
+    scores = list(score.cpu().split(ms))
+    cands, off = [], 0
+    for i, mi in enumerate(ms):
+        k = min(mi, math.ceil(p_h[i] * mi - 1e-9))
+        order = sorted(range(mi), key=lambda b: -score_h[off + b])  # stable: ties keep the earlier block
+        cands.append(sorted(order[:k]))
+        off += mi
     # Cross-context filter: pool every document's candidates by normalized score.
-    pool = sorted(((float(scores[i][b]), i, b) for i in range(len(docs)) for b in cands[i]), reverse=True)
+    starts = [sum(ms[:i]) for i in range(len(ms))]
+    pool = sorted(((score_h[starts[i] + b], i, b) for i in range(len(docs)) for b in cands[i]), reverse=True)
     kept: list[list[int]] = [[] for _ in docs]
     used = 0
     for _, i, b in pool:
@@ -317,11 +362,11 @@ def select_blocks(
             kept[i].append(b)
             used += 1
         else:
-            s, e = docs[i].middle[b]
-            if used + (e - s) <= budget_tokens:
+            s0, e0 = docs[i].middle[b]
+            if used + (e0 - s0) <= budget_tokens:
                 kept[i].append(b)
-                used += e - s
-    return Selection(ps, p_layers, scores, cands, [sorted(k) for k in kept])
+                used += e0 - s0
+    return Selection(p_h, list(p_layers.cpu().unbind(0)), scores, cands, [sorted(k) for k in kept])
 
 
 @dataclass
@@ -375,9 +420,11 @@ class SamKV(Policy):
         rot = [arch.rotate(k[layer], None, (cos, sin), layer=layer) for layer in range(arch.n_layers)]
         vals = values.to(device=dev, dtype=dt)
         rows = torch.arange(max(0, t - local), t, device=dev)
-        q_loc, ctx = local_pass(arch, token_ids[rows.cpu()], rows, torch.zeros(t, dtype=torch.long, device=dev),
-                                rot, vals, positions, 1, stable, (cos[rows], sin[rows]))
-        return {Q_LOC_KEY: q_loc[0].reshape(arch.n_layers, -1).contiguous(), CONTEXT_KEY: ctx,
+        mask = rows[:, None] >= positions[None, :]
+        member = torch.ones(1, rows.numel(), device=dev) / rows.numel()
+        _, q_loc, _, ctx = prelim_pass(arch, token_ids[rows.cpu()].to(dev), rows, mask, rot, vals, positions, stable,
+                                       (cos[rows], sin[rows]), 0, 0, member)
+        return {Q_LOC_KEY: q_loc[0].reshape(arch.n_layers, -1).contiguous().cpu(), CONTEXT_KEY: ctx.cpu(),
                 META_KEY: torch.tensor([local, *stable], dtype=torch.long)}
 
     # ---- configuration -------------------------------------------------------------------
@@ -440,9 +487,11 @@ class SamKV(Policy):
         return q.float().view(arch.n_layers, arch.n_heads, arch.head_dim), ctx.float()
 
     # ---- step 1-2: preliminary prefill against the compressed cache ---------------------
-    def _preliminary(self, state, docs: list[DocBlocks], pieces: list, doc_keys: list, stable: list[int]):
+    def _preliminary(self, state, docs: list[DocBlocks], pieces: list, doc_keys: list, stable: list[int],
+                     forced: torch.Tensor):
         """Run the prompt's own tokens against the compressed cache (initial + local tokens of
-        every document) and every document's local tokens against that document alone.
+        every document, ``forced`` bool [N]) and every document's local tokens against that
+        document alone, in one batch (``prelim_pass``).
 
         pieces: the documents' prompt pieces; doc_keys: per document a hashable key of its
         chunk (or None). The per-document results do not depend on the query or on where the
@@ -458,13 +507,8 @@ class SamKV(Policy):
         arch, lay = state.arch, state.layout
         dev = arch.device
         n = lay.n
-        L = arch.n_layers
         pos = lay.positions.to(dev)
-        cached = lay.cached.to(dev)
-        query = lay.query.to(dev)
-        q_loc = torch.zeros(len(docs), L, arch.n_heads, arch.head_dim)
-        context_attn = torch.zeros(n)
-        todo, from_store = [], 0
+        hits, todo, from_store = [], [], 0
         for j, (d, piece, key) in enumerate(zip(docs, pieces, doc_keys)):
             hit = self._stored(piece, self.params.local_blocks * d.block_size, stable, arch)
             if hit is not None:
@@ -476,78 +520,91 @@ class SamKV(Policy):
                         _DOC_MEMO.move_to_end(key)
             if hit is None:
                 todo.append(j)
-                continue
-            # Stored rotated to chunk positions 0..T-1; R(start) moves it to the prompt (RoPE
-            # rotations compose, so rotating the mean equals the mean of rotated vectors).
-            q_loc[j] = self._shift(arch, hit[0], d.start, n)
-            context_attn[d.start:d.end] = hit[1]
+            else:
+                hits.append((j, hit))
 
-        compressed = torch.zeros(n, dtype=torch.bool, device=dev)
-        doc_of = torch.full((n,), -1, dtype=torch.long, device=dev)
+        # Rows: the prompt's own tokens (template + question: computed, fresh K/V), the
+        # question last, then the local rows of the documents without stored results -- the
+        # last local-span-many tokens, even in a document too short to have a local span of its
+        # own (its tokens are all initial then), so Q_loc is never empty.
+        cached = lay.cached.tolist()  # host lists: no op per token
+        query = set(lay.query.tolist())
+        own_rows = [r for r in range(n) if not cached[r] or r in query]
+        head = [r for r in own_rows if r not in query]
+        q_rows = [r for r in own_rows if r in query]
+        loc_rows, loc_doc, doc_of = [], [], [-1] * n
         for j, d in enumerate(docs):
-            for s, e in d.forced:
-                compressed[s:e] = True
-            doc_of[d.start:d.end] = j
-        own = ~cached
-        own[query] = True
-        rows = own.nonzero().squeeze(1)  # template + question: computed, fresh K/V
-        mask = (pos[rows][:, None] >= pos[None, :]) & (compressed | own)[None, :]
-        q_rows = (rows[:, None] == query[None, :]).any(1).nonzero().squeeze(1)
+            doc_of[d.start:d.end] = [j] * (d.end - d.start)
+        for t, j in enumerate(todo):
+            d = docs[j]
+            lo = max(d.start, d.end - self.params.local_blocks * d.block_size)
+            loc_rows.extend(range(lo, d.end))
+            loc_doc.extend([t] * (d.end - lo))
+        n_own = len(head) + len(q_rows)
+        rows_cpu = torch.tensor(head + q_rows + loc_rows)
+        rows, doc_of = rows_cpu.to(dev), torch.tensor(doc_of, device=dev)
+        # Own rows see the compressed cache and the own rows before them; local rows their own
+        # document's keys before them (their original context, RoPE being relative).
+        see_own = (forced.to(dev) | (doc_of < 0))[None, :]
+        same_doc = doc_of[rows][:, None] == doc_of[None, :]
+        is_local = (torch.arange(rows.numel(), device=dev) >= n_own)[:, None]
+        mask = (pos[rows][:, None] >= pos[None, :]) & torch.where(is_local, same_doc, see_own)
+        loc_t = torch.tensor(loc_doc, dtype=torch.long, device=dev)
+        member = (loc_t[None, :] == torch.arange(len(todo), device=dev)[:, None]).float()
+        member /= member.sum(1, keepdim=True)  # [Dt, R_loc]: mean over each document's rows
+        # The own rows' K/V are written into the engine's cache in place (the engine recomputes
+        # and rewrites them at every layer before its attention reads them), unless one of them
+        # is a cached token (a question span that overlaps a chunk), whose cached K/V must stay.
+        if all(not cached[r] for r in own_rows):
+            keys, values = state.K, state.V
+        else:
+            keys, values = [k.clone() for k in state.K], [v.clone() for v in state.V]
+        q_que, q_new, query_attn, ctx_new = prelim_pass(
+            arch, lay.token_ids[rows_cpu].to(dev), rows, mask, keys, values, pos, stable,
+            (state.cos[rows], state.sin[rows]), n_own, len(q_rows), member)
 
-        cs = (state.cos[rows], state.sin[rows])
-        hidden = arch.embed(lay.token_ids[rows.cpu()])
-        q_que = torch.zeros(L, arch.n_heads, arch.head_dim, device=dev)
-        query_attn = torch.zeros(n, device=dev)
-        for layer in range(L):
-            q, k, v, _ = arch.qkv(layer, hidden, cs)
-            q_que[layer] = q[:, q_rows].float().mean(1)
-            keys, vals = state.K[layer].clone(), state.V[layer].clone()
-            keys[:, rows], vals[:, rows] = k, v
-            lmask = arch.windowed(layer, mask, pos[rows], pos)
-            if layer in stable:
-                # Relative to uniform over the keys each question row sees at this layer.
-                visible = lmask[q_rows].sum(1, keepdim=True).float()
-                probs = arch.attention_probs(q[:, q_rows], keys, lmask[q_rows]).mean(0) * visible
-                query_attn += probs.mean(0) / len(stable)
-            if layer < L - 1:  # the last layer's output is never used, only its q
-                hidden = arch.attend(layer, hidden, q, keys, vals, lmask)
-
-        n_local = 0
+        L = arch.n_layers
+        q_loc = torch.zeros(len(docs), L, arch.n_heads, arch.head_dim)
+        context_attn = ctx_new.cpu()  # zero outside the documents run here
+        if hits:
+            # Stored rotated to chunk positions 0..T-1; R(start) moves them to the prompt (RoPE
+            # rotations compose, so rotating the mean equals the mean of rotated vectors).
+            idx = torch.tensor([j for j, _ in hits])
+            q_loc[idx] = self._shift(arch, torch.stack([h[0] for _, h in hits]),
+                                     [docs[j].start for j, _ in hits], n)
+            toks = torch.tensor([t for j, _ in hits for t in range(docs[j].start, docs[j].end)], dtype=torch.long)
+            context_attn[toks] = torch.cat([h[1] for _, h in hits])
         if todo:
-            # Local rows = the last local-span-many tokens, even in a document too short to have
-            # a local span of its own (its tokens are all initial then), so Q_loc is never empty.
-            loc = [torch.arange(max(docs[j].start, docs[j].end - self.params.local_blocks * docs[j].block_size),
-                                docs[j].end, device=dev) for j in todo]
-            loc_rows = torch.cat(loc)
-            n_local = loc_rows.numel()
-            # Renumber the documents 0..len(todo)-1; the others' keys take no part.
-            sub = torch.full((len(docs) + 1,), -1, dtype=torch.long, device=dev)
-            sub[torch.tensor(todo, device=dev)] = torch.arange(len(todo), device=dev)
-            q_new, ctx_new = local_pass(arch, lay.token_ids[loc_rows.cpu()], loc_rows, sub[doc_of], state.K, state.V,
-                                        pos, len(todo), stable, (state.cos[loc_rows], state.sin[loc_rows]))
-            for t, j in enumerate(todo):
-                d = docs[j]
-                q_loc[j] = q_new[t]
-                context_attn[d.start:d.end] = ctx_new[d.start:d.end]
-                if doc_keys[j] is not None:
-                    value = (self._shift(arch, q_loc[j], -d.start, n), ctx_new[d.start:d.end].clone())
-                    with _MEMO_LOCK:
-                        _DOC_MEMO[doc_keys[j]] = value
-                        while len(_DOC_MEMO) > DOC_MEMO_SIZE:
-                            _DOC_MEMO.popitem(last=False)
-        state.scratch["samkv_prelim_rows"] = int(rows.numel()) + n_local
+            q_new = q_new.cpu()
+            q_loc[torch.tensor(todo)] = q_new
+            memo = [t for t, j in enumerate(todo) if doc_keys[j] is not None]
+            if memo:
+                # Views of one shifted block and one gather: a fixed number of ops however many
+                # documents are memoized (the entries share those tensors' storage).
+                sel = torch.tensor(memo)
+                shifted = self._shift(arch, q_new[sel], [-docs[todo[t]].start for t in memo], n)
+                spans = [(docs[todo[t]].start, docs[todo[t]].end) for t in memo]
+                ctx = context_attn[torch.tensor([i for s0, e0 in spans for i in range(s0, e0)], dtype=torch.long)]
+                parts = ctx.split([e0 - s0 for s0, e0 in spans])
+                with _MEMO_LOCK:
+                    for t, q_t, c_t in zip(memo, shifted.unbind(0), parts):
+                        _DOC_MEMO[doc_keys[todo[t]]] = (q_t, c_t)
+                    while len(_DOC_MEMO) > DOC_MEMO_SIZE:
+                        _DOC_MEMO.popitem(last=False)
+        state.scratch["samkv_prelim_rows"] = int(rows_cpu.numel())
         state.scratch["samkv_from_store"] = from_store
         return q_que.cpu(), q_loc, query_attn.cpu(), context_attn
 
     @staticmethod
-    def _shift(arch, q: torch.Tensor, delta: int, length: int) -> torch.Tensor:
-        """Move rotated query vectors q [L, H, D] by ``delta`` positions (RoPE composition;
-        NoPE layers' queries carry no position and stay as they are), with the RoPE tables of
-        a ``length``-token prompt (``Arch.cos_sin``)."""
-        cs = arch.cos_sin(torch.tensor([delta], device=arch.device), length)
+    def _shift(arch, q: torch.Tensor, deltas: list[int], length: int) -> torch.Tensor:
+        """Move rotated query vectors q [Dd, L, H, D] (one per document) by ``deltas`` [Dd]
+        positions (RoPE composition; NoPE layers' queries carry no position and stay as they
+        are), with the RoPE tables of a ``length``-token prompt (``Arch.cos_sin``): every
+        document and layer at once. float32 on the CPU."""
+        cs = arch.cos_sin(torch.tensor(deltas, device=arch.device), length)
         cs = (cs[0].float().cpu(), cs[1].float().cpu())
-        return torch.stack([arch.shift(q[layer].float().unsqueeze(-2), cs, layer).squeeze(-2)
-                            for layer in range(q.shape[0])])
+        # [L, H, Dd, D]: the documents take the position axis.
+        return arch.shift_layers(q.float().permute(1, 2, 0, 3), cs).permute(2, 0, 1, 3)
 
     # ---- hooks ---------------------------------------------------------------------------
     def prepare(self, state) -> None:
@@ -556,7 +613,6 @@ class SamKV(Policy):
         n = lay.n
 
         spans = lay.spans(CACHED)
-        keep = torch.ones(n, dtype=torch.bool)
         recompute = torch.zeros(n, dtype=torch.bool)
         if not spans:
             state.scratch["samkv"] = None
@@ -567,8 +623,11 @@ class SamKV(Policy):
         docs = [doc_blocks(s, e, self.block_size_for(e - s), p.initial_blocks, p.local_blocks) for _, s, e in spans]
         doc_keys = [self._memo_key(lay.pieces[si], stable, p.local_blocks * d.block_size, state.arch, lay.n)
                     for (si, _, _), d in zip(spans, docs)]
+        # Index lists built on the host, one write each: no op per document or block.
+        forced_mask = torch.zeros(n, dtype=torch.bool)
+        forced_mask[torch.tensor([t for d in docs for s, e in d.forced for t in range(s, e)], dtype=torch.long)] = True
         q_que, q_loc, query_attn, context_attn = self._preliminary(
-            state, docs, [lay.pieces[si] for si, _, _ in spans], doc_keys, stable)
+            state, docs, [lay.pieces[si] for si, _, _ in spans], doc_keys, stable, forced_mask)
         sq, sl = q_que[stable], q_loc[:, stable]
         qhat = personalized_queries(sq, sl) if p.personalized else sq.unsqueeze(0).expand_as(sl).clone()
 
@@ -585,22 +644,14 @@ class SamKV(Policy):
             qhat, [state.K[layer] for layer in stable], docs,
             adaptive_p=p.adaptive_p, normalize=p.normalize, **budget,
         )
-        keep[cached] = False
-        for d, kept in zip(docs, sel.kept):
-            for s, e in d.forced:
-                keep[s:e] = True
-            for b in kept:
-                s, e = d.middle[b]
-                keep[s:e] = True
+        keep = ~cached | forced_mask
+        keep[torch.tensor([t for d, kept in zip(docs, sel.kept) for b in kept for t in range(*d.middle[b])],
+                          dtype=torch.long)] = True
 
         # Local recomputation (§3.3 / A.1): initial/local tokens ranked by the question's
         # attention in the compressed prefill, kept middle tokens by the attention they got in
         # their original context; the budget is split in proportion to the two pools so that
         # the two differently-normalized scores are never compared with each other.
-        forced_mask = torch.zeros(n, dtype=torch.bool)
-        for d in docs:
-            for s, e in d.forced:
-                forced_mask[s:e] = True
         pool_a = (forced_mask & keep & cached).nonzero().squeeze(1)
         pool_b = (~forced_mask & keep & cached).nonzero().squeeze(1)
         n_kept = pool_a.numel() + pool_b.numel()
@@ -638,19 +689,28 @@ class SamKV(Policy):
     def select(self, layer, state, q, k, v):
         if self.params.update == "overwrite":
             return None
-        rows = state.layout.cached.to(k.device)[state.active]
-        if not bool(rows.any()):
+        # The active set is fixed after prepare (select never narrows it): the cached active
+        # rows and their slots are found once, not once per layer.
+        memo = state.scratch.get("samkv_rows")
+        if memo is None or memo[0] is not state.active:
+            rows = state.layout.cached.to(k.device)[state.active]
+            memo = state.scratch["samkv_rows"] = (state.active, rows, state.active[rows], bool(rows.any()))
+        _, rows, idx, any_rows = memo
+        if not any_rows:
             return None
-        idx = state.active[rows]
-        for new, old_all in ((k, state.K[layer]), (v, state.V[layer])):
-            fresh, old = new[:, rows].float(), old_all[:, idx].float()
-            if self.params.theta is None:
-                # Eq. 4: theta = cos(new, old) per token and head; a negative cosine would
-                # extrapolate away from both, so it is clamped to [0, 1].
-                theta = torch.nn.functional.cosine_similarity(fresh, old, dim=-1).clamp(0, 1).unsqueeze(-1)
-            else:
-                theta = float(self.params.theta)
-            # In place: the engine writes these very tensors into the cache right after this
-            # hook and attends with them, so the fused K/V are what this and later layers see.
-            new[:, rows] = (theta * fresh + (1 - theta) * old).to(new.dtype)
+        # K and V side by side [2 Hkv, R, D]: one eq. 4 for both (the cosine is per token and head).
+        hkv = k.shape[0]
+        fresh = torch.cat([k[:, rows], v[:, rows]]).float()
+        old = torch.cat([state.K[layer][:, idx], state.V[layer][:, idx]]).float()
+        if self.params.theta is None:
+            # Eq. 4: theta = cos(new, old) per token and head; a negative cosine would
+            # extrapolate away from both, so it is clamped to [0, 1].
+            theta = torch.nn.functional.cosine_similarity(fresh, old, dim=-1).clamp(0, 1).unsqueeze(-1)
+        else:
+            theta = float(self.params.theta)
+        fused = (theta * fresh + (1 - theta) * old).to(k.dtype)
+        # In place: the engine writes these very tensors into the cache right after this
+        # hook and attends with them, so the fused K/V are what this and later layers see.
+        k[:, rows] = fused[:hkv]
+        v[:, rows] = fused[hkv:]
         return None
