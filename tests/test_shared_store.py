@@ -375,3 +375,37 @@ def test_wrappers_serialize_the_shared_url_never_its_password(tmp_path, monkeypa
         assert built.shared == want["shared"] and key in built.rag.store.far
     finally:
         server.close()
+
+
+def test_cache_push_copies_what_the_shared_tier_lacks(redis_url, prefix, tmp_path, capsys):
+    """`kvrag cache push`: a local store's entries the shared tier lacks are copied up, read
+    verified (a corrupt local blob is counted, never pushed); a second push finds them all
+    present; the shared tier down is a clear error, not a traceback."""
+    from kvrag.cli import main
+
+    local = KVStore(tmp_path / "kv")
+    # Two models; 600 tokens, so each blob is a file of its own (not a value inside SQLite).
+    entries = dict(entry(s, t=600, fp=FP if s < 3 else "fp-other") for s in range(4))
+    for k, e in entries.items():
+        local.put(k, e)
+    local.close()
+    shared = RedisStore(redis_url, prefix=prefix)
+    key0 = next(iter(entries))
+    shared.put(key0, entries[key0])  # already there: not sent again
+    bad = list(entries)[1]  # flip bytes inside one local blob's tensor data
+    path = next(f for f in (tmp_path / "kv").rglob("*") if f.is_file() and entries[bad].text.encode() + b'"' in
+                f.read_bytes()[:4096])
+    data = bytearray(path.read_bytes())
+    data[-40:-8] = bytes(x ^ 0xFF for x in data[-40:-8])
+    path.write_bytes(bytes(data))
+    assert main(["cache", "push", str(tmp_path / "kv"), "--shared", redis_url, "--prefix", prefix, "--json"]) == 0
+    rec = json.loads(capsys.readouterr().out)
+    assert (rec["pushed"], rec["present"], rec["unreadable"], rec["listed"]) == (2, 1, 1, 4)
+    for k, e in entries.items():
+        if k != bad:
+            assert same(shared.get(k, e.fingerprint), e)
+    assert bad not in shared
+    assert main(["cache", "push", str(tmp_path / "kv"), "--shared", redis_url, "--prefix", prefix, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["pushed"] == 0
+    assert main(["cache", "push", str(tmp_path / "kv"), "--shared", "redis://127.0.0.1:1/0"]) == 2
+    assert "unreachable" in capsys.readouterr().err

@@ -41,7 +41,7 @@ def default_cache_dir() -> Path:
 
 
 def register(sub) -> None:
-    p = sub.add_parser("cache", help="KV store maintenance: stats, gc, clear",
+    p = sub.add_parser("cache", help="KV store maintenance: stats, gc, push, clear",
                        description="Inspect and maintain a kvrag KV store (no model is loaded).")
     cmds = p.add_subparsers(dest="cache_command", metavar="ACTION", required=True)
 
@@ -67,6 +67,15 @@ def register(sub) -> None:
     g.add_argument("--verify", action="store_true",
                    help="also load and checksum every blob (slow on big stores); corrupt ones are deleted")
     g.set_defaults(func=run_gc)
+    u = cmds.add_parser("push", help="copy the local entries the shared Redis tier lacks up to it",
+                        description="Copy every entry of a local store that the shared tier lacks up to it (each "
+                                    "read verified): to seed a shared tier from a single-process store, or after a "
+                                    "Redis outage that outlived the replica that stored chunks locally meanwhile.")
+    common(u)
+    u.add_argument("--shared", required=True, metavar="URL",
+                   help="the shared Redis tier (redis://host:6379/0, redis+cluster://host:6379)")
+    u.add_argument("--prefix", default="kvrag:", help="key prefix of the shared store (default kvrag:)")
+    u.set_defaults(func=run_push)
     c = cmds.add_parser("clear", help="delete every entry (all models)")
     common(c)
     c.add_argument("-y", "--yes", action="store_true", help="do not ask for confirmation")
@@ -179,6 +188,29 @@ def shared_stats(url: str, prefix: str) -> dict:
         return out
     finally:
         store.close()
+
+
+def run_push(args) -> int:
+    from kvrag.store.shared import RedisStore, SharedStoreDown, redact
+    from kvrag.store.tiered import push_missing
+
+    with open_store(_store_dir(args)) as store:
+        far = RedisStore(args.shared, prefix=args.prefix)
+        try:
+            listed = store.listed()
+            try:
+                res = push_missing(store, far, listed)
+            except SharedStoreDown as e:
+                raise StoreError(f"{e}; nothing more pushed (run it again when the shared tier answers)") from None
+        finally:
+            far.close()
+    rec = {**res, "listed": len(listed), "directory": str(store.directory), "shared": redact(args.shared)}
+    _emit(args, rec, [f"local       {rec['directory']} ({rec['listed']} entries)",
+                      f"shared      {rec['shared']} (prefix {args.prefix})",
+                      f"pushed      {res['pushed']}",
+                      f"present     {res['present']} (already in the shared tier)",
+                      f"unreadable  {res['unreadable']} (local entries that failed verification: not pushed)"])
+    return 0
 
 
 def run_gc(args) -> int:

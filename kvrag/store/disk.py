@@ -375,6 +375,19 @@ class KVStore(ChunkStore):
                              "reopen it (a damaged text index is rebuilt) or delete the directory") from e
 
     def _texts(self, fingerprint: str | None) -> dict[str, str]:
+        return {key: text for key, (text, fp) in self._listed().items() if fingerprint is None or fp == fingerprint}
+
+    def listed(self) -> dict[str, tuple[str, str]]:
+        """key -> (chunk text, model fingerprint) of every stored and listed entry (from the
+        text index, no blob loaded)."""
+        try:
+            return self._listed()
+        except sqlite3.DatabaseError as e:
+            if (err := self._environment_error(e, "list")) is not None:
+                raise err from e
+            raise StoreError(f"cannot list the KVStore in {self.directory}: its database is damaged ({e})") from e
+
+    def _listed(self) -> dict[str, tuple[str, str]]:
         out = {}
         for key in self._keys(self._index):
             raw = self._index.get(key, retry=True)
@@ -385,9 +398,8 @@ class KVStore(ChunkStore):
                 log.warning("KVStore: unusable text-index entry %s; skipped (gc() or a precompute of the "
                             "chunk rebuilds it from the blob)", key)
                 continue
-            text, fp = rec
-            if (fingerprint is None or fp == fingerprint) and key in self._blobs:
-                out[key] = text
+            if key in self._blobs:
+                out[key] = rec
         return out
 
     # ---- maintenance ---------------------------------------------------------------

@@ -184,3 +184,23 @@ class TieredStore(ChunkStore):
         self._pusher.shutdown(wait=True)
         self.near.close()
         self.far.close()
+
+
+def push_missing(near: ChunkStore, far: ChunkStore, listed: dict[str, tuple[str, str]]) -> dict[str, int]:
+    """Copy each entry of ``listed`` (key -> (text, fingerprint), as ``KVStore.listed()``) that
+    ``far`` lacks from ``near`` to ``far``, read verified: to seed a shared tier from a local
+    store, or after an outage that outlived the process that remembered what to push
+    (``kvrag cache push``). Counts of pushed, already present and unreadable (a miss in
+    ``near``) entries; ``far`` failing (``StoreError``) stops it."""
+    counts = {"pushed": 0, "present": 0, "unreadable": 0}
+    for key, (_, fingerprint) in listed.items():
+        if key in far:
+            counts["present"] += 1
+            continue
+        entry = near.get(key, fingerprint)
+        if entry is None:
+            counts["unreadable"] += 1
+            continue
+        far.put(key, entry)
+        counts["pushed"] += 1
+    return counts
