@@ -537,3 +537,17 @@ def test_qa_journal_resumes_an_interrupted_run(tmp_path, monkeypatch):
         b = bench(resume=True)
         b.cfg.max_new_tokens = 3
         b.run_qa(rag, "d", exs)
+
+
+def test_a_store_too_small_for_the_chunks_just_precomputed_is_an_error(tmp_path):
+    """A KV store whose size limit evicts what was just precomputed would make every reuse run
+    a silent full prefill: the bench says so instead of measuring it."""
+    from kvrag.bench.runner import Bench, BenchConfig
+    from kvrag.engine import KVRag
+    from kvrag.testing import tiny_llama
+
+    rag = KVRag(tiny_llama(seed=0), cache_dir=tmp_path / "kv", size_limit=300_000)  # ~1 of 3 entries
+    bench = Bench(BenchConfig(out=tmp_path / "out", policies=["naive_reuse"], repeats=1))
+    bench.device = "cpu"
+    with pytest.raises(RuntimeError, match=r"chunks just precomputed are not in the KV store any more: its size limit"):
+        bench.precompute(rag, [f"Passage {i}: " + " ".join(f"w{i}x{j}" for j in range(80)) for i in range(3)], "qa")

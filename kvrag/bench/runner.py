@@ -447,6 +447,13 @@ class Bench:
             t0 = time.perf_counter()
             r.precompute(todo)
             dt = time.perf_counter() - t0
+            # A store too small for what was just stored evicts it (LRU) at once, and every
+            # "reuse" run would silently measure a full prefill instead.
+            gone = sum(not r.is_cached(t) for t in todo)
+            if gone:
+                raise RuntimeError(f"{gone} of the {len(todo)} chunks just precomputed are not in the KV store any "
+                                   f"more: its size limit ({r.store.stats().get('size_limit')} bytes) evicted them; "
+                                   "use a store with a larger limit (kvrag cache gc --size-limit on --cache-dir)")
             self.precompute_log.append({"device": self.device, "scenario": scenario, "chunks": len(todo),
                                         "tokens": tokens, "seconds": dt})
 
@@ -625,16 +632,18 @@ class Bench:
     # -- scenarios --
     def run_qa(self, rag, dataset: str, examples: list[Example]) -> None:
         done, journal = self.open_journal(dataset)
-        todo = [ex for i, ex in enumerate(examples) if self._journal_key(i, ex) not in done]
+        kept = sum(self._journal_key(i, ex) in done for i, ex in enumerate(examples))
         self.say(f"[{self.device}] qa/{dataset}: {len(examples)} examples x {len(self.runs)} policies"
-                 + (f" ({len(examples) - len(todo)} kept from {journal})" if len(todo) < len(examples) else ""))
-        for ex in todo:
-            self.precompute(rag, ex.passages, f"qa/{dataset}")
+                 + (f" ({kept} kept from {journal})" if kept else ""))
         for i, ex in enumerate(examples):
             key = self._journal_key(i, ex)
             if key in done:
                 self.records.extend(done[key])
                 continue
+            # Each example's chunks just before it runs: the store then needs to hold one
+            # example's chunks (all of them at once would outgrow its size limit on a long run,
+            # and the LRU would evict the first examples' chunks before they are timed).
+            self.precompute(rag, ex.passages, f"qa/{dataset}")
             t0 = time.perf_counter()
             recs = self.time_policies(rag, "qa", dataset, ex, self.runs, i, self.cfg.repeats, self.cfg.max_new_tokens)
             self.quality(rag, ex, recs, self.runs)
