@@ -8,6 +8,7 @@
 #
 # Usage: benchmarks/run_heldout.sh OUT [ADAPTER] [extra kvrag bench options]
 #   ADAPTER: default (the shipped adapter), none, or an adapter directory (kvrag tune --out).
+# Env: KVRAG_HELDOUT_DATA (another QA file, e.g. benchmarks/cloze_set.py output), _LIMIT, _POLICIES.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT="${1:?usage: run_heldout.sh OUT [ADAPTER] [options]}"
