@@ -21,10 +21,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import re
 import math
 import os
 import platform
+import re
 import statistics
 import tempfile
 import threading
