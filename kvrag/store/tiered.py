@@ -135,11 +135,8 @@ class TieredStore(ChunkStore):
                     if not self._unsynced:
                         break
                     key, fp = next(iter(self._unsynced.items()))
-                entry = self.near.get(key, fp)
-                # Another replica may have stored it meanwhile; one EXISTS beats re-sending it.
-                if entry is not None and key not in self.far:
-                    self.far.put(key, entry)  # StoreError (down again): stop, keep the rest
-                    pushed += 1
+                # StoreError (down again): stop, keep the rest.
+                pushed += copy_up(self.near, self.far, key, fp) == "pushed"
                 with self._lock:
                     if self._unsynced.get(key) == fp:
                         del self._unsynced[key]
@@ -194,13 +191,18 @@ def push_missing(near: ChunkStore, far: ChunkStore, listed: dict[str, tuple[str,
     ``near``) entries; ``far`` failing (``StoreError``) stops it."""
     counts = {"pushed": 0, "present": 0, "unreadable": 0}
     for key, (_, fingerprint) in listed.items():
-        if key in far:
-            counts["present"] += 1
-            continue
-        entry = near.get(key, fingerprint)
-        if entry is None:
-            counts["unreadable"] += 1
-            continue
-        far.put(key, entry)
-        counts["pushed"] += 1
+        counts[copy_up(near, far, key, fingerprint)] += 1
     return counts
+
+
+def copy_up(near: ChunkStore, far: ChunkStore, key: str, fingerprint: str) -> str:
+    """Copy ``key`` from ``near`` to ``far`` unless ``far`` has it (another replica may have
+    stored it: one EXISTS beats re-sending megabytes). "pushed", "present", or "unreadable"
+    (a miss in ``near``); ``far.put`` raises ``StoreError`` when it is down."""
+    if key in far:
+        return "present"
+    entry = near.get(key, fingerprint)
+    if entry is None:
+        return "unreadable"
+    far.put(key, entry)
+    return "pushed"
