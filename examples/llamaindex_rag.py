@@ -16,6 +16,7 @@ plain transformers forward over every prompt token, no cache (kvrag's tests chec
 The collection and the KV cache live under ``--data-dir`` and are shared with
 ``examples/langchain_rag.py``: run either first, the other reuses both.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,11 +35,11 @@ from llama_index.core import Document, VectorStoreIndex  # noqa: E402
 from llama_index.core.ingestion import IngestionPipeline  # noqa: E402
 from llama_index.core.node_parser import SentenceSplitter  # noqa: E402
 from llama_index.embeddings.huggingface import HuggingFaceEmbedding  # noqa: E402
-from llama_index.llms.kvrag import KVCacheWarmer, KVPrecompute, KVRagLLM  # noqa: E402
 from llama_index.vector_stores.chroma import ChromaVectorStore  # noqa: E402
 
 from kvrag import KVRag  # noqa: E402
 from kvrag.policies import policy_names  # noqa: E402
+from llama_index.llms.kvrag import KVCacheWarmer, KVPrecompute, KVRagLLM  # noqa: E402
 
 COLLECTION = "kvrag_example"
 
@@ -62,8 +63,9 @@ def ask(query_engine, question: str):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data-dir", default="./kvrag-example-data", help="Chroma + KV cache directory")
-    ap.add_argument("--policy", default="cacheblend", choices=policy_names(),
-                    help="kvrag reuse policy (see `kvrag policies`)")
+    ap.add_argument(
+        "--policy", default="cacheblend", choices=policy_names(), help="kvrag reuse policy (see `kvrag policies`)"
+    )
     ap.add_argument("--top-k", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=32)
     args = ap.parse_args()
@@ -77,35 +79,40 @@ def main() -> None:
     print("loading SmolLM2-135M-Instruct ...", flush=True)
     rag = KVRag(cache_dir=data / "kv")
     common = dict(max_new_tokens=args.max_new_tokens, stop=["\n"])
-    plain_llm = KVRagLLM(rag, policy="full_prefill", **common)   # the plain baseline (see above)
-    kv_llm = KVRagLLM(rag, policy=args.policy, **common)         # kvrag: the LLM object
+    plain_llm = KVRagLLM(rag, policy="full_prefill", **common)  # the plain baseline (see above)
+    kv_llm = KVRagLLM(rag, policy=args.policy, **common)  # kvrag: the LLM object
 
     # ---- ingestion: stock pipeline + the kvrag hook ---------------------------------------------
     if vector_store._collection.count() == 0:
         pipeline = IngestionPipeline(
             transformations=[
                 SentenceSplitter(chunk_size=512, chunk_overlap=0),
-                KVPrecompute(kv_llm),                            # kvrag: the ingestion hook
+                KVPrecompute(kv_llm),  # kvrag: the ingestion hook
                 embed,
             ],
             vector_store=vector_store,
         )
         t0 = time.perf_counter()
         nodes = pipeline.run(documents=[Document(text=t) for t in corpus["documents"]])
-        print(f"ingested {len(nodes)} chunks in {time.perf_counter() - t0:.1f}s "
-              "(KV precompute continues in the background)")
+        print(
+            f"ingested {len(nodes)} chunks in {time.perf_counter() - t0:.1f}s "
+            "(KV precompute continues in the background)"
+        )
     else:
         print(f"reusing Chroma collection {COLLECTION!r} ({vector_store._collection.count()} chunks)")
     kv_llm.precomputer.wait_until_idle()  # only so the first query below already hits
     pr = kv_llm.precomputer.progress()
-    print(f"precompute: {pr.computed} chunks computed ({pr.tokens_computed} tokens, {pr.busy_s:.1f}s), "
-          f"{pr.already_cached} already cached, {pr.failed} failed\n")
+    print(
+        f"precompute: {pr.computed} chunks computed ({pr.tokens_computed} tokens, {pr.busy_s:.1f}s), "
+        f"{pr.already_cached} already cached, {pr.failed} failed\n"
+    )
 
     # ---- querying: the same query engine, two LLMs -------------------------------------------
     index = VectorStoreIndex.from_vector_store(vector_store, embed_model=embed)
     plain_qe = index.as_query_engine(llm=plain_llm, similarity_top_k=args.top_k, streaming=True)
-    kv_qe = index.as_query_engine(llm=kv_llm, similarity_top_k=args.top_k, streaming=True,
-                                  node_postprocessors=[KVCacheWarmer(kv_llm)])  # kvrag (optional): warm chunks ingested elsewhere
+    kv_qe = index.as_query_engine(
+        llm=kv_llm, similarity_top_k=args.top_k, streaming=True, node_postprocessors=[KVCacheWarmer(kv_llm)]
+    )  # kvrag (optional): warm chunks ingested elsewhere
 
     # Warm-up: the first call pays one-off costs (allocations, lazy inits) for both alike.
     ask(plain_qe, "warm-up")
@@ -116,9 +123,11 @@ def main() -> None:
         print(f"  plain (full prefill)  TTFT {t * 1000:6.0f} ms  | {a!r}")
         a, t = ask(kv_qe, q)
         s = kv_llm.last_stats
-        print(f"  {'kvrag (' + args.policy + ')':<21} TTFT {t * 1000:6.0f} ms  | {a!r}\n"
-              f"      {s.chunks_hit} chunks from the cache, {s.cached_tokens}/{s.prompt_tokens} prompt tokens cached, "
-              f"{s.recompute_fraction:.0%} recomputed, prefill TTFT {s.ttft_s * 1000:.0f} ms")
+        print(
+            f"  {'kvrag (' + args.policy + ')':<21} TTFT {t * 1000:6.0f} ms  | {a!r}\n"
+            f"      {s.chunks_hit} chunks from the cache, {s.cached_tokens}/{s.prompt_tokens} prompt tokens cached, "
+            f"{s.recompute_fraction:.0%} recomputed, prefill TTFT {s.ttft_s * 1000:.0f} ms"
+        )
     kv_llm.precomputer.shutdown()
 
 

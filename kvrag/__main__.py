@@ -1,4 +1,5 @@
 """``python -m kvrag`` == the ``kvrag`` console command."""
+
 import sys
 
 from kvrag.cli import main

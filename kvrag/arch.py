@@ -12,6 +12,7 @@ config feature it does not know is refused (``Arch`` raises), never run approxim
 Shapes: ``A`` active tokens at a layer, ``N`` tokens in the K/V, ``H`` query heads, ``Hkv``
 KV heads, ``D`` head dim, ``E`` hidden size.
 """
+
 from __future__ import annotations
 
 import threading
@@ -20,13 +21,29 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "gemma3_text", "gemma2", "olmo2", "granite",
-                         "phi3")
+SUPPORTED_MODEL_TYPES = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "smollm3",
+    "gemma3_text",
+    "gemma2",
+    "olmo2",
+    "granite",
+    "phi3",
+)
 
 # The submodules of a decoder layer / its attention whose role ``Arch`` knows. A layer with any
 # other (a new family's extra norm, gate or projection) is refused instead of being skipped.
-_KNOWN_BLOCK_PARTS = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm",
-                      "pre_feedforward_layernorm", "post_feedforward_layernorm"}
+_KNOWN_BLOCK_PARTS = {
+    "self_attn",
+    "mlp",
+    "input_layernorm",
+    "post_attention_layernorm",
+    "pre_feedforward_layernorm",
+    "post_feedforward_layernorm",
+}
 _KNOWN_ATTN_PARTS = {"q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj", "q_norm", "k_norm"}
 
 
@@ -111,8 +128,10 @@ class Arch:
                 # Dropouts are the identity in inference (Phi-3's resid_*_dropout).
                 extra = sorted({n for n, m in owner.named_children() if not isinstance(m, torch.nn.Dropout)} - known)
                 if extra:
-                    raise ValueError(f"{self.config.model_type} layer {i} has modules kvrag's layer step does not "
-                                     f"know ({', '.join(extra)}); refusing to run it approximately")
+                    raise ValueError(
+                        f"{self.config.model_type} layer {i} has modules kvrag's layer step does not "
+                        f"know ({', '.join(extra)}); refusing to run it approximately"
+                    )
 
     def _read_family(self, cfg) -> None:
         """The wiring of the layer step that differs between families (see ``attend``)."""
@@ -158,20 +177,26 @@ class Arch:
         # YaRN / LongRoPE scale cos and sin by an attention factor: a rotation by p multiplies
         # by it, so undoing or composing rotations must divide it back out.
         if len(gains) != 1:
-            raise ValueError(f"{cfg.model_type}: RoPE tables with different attention factors per layer type "
-                             f"({sorted(gains)}) are not supported")
+            raise ValueError(
+                f"{cfg.model_type}: RoPE tables with different attention factors per layer type "
+                f"({sorted(gains)}) are not supported"
+            )
         self.rope_gain = gains.pop()
         # LongRoPE and dynamic NTK choose their frequencies from the sequence length (cos_sin).
         self.length_dependent_rope = bool(types & {"longrope", "dynamic"})
         if self.length_dependent_rope and len(self.rope_kinds) > 1:
-            raise ValueError(f"{cfg.model_type}: length-dependent RoPE ({', '.join(sorted(types))}) with one table "
-                             "per layer type is not supported")
+            raise ValueError(
+                f"{cfg.model_type}: length-dependent RoPE ({', '.join(sorted(types))}) with one table "
+                "per layer type is not supported"
+            )
         # Partial rotary (Phi-4-mini: 0.75) rotates the first ``rot_dim`` dims of each head
         # and passes the rest through, attention factor included (HF's apply_rotary_pos_emb).
         self.rot_dim = self.cos_sin(torch.zeros(1, dtype=torch.long))[0].shape[-1]
         if not 0 < self.rot_dim <= self.head_dim or self.rot_dim % 2:
-            raise ValueError(f"{cfg.model_type}: RoPE over {self.rot_dim} of {self.head_dim} head dims "
-                             "is not a rotation kvrag can apply")
+            raise ValueError(
+                f"{cfg.model_type}: RoPE over {self.rot_dim} of {self.head_dim} head dims "
+                "is not a rotation kvrag can apply"
+            )
 
     def _sliding_window(self, attn) -> int | None:
         """Keys a query of this layer sees (itself included), or None for full attention.
@@ -237,11 +262,16 @@ class Arch:
             cos, sin = self.body.rotary_emb(dummy, pos.view(1, -1))
             return cos[0, :n], sin[0, :n]
         tables = [self.body.rotary_emb(dummy, pos.view(1, -1), kind) for kind in self.rope_kinds]
-        return (torch.stack([c[0, :n] for c, _ in tables], dim=1),
-                torch.stack([s[0, :n] for _, s in tables], dim=1))
+        return (torch.stack([c[0, :n] for c, _ in tables], dim=1), torch.stack([s[0, :n] for _, s in tables], dim=1))
 
-    def rotate(self, x: torch.Tensor, positions: torch.Tensor, cos_sin=None,
-               out: torch.Tensor | None = None, layer: int | None = None) -> torch.Tensor:
+    def rotate(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        cos_sin=None,
+        out: torch.Tensor | None = None,
+        layer: int | None = None,
+    ) -> torch.Tensor:
         """Rotate pre-RoPE vectors ``x`` [..., P, D] to ``positions`` [P].
 
         RoPE is a rotation per frequency pair, so rotating a position-free key by ``p`` gives
@@ -290,14 +320,17 @@ class Arch:
                 idx = [l for l in range(self.n_layers) if self.rope_index[l] == kind]
                 if idx:
                     sel = torch.tensor(idx, device=x.device)
-                    out.index_copy_(0, sel, self.rotate(x[sel], None, (cos[:, kind], sin[:, kind]), out=torch.empty_like(x[sel])))
+                    out.index_copy_(
+                        0, sel, self.rotate(x[sel], None, (cos[:, kind], sin[:, kind]), out=torch.empty_like(x[sel]))
+                    )
         for layer, rope in enumerate(self.rope_layers):
             if not rope:
                 out[layer].copy_(x[layer])
         return out
 
-    def unrotate(self, x: torch.Tensor, positions: torch.Tensor, layer: int,
-                 length: int | torch.Tensor | None = None) -> torch.Tensor:
+    def unrotate(
+        self, x: torch.Tensor, positions: torch.Tensor, layer: int, length: int | torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Position-free vectors from ``x`` [..., P, D] rotated (by the model) to ``positions``
         [P] at ``layer``, in a sequence of ``length`` tokens (default: max(positions) + 1; see
         ``cos_sin``), or per row ``length`` [P]: the inverse of ``rotate``, attention factor
@@ -311,7 +344,9 @@ class Arch:
                 out = torch.empty_like(x)
                 for n in length.unique().tolist():
                     sel = (length == n).nonzero().squeeze(1)
-                    out[..., sel.to(x.device), :] = self.unrotate(x[..., sel.to(x.device), :], positions[sel], layer, int(n))
+                    out[..., sel.to(x.device), :] = self.unrotate(
+                        x[..., sel.to(x.device), :], positions[sel], layer, int(n)
+                    )
                 return out
         # R(-p) = (cos p, -sin p) from the very tables x was rotated with: a table for -p
         # would let a length-dependent RoPE pick other frequencies (max(-p) + 1 <= 1).
@@ -342,8 +377,8 @@ class Arch:
         if self.rope_gain == 1.0:
             return x
         if self.rot_dim == x.shape[-1]:
-            return x / self.rope_gain ** power
-        return torch.cat([x[..., :self.rot_dim] / self.rope_gain ** power, x[..., self.rot_dim:]], dim=-1)
+            return x / self.rope_gain**power
+        return torch.cat([x[..., : self.rot_dim] / self.rope_gain**power, x[..., self.rot_dim :]], dim=-1)
 
     # ---- embedding / head ------------------------------------------------------------
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
@@ -449,8 +484,11 @@ class Arch:
         (GBs for a long chunk). K/V expanded to every query head keep a fused kernel
         (transformers' SDPA does the same)."""
         expand = self.expand_kv_for_masks
-        if self.n_heads != self.n_kv_heads and keys.shape[0] != self.n_heads \
-                and (q.is_cuda if expand is None else expand):
+        if (
+            self.n_heads != self.n_kv_heads
+            and keys.shape[0] != self.n_heads
+            and (q.is_cuda if expand is None else expand)
+        ):
             group = self.n_heads // self.n_kv_heads
             return keys.repeat_interleave(group, 0), values.repeat_interleave(group, 0)
         return keys, values
@@ -530,8 +568,7 @@ class Arch:
         """``_sdpa_grouped`` with its groups given (``attention_plan``)."""
         # Expanded once for every group (not once per group: that copy was ~10% of a GPU prefill).
         keys, values = self._expand_for_mask(q, keys, values)
-        outs = [self._sdpa(q[:, lo:hi], keys[:, :kmax], values[:, :kmax], mask[lo:hi, :kmax])
-                for lo, hi, kmax in plan]
+        outs = [self._sdpa(q[:, lo:hi], keys[:, :kmax], values[:, :kmax], mask[lo:hi, :kmax]) for lo, hi, kmax in plan]
         return torch.cat(outs)
 
     def attention_probs(self, q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """Argument checks shared across kvrag: numbers and sequences of policy and engine options,
 chunk texts and iterables of them. Each raises with a message naming the argument and what
 was wrong with it, before any work is done."""
+
 from __future__ import annotations
 
 import numbers
@@ -46,9 +47,14 @@ def validate_chunk_text(text: Any) -> str:
     A lone surrogate (e.g. from bytes decoded with ``errors="surrogateescape"``) is not valid
     Unicode: the tokenizer would reject it with an obscure TypeError, so it is named here."""
     if not isinstance(text, str):
-        raise ChunkError(f"chunk must be a str, got {type(text).__name__}"
-                         + (" (decode bytes first, e.g. data.decode('utf-8', errors='replace'))"
-                            if isinstance(text, (bytes, bytearray)) else ""))
+        raise ChunkError(
+            f"chunk must be a str, got {type(text).__name__}"
+            + (
+                " (decode bytes first, e.g. data.decode('utf-8', errors='replace'))"
+                if isinstance(text, (bytes, bytearray))
+                else ""
+            )
+        )
     if not text.strip():
         raise ChunkError("empty chunk: a chunk must contain non-whitespace text")
     try:

@@ -5,6 +5,7 @@ restarting at 0 for each chunk, so a batch costs one pass per layer and no paddi
 every chunk sees exactly what it would see alone (behind an optional anchor token, see
 ``compute_chunk_kv``).
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
@@ -69,6 +70,6 @@ def compute_chunk_kv(
     V = torch.stack(values)
     out, start = [], 0
     for n in lens:
-        out.append((K[:, :, start + a:start + n].clone(), V[:, :, start + a:start + n].clone()))
+        out.append((K[:, :, start + a : start + n].clone(), V[:, :, start + a : start + n].clone()))
         start += n
     return out

@@ -7,6 +7,7 @@ Integrations (LlamaIndex, LangChain) and the CLI talk to this class only::
     out = rag.generate(prompt)          # finds the chunk texts inside the prompt
     print(out.text, out.stats.ttft_s)
 """
+
 from __future__ import annotations
 
 import logging
@@ -171,8 +172,9 @@ class KVRag:
         if precompute_via not in ("local", "queue"):
             raise ValueError(f"precompute_via must be 'local' or 'queue', got {precompute_via!r}")
         if precompute_via == "queue" and shared is None:
-            raise ValueError("precompute_via='queue' needs a shared store (shared='redis://...') "
-                             "where the workers store the chunks")
+            raise ValueError(
+                "precompute_via='queue' needs a shared store (shared='redis://...') where the workers store the chunks"
+            )
         far = None
         if shared is not None:
             # Imported here: a single-process kvrag never imports redis. Built before the model
@@ -220,9 +222,16 @@ class KVRag:
         # still served for the tokens the prompt shares with it (kvrag.query.segment). One
         # segmenter for both paths: what ingestion stores, the next query finds.
         self.segmenter = Segmenter(partial=True)
-        self.ingestor = Ingestor(self.handle, self.arch, self.store, self.segmenter, anchor=self.anchor,
-                                 fingerprint=self.fingerprint, storage_dtype=STORAGE_DTYPES[storage_dtype],
-                                 policies=ingest)
+        self.ingestor = Ingestor(
+            self.handle,
+            self.arch,
+            self.store,
+            self.segmenter,
+            anchor=self.anchor,
+            fingerprint=self.fingerprint,
+            storage_dtype=STORAGE_DTYPES[storage_dtype],
+            policies=ingest,
+        )
         self.lookup = ChunkLookup(self.handle, self.store, self.hot, self.segmenter, self.fingerprint, refresh_s)
         self.fusion = FusionEngine(self.arch)
 
@@ -270,17 +279,26 @@ class KVRag:
         time per KVRag and cause, debug after."""
         if prep.pending:
             # Not a segmentation problem: the chunks are in the prompt, their K/V is not ready.
-            self._say_once("pending", "no cached chunk served in this prompt: %d chunk text(s) it contains were "
-                           "still queued or being computed by the background precomputer (%d chunk texts cached "
-                           "at lookup): computed in full. Call precomputer.wait_until_idle() after ingestion for "
-                           "the first queries to hit (docs/integrations.md#background-precompute). Said once.",
-                           prep.pending, prep.known)
+            self._say_once(
+                "pending",
+                "no cached chunk served in this prompt: %d chunk text(s) it contains were "
+                "still queued or being computed by the background precomputer (%d chunk texts cached "
+                "at lookup): computed in full. Call precomputer.wait_until_idle() after ingestion for "
+                "the first queries to hit (docs/integrations.md#background-precompute). Said once.",
+                prep.pending,
+                prep.known,
+            )
         elif prep.known:  # (nothing ingested yet: computing in full is the expected path)
-            self._say_once("no_reuse", "no cached chunk served in this prompt (%d chunk texts cached at lookup; %d "
-                           "found but unreadable/evicted, %d found but tokenized otherwise): computed in full. "
-                           "Expected for a prompt without retrieved text (a chat engine's question rewrite); if "
-                           "it holds retrieved text, see docs/segmentation.md for what breaks a match. Said once.",
-                           prep.known, prep.seg_stats.chunks_missed, prep.seg_stats.chunks_unaligned)
+            self._say_once(
+                "no_reuse",
+                "no cached chunk served in this prompt (%d chunk texts cached at lookup; %d "
+                "found but unreadable/evicted, %d found but tokenized otherwise): computed in full. "
+                "Expected for a prompt without retrieved text (a chat engine's question rewrite); if "
+                "it holds retrieved text, see docs/segmentation.md for what breaks a match. Said once.",
+                prep.known,
+                prep.seg_stats.chunks_missed,
+                prep.seg_stats.chunks_unaligned,
+            )
 
     def _note_would_show(self) -> bool:
         """Whether a ``_note_no_reuse`` now would reach a log (a cause not warned yet, or debug)."""
@@ -312,7 +330,8 @@ class KVRag:
             if layout.n > self.handle.max_context:
                 raise ValueError(
                     f"prompt of {layout.n} tokens with the {layout.n - sum(int(p.token_ids.numel()) for p in pieces)} "
-                    f"tokens {pol.name} inserts exceeds the model context ({self.handle.max_context})")
+                    f"tokens {pol.name} inserts exceeds the model context ({self.handle.max_context})"
+                )
             pol.check_layout(layout, self.arch)
         return _Prepared(pol, pieces, seg_stats, layout, t0, time.perf_counter(), known, pending)
 
@@ -438,14 +457,20 @@ class KVRag:
         return out, stats
 
     def continuations_logits(
-        self, prompt: str | Sequence[dict], continuations: Sequence[Sequence[int]], *, policy=None,
+        self,
+        prompt: str | Sequence[dict],
+        continuations: Sequence[Sequence[int]],
+        *,
+        policy=None,
         **policy_params,
     ) -> tuple[list[torch.Tensor], FusionStats]:
         """``continuation_logits`` for several continuations of one prompt: one [1 + T_i, V]
         tensor each. One prefill serves them all when the decoder can rewind its cache (a
         policy with its own decode-time state gets a fresh prefill per continuation)."""
-        continuations = [self._continuation_ids(i, ids)
-                         for i, ids in enumerate(check_seq("continuations", continuations, "a sequence of id sequences"))]
+        continuations = [
+            self._continuation_ids(i, ids)
+            for i, ids in enumerate(check_seq("continuations", continuations, "a sequence of id sequences"))
+        ]
         logits, stepper, stats, _, _ = self.prefill(prompt, policy, **policy_params)
         rewindable = hasattr(stepper, "rewind")
         outs = []
@@ -467,13 +492,16 @@ class KVRag:
         the vocabulary raises IndexError deep in the model)."""
         if isinstance(ids, torch.Tensor):
             if ids.dim() != 1 or ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
-                raise ValueError(f"continuation {i} must be a 1-D sequence of int token ids, got a tensor "
-                                 f"of shape {tuple(ids.shape)} dtype {ids.dtype}")
+                raise ValueError(
+                    f"continuation {i} must be a 1-D sequence of int token ids, got a tensor "
+                    f"of shape {tuple(ids.shape)} dtype {ids.dtype}"
+                )
             ids = ids.tolist()
         ids = list(check_seq(f"continuation {i}", ids, "a sequence of int token ids"))
         vocab = self.handle.model.get_input_embeddings().num_embeddings
         for t, x in enumerate(ids):
             if isinstance(x, bool) or not isinstance(x, numbers.Integral) or not 0 <= x < vocab:
-                raise ValueError(f"continuation {i}: {x!r} at position {t} is not a token id of this model "
-                                 f"(an int in [0, {vocab}))")
+                raise ValueError(
+                    f"continuation {i}: {x!r} at position {t} is not a token id of this model (an int in [0, {vocab}))"
+                )
         return [int(x) for x in ids]

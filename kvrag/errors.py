@@ -4,6 +4,7 @@ Every error that is the *user's* problem (a bad path, an empty chunk, a broken c
 directory) is a :class:`KVRagError`, so callers (and the ``kvrag`` command, which prints
 ``kvrag: error: <message>`` and exits 2) can tell it apart from a bug in kvrag itself.
 """
+
 from __future__ import annotations
 
 

@@ -5,6 +5,7 @@ retrieved texts for precompute, and stepping a kvrag stream from threads and asy
 
 Imports no framework.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -43,8 +44,9 @@ def resolve_policy(policy, policy_params: dict | None, flat: dict[str, Any], rag
     recompute_ratio=...)`` takes them; any other name is a typo, reported here rather than
     dropped (pydantic models would drop it silently)."""
     own = getattr(rag, "policy", None)
-    inherited = {} if own is None else {f.name: _as_json(getattr(own.params, f.name))
-                                        for f in dataclasses.fields(own.params)}
+    inherited = (
+        {} if own is None else {f.name: _as_json(getattr(own.params, f.name)) for f in dataclasses.fields(own.params)}
+    )
     params = {}
     if policy is None and own is not None:
         policy, params = own.name, dict(inherited)
@@ -54,12 +56,15 @@ def resolve_policy(policy, policy_params: dict | None, flat: dict[str, Any], rag
     # A wrapper rebuilt with another policy (LangChain's ``configurable_fields(policy=...)``
     # passes all fields back) carries the parameters it inherited from the KVRag: those the
     # new policy lacks are dropped, while parameters the user set stay checked.
-    params.update({k: v for k, v in (policy_params or {}).items()
-                   if k in names or k not in inherited or inherited[k] != v})
+    params.update(
+        {k: v for k, v in (policy_params or {}).items() if k in names or k not in inherited or inherited[k] != v}
+    )
     unknown = sorted(set(flat) - names)
     if unknown:
-        raise ValueError(f"{owner} got unknown option(s) {unknown}: neither an option of {owner} nor a "
-                         f"parameter of policy {policy!r} (its parameters: {sorted(names) or 'none'})")
+        raise ValueError(
+            f"{owner} got unknown option(s) {unknown}: neither an option of {owner} nor a "
+            f"parameter of policy {policy!r} (its parameters: {sorted(names) or 'none'})"
+        )
     params.update(flat)
     pol = get_policy(policy, **params)  # fail now, with the registry's message, on a bad value
     arch = getattr(rag, "arch", None)
@@ -85,8 +90,9 @@ def max_tokens_alias(kwargs: dict[str, Any], owner: str) -> None:
     kwargs["max_new_tokens"] = mt
 
 
-def call_options(defaults: dict[str, Any], policy_params: dict[str, Any], kwargs: dict[str, Any],
-                 owner: str, log: logging.Logger) -> dict[str, Any]:
+def call_options(
+    defaults: dict[str, Any], policy_params: dict[str, Any], kwargs: dict[str, Any], owner: str, log: logging.Logger
+) -> dict[str, Any]:
     """Keyword arguments for ``KVRag.stream``: the wrapper's ``defaults`` (the ``GEN_KEYS``)
     and ``policy_params``, overridden by a call's ``kwargs``. A call naming another policy
     without ``policy_params`` drops the wrapper's (they belong to its own policy); policy
@@ -160,8 +166,11 @@ def shared_settings(rag) -> dict[str, Any]:
         return {"shared": None, "shared_prefix": None, "precompute_via": "local"}
     from kvrag.store.shared import public_url  # imports no redis
 
-    return {"shared": public_url(url), "shared_prefix": far.prefix,
-            "precompute_via": "local" if rag.queue is None else "queue"}
+    return {
+        "shared": public_url(url),
+        "shared_prefix": far.prefix,
+        "precompute_via": "local" if rag.queue is None else "queue",
+    }
 
 
 def shared_options(shared: str | None, shared_prefix: str | None, precompute_via: str | None) -> dict[str, Any]:
@@ -187,8 +196,10 @@ def check_shared_matches(given: dict[str, Any], rag, owner: str) -> None:
         given["shared"] = public_url(given["shared"])
     have = shared_settings(rag)
     if any(have[k] != v for k, v in given.items()):
-        raise ValueError(f"{owner}: pass either an existing `rag` or the shared-tier settings "
-                         f"{sorted(given)} to build one, not both (the KVRag has {have})")
+        raise ValueError(
+            f"{owner}: pass either an existing `rag` or the shared-tier settings "
+            f"{sorted(given)} to build one, not both (the KVRag has {have})"
+        )
 
 
 class WrapsKVRag:
@@ -251,14 +262,22 @@ class WrapsKVRag:
         raise TypeError(
             f"{type(self).__name__} holds a loaded model and background threads and cannot be pickled; "
             "build one per process from its settings instead (LlamaIndex: to_dict()/from_dict(); "
-            "LangChain: langchain_core.load.dumpd()/load())")
+            "LangChain: langchain_core.load.dumpd()/load())"
+        )
 
 
 class UsageTotals:
     """Thread-safe running totals of an LLM wrapper's generations (``WrapsKVRag.usage_totals``)."""
 
-    FIELDS = ("calls", "calls_with_hit", "prompt_tokens", "cached_tokens", "recomputed_tokens",
-              "completion_tokens", "chunks_hit")
+    FIELDS = (
+        "calls",
+        "calls_with_hit",
+        "prompt_tokens",
+        "cached_tokens",
+        "recomputed_tokens",
+        "completion_tokens",
+        "chunks_hit",
+    )
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -313,8 +332,10 @@ def hook_target(owner: str, target: Any = None, **aliases: Any) -> Any:
         given = {"target": target, **given}
     if len(given) != 1:
         what = "got none" if not given else f"got {len(given)}: {', '.join(given)}"
-        raise TypeError(f"{owner} needs a target, one of: a kvrag LLM (positionally or llm=...), a KVRag (rag=...) "
-                        f"or a Precomputer (precomputer=...); {what}")
+        raise TypeError(
+            f"{owner} needs a target, one of: a kvrag LLM (positionally or llm=...), a KVRag (rag=...) "
+            f"or a Precomputer (precomputer=...); {what}"
+        )
     return next(iter(given.values()))
 
 

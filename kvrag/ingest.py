@@ -5,6 +5,7 @@ in the segmenter so the next query finds it.
 The one ingestion path: ``KVRag.precompute`` (synchronous) and the background
 ``kvrag.precompute.Precomputer`` both go through an ``Ingestor``.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -53,8 +54,18 @@ class Ingestor:
     query path's (``kvrag.query.lookup.ChunkLookup``), where every stored or found chunk is
     registered."""
 
-    def __init__(self, handle, arch, store, segmenter, *, anchor: Sequence[int], fingerprint: str,
-                 storage_dtype: torch.dtype, policies: Sequence = ()) -> None:
+    def __init__(
+        self,
+        handle,
+        arch,
+        store,
+        segmenter,
+        *,
+        anchor: Sequence[int],
+        fingerprint: str,
+        storage_dtype: torch.dtype,
+        policies: Sequence = (),
+    ) -> None:
         self.handle = handle
         self.arch = arch
         self.store = store
@@ -141,13 +152,19 @@ class Ingestor:
             # Served, an inf/NaN would silently wreck every answer that reads the chunk.
             raise ChunkError(
                 f"chunk {text[:60]!r}: its K/V are not finite in {str(self.storage_dtype).removeprefix('torch.')} "
-                "(the model's activations overflow it?); not stored -- use storage_dtype='bfloat16' or 'float32'")
+                "(the model's activations overflow it?); not stored -- use storage_dtype='bfloat16' or 'float32'"
+            )
         extras = {}
         for p in self.policies:
             # From the stored (rounded) K/V in the compute dtype: what a query reads back.
             extras.update(p.chunk_extras(self.arch, k.to(self.handle.dtype), v.to(self.handle.dtype), token_ids))
         entry = ChunkEntry(
-            fingerprint=self.fingerprint, text=text, token_ids=token_ids, keys=k.cpu(), values=v.cpu(), extras=extras,
+            fingerprint=self.fingerprint,
+            text=text,
+            token_ids=token_ids,
+            keys=k.cpu(),
+            values=v.cpu(),
+            extras=extras,
         )
         self.store.put(key, entry)
         self.segmenter.add(key, text)

@@ -18,6 +18,7 @@ Sources:
 
 Nothing here ever contacts a model hub.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -209,9 +210,7 @@ def dir_weights_digest(directory: str | os.PathLike, cache_dir=None) -> str:
     d = Path(directory)
     files = sorted(f for f in d.iterdir() if f.is_file() and f.name.endswith(_WEIGHT_SUFFIXES))
     if not files:
-        raise ModelLoadError(
-            f"no weight files ({', '.join('*' + s for s in _WEIGHT_SUFFIXES)}) in model directory {d}"
-        )
+        raise ModelLoadError(f"no weight files ({', '.join('*' + s for s in _WEIGHT_SUFFIXES)}) in model directory {d}")
     h = hashlib.sha256()
     for f in files:
         h.update(f"{f.name}\0{file_digest(f, cache_dir)}\n".encode())
@@ -273,12 +272,28 @@ def _cache_format_version() -> Any:
 
 #: Config keys that do not change what the model computes for a token: bookkeeping, special
 #: token ids (the tokenizer digest covers those), training-only settings.
-_CONFIG_KEYS_WITHOUT_EFFECT = frozenset({
-    "architectures", "transformers_version", "dtype", "torch_dtype", "use_cache",
-    "output_attentions", "output_hidden_states", "return_dict", "id2label", "label2id",
-    "problem_type", "chunk_size_feed_forward", "is_encoder_decoder", "bos_token_id",
-    "eos_token_id", "pad_token_id", "initializer_range", "attention_dropout",
-})
+_CONFIG_KEYS_WITHOUT_EFFECT = frozenset(
+    {
+        "architectures",
+        "transformers_version",
+        "dtype",
+        "torch_dtype",
+        "use_cache",
+        "output_attentions",
+        "output_hidden_states",
+        "return_dict",
+        "id2label",
+        "label2id",
+        "problem_type",
+        "chunk_size_feed_forward",
+        "is_encoder_decoder",
+        "bos_token_id",
+        "eos_token_id",
+        "pad_token_id",
+        "initializer_range",
+        "attention_dropout",
+    }
+)
 
 
 def config_digest(config) -> str:
@@ -289,8 +304,7 @@ def config_digest(config) -> str:
     SmolLM3's ``no_rope_layers``, ...): a config edited in any of them, with the same weights,
     must not be served the old model's caches. Hence all fields, minus a short list known to
     have no effect (a field added there wrongly only costs cache misses)."""
-    d = {k: v for k, v in config.to_dict().items()
-         if not k.startswith("_") and k not in _CONFIG_KEYS_WITHOUT_EFFECT}
+    d = {k: v for k, v in config.to_dict().items() if not k.startswith("_") and k not in _CONFIG_KEYS_WITHOUT_EFFECT}
     blob = json.dumps(d, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode("utf-8")).hexdigest()
 
@@ -301,7 +315,10 @@ def arch_summary(config) -> dict[str, Any]:
     heads = config.num_attention_heads
     rope = getattr(config, "rope_parameters", None)
     if rope is None:  # transformers < 5 spelling
-        rope = {"rope_theta": getattr(config, "rope_theta", None), "rope_scaling": getattr(config, "rope_scaling", None)}
+        rope = {
+            "rope_theta": getattr(config, "rope_theta", None),
+            "rope_scaling": getattr(config, "rope_scaling", None),
+        }
     return {
         "model_type": getattr(config, "model_type", None),
         "num_hidden_layers": config.num_hidden_layers,
@@ -357,12 +374,15 @@ def check_config(config, tokenizer=None, where: str = "") -> None:
 
     model_type = getattr(config, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ModelLoadError(f"model_type {model_type!r}{where} is not supported (kvrag handles "
-                             f"these decoder families: {', '.join(SUPPORTED_MODEL_TYPES)})")
+        raise ModelLoadError(
+            f"model_type {model_type!r}{where} is not supported (kvrag handles "
+            f"these decoder families: {', '.join(SUPPORTED_MODEL_TYPES)})"
+        )
     vocab = getattr(config, "vocab_size", None)
     if tokenizer is not None and isinstance(vocab, int) and len(tokenizer) > vocab:
-        raise ModelLoadError(f"tokenizer has {len(tokenizer)} tokens but the model's vocabulary is {vocab}: "
-                             "they do not belong together")
+        raise ModelLoadError(
+            f"tokenizer has {len(tokenizer)} tokens but the model's vocabulary is {vocab}: they do not belong together"
+        )
 
 
 #: Files one of which a local tokenizer directory holds (fast, SentencePiece, BPE vocab).
@@ -386,8 +406,10 @@ def _load_hf_dir(directory: Path, dtype: torch.dtype):
         raise ModelLoadError(f"could not read the model config of {directory}: {e}") from e
     check_config(config, where=f" of {directory}")
     if not any((directory / f).is_file() for f in TOKENIZER_FILES):
-        raise ModelLoadError(f"no tokenizer files in {directory} (looked for {', '.join(TOKENIZER_FILES)}); "
-                             "save the model's tokenizer there with tokenizer.save_pretrained(DIR)")
+        raise ModelLoadError(
+            f"no tokenizer files in {directory} (looked for {', '.join(TOKENIZER_FILES)}); "
+            "save the model's tokenizer there with tokenizer.save_pretrained(DIR)"
+        )
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
     except Exception as e:
@@ -460,8 +482,10 @@ def convert_gguf(gguf: Path, target: Path, gguf_sha: str) -> None:
     # GGUF architecture names are the model types (a Mistral GGUF says "llama").
     arch = _gguf_architecture(gguf)
     if arch is not None and GGUF_ARCHITECTURES.get(arch, arch) not in SUPPORTED_MODEL_TYPES:
-        raise ModelLoadError(f"GGUF file {gguf} holds a {arch!r} model, which kvrag does not support "
-                             f"(decoder families: {', '.join(SUPPORTED_MODEL_TYPES)})")
+        raise ModelLoadError(
+            f"GGUF file {gguf} holds a {arch!r} model, which kvrag does not support "
+            f"(decoder families: {', '.join(SUPPORTED_MODEL_TYPES)})"
+        )
     # A process killed mid-conversion leaves a ~0.5 GB temp dir behind; one older than an
     # hour cannot belong to a live conversion (it takes seconds), so reclaim it.
     for stale in target.parent.glob(f".tmp-{target.name}-*"):
@@ -602,7 +626,9 @@ class ModelHandle:
         converted = False
         if p.is_file():
             if p.suffix.lower() != ".gguf":
-                raise ModelLoadError(f"model file {str(p)!r} is not a .gguf file; pass a .gguf file or an HF model directory")
+                raise ModelLoadError(
+                    f"model file {str(p)!r} is not a .gguf file; pass a .gguf file or an HF model directory"
+                )
             weight_digest = file_digest(p, root)
             weights_dir = _conversion_dir(root, weight_digest)
             if not _is_complete_conversion(weights_dir):

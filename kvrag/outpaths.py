@@ -4,6 +4,7 @@ A command that loads a model, runs a benchmark or trains for an hour must not fi
 at the end that its output cannot be written (the results would be lost). These checks leave
 nothing behind: they look at what exists and whether a file can be made in it.
 """
+
 from __future__ import annotations
 
 import os

@@ -31,6 +31,7 @@ Threads and torch: PyTorch's intra-op thread count is process-global by default.
 ``num_threads=n`` the worker thread sets *its own* OpenMP thread count to ``n`` and the global
 default is restored at once, so the caller's threads keep theirs (see :func:`_set_worker_threads`).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -201,12 +202,17 @@ class Precomputer:
         start: bool = True,
         name: str = "kvrag-precompute",
     ) -> None:
-        for pname, v, lo in (("workers", workers, 1), ("max_queued", max_queued, 1),
-                             ("batch_tokens", batch_tokens, 1), ("keep_failures", keep_failures, 0)):
+        for pname, v, lo in (
+            ("workers", workers, 1),
+            ("max_queued", max_queued, 1),
+            ("batch_tokens", batch_tokens, 1),
+            ("keep_failures", keep_failures, 0),
+        ):
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise ValueError(f"{pname} must be an int >= {lo}, got {v!r}")
-        if num_threads is not None and (isinstance(num_threads, bool) or not isinstance(num_threads, int)
-                                        or num_threads < 1):
+        if num_threads is not None and (
+            isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 1
+        ):
             raise ValueError(f"num_threads must be None or an int >= 1, got {num_threads!r}")
         if not max_defer_s >= 0:
             raise ValueError(f"max_defer_s must be >= 0, got {max_defer_s!r}")
@@ -226,7 +232,7 @@ class Precomputer:
 
         self._cond = threading.Condition(threading.Lock())
         self._queue: deque[_Job] = deque()
-        self._by_text: dict[str, _Job] = {}      # queued + in-flight jobs
+        self._by_text: dict[str, _Job] = {}  # queued + in-flight jobs
         self._inflight_keys: dict[str, _Job] = {}
         self._in_flight = 0
         self._foreground = 0
@@ -235,8 +241,16 @@ class Precomputer:
         self._abandon = False
         self._threads: list[threading.Thread] = []
         self._failures: deque[PrecomputeFailure] = deque(maxlen=keep_failures)
-        self._c = dict(submitted=0, deduplicated=0, computed=0, already_cached=0, failed=0,
-                       rejected=0, dropped=0, tokens_computed=0)
+        self._c = dict(
+            submitted=0,
+            deduplicated=0,
+            computed=0,
+            already_cached=0,
+            failed=0,
+            rejected=0,
+            dropped=0,
+            tokens_computed=0,
+        )
         self._busy_s = 0.0
         self._atexit_ref = None
         with Precomputer._of_rag_lock:
@@ -277,9 +291,7 @@ class Precomputer:
             return pc
         if hasattr(target, "precompute") and hasattr(target, "store") and hasattr(target, "chunk_ids"):
             return cls.for_rag(target)
-        raise TypeError(
-            f"expected a Precomputer, a KVRag or a kvrag LLM adapter, got {type(target).__name__}"
-        )
+        raise TypeError(f"expected a Precomputer, a KVRag or a kvrag LLM adapter, got {type(target).__name__}")
 
     # ---- lifecycle --------------------------------------------------------------------
     def start(self) -> None:
@@ -352,8 +364,10 @@ class Precomputer:
         for job in handed_back:
             job.future.cancel()
         if handed_back:
-            log.warning("kvrag precompute: shutdown left %d chunk(s) unprocessed; they were returned to the caller",
-                        len(handed_back))
+            log.warning(
+                "kvrag precompute: shutdown left %d chunk(s) unprocessed; they were returned to the caller",
+                len(handed_back),
+            )
         return [j.text for j in handed_back]
 
     def _exit(self) -> None:
@@ -364,9 +378,12 @@ class Precomputer:
         if not self.drain_on_exit:
             left = self.shutdown(cancel_pending=True, wait=False)
             if left:
-                log.warning("kvrag precompute: %d queued chunk(s) were not precomputed at exit "
-                            "(drain_on_exit=False); they are computed when retrieved again (retriever hook) "
-                            "or re-submitted", len(left))
+                log.warning(
+                    "kvrag precompute: %d queued chunk(s) were not precomputed at exit "
+                    "(drain_on_exit=False); they are computed when retrieved again (retriever hook) "
+                    "or re-submitted",
+                    len(left),
+                )
         n = self.progress()
         pending = n.queued + n.in_flight
         if pending and any(t.is_alive() for t in self._threads):
@@ -383,8 +400,7 @@ class Precomputer:
         self.shutdown()
 
     # ---- submission -------------------------------------------------------------------
-    def submit(self, text: str, *, block: bool = True, timeout: float | None = None,
-               defer_s: float = 0.0) -> Future:
+    def submit(self, text: str, *, block: bool = True, timeout: float | None = None, defer_s: float = 0.0) -> Future:
         """Queue ``text`` for precompute; returns at once with a future of its store key.
 
         Raises ChunkError for a text that can never be cached (not a str, empty, invalid
@@ -438,9 +454,16 @@ class Precomputer:
             log.debug("kvrag precompute: queued with no worker running (start=False)")
         return job.future
 
-    def submit_many(self, texts: Iterable[str], *, block: bool = True, timeout: float | None = None,
-                    skip_invalid: bool = False, skip_full: bool = False,
-                    defer_s: float = 0.0) -> list[Future | None]:
+    def submit_many(
+        self,
+        texts: Iterable[str],
+        *,
+        block: bool = True,
+        timeout: float | None = None,
+        skip_invalid: bool = False,
+        skip_full: bool = False,
+        defer_s: float = 0.0,
+    ) -> list[Future | None]:
         """``submit`` each text. ``skip_invalid``: a text that can never be cached (empty,
         invalid Unicode) is logged, counted as rejected and gets None instead of raising —
         what ingestion hooks want, so one empty node does not fail a whole pipeline run.
@@ -480,8 +503,9 @@ class Precomputer:
     # ---- state ------------------------------------------------------------------------
     def progress(self) -> PrecomputeProgress:
         with self._cond:
-            return PrecomputeProgress(queued=len(self._queue), in_flight=self._in_flight,
-                                      busy_s=self._busy_s, **self._c)
+            return PrecomputeProgress(
+                queued=len(self._queue), in_flight=self._in_flight, busy_s=self._busy_s, **self._c
+            )
 
     def pending_texts(self) -> list[str]:
         """The texts queued or in flight now (a snapshot)."""
@@ -532,8 +556,10 @@ class Precomputer:
 
     def __repr__(self) -> str:
         p = self.progress()
-        return (f"Precomputer(workers={self.workers}, queued={p.queued}, in_flight={p.in_flight}, "
-                f"computed={p.computed}, failed={p.failed}{', closed' if self._closing else ''})")
+        return (
+            f"Precomputer(workers={self.workers}, queued={p.queued}, in_flight={p.in_flight}, "
+            f"computed={p.computed}, failed={p.failed}{', closed' if self._closing else ''})"
+        )
 
     # ---- worker -----------------------------------------------------------------------
     def _take_all_queued(self) -> list[_Job]:
@@ -571,8 +597,9 @@ class Precomputer:
                 return
             remaining = deadline - now
             if remaining <= 0:
-                log.debug("kvrag precompute: queries kept the worker waiting %.0fs; running a pack anyway",
-                          self.max_defer_s)
+                log.debug(
+                    "kvrag precompute: queries kept the worker waiting %.0fs; running a pack anyway", self.max_defer_s
+                )
                 return
             if self._foreground == 0:
                 remaining = min(remaining, self._hold_until - now)
@@ -686,17 +713,25 @@ class Precomputer:
                 with self._cond:
                     self._c["tokens_computed"] += len(j.ids)
                 self._finish(j, computed=True)
-        log.debug("kvrag precompute: pack of %d chunk(s), %d tokens in %.2fs", len(pack),
-                  sum(len(j.ids) for j in pack), busy)
+        log.debug(
+            "kvrag precompute: pack of %d chunk(s), %d tokens in %.2fs", len(pack), sum(len(j.ids) for j in pack), busy
+        )
 
-    def _finish(self, job: _Job, *, computed: bool = False, cached: bool = False,
-                error: BaseException | None = None) -> None:
+    def _finish(
+        self, job: _Job, *, computed: bool = False, cached: bool = False, error: BaseException | None = None
+    ) -> None:
         """Resolve ``job`` (and jobs waiting on its key) and update the counters."""
         if error is not None and not job.finished:
             # Logged before it is counted, so whoever sees the counter can already see the log.
             unexpected = not isinstance(error, KVRagError)
-            log.error("kvrag precompute: failed for chunk %s (%d chars): %s: %s", _preview(job.text),
-                      len(job.text), type(error).__name__, error, exc_info=error if unexpected else None)
+            log.error(
+                "kvrag precompute: failed for chunk %s (%d chars): %s: %s",
+                _preview(job.text),
+                len(job.text),
+                type(error).__name__,
+                error,
+                exc_info=error if unexpected else None,
+            )
         with self._cond:
             if job.key is not None and self._inflight_keys.get(job.key) is job:
                 del self._inflight_keys[job.key]

@@ -20,6 +20,7 @@ The container is a JSON list, a JSON object whose ``data`` holds that list, or J
 Answers may be strings, numbers or ``{text}`` objects. Anything else is a ``ValueError`` that
 names the file, the example and the field.
 """
+
 from __future__ import annotations
 
 import json
@@ -70,15 +71,21 @@ def read_items(path: str | Path) -> list[Any]:
     elif isinstance(data, dict) and ("question" in data or "input" in data):
         data = [data]  # a file of one example (one line of JSON lines)
     if not isinstance(data, list):
-        raise ValueError(f"{path}: expected a JSON list of QA examples (or {{\"data\": [...]}}, or JSON lines), "
-                         f"got a JSON {type(data).__name__}")
+        raise ValueError(
+            f'{path}: expected a JSON list of QA examples (or {{"data": [...]}}, or JSON lines), '
+            f"got a JSON {type(data).__name__}"
+        )
     return _flatten_squad(data)
 
 
 def _flatten_squad(items: list[Any]) -> list[Any]:
     """SQuAD's articles -> one kvrag-format example per answerable question."""
-    if not items or not all(isinstance(a, dict) and isinstance(a.get("paragraphs"), list)
-                            and all(isinstance(p, dict) and "qas" in p for p in a["paragraphs"]) for a in items):
+    if not items or not all(
+        isinstance(a, dict)
+        and isinstance(a.get("paragraphs"), list)
+        and all(isinstance(p, dict) and "qas" in p for p in a["paragraphs"])
+        for a in items
+    ):
         return items
     out = []
     for art in items:
@@ -86,8 +93,14 @@ def _flatten_squad(items: list[Any]) -> list[Any]:
             for qa in para.get("qas") or []:
                 if not isinstance(qa, dict) or not qa.get("answers"):
                     continue  # SQuAD 2.0's unanswerable questions have no gold answer to score
-                out.append({"id": qa.get("id"), "question": qa.get("question"), "answers": qa["answers"],
-                            "ctxs": [{"title": art.get("title") or "", "text": para.get("context")}]})
+                out.append(
+                    {
+                        "id": qa.get("id"),
+                        "question": qa.get("question"),
+                        "answers": qa["answers"],
+                        "ctxs": [{"title": art.get("title") or "", "text": para.get("context")}],
+                    }
+                )
     return out
 
 
@@ -112,8 +125,13 @@ def _record(it: Any, where: str, default_id: str) -> QARecord:
     q = it.get("question", it.get("input"))
     if not isinstance(q, str) or not q.strip():
         raise ValueError(f"{where}: no 'question' string (LongBench: 'input')")
-    return QARecord(id=str(it.get("id", it.get("_id", default_id))), question=q.strip(),
-                    answers=_answers(it, where), passages=_passages(it, where), type=str(it.get("type", "")))
+    return QARecord(
+        id=str(it.get("id", it.get("_id", default_id))),
+        question=q.strip(),
+        answers=_answers(it, where),
+        passages=_passages(it, where),
+        type=str(it.get("type", "")),
+    )
 
 
 def _answers(it: dict, where: str) -> list[str]:
@@ -148,8 +166,9 @@ def _passages(it: dict, where: str) -> list[tuple[str, str]]:
     elif "context" in it:  # HotpotQA / 2WikiMultihopQA
         return _hotpot_passages(it["context"], where)
     else:
-        raise ValueError(f"{where}: no passages: expected 'ctxs' [{{title, text}}] (or MuSiQue's 'paragraphs', "
-                         "HotpotQA's 'context')")
+        raise ValueError(
+            f"{where}: no passages: expected 'ctxs' [{{title, text}}] (or MuSiQue's 'paragraphs', HotpotQA's 'context')"
+        )
     if not isinstance(ctxs, list) or not ctxs:
         raise ValueError(f"{where}: 'ctxs' must be a non-empty list of {{title, text}} objects")
     out = []
@@ -184,8 +203,13 @@ def _hotpot_passages(context: Any, where: str) -> list[tuple[str, str]]:
         raise ValueError(f"{where}: 'context' must be a non-empty list of [title, [sentence, ...]]")
     out = []
     for j, pair in enumerate(context):
-        ok = (isinstance(pair, (list, tuple)) and len(pair) == 2 and isinstance(pair[0], str)
-              and isinstance(pair[1], list) and all(isinstance(s, str) for s in pair[1]))
+        ok = (
+            isinstance(pair, (list, tuple))
+            and len(pair) == 2
+            and isinstance(pair[0], str)
+            and isinstance(pair[1], list)
+            and all(isinstance(s, str) for s in pair[1])
+        )
         if not ok:
             raise ValueError(f"{where}: context {j} must be [title, [sentence, ...]]")
         out.append((pair[0], _join_sentences(pair[1])))

@@ -22,6 +22,7 @@ for the model and anchor it runs. The stream, its counters, its failures and its
 (``<prefix>q:{<fingerprint>}:claim:<key>``) share the hash tag ``{<fingerprint>}``, so the
 transaction that acknowledges a job stays in one slot of a Redis Cluster.
 """
+
 from __future__ import annotations
 
 import json
@@ -141,9 +142,15 @@ class RedisQueue:
             groups = []
         group = next((g for g in groups if g.get("name") in (GROUP, GROUP.encode())), {})
         c = {k.decode(): int(v) for k, v in counts.items()}
-        return {"stream": self.stream, "queued": int(length), "pending": int(group.get("pending", 0)),
-                "consumers": int(group.get("consumers", 0)), "submitted": c.get("queued", 0),
-                "done": c.get("done", 0), "failed": c.get("failed", 0)}
+        return {
+            "stream": self.stream,
+            "queued": int(length),
+            "pending": int(group.get("pending", 0)),
+            "consumers": int(group.get("consumers", 0)),
+            "submitted": c.get("queued", 0),
+            "done": c.get("done", 0),
+            "failed": c.get("failed", 0),
+        }
 
     def failures(self) -> dict[str, str]:
         """key -> error of the jobs that failed for good (a text the model cannot take)."""
@@ -176,8 +183,9 @@ class Worker:
     packed pass). claim_idle_s: a job pending that long on a worker is taken over (longer
     than a batch takes). block_s: how long one read waits for new jobs."""
 
-    def __init__(self, rag, *, name: str | None = None, batch: int = 8, claim_idle_s: float = 60.0,
-                 block_s: float = 1.0) -> None:
+    def __init__(
+        self, rag, *, name: str | None = None, batch: int = 8, claim_idle_s: float = 60.0, block_s: float = 1.0
+    ) -> None:
         far = getattr(rag.store, "far", None)
         if far is None or not hasattr(far, "client"):
             raise ValueError("a worker needs a KVRag with a Redis shared store (shared='redis://...')")
@@ -198,8 +206,9 @@ class Worker:
     def _take(self) -> list[tuple[bytes, dict]]:
         """Up to ``batch`` jobs: first those a dead worker left pending, then new ones."""
         q = self.queue
-        claimed = self.client.xautoclaim(q.stream, GROUP, self.name, min_idle_time=self.claim_idle_ms,
-                                         start_id="0-0", count=self.batch)
+        claimed = self.client.xautoclaim(
+            q.stream, GROUP, self.name, min_idle_time=self.claim_idle_ms, start_id="0-0", count=self.batch
+        )
         msgs = [m for m in claimed[1] if m and m[1]]
         if msgs:
             log.info("kvrag worker %s: took over %d job(s) of a worker that stopped", self.name, len(msgs))
@@ -258,8 +267,11 @@ class Worker:
             # Acknowledged only once the entry is whole in the shared store: if the write to
             # Redis failed, the job stays pending and is retried (by us or another worker).
             if not far.ensure_indexed(key):
-                log.error("kvrag worker %s: chunk %s is not in the shared store after computing it; "
-                          "left pending", self.name, key)
+                log.error(
+                    "kvrag worker %s: chunk %s is not in the shared store after computing it; left pending",
+                    self.name,
+                    key,
+                )
                 continue
             self._ack(mid, key, "done")
             finished += 1

@@ -7,6 +7,7 @@ post-norms, Granite with multipliers, Phi-3 with fused projections) through the 
 transformers modules. They use SmolLM2's tokenizer so that
 text-level code (segmentation, chunk keys, stop strings) runs on real token ids.
 """
+
 from __future__ import annotations
 
 import copy
@@ -17,19 +18,41 @@ import torch
 
 from kvrag.model import ModelHandle, default_tokenizer, resolve_device, resolve_dtype
 
-TINY_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "gemma3_text", "gemma2", "olmo2", "granite",
-                    "phi3")
+TINY_MODEL_TYPES = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "smollm3",
+    "gemma3_text",
+    "gemma2",
+    "olmo2",
+    "granite",
+    "phi3",
+)
 
 # Config values of a tiny model that differ per family (on top of ``tiny_llama``'s defaults):
 # Gemma 3's RoPE parameters are per layer type (local base 10k, global 1M); Gemma 2's caps are
 # small enough to bite at this scale; Granite's multipliers are all != 1 so a missed one shows.
 FAMILY_DEFAULTS = {
-    "gemma3_text": {"rope_parameters": None, "query_pre_attn_scalar": 24, "sliding_window": 8,
-                    "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]},
-    "gemma2": {"query_pre_attn_scalar": 24, "sliding_window": 8, "attn_logit_softcapping": 2.0,
-               "final_logit_softcapping": 8.0},
-    "granite": {"embedding_multiplier": 3.0, "residual_multiplier": 0.5, "attention_multiplier": 0.2,
-                "logits_scaling": 0.5},
+    "gemma3_text": {
+        "rope_parameters": None,
+        "query_pre_attn_scalar": 24,
+        "sliding_window": 8,
+        "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+    },
+    "gemma2": {
+        "query_pre_attn_scalar": 24,
+        "sliding_window": 8,
+        "attn_logit_softcapping": 2.0,
+        "final_logit_softcapping": 8.0,
+    },
+    "granite": {
+        "embedding_multiplier": 3.0,
+        "residual_multiplier": 0.5,
+        "attention_multiplier": 0.2,
+        "logits_scaling": 0.5,
+    },
 }
 
 # transformers runs soft-capped attention only in its eager implementation.
@@ -79,8 +102,15 @@ def attn_implementation(model_type: str) -> str:
     return "eager" if model_type in EAGER_ONLY else "sdpa"
 
 
-def tiny_llama(seed: int = 0, model_type: str = "llama", *, tokenizer=None, logit_scale: float = 4.0,
-               device: str | torch.device = "cpu", **overrides) -> ModelHandle:
+def tiny_llama(
+    seed: int = 0,
+    model_type: str = "llama",
+    *,
+    tokenizer=None,
+    logit_scale: float = 4.0,
+    device: str | torch.device = "cpu",
+    **overrides,
+) -> ModelHandle:
     """A tiny random-weight causal LM of ``model_type`` wrapped in a :class:`ModelHandle`.
 
     Defaults: 4 layers, hidden 64, 4 query heads, 2 KV heads (GQA), head_dim 16, vocab =
@@ -111,12 +141,15 @@ def tiny_llama(seed: int = 0, model_type: str = "llama", *, tokenizer=None, logi
     )
     cfg_kwargs.update(FAMILY_DEFAULTS.get(model_type, {}))
     cfg_kwargs.update(overrides)
-    config = _config_class(model_type)(**{k: v for k, v in cfg_kwargs.items() if v is not None or k != "rope_parameters"})
+    config = _config_class(model_type)(
+        **{k: v for k, v in cfg_kwargs.items() if v is not None or k != "rope_parameters"}
+    )
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation(model_type),
-                                             dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(
+        config, attn_implementation=attn_implementation(model_type), dtype=torch.float32
+    )
     with torch.no_grad():
         model.get_output_embeddings().weight.mul_(logit_scale)
     model.to(device=resolve_device(device), dtype=dtype)

@@ -1,5 +1,6 @@
 """A four-passage toy corpus and its RAG prompt, shared by the engine, precompute and serving
 tests (tiny random-weight models: the texts matter only as distinct token runs)."""
+
 import torch
 
 DOCS = [
@@ -19,4 +20,4 @@ def hf_greedy(model, ids, n):
     t = torch.tensor([ids], device=model.device)
     with torch.no_grad():
         out = model.generate(t, attention_mask=torch.ones_like(t), max_new_tokens=n, do_sample=False, pad_token_id=0)
-    return out[0, len(ids):].tolist()
+    return out[0, len(ids) :].tolist()

@@ -1,4 +1,5 @@
 """Shared helpers for engine-level tests: tiny random-weight models and cached pieces."""
+
 from types import SimpleNamespace
 
 import torch
@@ -21,29 +22,65 @@ CONFIGS = {
     "mistral-window": ("mistral", {"sliding_window": 8}),
     "qwen2-window": ("qwen2", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 2}),
     # YaRN scales cos/sin by an attention factor (~1.14 here): undoing a rotation must divide it out.
-    "llama-yarn": ("llama", {"rope_parameters": {
-        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256, "rope_theta": 10000.0}}),
+    "llama-yarn": (
+        "llama",
+        {
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "original_max_position_embeddings": 256,
+                "rope_theta": 10000.0,
+            }
+        },
+    ),
     # LongRoPE switches every position to its long factors once the sequence outgrows 16 tokens:
     # tables depend on the sequence length, not only on the position.
-    "llama-longrope": ("llama", {"rope_parameters": {
-        "rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 16,
-        "short_factor": [1.0] * 8, "long_factor": [1.0 + 0.5 * i for i in range(8)]}}),
+    "llama-longrope": (
+        "llama",
+        {
+            "rope_parameters": {
+                "rope_type": "longrope",
+                "rope_theta": 10000.0,
+                "original_max_position_embeddings": 16,
+                "short_factor": [1.0] * 8,
+                "long_factor": [1.0 + 0.5 * i for i in range(8)],
+            }
+        },
+    ),
     # Gemma 3: local (sliding, RoPE base 10k) and global (base 1M) layers, q/k norms, sandwich
     # norms, scaled embeddings; "-global-first" puts a global layer at layer 0, where the
     # re-rotation test reads its keys.
     "gemma3": ("gemma3_text", FAMILY_DEFAULTS["gemma3_text"]),
-    "gemma3-global-first": ("gemma3_text", {**FAMILY_DEFAULTS["gemma3_text"], "layer_types": [
-        "full_attention", "sliding_attention", "sliding_attention", "full_attention"]}),
+    "gemma3-global-first": (
+        "gemma3_text",
+        {
+            **FAMILY_DEFAULTS["gemma3_text"],
+            "layer_types": ["full_attention", "sliding_attention", "sliding_attention", "full_attention"],
+        },
+    ),
     "gemma2": ("gemma2", FAMILY_DEFAULTS["gemma2"]),
     "olmo2": ("olmo2", {}),
     "granite": ("granite", FAMILY_DEFAULTS["granite"]),
     "phi3": ("phi3", {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
     # Phi-4-mini: RoPE over 3/4 of each head (12 of 16 dims), LongRoPE's attention factor
     # (~1.08 here) on the rotated dims only; prompts stay under 256 tokens (short factors).
-    "phi4mini": ("phi3", {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, "original_max_position_embeddings": 256, "rope_parameters": {
-        "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
-        "original_max_position_embeddings": 256, "short_factor": [1.0 + 0.1 * i for i in range(6)],
-        "long_factor": [2.0] * 6}}),
+    "phi4mini": (
+        "phi3",
+        {
+            "pad_token_id": 0,
+            "bos_token_id": 1,
+            "eos_token_id": 2,
+            "original_max_position_embeddings": 256,
+            "rope_parameters": {
+                "rope_type": "longrope",
+                "rope_theta": 10000.0,
+                "partial_rotary_factor": 0.75,
+                "original_max_position_embeddings": 256,
+                "short_factor": [1.0 + 0.1 * i for i in range(6)],
+                "long_factor": [2.0] * 6,
+            },
+        },
+    ),
 }
 
 
@@ -51,9 +88,17 @@ def tiny(model_type="llama", seed=0):
     torch.manual_seed(seed)
     family, extra = CONFIGS[model_type]
     cfg = _config_class(family)(
-        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-        initializer_range=0.2, tie_word_embeddings=False, head_dim=16, **extra,
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        initializer_range=0.2,
+        tie_word_embeddings=False,
+        head_dim=16,
+        **extra,
     )
     model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=attn_implementation(family)).eval()
     return model

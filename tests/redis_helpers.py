@@ -4,6 +4,7 @@ one answers, else one this test session starts (Debian's ``redis-server`` or the
 stop, restart or squeeze a server start their own (``RedisServer``); ``RedisClusterServers``
 starts a real 3-node Redis Cluster. ``KVRAG_TEST_REDIS_SERVER=/path/to/valkey-server`` (or
 another redis-server) runs every test against that binary instead, never the machine's."""
+
 from __future__ import annotations
 
 import os
@@ -89,13 +90,26 @@ class RedisServer:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self, *extra: str) -> "RedisServer":
-        args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", self.dir,
-                "--save", "", "--appendonly", "no", "--protected-mode", "no", *extra]
+        args = [
+            self.binary,
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--dir",
+            self.dir,
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--protected-mode",
+            "no",
+            *extra,
+        ]
         if self.password:
             args += ["--requirepass", self.password]
         if self.maxmemory:
-            args += ["--maxmemory", self.maxmemory, "--maxmemory-policy", "allkeys-lru",
-                     "--maxmemory-samples", "10"]
+            args += ["--maxmemory", self.maxmemory, "--maxmemory-policy", "allkeys-lru", "--maxmemory-samples", "10"]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         client = redis.Redis(port=self.port, socket_timeout=1, password=self.password)
         deadline = time.monotonic() + 10
@@ -140,12 +154,30 @@ class RedisClusterServers:
 
     def start(self) -> "RedisClusterServers":
         for s in self.nodes:
-            s.start("--cluster-enabled", "yes", "--cluster-config-file", os.path.join(s.dir, f"nodes-{s.port}.conf"),
-                    "--cluster-node-timeout", "2000")
+            s.start(
+                "--cluster-enabled",
+                "yes",
+                "--cluster-config-file",
+                os.path.join(s.dir, f"nodes-{s.port}.conf"),
+                "--cluster-node-timeout",
+                "2000",
+            )
         cli = _binary("redis-cli")
         if cli is not None:
-            subprocess.run([cli, "--cluster", "create", *(f"127.0.0.1:{s.port}" for s in self.nodes),
-                            "--cluster-replicas", "0", "--cluster-yes"], check=True, capture_output=True, timeout=60)
+            subprocess.run(
+                [
+                    cli,
+                    "--cluster",
+                    "create",
+                    *(f"127.0.0.1:{s.port}" for s in self.nodes),
+                    "--cluster-replicas",
+                    "0",
+                    "--cluster-yes",
+                ],
+                check=True,
+                capture_output=True,
+                timeout=60,
+            )
         else:
             clients = [redis.Redis(port=s.port) for s in self.nodes]
             step = 16384 // len(clients)

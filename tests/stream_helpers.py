@@ -1,4 +1,5 @@
 """Shared by the integration tests: cancelling an async stream while a step of it runs."""
+
 import asyncio
 import threading
 import time

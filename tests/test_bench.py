@@ -1,5 +1,6 @@
 """kvrag.bench: metrics, the synthetic QA generator, report files, and ``kvrag bench --quick``
 end to end on the real SmolLM2 (marked ``real``)."""
+
 import json
 import math
 import re
@@ -156,7 +157,7 @@ def test_bench_synthetic_types_option():
     from kvrag.bench.runner import Bench
 
     words = SimpleNamespace(handle=SimpleNamespace(encode=lambda s: s.split()))
-    (name, examples), = Bench(cfg).datasets(words)
+    ((name, examples),) = Bench(cfg).datasets(words)
     assert name == "synthetic" and len(examples) == 4
     assert {ex.qtype for ex in examples} == {"single_hop"}
 
@@ -171,18 +172,21 @@ def _bench_args(*argv):
     return p.parse_args(["bench", *argv])
 
 
-@pytest.mark.parametrize("argv, needle", [
-    (["--limit", "0"], "--limit must be >= 1"),
-    (["--limit", "-1"], "--limit must be >= 1"),
-    (["--passages", "0"], "--passages must be >= 1"),
-    (["--passages", "-2"], "--passages must be >= 1"),
-    (["--sweep-limit", "-1"], "--sweep-limit must be >= 0"),
-    (["--synthetic-passages", "2"], "--synthetic-passages must be >= 3"),
-    (["--synthetic-passage-tokens", "29"], "--synthetic-passage-tokens must be >= 30"),
-    (["--repeats", "0"], "--repeats must be >= 1"),
-    (["--synthetic", "-3"], "--synthetic must be >= 0"),
-    (["--synthetic", "-1"], "--synthetic must be >= 0"),  # not taken for a bare --synthetic
-])
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["--limit", "0"], "--limit must be >= 1"),
+        (["--limit", "-1"], "--limit must be >= 1"),
+        (["--passages", "0"], "--passages must be >= 1"),
+        (["--passages", "-2"], "--passages must be >= 1"),
+        (["--sweep-limit", "-1"], "--sweep-limit must be >= 0"),
+        (["--synthetic-passages", "2"], "--synthetic-passages must be >= 3"),
+        (["--synthetic-passage-tokens", "29"], "--synthetic-passage-tokens must be >= 30"),
+        (["--repeats", "0"], "--repeats must be >= 1"),
+        (["--synthetic", "-3"], "--synthetic must be >= 0"),
+        (["--synthetic", "-1"], "--synthetic must be >= 0"),  # not taken for a bare --synthetic
+    ],
+)
 def test_bench_rejects_bad_counts_before_loading(tmp_path, argv, needle):
     """Negative counts would slice from the end (items[:-1]), 0 would run nothing; the
     synthetic generator's own limits are checked in the config, not after the model load."""
@@ -266,14 +270,18 @@ def test_exact_length_item_token_counts():
 
 # ---- data loading and summary ---------------------------------------------------------------
 def test_load_examples_validates(tmp_path):
-    good = [{"question": "Q?", "answers": ["a"], "ctxs": [{"title": "T", "text": "body one"}, {"title": "", "text": "two"}]}]
+    good = [
+        {"question": "Q?", "answers": ["a"], "ctxs": [{"title": "T", "text": "body one"}, {"title": "", "text": "two"}]}
+    ]
     p = tmp_path / "d.json"
     p.write_text(json.dumps(good))
     (ex,) = load_examples(str(p))
     assert ex.passages == ["T\nbody one", "two"] and ex.answers == ["a"]
-    for bad, msg in [({"question": "", "answers": ["a"], "ctxs": good[0]["ctxs"]}, "question"),
-                     ({"question": "Q", "answers": [], "ctxs": good[0]["ctxs"]}, "answers"),
-                     ({"question": "Q", "answers": ["a"], "ctxs": [{"title": "x"}]}, "text")]:
+    for bad, msg in [
+        ({"question": "", "answers": ["a"], "ctxs": good[0]["ctxs"]}, "question"),
+        ({"question": "Q", "answers": [], "ctxs": good[0]["ctxs"]}, "answers"),
+        ({"question": "Q", "answers": ["a"], "ctxs": [{"title": "x"}]}, "text"),
+    ]:
         p.write_text(json.dumps([bad]))
         with pytest.raises(ValueError, match=msg):
             load_examples(str(p))
@@ -286,13 +294,30 @@ def test_load_examples_validates(tmp_path):
 
 def test_summary_speedup_is_median_of_per_example_ratios():
     def rec(ex, label, ttft, speedup, gold_ll):
-        return {"device": "cpu", "scenario": "qa", "dataset": "d", "example_id": ex, "label": label, "policy": label,
-                "ttft_s": ttft, "ttft_min": ttft, "ttft_max": ttft, "speedup": speedup, "gold_ll": gold_ll, "error": None}
+        return {
+            "device": "cpu",
+            "scenario": "qa",
+            "dataset": "d",
+            "example_id": ex,
+            "label": label,
+            "policy": label,
+            "ttft_s": ttft,
+            "ttft_min": ttft,
+            "ttft_max": ttft,
+            "speedup": speedup,
+            "gold_ll": gold_ll,
+            "error": None,
+        }
 
-    recs = [rec("a", "full_prefill", 10.0, 1.0, -2.0), rec("a", "naive_reuse", 1.0, 10.0, -3.0),
-            rec("b", "full_prefill", 4.0, 1.0, -2.0), rec("b", "naive_reuse", 2.0, 2.0, -3.0),
-            rec("c", "full_prefill", 6.0, 1.0, -2.0), rec("c", "naive_reuse", 1.0, 6.0, -3.0),
-            {**rec("d", "naive_reuse", None, None, None), "error": "RuntimeError: boom"}]
+    recs = [
+        rec("a", "full_prefill", 10.0, 1.0, -2.0),
+        rec("a", "naive_reuse", 1.0, 10.0, -3.0),
+        rec("b", "full_prefill", 4.0, 1.0, -2.0),
+        rec("b", "naive_reuse", 2.0, 2.0, -3.0),
+        rec("c", "full_prefill", 6.0, 1.0, -2.0),
+        rec("c", "naive_reuse", 1.0, 6.0, -3.0),
+        {**rec("d", "naive_reuse", None, None, None), "error": "RuntimeError: boom"},
+    ]
     rows = {r["label"]: r for r in summarize(recs)}
     assert rows["naive_reuse"]["speedup"] == 6.0 and rows["naive_reuse"]["errors"] == 1
     assert rows["naive_reuse"]["n"] == 4 and rows["naive_reuse"]["ttft_s"] == 1.0
@@ -304,9 +329,20 @@ def test_qa_score_targets_show_the_answer_counts_they_rest_on():
     from kvrag.bench.report import evaluate_targets
 
     def rec(ex, label, acc):
-        return {"device": "cpu", "scenario": "qa", "dataset": "synthetic", "example_id": ex, "label": label,
-                "policy": label, "ttft_s": 1.0, "ttft_min": 1.0, "ttft_max": 1.0, "speedup": 1.0, "gold_acc": acc,
-                "error": None}
+        return {
+            "device": "cpu",
+            "scenario": "qa",
+            "dataset": "synthetic",
+            "example_id": ex,
+            "label": label,
+            "policy": label,
+            "ttft_s": 1.0,
+            "ttft_min": 1.0,
+            "ttft_max": 1.0,
+            "speedup": 1.0,
+            "gold_acc": acc,
+            "error": None,
+        }
 
     accs = {"full_prefill": [1, 1, 0], "a3": [1, 0, 0], "cacheblend": [0, 0, 0], "samkv": [1, 1, 0]}
     recs = [rec(f"e{i}", label, a) for label, xs in accs.items() for i, a in enumerate(xs)]
@@ -331,9 +367,21 @@ def test_speed_targets_are_judged_on_the_qa_prompts_when_they_are_4k_long(tokens
     from kvrag.bench.report import evaluate_targets
 
     def rec(ex, label, ttft):
-        return {"device": "cpu", "scenario": "qa", "dataset": "synthetic", "example_id": ex, "label": label,
-                "policy": label, "ttft_s": ttft, "ttft_min": ttft, "ttft_max": ttft, "speedup": 8.0 / ttft,
-                "gold_acc": 1, "prompt_tokens": tokens, "error": None}
+        return {
+            "device": "cpu",
+            "scenario": "qa",
+            "dataset": "synthetic",
+            "example_id": ex,
+            "label": label,
+            "policy": label,
+            "ttft_s": ttft,
+            "ttft_min": ttft,
+            "ttft_max": ttft,
+            "speedup": 8.0 / ttft,
+            "gold_acc": 1,
+            "prompt_tokens": tokens,
+            "error": None,
+        }
 
     ttfts = {"full_prefill": 8.0, "a3": 2.5, "cacheblend": 1.6}
     summary = summarize([rec(f"e{i}", label, t) for label, t in ttfts.items() for i in range(3)])
@@ -350,17 +398,48 @@ def test_speed_targets_are_judged_on_the_qa_prompts_when_they_are_4k_long(tokens
 
 # ---- `kvrag bench --quick` end to end on the real model -------------------------------------
 QA_ITEMS = [
-    {"question": "Which instrument does Mara Quill play?", "answers": ["the cello", "cello"],
-     "ctxs": [{"title": "Mara Quill", "text": "Mara Quill is a musician from the town of Brenholt. She plays the cello in the Brenholt Quartet."},
-              {"title": "Brenholt", "text": "Brenholt is a river town known for its stone bridges and its autumn market."},
-              {"title": "Oren Vale", "text": "Oren Vale is a painter who moved to the coast in 1998."}]},
-    {"question": "In which year was the Lark Tower finished?", "answers": ["1887"],
-     "ctxs": [{"title": "Fenwick", "text": "Fenwick is a small city on the northern plains with a busy rail yard."},
-              {"title": "Lark Tower", "text": "The Lark Tower is a clock tower in Fenwick. Its construction was finished in 1887."},
-              {"title": "Pella Stone", "text": "Pella Stone is a grey limestone quarried near the hills of Arnet."}]},
+    {
+        "question": "Which instrument does Mara Quill play?",
+        "answers": ["the cello", "cello"],
+        "ctxs": [
+            {
+                "title": "Mara Quill",
+                "text": "Mara Quill is a musician from the town of Brenholt. She plays the cello in the Brenholt Quartet.",
+            },
+            {
+                "title": "Brenholt",
+                "text": "Brenholt is a river town known for its stone bridges and its autumn market.",
+            },
+            {"title": "Oren Vale", "text": "Oren Vale is a painter who moved to the coast in 1998."},
+        ],
+    },
+    {
+        "question": "In which year was the Lark Tower finished?",
+        "answers": ["1887"],
+        "ctxs": [
+            {"title": "Fenwick", "text": "Fenwick is a small city on the northern plains with a busy rail yard."},
+            {
+                "title": "Lark Tower",
+                "text": "The Lark Tower is a clock tower in Fenwick. Its construction was finished in 1887.",
+            },
+            {"title": "Pella Stone", "text": "Pella Stone is a grey limestone quarried near the hills of Arnet."},
+        ],
+    },
 ]
-RECORD_KEYS = {"example_id", "policy", "ttft_s", "answer", "gold_f1", "gold_acc", "fidelity_f1", "gold_nll",
-               "cached_tokens", "recomputed_tokens", "kept_tokens", "prompt_tokens"}
+RECORD_KEYS = {
+    "example_id",
+    "policy",
+    "ttft_s",
+    "answer",
+    "gold_f1",
+    "gold_acc",
+    "fidelity_f1",
+    "gold_nll",
+    "cached_tokens",
+    "recomputed_tokens",
+    "kept_tokens",
+    "prompt_tokens",
+}
 
 
 @pytest.mark.real
@@ -373,8 +452,30 @@ def test_quick_bench_end_to_end_on_smollm2(tmp_path, monkeypatch):
     data.write_text(json.dumps(QA_ITEMS), encoding="utf-8")
     out = tmp_path / "out"
     policies = "naive_reuse,cacheblend,a3,epic,kvlink,samkv"
-    assert main(["bench", "--quick", "--data", str(data), "--synthetic", "1", "--policies", policies, "--out", str(out),
-                 "--scaling", "2x64", "--sweep-policies", "cacheblend", "--no-footprint", "--hot-cache", "auto"]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "--quick",
+                "--data",
+                str(data),
+                "--synthetic",
+                "1",
+                "--policies",
+                policies,
+                "--out",
+                str(out),
+                "--scaling",
+                "2x64",
+                "--sweep-policies",
+                "cacheblend",
+                "--no-footprint",
+                "--hot-cache",
+                "auto",
+            ]
+        )
+        == 0
+    )
 
     records = json.loads((out / "results.json").read_text())
     qa = [r for r in records if r["scenario"] == "qa"]
@@ -399,16 +500,28 @@ def test_quick_bench_end_to_end_on_smollm2(tmp_path, monkeypatch):
         # full_prefill's answer is plain transformers greedy generation on the same token ids.
         ids = r["prompt_ids"]
         with torch.no_grad():
-            ref = handle.model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                        max_new_tokens=len(r["answer_token_ids"]), do_sample=False)
-        assert ref[0, len(ids):].tolist() == r["answer_token_ids"]
+            ref = handle.model.generate(
+                torch.tensor([ids]),
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                max_new_tokens=len(r["answer_token_ids"]),
+                do_sample=False,
+            )
+        assert ref[0, len(ids) :].tolist() == r["answer_token_ids"]
     assert {r["scenario"] for r in records} == {"qa", "scaling", "sweep"}
     for name in ("summary.csv", "records.csv", "scaling.csv", "sweep.csv", "summary.json"):
         assert (out / name).stat().st_size > 0, name
     assert list(out.glob("*.png"))
     report = (out / "benchmarks.md").read_text()
-    for part in ("## How this was run", "## Targets", "## Results on cpu", "### QA: qa", "### QA: synthetic",
-                 "full_prefill", "kvrag bench", "Check of the generator"):
+    for part in (
+        "## How this was run",
+        "## Targets",
+        "## Results on cpu",
+        "### QA: qa",
+        "### QA: synthetic",
+        "full_prefill",
+        "kvrag bench",
+        "Check of the generator",
+    ):
         assert part in report, part
     check = json.loads((out / "summary.json").read_text())["single_hop_check"]
     # The generator check ran on items of its own seed, and the report states its count.
@@ -427,8 +540,12 @@ def test_cold_path_times_a_chunks_first_query(tmp_path, monkeypatch, hot_cache):
     from kvrag.testing import tiny_llama
 
     rag = KVRag(tiny_llama(seed=0), cache_dir=tmp_path / "kv")
-    ex = Example("e0", "Who keeps the lantern?", ["Ada"],
-                 [f"Passage {i}: " + " ".join(f"word{i}x{j}" for j in range(60)) for i in range(3)])
+    ex = Example(
+        "e0",
+        "Who keeps the lantern?",
+        ["Ada"],
+        [f"Passage {i}: " + " ".join(f"word{i}x{j}" for j in range(60)) for i in range(3)],
+    )
     bench = Bench(BenchConfig(out=tmp_path / "out", policies=["samkv"], hot_cache=hot_cache))
     bench.device = "cpu"  # what Bench.run sets per device
     bench.precompute(rag, ex.passages, "qa")
@@ -466,8 +583,7 @@ def test_floor_scenario_measures_ttft_floor_and_ops(tmp_path):
     from kvrag.testing import tiny_llama
 
     rag = KVRag(tiny_llama(seed=0), cache_dir=tmp_path / "kv", hot_cache=0)
-    bench = Bench(BenchConfig(out=tmp_path / "out", policies=["naive_reuse", "cacheblend"], floor=[(3, 64)],
-                              repeats=1))
+    bench = Bench(BenchConfig(out=tmp_path / "out", policies=["naive_reuse", "cacheblend"], floor=[(3, 64)], repeats=1))
     bench.device = "cpu"
     bench.run_floor(rag)
     recs = {r["label"]: r for r in bench.floor_records}
@@ -483,14 +599,33 @@ def test_floor_scenario_measures_ttft_floor_and_ops(tmp_path):
         assert r["ops_prefill"] > 0 and r["ops_plain"] > 0 and r["ops_decode"] > 0
     assert nr["recompute_s"] == 0.0 and cb["recompute_s"] > 0  # cacheblend recomputes layers 0-1 + 15%
     assert cb["recompute_s"] == pytest.approx(
-        cb["recompute_fraction"] * cb["cached_tokens"] * cb["full_prefill_s"] / cb["prompt_tokens"])
+        cb["recompute_fraction"] * cb["cached_tokens"] * cb["full_prefill_s"] / cb["prompt_tokens"]
+    )
 
-    result = {"records": [], "floor": bench.floor_records, "summary": [], "precompute": [], "footprint": {},
-              "throughput": {}, "single_hop_check": {},
-              "meta": {"config": {"devices": ["cpu"], "max_new_tokens": 1, "repeats": 1, "kl_positions": 1},
-                       "machine": {"cpu": "x", "cores": 2, "torch_threads": 2, "platform": "p", "python": "3",
-                                   "torch": "t", "transformers": "t"},
-                       "command": "kvrag bench --floor", "started": "now", "wall_s": 1.0}}
+    result = {
+        "records": [],
+        "floor": bench.floor_records,
+        "summary": [],
+        "precompute": [],
+        "footprint": {},
+        "throughput": {},
+        "single_hop_check": {},
+        "meta": {
+            "config": {"devices": ["cpu"], "max_new_tokens": 1, "repeats": 1, "kl_positions": 1},
+            "machine": {
+                "cpu": "x",
+                "cores": 2,
+                "torch_threads": 2,
+                "platform": "p",
+                "python": "3",
+                "torch": "t",
+                "transformers": "t",
+            },
+            "command": "kvrag bench --floor",
+            "started": "now",
+            "wall_s": 1.0,
+        },
+    }
     files = write_outputs(result, tmp_path / "out")
     assert files["floor_csv"].read_text().splitlines()[0].startswith("device,dataset,label")
     md = render_markdown(result, files, tmp_path / "out" / "benchmarks.md", tmp_path / "out")
@@ -505,9 +640,15 @@ def test_qa_journal_resumes_an_interrupted_run(tmp_path, monkeypatch):
     from kvrag.testing import tiny_llama
 
     rag = KVRag(tiny_llama(seed=0), cache_dir=tmp_path / "kv")
-    exs = [Example(f"e{i}", f"Who keeps lantern {i}?", ["Ada"],
-                   [f"Passage {i}.{k}: " + " ".join(f"w{i}x{k}x{j}" for j in range(20)) for k in range(2)])
-           for i in range(3)]
+    exs = [
+        Example(
+            f"e{i}",
+            f"Who keeps lantern {i}?",
+            ["Ada"],
+            [f"Passage {i}.{k}: " + " ".join(f"w{i}x{k}x{j}" for j in range(20)) for k in range(2)],
+        )
+        for i in range(3)
+    ]
 
     def bench(**kw):
         b = Bench(BenchConfig(out=tmp_path / "out", policies=["naive_reuse"], repeats=1, max_new_tokens=2, **kw))
@@ -522,11 +663,14 @@ def test_qa_journal_resumes_an_interrupted_run(tmp_path, monkeypatch):
     timed = []
     again = bench(resume=True)
     real = again.time_policies
-    monkeypatch.setattr(again, "time_policies", lambda r, sc, ds, ex, *a: (timed.append(ex.id), real(r, sc, ds, ex, *a))[1])
+    monkeypatch.setattr(
+        again, "time_policies", lambda r, sc, ds, ex, *a: (timed.append(ex.id), real(r, sc, ds, ex, *a))[1]
+    )
     again.run_qa(rag, "d", exs)
     assert timed == ["e2"]
-    assert [(r["example_id"], r["label"]) for r in again.records] == \
-        [(f"e{i}", p) for i in range(3) for p in ("full_prefill", "naive_reuse")]
+    assert [(r["example_id"], r["label"]) for r in again.records] == [
+        (f"e{i}", p) for i in range(3) for p in ("full_prefill", "naive_reuse")
+    ]
     assert again.records[:4] == first.records  # kept as measured
     assert len(path.read_text(encoding="utf-8").splitlines()) == 1 + 3
     # Without --resume the journal starts anew.

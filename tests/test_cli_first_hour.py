@@ -1,5 +1,6 @@
 """The ``kvrag`` command as a newcomer meets it (issue 28): one meaning for ``--cache-dir``, a
 store found without arguments, what ``model info`` and ``policies`` say, a light parser."""
+
 import json
 import os
 import subprocess
@@ -15,8 +16,10 @@ from kvrag.testing import tiny_llama
 def test_building_the_parser_imports_no_torch():
     """``kvrag --version`` / ``--help`` build every sub-command's parser: that must not import
     torch (seconds on a busy machine)."""
-    code = ("import sys; from kvrag.cli import build_parser; build_parser(); "
-            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    code = (
+        "import sys; from kvrag.cli import build_parser; build_parser(); "
+        "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
+    )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "[]"
@@ -26,9 +29,14 @@ def test_calibrate_defaults_agree_with_the_calibrator():
     from kvrag.cli.calibrate import DEFAULTS
     from kvrag.policies.a2ats import calibrate as cal
 
-    assert DEFAULTS == dict(tokens=cal.DEFAULT_TOKENS, codes=cal.DEFAULT_CODES, iters=cal.DEFAULT_ITERS,
-                            seq_len=cal.DEFAULT_SEQ_LEN, uuid_fraction=cal.DEFAULT_UUID_FRACTION,
-                            rope_offset=cal.DEFAULT_ROPE_OFFSET)
+    assert DEFAULTS == dict(
+        tokens=cal.DEFAULT_TOKENS,
+        codes=cal.DEFAULT_CODES,
+        iters=cal.DEFAULT_ITERS,
+        seq_len=cal.DEFAULT_SEQ_LEN,
+        uuid_fraction=cal.DEFAULT_UUID_FRACTION,
+        rope_offset=cal.DEFAULT_ROPE_OFFSET,
+    )
 
 
 def _helps(parser):
@@ -49,8 +57,9 @@ def test_help_has_no_raw_backticks_and_every_command_a_description():
     parser = build_parser()
     assert not [h for h in _helps(parser) if "``" in h]
     action = next(a for a in parser._actions if a.dest == "command")
-    assert all(sub.description for sub in action.choices.values()), \
-        [name for name, sub in action.choices.items() if not sub.description]
+    assert all(sub.description for sub in action.choices.values()), [
+        name for name, sub in action.choices.items() if not sub.description
+    ]
 
 
 def test_cache_dir_means_a_store_everywhere(capsys):

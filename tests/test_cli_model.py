@@ -1,4 +1,5 @@
 """The ``kvrag`` command: sub-command discovery, error reporting, ``kvrag model info``."""
+
 import json
 import os
 import subprocess
@@ -81,12 +82,19 @@ def test_model_info_shows_windows_and_nope_layers(capsys):
     from kvrag.cli.model import _attention
 
     for model_type, extra, expect in [
-        ("qwen2", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 2},
-         "sliding window 8 on layers 2-3"),
+        (
+            "qwen2",
+            {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 2},
+            "sliding window 8 on layers 2-3",
+        ),
         ("smollm3", {}, "no RoPE on layers 3"),
         # Gemma 3: each layer type's RoPE base, and the window on the local layers only.
-        ("gemma3_text", {}, "'full_attention': 'default (base 1000000.0)', 'sliding_attention': 'default (base 10000.0)'"
-                            "}; sliding window 8 on layers 0, 2"),
+        (
+            "gemma3_text",
+            {},
+            "'full_attention': 'default (base 1000000.0)', 'sliding_attention': 'default (base 10000.0)'"
+            "}; sliding window 8 on layers 0, 2",
+        ),
     ]:
         from kvrag.testing import tiny_llama
 
@@ -137,15 +145,18 @@ def test_value_and_os_errors_of_a_subcommand_are_one_line_errors(monkeypatch, ca
         main(["policies"])
 
 
-@pytest.mark.parametrize("corpus, needle", [
-    (None, "file not found"),
-    ("{not json", "not valid JSON"),
-    ('[{"documents": ["a"]}]', "expected a JSON object"),
-    ('{"documents": ["Tom lives in Paris."]}', "no 'questions'"),
-    ('{"documents": ["Tom lives in Paris."], "questions": []}', "'questions' must be a non-empty list"),
-    ('{"documents": [""], "questions": ["Where?"]}', "'documents' must be a non-empty list"),
-    ('{"documents": ["a"], "questions": ["q"], "instruction": 3}', "'instruction' must be a string"),
-])
+@pytest.mark.parametrize(
+    "corpus, needle",
+    [
+        (None, "file not found"),
+        ("{not json", "not valid JSON"),
+        ('[{"documents": ["a"]}]', "expected a JSON object"),
+        ('{"documents": ["Tom lives in Paris."]}', "no 'questions'"),
+        ('{"documents": ["Tom lives in Paris."], "questions": []}', "'questions' must be a non-empty list"),
+        ('{"documents": [""], "questions": ["Where?"]}', "'documents' must be a non-empty list"),
+        ('{"documents": ["a"], "questions": ["q"], "instruction": 3}', "'instruction' must be a string"),
+    ],
+)
 def test_demo_rejects_a_bad_corpus_before_loading(tmp_path, capsys, no_model_load, corpus, needle):
     path = tmp_path / "corpus.json"
     if corpus is not None:
@@ -174,8 +185,17 @@ def test_demo_policies_are_deduplicated_in_order():
 def _train(tmp_path, *extra):
     data = tmp_path / "train.json"
     if not data.exists():
-        data.write_text(json.dumps([{"question": "Where does Tom live?", "answers": ["Paris"],
-                                     "ctxs": [{"title": "Tom", "text": "Tom lives in Paris."}]}]))
+        data.write_text(
+            json.dumps(
+                [
+                    {
+                        "question": "Where does Tom live?",
+                        "answers": ["Paris"],
+                        "ctxs": [{"title": "Tom", "text": "Tom lives in Paris."}],
+                    }
+                ]
+            )
+        )
     return ["train", "kvlink", "--data", str(data), *extra]
 
 
@@ -213,13 +233,21 @@ def test_calibrate_a2ats_checks_before_loading(tmp_path, capsys, no_model_load):
     _fails(["calibrate", "a2ats", "--text", str(nostr), "--out", str(out)], capsys, "nostr.json", "no calibration text")
     _fails(["calibrate", "a2ats", "--text", str(empty), "--out", str(out)], capsys, "empty.txt", "is empty")
     _fails(["calibrate", "a2ats", "--text", str(tmp_path), "--out", str(out)], capsys, "is a directory")
-    _fails(["calibrate", "a2ats", "--store", str(tmp_path / "nowhere"), "--out", str(out)], capsys,
-           "no KV store", "nowhere")
+    _fails(
+        ["calibrate", "a2ats", "--store", str(tmp_path / "nowhere"), "--out", str(out)],
+        capsys,
+        "no KV store",
+        "nowhere",
+    )
     from kvrag.store import KVStore
 
     KVStore(tmp_path / "empty-store").close()
-    _fails(["calibrate", "a2ats", "--store", str(tmp_path / "empty-store"), "--out", str(out)], capsys,
-           "empty-store", "holds no chunk text")
+    _fails(
+        ["calibrate", "a2ats", "--store", str(tmp_path / "empty-store"), "--out", str(out)],
+        capsys,
+        "empty-store",
+        "holds no chunk text",
+    )
     assert not out.exists()
 
 
@@ -249,7 +277,9 @@ def test_unusable_cache_dir_for_a_conversion_is_a_clear_error(tmp_path, capsys, 
     home = tmp_path / "ro-home"
     (home / "models").mkdir(parents=True)
     real_access = os.access
-    monkeypatch.setattr(km.os, "access", lambda p, mode, **k: False if str(p).startswith(str(home)) else real_access(p, mode, **k))
+    monkeypatch.setattr(
+        km.os, "access", lambda p, mode, **k: False if str(p).startswith(str(home)) else real_access(p, mode, **k)
+    )
     with pytest.raises(ModelLoadError, match="not writable") as e:
         ModelHandle.load(fake_gguf, cache_dir=home)
     assert str(home) in str(e.value)

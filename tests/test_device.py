@@ -5,19 +5,19 @@ CI has no GPU, so there this file checks the CPU; on a GPU machine run
 kernels, grouped-query expansion, RoPE tables on the device, device<->host moves of cached
 K/V, per-layer selection code, and half-precision compute. Every test here also compares the
 device against the model's own forward or against the same model on the CPU."""
+
 import os
 
 import pytest
 import torch
+from corpus_helpers import DOCS, hf_greedy, prompt_for
 
 from kvrag.arch import Arch
 from kvrag.chunk import compute_chunk_kv
-from kvrag.query.decode import output_cache
 from kvrag.engine import KVRag
 from kvrag.policies import policy_names
+from kvrag.query.decode import output_cache
 from kvrag.testing import tiny_llama
-
-from corpus_helpers import DOCS, hf_greedy, prompt_for
 
 DEVICE = os.environ.get("KVRAG_TEST_DEVICE", "cpu")
 FAMILIES = {
@@ -51,8 +51,10 @@ def handles():
     """family -> (handle on DEVICE, the same weights on the CPU)."""
     out = {}
     for name, extra in FAMILIES.items():
-        out[name] = (tiny_llama(seed=3, model_type=_family(name), device=DEVICE, **extra),
-                     tiny_llama(seed=3, model_type=_family(name), **extra))
+        out[name] = (
+            tiny_llama(seed=3, model_type=_family(name), device=DEVICE, **extra),
+            tiny_llama(seed=3, model_type=_family(name), **extra),
+        )
     return out
 
 
@@ -121,8 +123,10 @@ def test_every_policy_at_its_defaults_matches_the_cpu(handles, policy, codebook,
     params = {"codebook": codebook} if policy == "a2ats" else {}
     on_dev, on_cpu = handles["llama"]
     prompt = prompt_for(DOCS[:3])
-    runs = [_rag(h, tmp_path, name).generate(prompt, policy=policy, max_new_tokens=N_NEW, **params)
-            for h, name in ((on_dev, "dev"), (on_cpu, "cpu"))]
+    runs = [
+        _rag(h, tmp_path, name).generate(prompt, policy=policy, max_new_tokens=N_NEW, **params)
+        for h, name in ((on_dev, "dev"), (on_cpu, "cpu"))
+    ]
     (d, c) = runs
     assert d.stats.chunks_hit == c.stats.chunks_hit == 3
     assert d.stats.recomputed_tokens == c.stats.recomputed_tokens
@@ -196,7 +200,9 @@ def test_half_precision_compute_at_ratio_one_tracks_full_prefill(dtype, tmp_path
         assert (lp.float() - lf.float()).abs().max() < 0.1 * lf.float().abs().max()
 
 
-@pytest.mark.skipif(DEVICE == "cpu", reason="the CPU case is tests/test_kvlink_tune.py::test_resumed_run_equals_the_uninterrupted_one")
+@pytest.mark.skipif(
+    DEVICE == "cpu", reason="the CPU case is tests/test_kvlink_tune.py::test_resumed_run_equals_the_uninterrupted_one"
+)
 def test_kvrag_tune_trains_and_resumes_on_the_device(tmp_path):
     """`kvrag tune`'s loop on the device: teacher answers generated there, LoRA + links trained
     there, and a checkpoint (saved from device tensors, loaded on the CPU) resumed there."""
@@ -206,8 +212,18 @@ def test_kvrag_tune_trains_and_resumes_on_the_device(tmp_path):
     handle = tiny_llama(seed=0, device=DEVICE)
     mix = D.Mixture({"text": [" ".join(d.split()[:60]) for d in DOCS]}, min_docs=2, max_docs=3)
     sampler = D.TaskSampler(handle, mix, link_tokens=2, max_docs=3, answer_tokens=3)
-    cfg = dict(data="mixture", steps=4, lora_rank=2, link_tokens=2, max_docs=3, docs=3, warmup=1, log_every=100,
-               objective="distill", seed=1)
+    cfg = dict(
+        data="mixture",
+        steps=4,
+        lora_rank=2,
+        link_tokens=2,
+        max_docs=3,
+        docs=3,
+        warmup=1,
+        log_every=100,
+        objective="distill",
+        seed=1,
+    )
     straight = train_kvlink(handle, TrainConfig(**cfg), tmp_path / "a", sampler=sampler)
     train_kvlink(handle, TrainConfig(**cfg), tmp_path / "b", sampler=sampler, stop_at_step=2)
     resumed = train_kvlink(handle, TrainConfig(**cfg), tmp_path / "b", sampler=sampler, resume=True)

@@ -1,5 +1,6 @@
 """What a newcomer reads and runs first (issue 28): the README's promises and the quickstart's
 LlamaIndex / LangChain snippets, run as written, twice in a row."""
+
 import os
 import re
 import subprocess
@@ -15,8 +16,10 @@ def test_readme_says_what_the_default_model_costs_on_disk():
     readme = (ROOT / "README.md").read_text()
     setup = readme.split("## Set-up", 1)[1].split("##", 1)[0]
     block = re.search(r"```bash\n(.*?)```", setup, re.S).group(1)
-    assert [line.split("#")[0].strip() for line in block.strip().splitlines()] == \
-        ["bash scripts/demo.sh", "bash scripts/test.sh"]  # exactly the two set-up commands
+    assert [line.split("#")[0].strip() for line in block.strip().splitlines()] == [
+        "bash scripts/demo.sh",
+        "bash scripts/test.sh",
+    ]  # exactly the two set-up commands
     for fact in ("Q4_1", "517 MB", "~/.cache/kvrag", "KVRAG_HOME", "XDG_CACHE_HOME", "delete"):
         assert fact in readme, fact
 
@@ -54,8 +57,9 @@ def test_quickstart_snippet_runs_twice_with_the_same_documents_and_hits(framewor
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "ANONYMIZED_TELEMETRY": "False"}
     runs = []
     for _ in range(2):
-        r = subprocess.run([sys.executable, "snippet.py"], cwd=tmp_path, capture_output=True, text=True,
-                           timeout=600, env=env)
+        r = subprocess.run(
+            [sys.executable, "snippet.py"], cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env
+        )
         assert r.returncode == 0, r.stderr[-3000:]
         out = dict(line.split(" ", 1) for line in r.stdout.splitlines() if line.startswith(("DOCS ", "HIT ")))
         runs.append(out)

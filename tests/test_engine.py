@@ -1,12 +1,13 @@
 """KVRag facade end to end on a tiny random-weight model with the real SmolLM2 tokenizer."""
+
 import pytest
 import torch
+from corpus_helpers import DOCS as CORPUS
+from corpus_helpers import hf_greedy, prompt_for
 
 from kvrag.engine import KVRag
 from kvrag.errors import ChunkError
 from kvrag.testing import tiny_llama
-
-from corpus_helpers import DOCS as CORPUS, hf_greedy, prompt_for
 
 DOCS = CORPUS[:3]
 
@@ -42,17 +43,20 @@ def test_policy_ratio_one_equals_full_prefill(rag):
     torch.testing.assert_close(lb, lf, atol=1e-3, rtol=1e-3)
 
 
-@pytest.mark.parametrize("model_type,overrides,windowed", [
-    ("mistral", {"sliding_window": 12}, True),  # every layer windowed (Mistral-7B-v0.1 style)
-    ("qwen2", {"use_sliding_window": True, "sliding_window": 12, "max_window_layers": 2}, True),  # upper layers
-    ("smollm3", {}, False),  # layer 3 of 4 without RoPE
-    # Gemma 3: local layers with a 16-token window (the prompt is ~6x longer: cached chunks lie
-    # wholly beyond it, decoding runs past it) between global layers of another RoPE base.
-    ("gemma3_text", {"sliding_window": 16}, True),
-    ("gemma2", {"sliding_window": 16}, True),  # alternating windows, soft-capped attention and logits
-    # A stray window in a Llama config (llamafied Qwen checkpoints): Llama's attention ignores it.
-    ("llama", {"sliding_window": 12, "use_sliding_window": False}, False),
-])
+@pytest.mark.parametrize(
+    "model_type,overrides,windowed",
+    [
+        ("mistral", {"sliding_window": 12}, True),  # every layer windowed (Mistral-7B-v0.1 style)
+        ("qwen2", {"use_sliding_window": True, "sliding_window": 12, "max_window_layers": 2}, True),  # upper layers
+        ("smollm3", {}, False),  # layer 3 of 4 without RoPE
+        # Gemma 3: local layers with a 16-token window (the prompt is ~6x longer: cached chunks lie
+        # wholly beyond it, decoding runs past it) between global layers of another RoPE base.
+        ("gemma3_text", {"sliding_window": 16}, True),
+        ("gemma2", {"sliding_window": 16}, True),  # alternating windows, soft-capped attention and logits
+        # A stray window in a Llama config (llamafied Qwen checkpoints): Llama's attention ignores it.
+        ("llama", {"sliding_window": 12, "use_sliding_window": False}, False),
+    ],
+)
 def test_window_and_nope_models_generate_like_the_model(tmp_path, model_type, overrides, windowed):
     """Sliding windows and NoPE layers are honoured by the chunk prefill, the fused prefill and
     decoding: full_prefill == the model's own forward, and every exact limit of a policy (the
@@ -73,10 +77,13 @@ def test_window_and_nope_models_generate_like_the_model(tmp_path, model_type, ov
         with torch.no_grad():
             for _ in full.token_ids:
                 ids.append(int(h.model(torch.tensor([ids]), use_cache=False).logits[0, -1].argmax()))
-        assert full.token_ids == ids[len(full.prompt_ids):]
-    exact = [("cacheblend", {"recompute_ratio": 1.0}), ("a3", {"recompute_ratio": 1.0}),
-             ("epic", {"k_head": 10_000}),
-             ("samkv", {"recompute_ratio": 1.0, "keep_ratio": 1.0, "adaptive_p": False, "update": "overwrite"})]
+        assert full.token_ids == ids[len(full.prompt_ids) :]
+    exact = [
+        ("cacheblend", {"recompute_ratio": 1.0}),
+        ("a3", {"recompute_ratio": 1.0}),
+        ("epic", {"k_head": 10_000}),
+        ("samkv", {"recompute_ratio": 1.0, "keep_ratio": 1.0, "adaptive_p": False, "update": "overwrite"}),
+    ]
     for policy, params in exact:
         out = rag.generate(prompt, policy=policy, max_new_tokens=12, **params)
         assert out.stats.chunks_hit == 3, policy
@@ -87,8 +94,8 @@ def test_window_and_nope_models_generate_like_the_model(tmp_path, model_type, ov
 def test_decoding_a_thinned_cache_windows_by_position(tmp_path, policy, params):
     """SamKV and A3's eviction hand the decoder a cache whose slots are not the positions 0..M-1.
     A sliding window must still be applied by position (HF's cache would apply it by slot)."""
-    from kvrag.query.decode import FusedStepper, HFStepper
     from kvrag.policies import get_policy
+    from kvrag.query.decode import FusedStepper, HFStepper
 
     class ReadAll:  # kvrag's layer step with no decode-time selection: windows by key position
         decode_select = None
@@ -165,11 +172,14 @@ def test_chunk_edges_the_prompt_tokenizes_otherwise_are_computed(rag, handle):
     assert exact.token_ids == full.token_ids and exact.stats.chunks_hit == 3
 
 
-@pytest.mark.parametrize("doc", [
-    "Привет мир: a Russian greeting used in many programming tutorials online.",
-    "東京タワー is a communications and observation tower in the Shiba-koen district.",
-    "ñandú is the Spanish name of the rhea, a large flightless bird of South America.",
-])
+@pytest.mark.parametrize(
+    "doc",
+    [
+        "Привет мир: a Russian greeting used in many programming tutorials online.",
+        "東京タワー is a communications and observation tower in the Shiba-koen district.",
+        "ñandú is the Spanish name of the rhea, a large flightless bird of South America.",
+    ],
+)
 @pytest.mark.parametrize("lead", ["- ", "1. ", "Context: "])
 def test_a_chunk_starting_with_a_multibyte_letter_after_a_space_is_served(rag, doc, lead):
     """Byte-level BPE spells a multi-byte first letter as several tokens starting at that
@@ -218,7 +228,7 @@ def test_a_chunk_cut_by_the_framework_is_served_for_its_prefix(rag, handle):
     (k0, span0, ids0), (k1, span1, _) = pieces
     assert k0 == rag.chunk_key(long_doc) and span0[0] == 0
     # Up to the last token wholly inside the cut: " oa" is not the chunk's " oaks".
-    assert ids0 == rag.chunk_ids(long_doc)[:span0[1]] and rag.tokenizer.decode(ids0) == cut[:cut.rfind(" ")]
+    assert ids0 == rag.chunk_ids(long_doc)[: span0[1]] and rag.tokenizer.decode(ids0) == cut[: cut.rfind(" ")]
     assert k1 == rag.chunk_key(DOCS[1]) and span1 == (0, len(rag.chunk_ids(DOCS[1])))
     full = rag.generate(prompt, policy="full_prefill", max_new_tokens=8)
     exact = rag.generate(prompt, policy="cacheblend", recompute_ratio=1.0, max_new_tokens=8)
@@ -245,7 +255,7 @@ def test_a_chunk_whose_edge_whitespace_was_trimmed_is_served(rag, handle):
     # Stored, its first word was " The" (merged with the space before it); the prompt's "The"
     # is another token: served from the next shared boundary on (to its own "\n", which the
     # prompt has too).
-    assert key2 == rag.chunk_key(spaced) and rag.tokenizer.decode(ids2) == DOCS[0][len("The"):] + "\n"
+    assert key2 == rag.chunk_key(spaced) and rag.tokenizer.decode(ids2) == DOCS[0][len("The") :] + "\n"
     full = rag.generate(prompt, policy="full_prefill", max_new_tokens=8)
     exact = rag.generate(prompt, policy="cacheblend", recompute_ratio=1.0, max_new_tokens=8)
     assert exact.stats.chunks_hit == 2 and exact.token_ids == full.token_ids
@@ -258,7 +268,7 @@ def test_a_different_chunk_sharing_a_beginning_is_served_only_where_equal(rag, h
     v2 = DOCS[1] + " It has never been climbed in winter, the guides of Oster say."
     rag.precompute([v1])
     pieces, stats = served(rag, "Context:\n" + v2 + "\nQ?")
-    (key, (a, b), ids), = pieces
+    ((key, (a, b), ids),) = pieces
     assert key == rag.chunk_key(v1) and a == 0 and stats.chunks_partial == 1
     assert rag.tokenizer.decode(ids) == DOCS[1] + " It"
 
@@ -337,7 +347,7 @@ def test_continuation_logits_match_model(rag, handle):
     full = rag.generate(prompt, policy="full_prefill", max_new_tokens=5)
     logits, _ = rag.continuation_logits(prompt, full.token_ids, policy="full_prefill")
     with torch.no_grad():
-        ref = handle.model(torch.tensor([full.prompt_ids + full.token_ids])).logits[0, len(full.prompt_ids) - 1:]
+        ref = handle.model(torch.tensor([full.prompt_ids + full.token_ids])).logits[0, len(full.prompt_ids) - 1 :]
     torch.testing.assert_close(logits, ref.float(), atol=1e-4, rtol=1e-4)
 
 
@@ -349,8 +359,15 @@ def test_several_continuations_from_one_prefill(rag, policy, tmp_path):
     if policy == "a2ats":  # needs codebooks for this model; window 4 so top-k retrieval runs
         from kvrag.policies.a2ats.calibrate import calibrate
 
-        _, path = calibrate(rag.handle, texts=[" ".join(DOCS) * 8], n_tokens=300, n_codes=16, iters=2,
-                            seq_len=96, out=tmp_path / "books.safetensors")
+        _, path = calibrate(
+            rag.handle,
+            texts=[" ".join(DOCS) * 8],
+            n_tokens=300,
+            n_codes=16,
+            iters=2,
+            seq_len=96,
+            out=tmp_path / "books.safetensors",
+        )
         params = {"codebook": str(path), "window": 4, "sink": 2}
     rag.precompute(DOCS)
     prompt = prompt_for(DOCS)
@@ -364,8 +381,11 @@ def test_several_continuations_from_one_prefill(rag, policy, tmp_path):
 
 def test_stream_rejects_bad_options_at_the_call(rag):
     """Not at the first next(): a stream handed on unread would fail far from its cause."""
-    for kw, msg in ((dict(policy="bogus"), "bogus"), (dict(recompute_ratio="0.5"), "recompute_ratio"),
-                    (dict(stop=""), "stop")):
+    for kw, msg in (
+        (dict(policy="bogus"), "bogus"),
+        (dict(recompute_ratio="0.5"), "recompute_ratio"),
+        (dict(stop=""), "stop"),
+    ):
         with pytest.raises(ValueError, match=msg):
             rag.stream("Hello", **kw)
     with pytest.raises(TypeError):
@@ -466,14 +486,23 @@ def test_bad_input_names_the_problem_and_stores_nothing(rag, handle, tmp_path):
         rag.is_cached("Kelvar \udcff peak")
     assert rag.store.stats()["entries"] == 0
     rag.precompute(DOCS)
-    for prompt, err, msg in [("Question \udcff?", ValueError, "surrogate"), (b"bytes", TypeError, "bytes"),
-                             (None, TypeError, "NoneType"), (5, TypeError, "int")]:
+    for prompt, err, msg in [
+        ("Question \udcff?", ValueError, "surrogate"),
+        (b"bytes", TypeError, "bytes"),
+        (None, TypeError, "NoneType"),
+        (5, TypeError, "int"),
+    ]:
         with pytest.raises(err, match=msg):
             rag.generate(prompt, max_new_tokens=1)
-    for kw, msg in [(dict(max_new_tokens=None), "max_new_tokens"), (dict(max_new_tokens="3"), "max_new_tokens"),
-                    (dict(top_k=-1, temperature=1.0), "top_k"), (dict(temperature=float("nan")), "temperature"),
-                    (dict(stop=[3]), "stop"), (dict(recompute_ratio="0.5"), "recompute_ratio"),
-                    (dict(recompute_ratio=True), "recompute_ratio")]:
+    for kw, msg in [
+        (dict(max_new_tokens=None), "max_new_tokens"),
+        (dict(max_new_tokens="3"), "max_new_tokens"),
+        (dict(top_k=-1, temperature=1.0), "top_k"),
+        (dict(temperature=float("nan")), "temperature"),
+        (dict(stop=[3]), "stop"),
+        (dict(recompute_ratio="0.5"), "recompute_ratio"),
+        (dict(recompute_ratio=True), "recompute_ratio"),
+    ]:
         with pytest.raises(ValueError, match=msg):
             rag.generate(prompt_for(DOCS), **kw)
     assert rag.generate(prompt_for(DOCS), max_new_tokens=2, stop=None).stats.chunks_hit == 3
@@ -688,8 +717,14 @@ def test_an_empty_cache_dir_is_refused_before_anything_is_written(handle, tmp_pa
 def test_continuation_ids_outside_the_vocabulary_or_not_ints_are_named(rag, handle):
     vocab = handle.model.get_input_embeddings().num_embeddings
     prompt = prompt_for(DOCS[:1])
-    for bad, shown in [([5, -1], "-1"), ([vocab], str(vocab)), ([3, 7.9], "7.9"), ([2.0], "2.0"), ([True], "True"),
-                       (["7"], "'7'")]:
+    for bad, shown in [
+        ([5, -1], "-1"),
+        ([vocab], str(vocab)),
+        ([3, 7.9], "7.9"),
+        ([2.0], "2.0"),
+        ([True], "True"),
+        (["7"], "'7'"),
+    ]:
         with pytest.raises(ValueError, match=rf"{shown} at position"):
             rag.continuation_logits(prompt, bad)
     with pytest.raises(ValueError, match="tensor of shape"):

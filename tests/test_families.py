@@ -2,11 +2,12 @@
 invariant tests (test_fusion, test_engine, the policy tests over fusion_helpers.CONFIGS)
 show: the per-layer-type RoPE tables of Gemma 3, and the refusal of what the adapter does not
 know -- an unknown family, an unknown module in a layer --, and Phi-4-mini's partial rotary."""
+
 import pytest
 import torch
 import transformers
-
 from fusion_helpers import tiny
+
 from kvrag.arch import Arch
 from kvrag.errors import ModelLoadError
 from kvrag.model import ModelHandle
@@ -31,8 +32,15 @@ def test_gemma3_local_and_global_layers_rotate_with_their_own_base():
 
 def test_a_model_family_kvrag_does_not_know_is_refused_by_name():
     # OLMo (1): a close relative of OLMo 2 with another norm (a non-RMS LayerNorm).
-    cfg = transformers.OlmoConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                  num_attention_heads=4, num_key_value_heads=2, pad_token_id=0)
+    cfg = transformers.OlmoConfig(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        pad_token_id=0,
+    )
     model = transformers.AutoModelForCausalLM.from_config(cfg)
     with pytest.raises(ValueError, match="model_type 'olmo' is not supported"):
         Arch(model)
@@ -73,7 +81,7 @@ def test_gemma_link_token_is_the_mean_input_embedding():
     # the matrix row times sqrt(hidden) (Granite: times embedding_multiplier).
     from kvrag.policies.kvlink.policy import mean_embedding
 
-    for name, scale in (("gemma3", 64 ** 0.5), ("granite", 3.0), ("llama", 1.0)):
+    for name, scale in (("gemma3", 64**0.5), ("granite", 3.0), ("llama", 1.0)):
         arch = Arch(tiny(name))
         assert arch.input_scale() == pytest.approx(scale, rel=1e-6)
         every = arch.embed(torch.arange(512)).float().mean(0)

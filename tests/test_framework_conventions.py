@@ -1,6 +1,7 @@
 """The frameworks' own conventions, as a newcomer meets them (issue 28, "a newcomer's first
 hour"): the keywords their components take, the channels that report token usage, copying
 and serializing an LLM object. Tiny random model with SmolLM2's tokenizer (fast)."""
+
 import copy
 import pickle
 
@@ -68,6 +69,7 @@ def test_llamaindex_llm_class_conventions(li_llm, rag):
 def test_llamaindex_hooks_take_llm_keyword(li_llm, rag):
     from llama_index.core import VectorStoreIndex  # noqa: F401  (the components below need core)
     from llama_index.core.retrievers import BaseRetriever
+
     from llama_index.llms.kvrag import KVCacheWarmer, KVPrecompute, KVWarmingRetriever
 
     class Nothing(BaseRetriever):
@@ -168,9 +170,9 @@ def lc_llm(rag):
 
 
 def test_langchain_hooks_take_llm_keyword(lc_llm):
+    from langchain_core.embeddings import DeterministicFakeEmbedding
     from langchain_core.retrievers import BaseRetriever
     from langchain_core.vectorstores import InMemoryVectorStore
-    from langchain_core.embeddings import DeterministicFakeEmbedding
 
     from langchain_kvrag import KVPrecomputeHook, KVWarmingRetriever, precompute_on_add
 

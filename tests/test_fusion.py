@@ -1,16 +1,17 @@
 """Fusion-engine invariants on tiny random-weight models of every supported family."""
+
 from unittest.mock import patch
 
 import pytest
 import torch
-
 from fusion_helpers import CONFIGS, assert_matches_hf_cache, hf_logits, pieces_for, rand_ids, tiny
+
 from kvrag.arch import Arch
 from kvrag.chunk import compute_chunk_kv
+from kvrag.policies import get_policy
 from kvrag.query.decode import output_cache
 from kvrag.query.fusion import FusionEngine
 from kvrag.query.state import Layout
-from kvrag.policies import get_policy
 
 
 @pytest.mark.parametrize("model_type", list(CONFIGS))
@@ -27,7 +28,7 @@ def test_rerotated_key_equals_key_at_position(model_type):
     k_true = output_cache(out).layers[0].keys[0][:, -12:]  # [Hkv, T, D] (or a window's last rows)
     k_pre, _ = compute_chunk_kv(arch, [ids])[0]
     k_rot = arch.rotate(k_pre[0], torch.arange(7, 19), layer=0)
-    torch.testing.assert_close(k_rot[:, -k_true.shape[1]:], k_true, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(k_rot[:, -k_true.shape[1] :], k_true, atol=1e-5, rtol=1e-5)
     # Undoing the rotation recovers the position-free key.
     torch.testing.assert_close(arch.unrotate(k_rot, torch.arange(7, 19), 0), k_pre[0], atol=1e-5, rtol=1e-5)
 
@@ -49,11 +50,15 @@ def test_shifted_query_equals_query_at_the_shifted_position(model_type):
         # Undoing the rotation of rows of that prompt, and of rows decoded one by one (each
         # rotated in a sequence ending at itself), recovers the same position-free query.
         q_pre = arch.unrotate(q40, torch.arange(40, 45), layer, length=64)
-        one_by_one = torch.stack([arch.qkv(layer, hidden[i:i + 1], arch.cos_sin(torch.tensor([40 + i])))[0][:, 0]
-                                  for i in range(5)], dim=1)
+        one_by_one = torch.stack(
+            [arch.qkv(layer, hidden[i : i + 1], arch.cos_sin(torch.tensor([40 + i])))[0][:, 0] for i in range(5)], dim=1
+        )
         torch.testing.assert_close(
-            arch.unrotate(one_by_one, torch.arange(40, 45), layer, length=torch.arange(41, 46)), q_pre,
-            atol=1e-4, rtol=1e-4)
+            arch.unrotate(one_by_one, torch.arange(40, 45), layer, length=torch.arange(41, 46)),
+            q_pre,
+            atol=1e-4,
+            rtol=1e-4,
+        )
 
 
 def test_a_chunk_gets_the_same_kv_whatever_it_is_packed_with():
@@ -105,7 +110,9 @@ def test_chunk_prefill_behind_anchor_matches_model(model_type):
         for layer in range(arch.n_layers):
             k_rot = arch.rotate(k_pre[layer], pos, layer=layer)
             kept = min(len(ids), cache.layers[layer].keys.shape[2])  # sliding layers: the last rows
-            torch.testing.assert_close(v[layer][:, -kept:], cache.layers[layer].values[0][:, -kept:], atol=1e-5, rtol=1e-4)
+            torch.testing.assert_close(
+                v[layer][:, -kept:], cache.layers[layer].values[0][:, -kept:], atol=1e-5, rtol=1e-4
+            )
             torch.testing.assert_close(k_rot[:, -kept:], cache.layers[layer].keys[0][:, -kept:], atol=1e-5, rtol=1e-4)
     # The anchor changes what the chunk's deeper layers hold (layer 0 keys depend on the token only).
     torch.testing.assert_close(packed[0][0][0], plain[0][0], atol=1e-5, rtol=1e-4)
@@ -211,26 +218,29 @@ def test_bad_policy_params():
         get_policy("nope")
 
 
-@pytest.mark.parametrize("policy,params,match", [
-    # Wrong types fail at construction, naming the parameter -- not later, deep in a prefill,
-    # as a TypeError (a string ratio), nor silently (a string read as a sequence of layers).
-    ("cacheblend", dict(check_layers=1), "check_layers"),
-    ("cacheblend", dict(check_layers="12"), "check_layers"),
-    ("cacheblend", dict(layer_ratios=(float("nan"),)), "layer_ratios"),
-    ("samkv", dict(keep_ratio="0.5"), "keep_ratio"),
-    ("samkv", dict(keep_ratio=True), "keep_ratio"),
-    ("samkv", dict(theta="0.5"), "theta"),
-    ("samkv", dict(adaptive_p="no"), "adaptive_p"),
-    ("samkv", dict(stable_layers="12"), "stable_layers"),
-    ("samkv", dict(block_size=2.5), "block_size"),
-    ("epic", dict(k_head=float("inf")), "k_head"),
-    ("a3", dict(score_layer=float("inf")), "score_layer"),
-    ("a3", dict(pool_kernel="3"), "pool_kernel"),
-    ("a2ats", dict(topk="0.5"), "topk"),
-    ("a2ats", dict(topk=float("nan")), "topk"),
-    ("a2ats", dict(prefill="cacheblend", recompute_ratio=True), "recompute_ratio"),
-    ("a2ats", dict(sink=1.5), "sink"),
-])
+@pytest.mark.parametrize(
+    "policy,params,match",
+    [
+        # Wrong types fail at construction, naming the parameter -- not later, deep in a prefill,
+        # as a TypeError (a string ratio), nor silently (a string read as a sequence of layers).
+        ("cacheblend", dict(check_layers=1), "check_layers"),
+        ("cacheblend", dict(check_layers="12"), "check_layers"),
+        ("cacheblend", dict(layer_ratios=(float("nan"),)), "layer_ratios"),
+        ("samkv", dict(keep_ratio="0.5"), "keep_ratio"),
+        ("samkv", dict(keep_ratio=True), "keep_ratio"),
+        ("samkv", dict(theta="0.5"), "theta"),
+        ("samkv", dict(adaptive_p="no"), "adaptive_p"),
+        ("samkv", dict(stable_layers="12"), "stable_layers"),
+        ("samkv", dict(block_size=2.5), "block_size"),
+        ("epic", dict(k_head=float("inf")), "k_head"),
+        ("a3", dict(score_layer=float("inf")), "score_layer"),
+        ("a3", dict(pool_kernel="3"), "pool_kernel"),
+        ("a2ats", dict(topk="0.5"), "topk"),
+        ("a2ats", dict(topk=float("nan")), "topk"),
+        ("a2ats", dict(prefill="cacheblend", recompute_ratio=True), "recompute_ratio"),
+        ("a2ats", dict(sink=1.5), "sink"),
+    ],
+)
 def test_policy_params_of_the_wrong_type_are_named(policy, params, match):
     with pytest.raises(ValueError, match=match):
         get_policy(policy, **params)

@@ -2,15 +2,15 @@
 langchain-huggingface embeddings (all-MiniLM-L6-v2), LCEL chains; the chat model runs a tiny
 random-weight model with SmolLM2's tokenizer (fast), and, in the ``real`` test,
 SmolLM2-135M-Instruct itself."""
+
 import asyncio
 import logging
 import time
 
-import pytest
-
 import chromadb
-
+import pytest
 from chromadb.config import Settings as ChromaSettings  # noqa: E402
+from corpus_helpers import hf_greedy  # noqa: E402
 from langchain_chroma import Chroma  # noqa: E402
 from langchain_core.documents import Document  # noqa: E402
 from langchain_core.messages import HumanMessage, SystemMessage  # noqa: E402
@@ -18,15 +18,18 @@ from langchain_core.output_parsers import StrOutputParser  # noqa: E402
 from langchain_core.prompts import ChatPromptTemplate  # noqa: E402
 from langchain_core.runnables import ConfigurableField, RunnablePassthrough  # noqa: E402
 from langchain_huggingface import HuggingFaceEmbeddings  # noqa: E402
-from langchain_kvrag import (  # noqa: E402
-    ChatKVRag, KVPrecomputeHook, KVWarmingRetriever, precompute_on_add, to_kvrag_messages,
-)
+from stream_helpers import cancel_mid_step  # noqa: E402
 
 from kvrag.engine import KVRag  # noqa: E402
 from kvrag.errors import ChunkError  # noqa: E402
 from kvrag.testing import tiny_llama  # noqa: E402
-from corpus_helpers import hf_greedy  # noqa: E402
-from stream_helpers import cancel_mid_step  # noqa: E402
+from langchain_kvrag import (  # noqa: E402
+    ChatKVRag,
+    KVPrecomputeHook,
+    KVWarmingRetriever,
+    precompute_on_add,
+    to_kvrag_messages,
+)
 
 TEXTS = [
     "The red fox lives in the northern forest and hunts small rodents at dawn.",
@@ -35,10 +38,12 @@ TEXTS = [
     "Queen Ilsa founded the harbour town of Brisk in the year 1204.",
 ]
 QUESTION = "Where does the red fox live?"
-PROMPT = ChatPromptTemplate.from_messages([
-    ("system", "Answer the question using the context. Reply with a short answer only."),
-    ("human", "Context:\n\n{context}\n\nQuestion: {question}"),
-])
+PROMPT = ChatPromptTemplate.from_messages(
+    [
+        ("system", "Answer the question using the context. Reply with a short answer only."),
+        ("human", "Context:\n\n{context}\n\nQuestion: {question}"),
+    ]
+)
 
 
 def format_docs(docs):
@@ -70,7 +75,9 @@ def llm(handle, tmp_path):
 
 
 def chroma(tmp_path, embed, name="docs"):
-    client = chromadb.PersistentClient(path=str(tmp_path / "chroma"), settings=ChromaSettings(anonymized_telemetry=False))
+    client = chromadb.PersistentClient(
+        path=str(tmp_path / "chroma"), settings=ChromaSettings(anonymized_telemetry=False)
+    )
     return Chroma(client=client, collection_name=name, embedding_function=embed)
 
 
@@ -153,6 +160,7 @@ def test_retriever_wrapper_warms_a_legacy_collection(tmp_path, embed, llm):
                 return fn(*a, **k)
             finally:
                 events.append((name, t0, time.monotonic()))
+
         return wrapper
 
     def timed_stream(*a, **k):  # a query: from the call until its generation is collected
@@ -222,8 +230,10 @@ def test_chains_that_strip_or_cut_documents_still_hit(embed, llm):
     store.add_documents([Document(page_content=f"\n\n{t}\n  \n") for t in TEXTS])
     assert llm.precomputer.wait_until_idle(timeout=120)
     retriever = store.as_retriever(search_kwargs={"k": 3})
-    for fmt in (lambda docs: "\n\n".join(d.page_content.strip() for d in docs),
-                lambda docs: "\n\n".join(d.page_content.strip()[:64] for d in docs)):
+    for fmt in (
+        lambda docs: "\n\n".join(d.page_content.strip() for d in docs),
+        lambda docs: "\n\n".join(d.page_content.strip()[:64] for d in docs),
+    ):
         chain = {"context": retriever | fmt, "question": RunnablePassthrough()} | PROMPT | llm
         msg = chain.invoke(QUESTION)
         s = msg.response_metadata["kvrag_stats"]
@@ -267,7 +277,7 @@ def test_hooks_outlive_a_shut_down_precomputer(tmp_path, embed, llm):
 
 
 def test_empty_duplicate_and_odd_documents(tmp_path, embed, llm, caplog):
-    odd = "Caf\u00e9 na\u00efve \u2014 \U0001F680 rocket, \u200bzero width, \u05e9\u05dc\u05d5\u05dd, e\u0301 and a NUL\x00."
+    odd = "Caf\u00e9 na\u00efve \u2014 \U0001f680 rocket, \u200bzero width, \u05e9\u05dc\u05d5\u05dd, e\u0301 and a NUL\x00."
     store = precompute_on_add(chroma(tmp_path, embed), llm)
     with caplog.at_level(logging.WARNING, logger="kvrag.precompute"):
         store.add_texts(TEXTS + TEXTS[:2] + ["", "  \n", odd])
@@ -288,7 +298,7 @@ def test_document_larger_than_the_context_is_rejected_clearly(tmp_path, embed, l
     (f,) = llm.precomputer.failures()
     assert isinstance(f.error, ChunkError) and "split the document into smaller chunks" in str(f.error)
     # Splitting it first (what a text splitter does) caches every piece.
-    pieces = [big[i:i + 2000] for i in range(0, len(big), 2000)]
+    pieces = [big[i : i + 2000] for i in range(0, len(big), 2000)]
     store.add_texts(pieces)
     assert llm.precomputer.wait_until_idle(timeout=300)
     assert all(llm.rag.is_cached(p) for p in pieces)
@@ -303,7 +313,9 @@ def test_unwritable_store_is_a_clear_error_and_nothing_is_lost(tmp_path, embed, 
     with pytest.raises(OSError, match="cannot create KVStore directory"):
         ChatKVRag(model=None, rag=KVRag(handle, cache_dir=blocker / "kv"))
     real_put = llm.rag.store.put
-    monkeypatch.setattr(llm.rag.store, "put", lambda *a, **k: (_ for _ in ()).throw(OSError(30, "Read-only file system")))
+    monkeypatch.setattr(
+        llm.rag.store, "put", lambda *a, **k: (_ for _ in ()).throw(OSError(30, "Read-only file system"))
+    )
     store = precompute_on_add(chroma(tmp_path, embed), llm)
     store.add_texts(TEXTS)  # the vector store is not affected
     assert llm.precomputer.wait_until_idle(timeout=120)
@@ -336,9 +348,12 @@ def test_messages_and_misuse(llm):
     over = llm.invoke("Hi", policy="naive_reuse", max_new_tokens=3)
     assert over.response_metadata["policy"] == "naive_reuse" and over.usage_metadata["output_tokens"] <= 3
     # Options of the wrong type are named, not iterated or converted into something else.
-    for kw, err, msg in [(dict(stop=5), TypeError, "stop must be"), (dict(stop=b"x"), TypeError, "stop must be"),
-                         (dict(stop={"a": 1}), TypeError, "stop must be"),
-                         (dict(policy_params=[1]), TypeError, "policy_params must be a dict")]:
+    for kw, err, msg in [
+        (dict(stop=5), TypeError, "stop must be"),
+        (dict(stop=b"x"), TypeError, "stop must be"),
+        (dict(stop={"a": 1}), TypeError, "stop must be"),
+        (dict(policy_params=[1]), TypeError, "policy_params must be a dict"),
+    ]:
         with pytest.raises(err, match=msg):
             llm.invoke("Hi", **kw)
     with pytest.raises(NotImplementedError, match="does not support tools"):
@@ -352,8 +367,13 @@ def test_llm_cache_keys_on_the_generation_settings(llm):
     from langchain_core.globals import set_llm_cache
 
     rag = llm.rag
-    variants = [dict(max_new_tokens=2), dict(max_new_tokens=12), dict(max_new_tokens=12, temperature=1.0, seed=7),
-                dict(max_new_tokens=12, stop=["x"]), dict(max_new_tokens=12, top_k=5, temperature=1.0, seed=7)]
+    variants = [
+        dict(max_new_tokens=2),
+        dict(max_new_tokens=12),
+        dict(max_new_tokens=12, temperature=1.0, seed=7),
+        dict(max_new_tokens=12, stop=["x"]),
+        dict(max_new_tokens=12, top_k=5, temperature=1.0, seed=7),
+    ]
     keys = {ChatKVRag(rag=rag, **kw)._get_llm_string() for kw in variants}
     assert len(keys) == len(variants)
     set_llm_cache(InMemoryCache())
@@ -383,6 +403,7 @@ def test_an_unfinished_stream_does_not_hold_back_precompute(llm):
 def test_cancelling_an_async_stream_mid_step(llm, monkeypatch):
     """astream cancelled while a step runs in the executor: CancelledError, and the generator
     is closed once that step returns (no further step, the query leaves the foreground)."""
+
     async def open_stream():
         return llm.astream("Hi")
 
@@ -397,7 +418,7 @@ def test_finish_reason_is_recorded_not_guessed(llm):
     assert llm.last_generation.finish_reason == "length"
     # A stop string completed by the last allowed token.
     last = llm.rag.tokenizer.decode(toks[-1:]).strip()
-    assert last and last not in full.content[:-len(last) - 1]
+    assert last and last not in full.content[: -len(last) - 1]
     msg = llm.invoke("Hi", stop=[last])
     assert msg.usage_metadata["output_tokens"] == 6 and msg.response_metadata["finish_reason"] == "stop"
     chunks = list(llm.stream("Hi", stop=[last]))
@@ -437,8 +458,11 @@ def test_policy_settings_are_not_lost(llm, handle, tmp_path):
     with pytest.raises(ValueError, match="naive_reuse"):
         ChatKVRag(rag=llm.rag, policy="naive_reuse", recompute_ratio=1.0)
     # No policy given: the wrapped KVRag's own policy and parameters.
-    for kw, policy in (({"policy": "naive_reuse"}, "naive_reuse"), ({"recompute_ratio": 1.0}, "cacheblend"),
-                       ({"policy": "kvlink"}, "kvlink")):
+    for kw, policy in (
+        ({"policy": "naive_reuse"}, "naive_reuse"),
+        ({"recompute_ratio": 1.0}, "cacheblend"),
+        ({"policy": "kvlink"}, "kvlink"),
+    ):
         rag = KVRag(handle, cache_dir=tmp_path / "kv", **kw)
         inherited = ChatKVRag(rag=rag, max_new_tokens=1)
         assert inherited.policy == policy
@@ -449,7 +473,10 @@ def test_policy_settings_are_not_lost(llm, handle, tmp_path):
         assert s.recomputed_tokens == rag.generate(prompt, max_new_tokens=1).stats.recomputed_tokens
         if policy == "cacheblend":
             assert s.recomputed_tokens == s.cached_tokens
-    assert ChatKVRag(rag=KVRag(handle, cache_dir=tmp_path / "kv", policy="naive_reuse"), policy="cacheblend").policy_params == {}
+    assert (
+        ChatKVRag(rag=KVRag(handle, cache_dir=tmp_path / "kv", policy="naive_reuse"), policy="cacheblend").policy_params
+        == {}
+    )
 
 
 def test_configurable_fields_rebuild_the_same_model(llm, handle, tmp_path, monkeypatch):
@@ -476,8 +503,7 @@ def test_configurable_fields_rebuild_the_same_model(llm, handle, tmp_path, monke
 
     monkeypatch.setattr(cm, "KVRag", TinyKVRag)
     built = ChatKVRag(cache_dir=str(tmp_path / "kv"), max_new_tokens=4)
-    conf = built.configurable_fields(max_new_tokens=ConfigurableField(id="n"),
-                                     cache_dir=ConfigurableField(id="dir"))
+    conf = built.configurable_fields(max_new_tokens=ConfigurableField(id="n"), cache_dir=ConfigurableField(id="dir"))
     out = conf.with_config(configurable={"n": 2}).invoke(msgs)
     assert out.usage_metadata["output_tokens"] == 2 and out.usage_metadata["input_token_details"]["cache_read"] > 0
     with pytest.raises(ValueError, match="not configurable"):  # another store is another KVRag
@@ -487,9 +513,12 @@ def test_configurable_fields_rebuild_the_same_model(llm, handle, tmp_path, monke
 def test_from_documents_store_is_backfilled(tmp_path, embed, llm):
     """``Chroma.from_documents`` adds its documents before any hook exists: ``backfill=True``
     schedules what the store already holds (paged), and new additions are hooked as usual."""
-    client = chromadb.PersistentClient(path=str(tmp_path / "chroma"), settings=ChromaSettings(anonymized_telemetry=False))
-    store = Chroma.from_documents([Document(page_content=t) for t in TEXTS[:3]], embed, client=client,
-                                  collection_name="docs")
+    client = chromadb.PersistentClient(
+        path=str(tmp_path / "chroma"), settings=ChromaSettings(anonymized_telemetry=False)
+    )
+    store = Chroma.from_documents(
+        [Document(page_content=t) for t in TEXTS[:3]], embed, client=client, collection_name="docs"
+    )
     hook = KVPrecomputeHook(llm)
     assert hook.backfill(store, page_size=2) == 3  # two pages
     assert llm.precomputer.wait_until_idle(timeout=120) and all(llm.rag.is_cached(t) for t in TEXTS[:3])

@@ -1,16 +1,16 @@
 """LlamaIndex integration end to end: real Chroma (PersistentClient), real LlamaIndex objects,
 all-MiniLM-L6-v2 embeddings; the LLM is a tiny random-weight model with SmolLM2's tokenizer
 (fast), and, in the ``real`` tests, SmolLM2-135M-Instruct itself."""
+
 import asyncio
 import logging
 import pickle
 import time
 
-import pytest
-
 import chromadb
-
+import pytest
 from chromadb.config import Settings as ChromaSettings  # noqa: E402
+from corpus_helpers import hf_greedy  # noqa: E402
 from llama_index.core import Document, VectorStoreIndex  # noqa: E402
 from llama_index.core.base.llms.types import ChatMessage, ImageBlock, MessageRole, TextBlock  # noqa: E402
 from llama_index.core.ingestion import IngestionPipeline  # noqa: E402
@@ -18,14 +18,13 @@ from llama_index.core.node_parser import SentenceSplitter  # noqa: E402
 from llama_index.core.query_engine import RetrieverQueryEngine  # noqa: E402
 from llama_index.core.schema import MetadataMode, TextNode  # noqa: E402
 from llama_index.embeddings.huggingface import HuggingFaceEmbedding  # noqa: E402
-from llama_index.llms.kvrag import KVCacheWarmer, KVPrecompute, KVRagLLM, KVWarmingRetriever, node_texts  # noqa: E402
 from llama_index.vector_stores.chroma import ChromaVectorStore  # noqa: E402
+from stream_helpers import cancel_mid_step  # noqa: E402
 
 from kvrag.engine import KVRag  # noqa: E402
 from kvrag.errors import ChunkError  # noqa: E402
 from kvrag.testing import tiny_llama  # noqa: E402
-from corpus_helpers import hf_greedy  # noqa: E402
-from stream_helpers import cancel_mid_step  # noqa: E402
+from llama_index.llms.kvrag import KVCacheWarmer, KVPrecompute, KVRagLLM, KVWarmingRetriever, node_texts  # noqa: E402
 
 DOCS = [
     ("The red fox lives in the northern forest and hunts small rodents at dawn.", "animals.txt"),
@@ -60,7 +59,9 @@ def llm(handle, tmp_path):
 
 
 def chroma_store(tmp_path, name="docs"):
-    client = chromadb.PersistentClient(path=str(tmp_path / "chroma"), settings=ChromaSettings(anonymized_telemetry=False))
+    client = chromadb.PersistentClient(
+        path=str(tmp_path / "chroma"), settings=ChromaSettings(anonymized_telemetry=False)
+    )
     return ChromaVectorStore(chroma_collection=client.get_or_create_collection(name))
 
 
@@ -130,7 +131,9 @@ def test_chunk_not_yet_precomputed_falls_back(tmp_path, embed, llm):
     index, _ = ingest(tmp_path, embed, documents(), KVPrecompute(llm))
     assert llm.precomputer.wait_until_idle(timeout=120)
     # A late document: ingested, its precompute held back by a running "query".
-    late = Document(text="The blue heron nests in the reeds along the Lenne delta.", metadata={"file_name": "birds.txt"})
+    late = Document(
+        text="The blue heron nests in the reeds along the Lenne delta.", metadata={"file_name": "birds.txt"}
+    )
     with llm.precomputer.foreground():
         index.insert_nodes(KVPrecompute(llm)(SentenceSplitter(chunk_size=128, chunk_overlap=0)([late])))
         assert llm.precomputer.progress().queued == 1
@@ -197,6 +200,7 @@ def test_retriever_hook_warms_a_legacy_collection(tmp_path, embed, llm):
                 return fn(*a, **k)
             finally:
                 events.append((name, t0, time.monotonic()))
+
         return wrapper
 
     rag.generate = timed("query", real_generate)
@@ -224,7 +228,7 @@ def test_retriever_hook_warms_a_legacy_collection(tmp_path, embed, llm):
 
 # ---- bad input -------------------------------------------------------------------------------------
 def test_empty_duplicate_and_odd_documents(tmp_path, embed, llm, caplog):
-    odd = "Caf\u00e9 na\u00efve \u2014 \U0001F680 rocket, \u200bzero width, \u05e9\u05dc\u05d5\u05dd, e\u0301 and a NUL\x00."
+    odd = "Caf\u00e9 na\u00efve \u2014 \U0001f680 rocket, \u200bzero width, \u05e9\u05dc\u05d5\u05dd, e\u0301 and a NUL\x00."
     docs = documents() + documents()[:2] + [Document(text=""), Document(text="   \n "), Document(text=odd)]
     with caplog.at_level(logging.WARNING):
         index, nodes = ingest(tmp_path, embed, docs, KVPrecompute(llm))
@@ -290,7 +294,9 @@ def test_unwritable_store_is_a_clear_error_and_nothing_is_lost(tmp_path, embed, 
     # The store fails while ingesting: ingestion still completes, the failures are surfaced
     # with their texts, queries still answer, and a retry after the fix caches everything.
     real_put = llm.rag.store.put
-    monkeypatch.setattr(llm.rag.store, "put", lambda *a, **k: (_ for _ in ()).throw(PermissionError(13, "Read-only file system")))
+    monkeypatch.setattr(
+        llm.rag.store, "put", lambda *a, **k: (_ for _ in ()).throw(PermissionError(13, "Read-only file system"))
+    )
     index, nodes = ingest(tmp_path, embed, documents(), KVPrecompute(llm))
     assert llm.precomputer.wait_until_idle(timeout=120)
     assert len(index.as_retriever(similarity_top_k=4).retrieve(QUESTION)) == 4
@@ -313,6 +319,7 @@ def test_prompts_are_sized_with_the_models_tokenizer(handle, tmp_path, monkeypat
     (tiktoken): KVRagLLM makes it the model's own, unless the user chose one."""
     import llama_index.core as core
     from llama_index.core import Settings
+
     from llama_index.llms.kvrag import base
 
     monkeypatch.setattr(core, "global_tokenizer", None)
@@ -418,8 +425,11 @@ def test_policy_settings_are_not_lost(llm, handle, tmp_path):
     # max_tokens, the usual name, is max_new_tokens.
     assert KVRagLLM(llm.rag, max_tokens=3).max_new_tokens == 3
     # No policy given: the wrapped KVRag's own policy and parameters.
-    for kw, policy in (({"policy": "naive_reuse"}, "naive_reuse"), ({"recompute_ratio": 1.0}, "cacheblend"),
-                       ({"policy": "kvlink"}, "kvlink")):
+    for kw, policy in (
+        ({"policy": "naive_reuse"}, "naive_reuse"),
+        ({"recompute_ratio": 1.0}, "cacheblend"),
+        ({"policy": "kvlink"}, "kvlink"),
+    ):
         rag = KVRag(handle, cache_dir=tmp_path / "kv", **kw)
         inherited = KVRagLLM(rag, max_new_tokens=1)
         assert inherited.policy == policy
@@ -430,7 +440,10 @@ def test_policy_settings_are_not_lost(llm, handle, tmp_path):
         if policy == "cacheblend":
             assert s.recomputed_tokens == s.cached_tokens
     # An explicit policy is the LLM's own (with its defaults), whatever the KVRag's.
-    assert KVRagLLM(KVRag(handle, cache_dir=tmp_path / "kv", policy="naive_reuse"), policy="cacheblend").policy_params == {}
+    assert (
+        KVRagLLM(KVRag(handle, cache_dir=tmp_path / "kv", policy="naive_reuse"), policy="cacheblend").policy_params
+        == {}
+    )
 
 
 # ---- the real model ---------------------------------------------------------------------------------

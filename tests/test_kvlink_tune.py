@@ -1,5 +1,6 @@
 """`kvrag tune`: KVLink training data from many real-text sources, resumable training, and the
 evaluation on what was not trained on (tiny random models)."""
+
 import json
 import random
 
@@ -11,9 +12,11 @@ from kvrag.policies.kvlink.adapter import KVLinkError, load_adapter
 from kvrag.policies.kvlink.train import CHECKPOINT_DIR, QAItem, TrainConfig, train_kvlink
 from kvrag.testing import tiny_llama
 
-PROSE = ("The river rose for three days before the town council met. Farmers moved their herds to the "
-         "hills, and the ferry stopped running at noon. By the fourth morning the water had reached the "
-         "steps of the old mill, where the miller kept a record of every flood since his grandfather's time.")
+PROSE = (
+    "The river rose for three days before the town council met. Farmers moved their herds to the "
+    "hills, and the ferry stopped running at noon. By the fourth morning the water had reached the "
+    "steps of the old mill, where the miller kept a record of every flood since his grandfather's time."
+)
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
@@ -86,8 +89,14 @@ def test_machine_sources_read_real_prose_or_say_why_not(caplog, monkeypatch):
 
 # ---- tasks --------------------------------------------------------------------------------------
 def test_mixture_draws_every_source_shuffled_with_and_without_the_answering_passage():
-    qa = [QAItem(f"Who keeps lantern {i}?", [f"keeper{i}"],
-                 [f"keeper{i} keeps lantern {i}."] + [f"filler {j} text" for j in range(6)]) for i in range(5)]
+    qa = [
+        QAItem(
+            f"Who keeps lantern {i}?",
+            [f"keeper{i}"],
+            [f"keeper{i} keeps lantern {i}."] + [f"filler {j} text" for j in range(6)],
+        )
+        for i in range(5)
+    ]
     mix = D.Mixture({"text": _pool(), "pydoc": _pool(12)[8:]}, {"qa": qa}, min_docs=2, max_docs=5, p_without=0.3)
     rng = random.Random(0)
     tasks = [mix.task(rng) for _ in range(300)]
@@ -122,9 +131,10 @@ def test_teacher_targets_are_the_base_models_own_full_prefill_answer(handle, mon
     s = sampler.sample(task)
     plain = s.without_links()
     prompt = plain.ids[: plain.answer_start]
-    want = handle.model.generate(prompt[None], attention_mask=torch.ones_like(prompt[None]), max_new_tokens=6,
-                                 do_sample=False, pad_token_id=0)[0, prompt.numel():]
-    assert s.ids[s.answer_start:].tolist() == want.tolist()
+    want = handle.model.generate(
+        prompt[None], attention_mask=torch.ones_like(prompt[None]), max_new_tokens=6, do_sample=False, pad_token_id=0
+    )[0, prompt.numel() :]
+    assert s.ids[s.answer_start :].tolist() == want.tolist()
     assert int(s.segment.max()) == len(task.passages) and bool((s.link_slot >= 0).any())
     # The generation's own logits are the distillation target: those of a plain full forward.
     from kvrag.arch import Arch
@@ -146,8 +156,19 @@ def test_teacher_targets_are_the_base_models_own_full_prefill_answer(handle, mon
 
 
 # ---- resumable training -------------------------------------------------------------------------
-CFG = dict(data="mixture", lora_rank=2, link_tokens=2, max_docs=4, docs=3, lr=3e-2, link_lr=3e-2, warmup=2,
-           log_every=100, objective="distill", seed=7)
+CFG = dict(
+    data="mixture",
+    lora_rank=2,
+    link_tokens=2,
+    max_docs=4,
+    docs=3,
+    lr=3e-2,
+    link_lr=3e-2,
+    warmup=2,
+    log_every=100,
+    objective="distill",
+    seed=7,
+)
 
 
 def _sampler(handle):
@@ -158,22 +179,31 @@ def _sampler(handle):
 
 def test_resumed_run_equals_the_uninterrupted_one(handle, tmp_path):
     sampler, mix = _sampler(handle)
-    straight = train_kvlink(handle, TrainConfig(steps=6, **CFG), tmp_path / "a", sampler=sampler,
-                            data_meta=mix.describe())
-    first = train_kvlink(handle, TrainConfig(steps=6, **CFG), tmp_path / "b", sampler=sampler, stop_at_step=3,
-                         data_meta=mix.describe())
+    straight = train_kvlink(
+        handle, TrainConfig(steps=6, **CFG), tmp_path / "a", sampler=sampler, data_meta=mix.describe()
+    )
+    first = train_kvlink(
+        handle, TrainConfig(steps=6, **CFG), tmp_path / "b", sampler=sampler, stop_at_step=3, data_meta=mix.describe()
+    )
     assert len(first.losses) == 3 and not first.meta["complete"]
     assert (tmp_path / "b" / CHECKPOINT_DIR / "state.pt").is_file()
     with pytest.raises(KVLinkError, match="already holds"):  # a fresh run must not overwrite it silently
         train_kvlink(handle, TrainConfig(steps=6, **CFG), tmp_path / "b", sampler=sampler)
     with pytest.raises(KVLinkError, match="other options or data: lr="):
-        train_kvlink(handle, TrainConfig(steps=6, **{**CFG, "lr": 1e-3}), tmp_path / "b", sampler=sampler,
-                     data_meta=mix.describe(), resume=True)
+        train_kvlink(
+            handle,
+            TrainConfig(steps=6, **{**CFG, "lr": 1e-3}),
+            tmp_path / "b",
+            sampler=sampler,
+            data_meta=mix.describe(),
+            resume=True,
+        )
     other = D.Mixture({"text": _pool(9)}).describe()
     with pytest.raises(KVLinkError, match="other options or data: data="):
         train_kvlink(handle, TrainConfig(steps=6, **CFG), tmp_path / "b", sampler=sampler, data_meta=other, resume=True)
-    resumed = train_kvlink(handle, TrainConfig(steps=6, **CFG), tmp_path / "b", sampler=sampler,
-                           data_meta=mix.describe(), resume=True)
+    resumed = train_kvlink(
+        handle, TrainConfig(steps=6, **CFG), tmp_path / "b", sampler=sampler, data_meta=mix.describe(), resume=True
+    )
     assert resumed.losses == straight.losses and resumed.meta["complete"]
     assert resumed.meta["samples_by_source"] == straight.meta["samples_by_source"]
     assert sum(straight.meta["samples_by_source"].values()) == 6
@@ -192,9 +222,17 @@ def test_resume_without_checkpoint_is_named(handle, tmp_path):
 
 # ---- the command ---------------------------------------------------------------------------------
 def _qa_file(tmp_path, n=16):
-    rows = [{"question": f"What does keeper {i} keep?", "answers": [f"lamp{i}"],
-             "ctxs": [{"title": "Keepers", "text": f"Keeper {i} keeps lamp{i} in the tower."},
-                      {"title": "Weather", "text": PROSE}]} for i in range(n)]
+    rows = [
+        {
+            "question": f"What does keeper {i} keep?",
+            "answers": [f"lamp{i}"],
+            "ctxs": [
+                {"title": "Keepers", "text": f"Keeper {i} keeps lamp{i} in the tower."},
+                {"title": "Weather", "text": PROSE},
+            ],
+        }
+        for i in range(n)
+    ]
     p = tmp_path / "qa.json"
     p.write_text(json.dumps(rows))
     return p
@@ -209,9 +247,33 @@ def test_cli_tune_trains_resumes_is_found_by_default_and_evaluates_held_out(hand
     monkeypatch.setattr(ModelHandle, "load", lambda *a, **k: handle)
     (tmp_path / "notes.txt").write_text("\n\n".join(PROSE.replace("three", str(i)) for i in range(40)))
     qa = _qa_file(tmp_path)
-    argv = ["tune", "--text", str(tmp_path / "notes.txt"), "--musique", str(qa), "--sources", "none",
-            "--steps", "3", "--lora-rank", "2", "--link-tokens", "1", "--max-docs", "3", "--docs", "3",
-            "--answer-tokens", "3", "--passage-tokens", "60", "--threads", "1", "--checkpoint-every", "0"]
+    argv = [
+        "tune",
+        "--text",
+        str(tmp_path / "notes.txt"),
+        "--musique",
+        str(qa),
+        "--sources",
+        "none",
+        "--steps",
+        "3",
+        "--lora-rank",
+        "2",
+        "--link-tokens",
+        "1",
+        "--max-docs",
+        "3",
+        "--docs",
+        "3",
+        "--answer-tokens",
+        "3",
+        "--passage-tokens",
+        "60",
+        "--threads",
+        "1",
+        "--checkpoint-every",
+        "0",
+    ]
     # A sitting that ends at its time budget: 1 step, a checkpoint, a partial adapter.
     monkeypatch.setattr("sys.argv", ["kvrag", *argv])  # what kvlink.json records as the command
     assert main([*argv, "--max-minutes", "0.00001"]) == 0
@@ -249,13 +311,15 @@ def test_cli_tune_checks_before_loading_the_model(tmp_path, monkeypatch, capsys)
     from kvrag.model import ModelHandle
 
     monkeypatch.setattr(ModelHandle, "load", lambda *a, **k: pytest.fail("model loaded"))
-    for extra, msg in ((["--qa", str(tmp_path / "none.json")], "does not exist"),
-                       (["--sources", "pydoc,wiki"], "unknown ['wiki']"),
-                       (["--weights", "text:2"], "source=number"),
-                       (["--resume", "--force"], "pass one"),
-                       (["--steps", "0"], "--steps must be >= 1"),
-                       (["--store", str(tmp_path)], "not a kvrag chunk store"),
-                       (["--eval-policies", "kvlink,magic"], "unknown ['magic']")):
+    for extra, msg in (
+        (["--qa", str(tmp_path / "none.json")], "does not exist"),
+        (["--sources", "pydoc,wiki"], "unknown ['wiki']"),
+        (["--weights", "text:2"], "source=number"),
+        (["--resume", "--force"], "pass one"),
+        (["--steps", "0"], "--steps must be >= 1"),
+        (["--store", str(tmp_path)], "not a kvrag chunk store"),
+        (["--eval-policies", "kvlink,magic"], "unknown ['magic']"),
+    ):
         assert main(["tune", "--out", str(tmp_path / "o"), *extra]) == 2, extra
         assert msg in capsys.readouterr().err, extra
 
@@ -266,8 +330,24 @@ def test_cli_train_kvlink_resumes_too(handle, tmp_path, monkeypatch, capsys):
 
     monkeypatch.setattr(ModelHandle, "load", lambda *a, **k: handle)
     out = tmp_path / "ad"
-    argv = ["train", "kvlink", "--data", str(_qa_file(tmp_path)), "--steps", "3", "--lora-rank", "2",
-            "--link-tokens", "1", "--docs", "2", "--out", str(out), "--threads", "1"]
+    argv = [
+        "train",
+        "kvlink",
+        "--data",
+        str(_qa_file(tmp_path)),
+        "--steps",
+        "3",
+        "--lora-rank",
+        "2",
+        "--link-tokens",
+        "1",
+        "--docs",
+        "2",
+        "--out",
+        str(out),
+        "--threads",
+        "1",
+    ]
     assert main([*argv, "--max-minutes", "0.00001"]) == 0
     assert json.loads((out / "kvlink.json").read_text())["steps"] == 1
     assert main(argv) == 2 and "--resume" in capsys.readouterr().err
@@ -284,9 +364,34 @@ def test_cli_tune_reads_an_ingested_store(handle, tmp_path, monkeypatch):
     monkeypatch.setattr(ModelHandle, "load", lambda *a, **k: handle)
     KVRag(handle, cache_dir=tmp_path / "kv", kvlink_adapter=None).precompute(_pool(6))
     out = tmp_path / "ad"
-    assert main(["tune", "--store", str(tmp_path / "kv"), "--sources", "none", "--steps", "1", "--lora-rank", "0",
-                 "--link-tokens", "1", "--max-docs", "2", "--docs", "2", "--answer-tokens", "2", "--threads", "1",
-                 "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "tune",
+                "--store",
+                str(tmp_path / "kv"),
+                "--sources",
+                "none",
+                "--steps",
+                "1",
+                "--lora-rank",
+                "0",
+                "--link-tokens",
+                "1",
+                "--max-docs",
+                "2",
+                "--docs",
+                "2",
+                "--answer-tokens",
+                "2",
+                "--threads",
+                "1",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     meta = json.loads((out / "kvlink.json").read_text())
     held = sum(D.split_of(p, D.POOL_EVAL_PERCENT) == "eval" for p in _pool(6))
     assert meta["data"]["sources"] == {"store": {**meta["data"]["sources"]["store"], "passages": 6 - held}}

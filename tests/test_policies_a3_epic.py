@@ -4,16 +4,17 @@ Where a test needs "the right answer" it recomputes it independently: HF's own e
 weights (``output_attentions``) of the full prompt are the reference for what the question
 attends to, and HF's own forward is the reference for logits and caches.
 """
+
 import pytest
 import torch
 import torch.nn.functional as F
-
 from fusion_helpers import CONFIGS, assert_matches_hf_cache, hf_logits, pieces_for, rand_ids, tiny
+
 from kvrag.arch import Arch
+from kvrag.policies import get_policy
 from kvrag.query.decode import HFStepper, output_cache
 from kvrag.query.fusion import FusionEngine
 from kvrag.query.state import Layout
-from kvrag.policies import get_policy
 
 PREFIX, CHUNKS, QUESTION = 5, (20, 17, 15), 6
 
@@ -58,7 +59,9 @@ def hf_query_keys(model, ids, layer):
             got.update(q=query[0].float(), k=key[0].float(), mask=attention_mask, scaling=scaling)
         # The model's own kernel (eager where it soft-caps: Gemma 2), so the layers below
         # ``layer`` compute what the model computes.
-        attend = AttentionInterface._global_mapping.get(prev) or sys.modules[type(module).__module__].eager_attention_forward
+        attend = (
+            AttentionInterface._global_mapping.get(prev) or sys.modules[type(module).__module__].eager_attention_forward
+        )
         return attend(module, query, key, value, attention_mask, scaling=scaling, **kw)
 
     AttentionInterface.register("kvrag_capture", capture)
@@ -102,7 +105,7 @@ def test_a3_default_scores_with_one_softmax_over_concatenated_heads(model_type, 
     H, _, D = q.shape
     q_rows = torch.arange(n - (query_tokens or QUESTION), n)
     k = k.repeat_interleave(H // k.shape[0], dim=0)
-    logits = torch.einsum("hqd,hnd->qn", q[:, q_rows], k) * scaling / H ** 0.5
+    logits = torch.einsum("hqd,hnd->qn", q[:, q_rows], k) * scaling / H**0.5
     score = torch.softmax(logits.masked_fill(~mask[q_rows], float("-inf")), dim=-1).sum(0)
     if pool > 1:
         score = F.avg_pool1d(score[None, None], pool, stride=1, padding=pool // 2)[0, 0]
@@ -116,9 +119,15 @@ def test_a3_default_scores_with_one_softmax_over_concatenated_heads(model_type, 
 
 
 @pytest.mark.parametrize("model_type", list(CONFIGS))
-@pytest.mark.parametrize("head_reduce,pool,query_tokens", [
-    ("sum", 1, None), ("max", 1, None), ("sum", 5, None), ("mean", 1, 3),
-])
+@pytest.mark.parametrize(
+    "head_reduce,pool,query_tokens",
+    [
+        ("sum", 1, None),
+        ("max", 1, None),
+        ("sum", 5, None),
+        ("mean", 1, 3),
+    ],
+)
 def test_a3_recomputes_what_the_question_attends_to(model_type, head_reduce, pool, query_tokens):
     model, arch, layout, ids = build(model_type, query_tokens=query_tokens)
     n, L = layout.n, arch.n_layers
@@ -199,17 +208,19 @@ def test_a3_eviction_keeps_budget_system_prompt_and_question(model_type):
     # ratio 1.0 makes the fused K/V exact, so HF's own attention is the reference for votes.
     pol = get_policy("a3", recompute_ratio=1.0, evict_budget=C)
     res = FusionEngine(arch).prefill(layout, pol)
-    torch.testing.assert_close(res.logits, hf_logits(model, ids), atol=1e-4, rtol=1e-4)  # eviction is after the first token
+    torch.testing.assert_close(
+        res.logits, hf_logits(model, ids), atol=1e-4, rtol=1e-4
+    )  # eviction is after the first token
     assert res.stats.kept_tokens == C
     assert res.positions.shape == (L, arch.n_kv_heads, C)
     attn, cache = hf_attentions(model, ids)
     protected = torch.zeros(n, dtype=torch.bool)
     protected[:PREFIX] = True
-    protected[n - QUESTION:] = True
+    protected[n - QUESTION :] = True
     group = arch.n_heads // arch.n_kv_heads
     for layer in range(L):
         assert res.K[layer].shape == (arch.n_kv_heads, C, arch.head_dim) == res.V[layer].shape
-        votes = attn[layer][:, n - QUESTION:].sum(1).view(arch.n_kv_heads, group, n).sum(1)
+        votes = attn[layer][:, n - QUESTION :].sum(1).view(arch.n_kv_heads, group, n).sum(1)
         votes = F.avg_pool1d(votes[:, None], 5, stride=1, padding=2)[:, 0]
         for h in range(arch.n_kv_heads):
             kept = res.positions[layer, h]
@@ -251,8 +262,8 @@ def test_epic_recomputes_exactly_head_and_tail_of_each_chunk():
     want = torch.zeros(layout.n, dtype=torch.bool)
     start = PREFIX
     for c in CHUNKS:
-        want[start: start + k_head] = True
-        want[start + c - k_tail: start + c] = True
+        want[start : start + k_head] = True
+        want[start + c - k_tail : start + c] = True
         start += c
     counts = res.state.layer_counts
     assert torch.equal(recomputed(res, layout, L), want)
@@ -286,18 +297,21 @@ def test_epic_zero_tokens_is_naive_reuse():
 
 
 # ---- parameters ---------------------------------------------------------------------------
-@pytest.mark.parametrize("params,match", [
-    (dict(recompute_ratio=1.5), "recompute_ratio"),
-    (dict(score_layer=-1), "score_layer"),
-    (dict(score_layer=1.5), "score_layer"),
-    (dict(ratio_base="tokens"), "ratio_base"),
-    (dict(head_reduce="avg"), "head_reduce"),
-    (dict(pool_kernel=4), "pool_kernel"),
-    (dict(evict_pool_kernel=0), "evict_pool_kernel"),
-    (dict(evict_budget=0), "evict_budget"),
-    (dict(evict_budget=2.5), "evict_budget"),
-    (dict(check_layers=(1,)), "no parameter"),
-])
+@pytest.mark.parametrize(
+    "params,match",
+    [
+        (dict(recompute_ratio=1.5), "recompute_ratio"),
+        (dict(score_layer=-1), "score_layer"),
+        (dict(score_layer=1.5), "score_layer"),
+        (dict(ratio_base="tokens"), "ratio_base"),
+        (dict(head_reduce="avg"), "head_reduce"),
+        (dict(pool_kernel=4), "pool_kernel"),
+        (dict(evict_pool_kernel=0), "evict_pool_kernel"),
+        (dict(evict_budget=0), "evict_budget"),
+        (dict(evict_budget=2.5), "evict_budget"),
+        (dict(check_layers=(1,)), "no parameter"),
+    ],
+)
 def test_a3_bad_params(params, match):
     with pytest.raises(ValueError, match=match):
         get_policy("a3", **params)
@@ -309,12 +323,15 @@ def test_a3_score_layer_beyond_model_raises():
         FusionEngine(arch).prefill(layout, get_policy("a3", score_layer=4))
 
 
-@pytest.mark.parametrize("params,match", [
-    (dict(k_head=-1), "k_head"),
-    (dict(k_tail=1.5), "k_tail"),
-    (dict(k_head="32"), "k_head"),
-    (dict(recompute_ratio=0.1), "no parameter"),
-])
+@pytest.mark.parametrize(
+    "params,match",
+    [
+        (dict(k_head=-1), "k_head"),
+        (dict(k_tail=1.5), "k_tail"),
+        (dict(k_head="32"), "k_head"),
+        (dict(recompute_ratio=0.1), "no parameter"),
+    ],
+)
 def test_epic_bad_params(params, match):
     with pytest.raises(ValueError, match=match):
         get_policy("epic", **params)
@@ -326,8 +343,7 @@ PASSAGES = [
     "Mediterranean Sea and is about 6,650 km long.",
     "Mount Kilimanjaro is a dormant volcano in Tanzania. It is the highest mountain in Africa, "
     "rising about 5,895 metres above sea level.",
-    "Lake Victoria is the largest lake in Africa by area. It is shared by Tanzania, Uganda and "
-    "Kenya.",
+    "Lake Victoria is the largest lake in Africa by area. It is shared by Tanzania, Uganda and Kenya.",
 ]
 
 

@@ -1,18 +1,19 @@
 """A²ATS: query-aware VQ codebooks, windowed-RoPE scoring, decode-time top-k retrieval."""
+
 import json
 import math
 
 import pytest
 import torch
-
 from fusion_helpers import CONFIGS, pieces_for, rand_ids, tiny
+
+from kvrag.arch import Arch
+from kvrag.policies import get_policy
 from kvrag.policies.a2ats import calibrate as cal
 from kvrag.policies.a2ats import codebook as books
-from kvrag.arch import Arch
 from kvrag.query.decode import FusedStepper, HFStepper
 from kvrag.query.fusion import FusionEngine
 from kvrag.query.state import Layout
-from kvrag.policies import get_policy
 from kvrag.testing import tiny_llama
 
 # Tiny contexts: a smaller sink/window than the paper's 4/64 so that there is something to select.
@@ -64,8 +65,9 @@ def test_query_aware_codes_recover_exact_topk_attention_mass():
     exact_mass = p.topk(top, -1).values.sum(-1)
     results = {}
     for qa in (True, False):
-        book, chol = books.fit_codebook(k_fit[None], h[None], 32, iters=10,
-                                      generator=torch.Generator().manual_seed(1), query_aware=qa)
+        book, chol = books.fit_codebook(
+            k_fit[None], h[None], 32, iters=10, generator=torch.Generator().manual_seed(1), query_aware=qa
+        )
         cb = books.Codebooks(book[None], chol[None], torch.zeros(1, 1, 1, d))
         codes = cb.codes_layer(0, k_test[None])[0].long()
         u_hat = q_test @ book[0][codes].T  # eq. 21
@@ -161,7 +163,9 @@ def test_broken_codebook_file_is_a_clear_error(tmp_path):
 
 def test_calibration_sequences_mix_text_and_uuids(tiny_handle):
     enc = tiny_handle.encode
-    seqs = cal.calibration_sequences(enc, ["alpha beta gamma delta " * 200], 1000, seq_len=100, uuid_fraction=0.25, prefix=[7])
+    seqs = cal.calibration_sequences(
+        enc, ["alpha beta gamma delta " * 200], 1000, seq_len=100, uuid_fraction=0.25, prefix=[7]
+    )
     assert all(s[0] == 7 and len(s) <= 100 for s in seqs)
     text = tiny_handle.tokenizer.decode([t for s in seqs for t in s[1:]])
     assert "alpha beta" in text and text.count("-4") >= 5  # uuid4 strings: xxxxxxxx-xxxx-4xxx-...
@@ -172,7 +176,9 @@ def test_calibration_sequences_mix_text_and_uuids(tiny_handle):
 
 def test_read_texts(tmp_path):
     j = tmp_path / "d.json"
-    j.write_text(json.dumps([{"ctxs": [{"title": "", "text": "a passage that is long enough to be calibration text"}]}]))
+    j.write_text(
+        json.dumps([{"ctxs": [{"title": "", "text": "a passage that is long enough to be calibration text"}]}])
+    )
     t = tmp_path / "d.txt"
     t.write_text("plain text")
     assert cal.read_texts([j, t]) == ["a passage that is long enough to be calibration text", "plain text"]
@@ -285,7 +291,7 @@ def test_topk_scores_track_exact_attention_on_model(llama_books):
             rows = idx[h // grp]
             chosen = rows[(rows >= 2) & (rows < st.K[layer].shape[1] - 8)]
             got.append(float(p[h, chosen].sum()))
-            perm = cand[torch.randperm(cand.numel(), generator=g)[:chosen.numel()]]
+            perm = cand[torch.randperm(cand.numel(), generator=g)[: chosen.numel()]]
             rnd.append(float(p[h, perm].sum()))
         return idx
 
@@ -317,7 +323,10 @@ def test_chunk_extras_codes_equal_on_the_fly_codes(llama_books):
         # Stored codes were used for chunk 1, on-the-fly ones equal what chunk_extras would give.
         assert torch.equal(codes[layer][:, 5:35], e1.extras["a2ats.codes"][layer].long())
         e2 = pieces[2].entry
-        assert torch.equal(codes[layer][:, 35:65], pol.chunk_extras(arch, e2.keys, e2.values, e2.token_ids)["a2ats.codes"][layer].long())
+        assert torch.equal(
+            codes[layer][:, 35:65],
+            pol.chunk_extras(arch, e2.keys, e2.values, e2.token_ids)["a2ats.codes"][layer].long(),
+        )
         # Every row's code describes the key actually in the fused cache (plain rows included).
         k_pre = arch.rotate(res.K[layer], -layout.positions)
         assert torch.equal(codes[layer], cb.codes_layer(layer, k_pre).long())
@@ -357,7 +366,7 @@ def test_cacheblend_prefill_recodes_recomputed_rows(llama_books):
     ids = layout.token_ids.tolist()
     toks = rand_ids(4, g)
     with torch.no_grad():
-        ref = model(torch.tensor([ids + toks])).logits[0, len(ids) - 1:].float()
+        ref = model(torch.tensor([ids + toks])).logits[0, len(ids) - 1 :].float()
     torch.testing.assert_close(res.logits, ref[0], atol=1e-4, rtol=1e-4)
     fused = FusedStepper(arch, res.K, res.V, res.next_position, full_pol, res.state).step(toks)
     torch.testing.assert_close(fused, ref[1:], atol=1e-4, rtol=1e-4)
@@ -368,16 +377,32 @@ def test_missing_codebook_fails_before_prefill(tmp_path, monkeypatch):
     arch = Arch(tiny("llama", seed=3))
     g = torch.Generator().manual_seed(1)
     pol = get_policy("a2ats")
-    assert pol.chunk_extras(arch, torch.zeros(4, 2, 3, 16), torch.zeros(4, 2, 3, 16), torch.zeros(3, dtype=torch.long)) == {}
+    assert (
+        pol.chunk_extras(arch, torch.zeros(4, 2, 3, 16), torch.zeros(4, 2, 3, 16), torch.zeros(3, dtype=torch.long))
+        == {}
+    )
     with pytest.raises(books.CodebookError, match="kvrag calibrate a2ats"):
         FusionEngine(arch).prefill(Layout.build(pieces_for(arch, segments(g))), pol)
 
 
-@pytest.mark.parametrize("bad", [
-    dict(topk=0), dict(topk=1.5), dict(topk="many"), dict(window=0), dict(sink=-1), dict(sink=1.5),
-    dict(rope_offset=-1), dict(selection="all"), dict(group_reduce="max"), dict(prefill="epic"),
-    dict(recompute_ratio=2.0), dict(codebook="/nonexistent/books.safetensors"), dict(top_k=3),
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(topk=0),
+        dict(topk=1.5),
+        dict(topk="many"),
+        dict(window=0),
+        dict(sink=-1),
+        dict(sink=1.5),
+        dict(rope_offset=-1),
+        dict(selection="all"),
+        dict(group_reduce="max"),
+        dict(prefill="epic"),
+        dict(recompute_ratio=2.0),
+        dict(codebook="/nonexistent/books.safetensors"),
+        dict(top_k=3),
+    ],
+)
 def test_bad_params_raise(bad):
     with pytest.raises(ValueError, match=next(iter(bad))):  # the message names the parameter
         get_policy("a2ats", **bad)
@@ -400,8 +425,9 @@ def test_kvrag_for_a2ats_checks_its_codebook_up_front_and_stores_codes_with_it(t
     monkeypatch.setenv("KVRAG_HOME", str(tmp_path / "home"))  # no codebook to find
     with pytest.raises(books.CodebookError, match="kvrag calibrate a2ats"):
         KVRag(tiny_handle, cache_dir=tmp_path / "kv", policy="a2ats")
-    _, path = cal.calibrate(tiny_handle, texts=DOCS * 4, n_tokens=400, n_codes=16, iters=2, seq_len=128,
-                            out=tmp_path / "books.safetensors")
+    _, path = cal.calibrate(
+        tiny_handle, texts=DOCS * 4, n_tokens=400, n_codes=16, iters=2, seq_len=128, out=tmp_path / "books.safetensors"
+    )
     rag = KVRag(tiny_handle, cache_dir=tmp_path / "kv", policy="a2ats", codebook=str(path), **SMALL)
     assert rag.ingest_policies == [rag.policy]
     keys = rag.precompute(DOCS)
@@ -417,8 +443,14 @@ def test_kvrag_precompute_stores_codes_and_decode_reports_bytes(tiny_handle, tmp
 
     monkeypatch.setenv("KVRAG_HOME", str(tmp_path))
     cal.calibrate(tiny_handle, texts=DOCS * 4, n_tokens=400, n_codes=16, iters=2, seq_len=128)
-    rag = KVRag(tiny_handle, cache_dir=tmp_path / "kv", policy="a2ats", ingest_policies=["a2ats"],
-                storage_dtype="float32", **SMALL)
+    rag = KVRag(
+        tiny_handle,
+        cache_dir=tmp_path / "kv",
+        policy="a2ats",
+        ingest_policies=["a2ats"],
+        storage_dtype="float32",
+        **SMALL,
+    )
     keys = rag.precompute(DOCS)
     entry = rag.store.get(keys[0], rag.fingerprint)
     assert entry.extras["a2ats.codes"].shape == (4, 2, len(rag.chunk_ids(DOCS[0])))
@@ -444,16 +476,54 @@ def test_cli_calibrate_a2ats(tiny_handle, tmp_path, capsys):
     text = tmp_path / "corpus.txt"
     text.write_text(" ".join(DOCS) * 5)
     out = tmp_path / "books.safetensors"
-    code = main(["calibrate", "a2ats", "--model", str(model_dir), "--tokens", "500", "--codes", "16",
-                 "--iters", "2", "--text", str(text), "--out", str(out), "--home", str(tmp_path), "--json"])
+    code = main(
+        [
+            "calibrate",
+            "a2ats",
+            "--model",
+            str(model_dir),
+            "--tokens",
+            "500",
+            "--codes",
+            "16",
+            "--iters",
+            "2",
+            "--text",
+            str(text),
+            "--out",
+            str(out),
+            "--home",
+            str(tmp_path),
+            "--json",
+        ]
+    )
     assert code == 0
     info = json.loads(capsys.readouterr().out)
     assert info["path"] == str(out) and info["codes"] == 16 and info["layers"] == 4
     assert books.Codebooks.load(out).codebook.shape == (4, 2, 16, 16)
     # User errors are exit code 2 with a message, not a traceback.
     assert main(["calibrate", "a2ats", "--model", str(model_dir), "--codes", "0", "--home", str(tmp_path)]) == 2
-    assert main(["calibrate", "a2ats", "--model", str(model_dir), "--tokens", "10", "--codes", "64",
-                 "--text", str(text), "--out", str(out), "--home", str(tmp_path)]) == 2
+    assert (
+        main(
+            [
+                "calibrate",
+                "a2ats",
+                "--model",
+                str(model_dir),
+                "--tokens",
+                "10",
+                "--codes",
+                "64",
+                "--text",
+                str(text),
+                "--out",
+                str(out),
+                "--home",
+                str(tmp_path),
+            ]
+        )
+        == 2
+    )
     assert "codewords" in capsys.readouterr().err
 
 
@@ -480,8 +550,29 @@ def test_cli_calibrate_a2ats_on_the_documents_of_a_kv_store(tiny_handle, tmp_pat
 
     monkeypatch.setattr(cal, "calibration_sequences", spy)
     out = tmp_path / "books.safetensors"
-    code = main(["calibrate", "a2ats", "--model", str(model_dir), "--tokens", "400", "--codes", "16", "--iters", "2",
-                 "--store", str(store_dir), "--text", str(extra), "--out", str(out), "--home", str(tmp_path), "--json"])
+    code = main(
+        [
+            "calibrate",
+            "a2ats",
+            "--model",
+            str(model_dir),
+            "--tokens",
+            "400",
+            "--codes",
+            "16",
+            "--iters",
+            "2",
+            "--store",
+            str(store_dir),
+            "--text",
+            str(extra),
+            "--out",
+            str(out),
+            "--home",
+            str(tmp_path),
+            "--json",
+        ]
+    )
     assert code == 0 and out.is_file()
     assert sorted(seen[0]) == sorted([extra.read_text(), *DOCS])
 
@@ -514,8 +605,7 @@ PASSAGES = [
     "Mediterranean Sea and is about 6,650 km long.",
     "Mount Kilimanjaro is a dormant volcano in Tanzania. It is the highest mountain in Africa, "
     "rising about 5,895 metres above sea level.",
-    "Lake Victoria is the largest lake in Africa by area. It is shared by Tanzania, Uganda and "
-    "Kenya.",
+    "Lake Victoria is the largest lake in Africa by area. It is shared by Tanzania, Uganda and Kenya.",
 ]
 
 

@@ -1,26 +1,35 @@
 """KVLink: link tokens after cached documents, the training loop, adapters and their loading."""
+
 import json
 import random
 from types import SimpleNamespace
 
 import pytest
 import torch
-
 from fusion_helpers import CONFIGS, hf_logits, pieces_for, rand_ids, tiny
+
 from kvrag.arch import Arch
 from kvrag.bench import metrics as M
 from kvrag.engine import KVRag
+from kvrag.policies import get_policy
+from kvrag.policies.kvlink.adapter import KVLinkError, adapter_key, apply_adapter, load_adapter
+from kvrag.policies.kvlink.policy import ADAPTER_ATTR, mean_embedding
+from kvrag.policies.kvlink.train import (
+    QAItem,
+    TrainConfig,
+    answer_logits,
+    build_sample,
+    forward_hidden,
+    kvlink_mask,
+    load_qa,
+    make_sample,
+    prompt_pieces,
+    rag_prompt,
+    train_kvlink,
+)
 from kvrag.query.fusion import FusionEngine
 from kvrag.query.state import CACHED, INSERTED, Layout
-from kvrag.policies.kvlink.adapter import KVLinkError, adapter_key, apply_adapter, load_adapter
-from kvrag.policies.kvlink.train import (
-    QAItem, TrainConfig, answer_logits, build_sample, forward_hidden, kvlink_mask, load_qa, make_sample,
-    prompt_pieces, rag_prompt, train_kvlink,
-)
-from kvrag.policies import get_policy
-from kvrag.policies.kvlink.policy import ADAPTER_ATTR, mean_embedding
 from kvrag.testing import tiny_llama
-
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -50,9 +59,11 @@ def test_link_tokens_see_every_earlier_document_and_documents_stay_local():
     # Perturb the cached K/V of document 1 only.
     g = torch.Generator().manual_seed(9)
     e1 = base_pieces[1].entry
-    noisy = SimpleNamespace(keys=e1.keys + 0.5 * torch.randn(e1.keys.shape, generator=g),
-                            values=e1.values + 0.5 * torch.randn(e1.values.shape, generator=g),
-                            token_ids=e1.token_ids)
+    noisy = SimpleNamespace(
+        keys=e1.keys + 0.5 * torch.randn(e1.keys.shape, generator=g),
+        values=e1.values + 0.5 * torch.randn(e1.values.shape, generator=g),
+        token_ids=e1.token_ids,
+    )
     pert_pieces = list(base_pieces)
     pert_pieces[1] = type(base_pieces[1])(base_pieces[1].token_ids, CACHED, entry=noisy)
     _, pert = _run(arch, segs, pol, pert_pieces)
@@ -68,8 +79,11 @@ def test_link_tokens_see_every_earlier_document_and_documents_stay_local():
     # Causality: perturbing document 2 cannot reach document 1's link tokens.
     e2 = base_pieces[2].entry
     pert_pieces = list(base_pieces)
-    pert_pieces[2] = type(base_pieces[2])(base_pieces[2].token_ids, CACHED, entry=SimpleNamespace(
-        keys=e2.keys + 0.5, values=e2.values - 0.5, token_ids=e2.token_ids))
+    pert_pieces[2] = type(base_pieces[2])(
+        base_pieces[2].token_ids,
+        CACHED,
+        entry=SimpleNamespace(keys=e2.keys + 0.5, values=e2.values - 0.5, token_ids=e2.token_ids),
+    )
     _, pert2 = _run(arch, segs, pol, pert_pieces)
     for layer in range(arch.n_layers):
         torch.testing.assert_close(pert2.K[layer][:, link1], ref.K[layer][:, link1], atol=1e-6, rtol=0)
@@ -154,8 +168,9 @@ def test_links_plus_recompute_composes_kvlink_and_cacheblend():
     assert both.stats.recomputed_tokens == blend.stats.recomputed_tokens
     # The exact limit: no links, everything recomputed == full prefill.
     exact = run(link_tokens=0, recompute_ratio=1.0)
-    torch.testing.assert_close(exact.logits, hf_logits(arch.model, [t for s, _ in segs for t in s]),
-                               atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(
+        exact.logits, hf_logits(arch.model, [t for s, _ in segs for t in s]), atol=1e-4, rtol=1e-4
+    )
     with pytest.raises(ValueError, match="check_layers"):
         get_policy("kvlink", recompute_ratio=0.2, check_layers=(9,)).check_model(arch)
     for bad in ({"recompute_ratio": 1.5}, {"check_layers": (0,)}):
@@ -174,10 +189,18 @@ def test_untrained_link_embedding_is_the_mean_embedding():
         torch.testing.assert_close(emb, mean.expand(3, -1), atol=1e-6, rtol=1e-6)
 
 
-@pytest.mark.parametrize("params", [
-    {"link_tokens": -1}, {"link_tokens": 65}, {"link_tokens": 1.5}, {"link_tokens": "5"},
-    {"link_tokens": True}, {"mode": "learned"}, {"ratio": 0.1},
-])
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"link_tokens": -1},
+        {"link_tokens": 65},
+        {"link_tokens": 1.5},
+        {"link_tokens": "5"},
+        {"link_tokens": True},
+        {"mode": "learned"},
+        {"ratio": 0.1},
+    ],
+)
 def test_bad_params_raise_value_error(params):
     with pytest.raises(ValueError, match=next(iter(params))):  # the message names the parameter
         get_policy("kvlink", **params)
@@ -221,8 +244,13 @@ CFG = dict(lora_rank=4, link_tokens=2, max_docs=4, docs=2, lr=3e-2, link_lr=3e-2
 @pytest.fixture(scope="module")
 def trained(handle, data_file, tmp_path_factory):
     out = tmp_path_factory.mktemp("kvlink_adapter")
-    return train_kvlink(handle, TrainConfig(data=str(data_file), steps=16, **CFG), out, force=True,
-                        command=["kvrag", "train", "kvlink", "--test"])
+    return train_kvlink(
+        handle,
+        TrainConfig(data=str(data_file), steps=16, **CFG),
+        out,
+        force=True,
+        command=["kvrag", "train", "kvlink", "--test"],
+    )
 
 
 def test_training_reduces_the_loss_and_records_the_run(trained, data_file):
@@ -250,8 +278,9 @@ def test_min_docs_draws_every_passage_count_and_trains_every_row(handle, data_fi
         return real(*a, docs=docs, **kw)
 
     monkeypatch.setattr(kt, "make_sample", spy)
-    res = train_kvlink(handle, TrainConfig(data=str(data_file), steps=24, **{**CFG, "docs": 4, "min_docs": 1}),
-                       tmp_path / "a")
+    res = train_kvlink(
+        handle, TrainConfig(data=str(data_file), steps=24, **{**CFG, "docs": 4, "min_docs": 1}), tmp_path / "a"
+    )
     assert set(counts) == {1, 2, 3, 4}, counts
     # Four documents reached the link table's four rows, all saved.
     assert res.meta["trained_rows"] == 4 and res.adapter.links.shape[0] == 4
@@ -270,7 +299,7 @@ def test_saved_adapter_reproduces_the_trained_model(handle, trained):
     with torch.no_grad():
         for it in items:
             s = make_sample(handle, it, rng, docs=2, max_passage_chars=0, link_tokens=2, max_docs=4)
-            tgt = s.ids[s.answer_start:]
+            tgt = s.ids[s.answer_start :]
             base_loss += torch.nn.functional.cross_entropy(answer_logits(base_arch, s, base_links), tgt).item()
             new_loss += torch.nn.functional.cross_entropy(answer_logits(new_arch, s, ad.links), tgt).item()
     assert new_loss < 0.7 * base_loss
@@ -299,7 +328,9 @@ def test_documents_past_the_trained_rows_get_the_last_trained_links(handle, trai
     meta = json.loads((old / "kvlink.json").read_text())
     del meta["trained_rows"]
     (old / "kvlink.json").write_text(json.dumps(meta))
-    save_file({"links": torch.cat([ad.links, mean.expand(2, 2, -1).contiguous()])}, str(old / "link_embeddings.safetensors"))
+    save_file(
+        {"links": torch.cat([ad.links, mean.expand(2, 2, -1).contiguous()])}, str(old / "link_embeddings.safetensors")
+    )
     loaded = load_adapter(old)
     assert loaded.max_docs == 2
     torch.testing.assert_close(loaded.links_for(3), ad.links_for(1), atol=0, rtol=0)
@@ -307,8 +338,10 @@ def test_documents_past_the_trained_rows_get_the_last_trained_links(handle, trai
 
 def test_trained_kvrag_uses_the_adapted_fingerprint_and_changes_outputs(handle, trained, tmp_path):
     docs = [r["text"] for r in qa_rows()[0]["ctxs"][:3]]
-    prompt = [{"role": "system", "content": "Answer."},
-              {"role": "user", "content": "\n\n".join(docs) + "\n\nWhat colour is Bo's lantern?"}]
+    prompt = [
+        {"role": "system", "content": "Answer."},
+        {"role": "user", "content": "\n\n".join(docs) + "\n\nWhat colour is Bo's lantern?"},
+    ]
     base = KVRag(handle, cache_dir=tmp_path / "kv", policy="kvlink")
     rag = KVRag(handle, cache_dir=tmp_path / "kv", policy="kvlink", kvlink_adapter=str(trained.out))
     assert rag.fingerprint != base.fingerprint
@@ -344,7 +377,9 @@ def test_links_only_distill_adapter_keeps_fingerprint_and_is_found_by_auto(handl
     assert res.out == tmp_path / "home" / "kvlink" / adapter_key(handle)
     assert all(x >= 0 for x in res.losses) and not res.adapter.has_lora  # KL >= 0, finite
     # Distillation moved the link embeddings off their common (mean-embedding) start.
-    assert not torch.allclose(res.adapter.links[0], res.adapter.links[0].mean(0).expand_as(res.adapter.links[0]), atol=1e-3)
+    assert not torch.allclose(
+        res.adapter.links[0], res.adapter.links[0].mean(0).expand_as(res.adapter.links[0]), atol=1e-3
+    )
     assert not (res.out / "adapter_model.safetensors").exists()
     rag = KVRag(handle, cache_dir=tmp_path / "kv", policy="kvlink", kvlink_adapter="auto")
     # The weights did not change, so neither do the fingerprint and the chunk caches.
@@ -389,11 +424,17 @@ def test_auto_without_adapter_raises(handle, tmp_path, monkeypatch):
         KVRag(handle, cache_dir=tmp_path / "kv", kvlink_adapter="auto")
 
 
-@pytest.mark.parametrize("change,match", [
-    ({"steps": 0}, "steps"), ({"lora_rank": 0, "link_tokens": 0}, "nothing to train"),
-    ({"objective": "rl"}, "objective"), ({"docs": 0}, "docs"), ({"holdout": 6}, "holdout"),
-    ({"min_docs": 3}, "min_docs must be in"),
-])
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        ({"steps": 0}, "steps"),
+        ({"lora_rank": 0, "link_tokens": 0}, "nothing to train"),
+        ({"objective": "rl"}, "objective"),
+        ({"docs": 0}, "docs"),
+        ({"holdout": 6}, "holdout"),
+        ({"min_docs": 3}, "min_docs must be in"),
+    ],
+)
 def test_bad_training_options_raise(handle, data_file, tmp_path, change, match):
     with pytest.raises(KVLinkError, match=match):
         train_kvlink(handle, TrainConfig(data=str(data_file), **{**CFG, "steps": 2, **change}), tmp_path / "o")
@@ -408,11 +449,15 @@ def test_lora_targets_the_model_lacks_are_named(data_file, tmp_path):
         train_kvlink(phi, TrainConfig(data=str(data_file), **{**CFG, "steps": 2}), tmp_path / "o")
 
 
-@pytest.mark.parametrize("rows,match", [
-    ([], "non-empty list"), ([{"question": "q", "answers": [], "ctxs": [{"text": "t"}]}], "answers"),
-    ([{"question": "q", "answers": ["a"], "ctxs": [{"title": "x"}]}], "ctx 0 has no 'text'"),
-    ([{"answers": ["a"], "ctxs": [{"text": "t"}]}], "no 'question'"),
-])
+@pytest.mark.parametrize(
+    "rows,match",
+    [
+        ([], "non-empty list"),
+        ([{"question": "q", "answers": [], "ctxs": [{"text": "t"}]}], "answers"),
+        ([{"question": "q", "answers": ["a"], "ctxs": [{"title": "x"}]}], "ctx 0 has no 'text'"),
+        ([{"answers": ["a"], "ctxs": [{"text": "t"}]}], "no 'question'"),
+    ],
+)
 def test_bad_training_data_is_named(tmp_path, rows, match):
     p = tmp_path / "bad.json"
     p.write_text(json.dumps(rows))
@@ -458,7 +503,7 @@ def test_training_sample_is_the_prompt_kvrag_serves(handle, tmp_path, layout):
     assert (sample.segment[shown][:n] > 0).tolist() == (lay.kind == CACHED).tolist()
     assert (sample.link_slot[shown][:n] >= 0).tolist() == (lay.kind == INSERTED).tolist()
     with torch.no_grad():
-        train_logits = rag.arch.logits(forward_hidden(rag.arch, sample, links)[sample.answer_start - 1:][:1])[0]
+        train_logits = rag.arch.logits(forward_hidden(rag.arch, sample, links)[sample.answer_start - 1 :][:1])[0]
     torch.testing.assert_close(train_logits, res.logits, atol=1e-4, rtol=1e-4)
 
 
@@ -469,8 +514,26 @@ def test_cli_train_kvlink(handle, data_file, tmp_path, capsys):
     handle.model.save_pretrained(model_dir)
     handle.tokenizer.save_pretrained(model_dir)
     out = tmp_path / "adapter"
-    argv = ["train", "kvlink", "--data", str(data_file), "--model", str(model_dir), "--steps", "2",
-            "--lora-rank", "2", "--link-tokens", "1", "--docs", "2", "--out", str(out), "--threads", "1"]
+    argv = [
+        "train",
+        "kvlink",
+        "--data",
+        str(data_file),
+        "--model",
+        str(model_dir),
+        "--steps",
+        "2",
+        "--lora-rank",
+        "2",
+        "--link-tokens",
+        "1",
+        "--docs",
+        "2",
+        "--out",
+        str(out),
+        "--threads",
+        "1",
+    ]
     assert main(argv) == 0
     meta = json.loads((out / "kvlink.json").read_text())
     assert meta["steps"] == 2 and meta["link_tokens"] == 1 and meta["lora"]["rank"] == 2
@@ -481,11 +544,12 @@ def test_cli_train_kvlink(handle, data_file, tmp_path, capsys):
 
 
 def test_bench_measures_a_lora_adapter_on_its_own_model_against_the_base_reference(
-        handle, trained, tmp_path, monkeypatch, capsys):
+    handle, trained, tmp_path, monkeypatch, capsys
+):
     """`kvrag bench --kvlink-adapter DIR` with LoRA weights: trained kvlink runs on the adapted
     model (its own chunk caches), full_prefill and the untrained variant on the base model."""
-    from kvrag.bench.runner import STOP, examples_from_items
     from kvrag.bench import synthetic
+    from kvrag.bench.runner import STOP, examples_from_items
     from kvrag.cli import main
     from kvrag.model import ModelHandle
     from kvrag.query.prompt import rag_messages
@@ -493,10 +557,42 @@ def test_bench_measures_a_lora_adapter_on_its_own_model_against_the_base_referen
     monkeypatch.setenv("KVRAG_HOME", str(tmp_path / "home"))
     monkeypatch.setattr(ModelHandle, "load", lambda *a, **k: handle)
     out = tmp_path / "out"
-    assert main(["bench", "--synthetic", "1", "--policies", "kvlink", "--repeats", "1", "--max-new-tokens", "4",
-                 "--scaling", "none", "--sweep-policies", "none", "--check-items", "0", "--synthetic-passages", "3",
-                 "--synthetic-passage-tokens", "40", "--no-footprint", "--no-warmup", "--device", "cpu",
-                 "--kvlink-adapter", str(trained.out), "--cache-dir", str(tmp_path / "kv"), "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "--synthetic",
+                "1",
+                "--policies",
+                "kvlink",
+                "--repeats",
+                "1",
+                "--max-new-tokens",
+                "4",
+                "--scaling",
+                "none",
+                "--sweep-policies",
+                "none",
+                "--check-items",
+                "0",
+                "--synthetic-passages",
+                "3",
+                "--synthetic-passage-tokens",
+                "40",
+                "--no-footprint",
+                "--no-warmup",
+                "--device",
+                "cpu",
+                "--kvlink-adapter",
+                str(trained.out),
+                "--cache-dir",
+                str(tmp_path / "kv"),
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     recs = {r["label"]: r for r in json.loads((out / "results.json").read_text())}
     meta = json.loads((out / "summary.json").read_text())["meta"]
     assert set(recs) == {"full_prefill", "kvlink", "kvlink(mode=untrained)"}
@@ -512,8 +608,11 @@ def test_bench_measures_a_lora_adapter_on_its_own_model_against_the_base_referen
     adapted = KVRag(handle, cache_dir=tmp_path / "kv2", kvlink_adapter=str(trained.out))
     base.precompute(ex.passages)
     adapted.precompute(ex.passages)
-    for rag, label, kw in ((base, "full_prefill", {}), (adapted, "kvlink", {}),
-                           (base, "kvlink(mode=untrained)", {"mode": "untrained"})):
+    for rag, label, kw in (
+        (base, "full_prefill", {}),
+        (adapted, "kvlink", {}),
+        (base, "kvlink(mode=untrained)", {"mode": "untrained"}),
+    ):
         policy = label.split("(")[0]
         want = rag.generate(msgs, policy=policy, max_new_tokens=4, stop=STOP, **kw)
         assert recs[label]["answer_token_ids"] == list(want.token_ids), label
@@ -575,7 +674,9 @@ def test_shipped_adapter_brings_kvlink_closer_to_full_prefill(tmp_path, monkeypa
     trained = KVRag(base.handle, cache_dir=tmp_path / "kv", policy="kvlink")
     ad = getattr(trained.handle.model, ADAPTER_ATTR)
     assert ad.path.parent == ASSETS_DIR and ad.has_lora and trained.fingerprint != base.fingerprint
-    items = synthetic.generate(3, 7, n_passages=4, passage_tokens=120, count_tokens=lambda s: len(base.handle.encode(s)))
+    items = synthetic.generate(
+        3, 7, n_passages=4, passage_tokens=120, count_tokens=lambda s: len(base.handle.encode(s))
+    )
     kl_trained = kl_untrained = 0.0
     for ex in examples_from_items(items, source="synthetic"):
         msgs = rag_messages(ex.passages, ex.question)

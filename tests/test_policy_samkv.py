@@ -1,19 +1,20 @@
 """SamKV (kvrag/policies/samkv.py) on tiny random-weight models: the exact limit, the kept
 fraction, eq. 1 against a direct computation, block selection, eq. 2 and eq. 4."""
+
 import math
 
 import pytest
 import torch
+from fusion_helpers import CONFIGS, hf_logits, pieces_for, rand_ids, tiny
 from transformers import DynamicCache
 
-from fusion_helpers import CONFIGS, hf_logits, pieces_for, rand_ids, tiny
 from kvrag.arch import Arch
-from kvrag.query.fusion import FusionEngine
-from kvrag.query.state import Layout
 from kvrag.policies import get_policy, policy_class
 from kvrag.policies import samkv as sk
 from kvrag.policies.base import top_indices
 from kvrag.query.decode import cache_kwargs
+from kvrag.query.fusion import FusionEngine
+from kvrag.query.state import Layout
 
 BS = 4  # tiny documents need tiny blocks: 1 initial block (4 tokens) + 2 local blocks (8)
 
@@ -60,7 +61,8 @@ def test_keeps_the_configured_fraction_and_the_forced_tokens():
         assert res.stats.kept_tokens == int(kept.sum()) == res.K[0].shape[1]
         assert torch.equal(res.positions.cpu(), kept.nonzero().squeeze(1))
         assert res.state.scratch["policy_stats"]["samkv.kept_fraction"] == pytest.approx(
-            int((kept & cached).sum()) / n_cached)
+            int((kept & cached).sum()) / n_cached
+        )
     # With the adaptive Top-P of eq. 2-3 the budget is an upper bound.
     _, info = _run(arch, layout, keep_ratio=0.5)
     forced = sum(e - s for d in info.docs for s, e in d.forced)
@@ -124,7 +126,7 @@ def test_personalized_query_matches_eq1_computed_directly():
     cache = DynamicCache()
     for layer in range(arch.n_layers):
         ks, vs = [], []
-        for (si, start, end) in spans:
+        for si, start, end in spans:
             e = layout.pieces[si].entry
             sel = comp[(comp >= start) & (comp < end)]
             ks.append(arch.rotate(e.keys[layer][:, sel - start], sel))
@@ -132,9 +134,13 @@ def test_personalized_query_matches_eq1_computed_directly():
         cache.update(torch.cat(ks, 1).unsqueeze(0), torch.cat(vs, 1).unsqueeze(0), layer)
     qpos = layout.query
     with torch.no_grad():
-        out = model(torch.tensor([segs[-1][0]]), position_ids=qpos.unsqueeze(0), **cache_kwargs(model, cache),
-                    cache_position=torch.arange(comp.numel(), comp.numel() + qpos.numel()),
-                    output_hidden_states=True)
+        out = model(
+            torch.tensor([segs[-1][0]]),
+            position_ids=qpos.unsqueeze(0),
+            **cache_kwargs(model, cache),
+            cache_position=torch.arange(comp.numel(), comp.numel() + qpos.numel()),
+            output_hidden_states=True,
+        )
         q_que = _direct_q(arch, out.hidden_states, qpos)
         # Each document's local Q: the document run alone (its original context).
         q_loc = []
@@ -152,8 +158,7 @@ def test_personalized_query_matches_eq1_computed_directly():
             qhat = q_que[n].clone()
             for j in range(n_docs):
                 if j != i:
-                    c = torch.dot(q_que[n].flatten(), q_loc[j][n].flatten()) / (
-                        q_que[n].norm() * q_loc[j][n].norm())
+                    c = torch.dot(q_que[n].flatten(), q_loc[j][n].flatten()) / (q_que[n].norm() * q_loc[j][n].norm())
                     qhat += c.abs() * q_loc[j][n] / (n_docs - 1)
             torch.testing.assert_close(info.qhat[i, s], qhat, atol=1e-4, rtol=1e-4)
     # Without the bias every document gets the generic query.
@@ -255,10 +260,10 @@ def _ref_select_blocks(qhat, keys, docs, budget_tokens=None, budget_blocks=None,
         anchor = torch.tensor([t for s, e in d.forced for t in range(s, e)], dtype=torch.long)
         for n, kn in enumerate(keys):
             qg = qhat[i, n].float().reshape(kn.shape[0], -1, qhat.shape[-1]).sum(1)
-            ts = torch.einsum("kd,ktd->t", qg, kn[:, d.start:d.end].float())
+            ts = torch.einsum("kd,ktd->t", qg, kn[:, d.start : d.end].float())
             if m == 0:
                 continue
-            blk = torch.stack([ts[s - d.start:e - d.start].mean() for s, e in d.middle])
+            blk = torch.stack([ts[s - d.start : e - d.start].mean() for s, e in d.middle])
             s_anc = float(ts[anchor - d.start].mean()) if anchor.numel() else float("-inf")
             per_p.append(_ref_anchor_proportion(blk, s_anc))
             per_s.append(_ref_normalize(blk, normalize))
@@ -299,7 +304,9 @@ def test_batched_block_selection_equals_the_per_document_one(normalize, adaptive
     qhat = torch.randn(len(docs), 2, h, d_head, generator=g)
     for budget in (dict(budget_tokens=30), dict(budget_tokens=7), dict(budget_blocks=5)):
         sel = sk.select_blocks(qhat, keys, docs, adaptive_p=adaptive_p, normalize=normalize, **budget)
-        ps, scores, cands, kept = _ref_select_blocks(qhat, keys, docs, adaptive_p=adaptive_p, normalize=normalize, **budget)
+        ps, scores, cands, kept = _ref_select_blocks(
+            qhat, keys, docs, adaptive_p=adaptive_p, normalize=normalize, **budget
+        )
         assert sel.candidates == cands and sel.kept == kept, budget
         assert sel.p == pytest.approx(ps, abs=1e-6)
         for got, want in zip(sel.scores, scores):
@@ -474,8 +481,10 @@ def test_extras_for_other_parameters_or_part_of_a_chunk_are_not_used():
     # A prompt reusing only part of a chunk: that chunk's results are computed, the others stored.
     first.span = (1, 1 + int(first.token_ids.numel()))
     res, _ = _run(arch, layout, keep_ratio=0.4)
-    assert res.state.scratch["policy_stats"]["samkv.docs_from_store"] == sum(
-        p.entry is not None for p in layout.pieces) - 1
+    assert (
+        res.state.scratch["policy_stats"]["samkv.docs_from_store"]
+        == sum(p.entry is not None for p in layout.pieces) - 1
+    )
     # Under a length-dependent RoPE nothing is stored.
     _, arch_lr, _, layout_lr = _setup("llama-longrope", seed=12)
     e = next(p.entry for p in layout_lr.pieces if p.entry is not None)
@@ -489,9 +498,11 @@ def test_ingestion_stores_samkv_extras_and_the_first_query_uses_them(tmp_path):
     from kvrag.engine import KVRag
     from kvrag.testing import tiny_llama
 
-    docs = ["The red fox lives in the northern forest and hunts small rodents at dawn, alone.",
-            "Blue herons wade in the shallow marsh water and spear fish with their long beaks.",
-            "An old stone bridge crosses the river near the mill where farmers bring their grain."]
+    docs = [
+        "The red fox lives in the northern forest and hunts small rodents at dawn, alone.",
+        "Blue herons wade in the shallow marsh water and spear fish with their long beaks.",
+        "An old stone bridge crosses the river near the mill where farmers bring their grain.",
+    ]
     prompt = "Use the passages.\n" + "\n".join(docs) + "\nQuestion: what do herons eat?\nAnswer:"
     handle = tiny_llama(seed=0)
     with_x = KVRag(handle, cache_dir=tmp_path / "a", ingest_policies=["samkv"], hot_cache=0)
@@ -515,12 +526,18 @@ def test_ingestion_stores_samkv_extras_and_the_first_query_uses_them(tmp_path):
 
 def test_bad_params():
     for kw, msg in [
-        (dict(keep_ratio=1.5), "keep_ratio"), (dict(keep_ratio=0.0), "keep_ratio"),
-        (dict(recompute_ratio=-0.1), "recompute_ratio"), (dict(block_size=0), "block_size"),
-        (dict(block_size=2.5), "block_size"), (dict(initial_blocks=-1), "initial_blocks"),
-        (dict(local_blocks=0), "local_blocks"), (dict(stable_layers=()), "stable_layers"),
-        (dict(stable_layers="ab"), "stable_layers"), (dict(normalize="l2"), "normalize"),
-        (dict(update="replace"), "update"), (dict(theta=1.2), "theta"),
+        (dict(keep_ratio=1.5), "keep_ratio"),
+        (dict(keep_ratio=0.0), "keep_ratio"),
+        (dict(recompute_ratio=-0.1), "recompute_ratio"),
+        (dict(block_size=0), "block_size"),
+        (dict(block_size=2.5), "block_size"),
+        (dict(initial_blocks=-1), "initial_blocks"),
+        (dict(local_blocks=0), "local_blocks"),
+        (dict(stable_layers=()), "stable_layers"),
+        (dict(stable_layers="ab"), "stable_layers"),
+        (dict(normalize="l2"), "normalize"),
+        (dict(update="replace"), "update"),
+        (dict(theta=1.2), "theta"),
     ]:
         with pytest.raises(ValueError, match=msg):
             get_policy("samkv", **kw)

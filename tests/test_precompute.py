@@ -1,19 +1,19 @@
 """Precomputer: background queue + worker on a tiny random-weight model (real SmolLM2 tokenizer)."""
+
 import logging
 import threading
 import time
 
 import pytest
 import torch
+from corpus_helpers import DOCS, prompt_for
 
+from kvrag.checks import validate_chunk_text
 from kvrag.engine import KVRag
 from kvrag.errors import ChunkError
-from kvrag.checks import validate_chunk_text
 from kvrag.precompute import Precomputer, PrecomputerClosedError, QueueFullError
 from kvrag.store import KVStore
 from kvrag.testing import tiny_llama
-
-from corpus_helpers import DOCS, prompt_for
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +50,9 @@ def test_submit_returns_at_once_and_queries_hit(rag, pc, monkeypatch):
     assert keys == [rag.chunk_key(d) for d in DOCS]
     assert all(k in rag.store for k in keys)
     p = pc.progress()
-    assert p.computed == 4 and p.failed == 0 and p.idle and p.tokens_computed == sum(len(rag.chunk_ids(d)) for d in DOCS)
+    assert (
+        p.computed == 4 and p.failed == 0 and p.idle and p.tokens_computed == sum(len(rag.chunk_ids(d)) for d in DOCS)
+    )
     # The segmenter was updated in-process: the next query finds every chunk.
     out = rag.generate(prompt_for(DOCS), max_new_tokens=2)
     assert out.stats.chunks_hit == 4
@@ -146,7 +148,7 @@ def test_bad_input_is_rejected_clearly(rag, pc, caplog):
 
 def test_odd_unicode_is_cached_and_found(rag, pc):
     odd = [
-        "Caf\u00e9 cre\u0300me, na\u00efve \u2014 \U0001F680 emoji and \u200bzero-width space.",
+        "Caf\u00e9 cre\u0300me, na\u00efve \u2014 \U0001f680 emoji and \u200bzero-width space.",
         "\u05e9\u05dc\u05d5\u05dd right-to-left text with a \ufeffBOM and a NUL\x00 char.",
         "e\u0301 decomposed accent vs \u00e9 composed; CJK \u6f22\u5b57; math \U0001d4b3.",
     ]
@@ -374,8 +376,10 @@ def test_cli_cache_stats_gc_clear(rag, capsys):
     assert code == 0 and "entries     4" in out
     # gc down to a limit that holds about two entries evicts the rest.
     per_entry = st["bytes"] // 4
-    code, out, _ = _cli(["cache", "gc", "--cache-dir", d, "--size-limit", str(per_entry * 2 + per_entry // 2),
-                         "--verify", "--json"], capsys)
+    code, out, _ = _cli(
+        ["cache", "gc", "--cache-dir", d, "--size-limit", str(per_entry * 2 + per_entry // 2), "--verify", "--json"],
+        capsys,
+    )
     res = json.loads(out)
     assert code == 0 and res["evicted"] >= 2 and res["entries"] == 4 - res["evicted"] and res["corrupt"] == 0
     # That limit is now the store's: stats shows it and a gc without --size-limit keeps it.
@@ -423,8 +427,9 @@ def _store(tmp_path):
 
 
 def test_cli_cache_gc_huge_size_limit_is_a_clear_error(tmp_path, capsys):
-    code, _, err = _cli(["cache", "gc", "--cache-dir", _store(tmp_path), "--size-limit", "99999999999999999999999T"],
-                        capsys)
+    code, _, err = _cli(
+        ["cache", "gc", "--cache-dir", _store(tmp_path), "--size-limit", "99999999999999999999999T"], capsys
+    )
     assert code == 2 and err.startswith("kvrag: error: ") and "too large" in err and "Traceback" not in err
 
 
@@ -512,8 +517,12 @@ def _run_child(rag, body, **cfg):
     import subprocess
     import sys
 
-    r = subprocess.run([sys.executable, "-c", _CHILD + body, str(rag.store.directory), json.dumps(cfg)],
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-c", _CHILD + body, str(rag.store.directory), json.dumps(cfg)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     return r
 

@@ -1,4 +1,5 @@
 """The core invariants on the real SmolLM2-135M-Instruct (marked ``real``)."""
+
 import json
 from importlib import resources
 
@@ -28,9 +29,8 @@ def test_full_prefill_equals_transformers_generate(rag, corpus):
     out = rag.generate(msgs, policy="full_prefill", max_new_tokens=12)
     ids = torch.tensor([out.prompt_ids])
     with torch.no_grad():
-        ref = rag.handle.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12,
-                                        do_sample=False)
-    assert out.token_ids == ref[0, ids.shape[1]:].tolist()
+        ref = rag.handle.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False)
+    assert out.token_ids == ref[0, ids.shape[1] :].tolist()
     assert "Aldport" in out.text  # the model reads the passages: the answer is in passage 2
 
 
@@ -63,8 +63,7 @@ def test_anchor_brings_naive_reuse_closer_to_full_prefill(rag, tmp_path):
     from kvrag.bench import synthetic
 
     alone = KVRag(rag.handle, cache_dir=tmp_path / "kv", chunk_anchor="none")
-    items = synthetic.generate(4, 7, n_passages=4, passage_tokens=150,
-                               count_tokens=lambda s: len(rag.handle.encode(s)))
+    items = synthetic.generate(4, 7, n_passages=4, passage_tokens=150, count_tokens=lambda s: len(rag.handle.encode(s)))
     kl = {"anchor": [], "alone": []}
     for it in items:
         docs = [c["text"] for c in it["ctxs"]]
@@ -76,8 +75,9 @@ def test_anchor_brings_naive_reuse_closer_to_full_prefill(rag, tmp_path):
         for name, r in (("anchor", rag), ("alone", alone)):
             got, stats = r.continuation_logits(msgs, full.token_ids, policy="naive_reuse")
             assert stats.chunks_hit == 4
-            kl[name].append(F.kl_div(got.log_softmax(-1), ref.log_softmax(-1), log_target=True,
-                                     reduction="batchmean").item())
+            kl[name].append(
+                F.kl_div(got.log_softmax(-1), ref.log_softmax(-1), log_target=True, reduction="batchmean").item()
+            )
     mean = {k: sum(v) / len(v) for k, v in kl.items()}
     assert mean["anchor"] < 0.9 * mean["alone"], mean
 
@@ -102,5 +102,6 @@ def test_demo_runs_every_policy_and_kvlink_trained(tmp_path, capsys, corpus):
     for pol in ("naive_reuse", "cacheblend", "kvlink"):
         row = next(ln for ln in summary.splitlines() if ln.strip().startswith(pol))
         k = int(row.split("same answer")[1].split("/")[0])
-        assert 0 <= k <= 1 and (k == 1) == ("= full" in next(
-            ln for ln in out.splitlines() if ln.strip().startswith(pol) and "TTFT" in ln)), row
+        assert 0 <= k <= 1 and (k == 1) == (
+            "= full" in next(ln for ln in out.splitlines() if ln.strip().startswith(pol) and "TTFT" in ln)
+        ), row

@@ -6,6 +6,7 @@ A base model (no chat template: prompts are plain text, ``rag_prompt``) with 18 
 head, a 262k vocabulary and 5 local layers (512-token window, RoPE base 10k) per global one
 (base 1M): the prompts here are > 3k tokens, so every local layer's window binds and most
 cached chunks lie wholly outside it."""
+
 import pytest
 import torch
 
@@ -25,7 +26,9 @@ def rag(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def item(rag):
-    it = synthetic.generate(1, 11, n_passages=8, passage_tokens=400, count_tokens=lambda s: len(rag.handle.encode(s)))[0]
+    it = synthetic.generate(1, 11, n_passages=8, passage_tokens=400, count_tokens=lambda s: len(rag.handle.encode(s)))[
+        0
+    ]
     docs = [c["text"] for c in it["ctxs"]]
     rag.precompute(docs)
     return rag_prompt(rag.tokenizer, docs, it["question"]), it
@@ -47,9 +50,8 @@ def test_full_prefill_equals_transformers_generate(rag, item):
     assert len(out.prompt_ids) >= 3000
     ids = torch.tensor([out.prompt_ids])
     with torch.no_grad():
-        ref = rag.handle.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=N_NEW,
-                                        do_sample=False)
-    assert out.token_ids == ref[0, ids.shape[1]:].tolist()
+        ref = rag.handle.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=N_NEW, do_sample=False)
+    assert out.token_ids == ref[0, ids.shape[1] :].tolist()
 
 
 def test_cacheblend_ratio_one_equals_full_prefill(rag, item):

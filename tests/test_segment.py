@@ -1,4 +1,5 @@
 """Segmenter: exact, leftmost-longest, non-overlapping chunk search inside a prompt."""
+
 import random
 import string
 import threading
@@ -73,8 +74,12 @@ def test_chunks_at_start_middle_end_and_adjacent():
     seg = Segmenter({"ka": a, "kb": b, "kc": c})
     prompt = f"{a}\nContext: {b}{c} then the question {a}"
     assert seg.split(prompt) == [
-        Segment(a, "ka"), Segment("\nContext: "), Segment(b, "kb"), Segment(c, "kc"),
-        Segment(" then the question "), Segment(a, "ka"),
+        Segment(a, "ka"),
+        Segment("\nContext: "),
+        Segment(b, "kb"),
+        Segment(c, "kc"),
+        Segment(" then the question "),
+        Segment(a, "ka"),
     ]
     # The whole prompt is one chunk.
     assert seg.split(b) == [Segment(b, "kb")]
@@ -91,9 +96,7 @@ def test_longest_at_one_start_wins():
     seg = Segmenter({"short": short, "long": long_})
     assert seg.split(f"> {long_} <") == [Segment("> "), Segment(long_, "long"), Segment(" <")]
     # Where the long one is not complete, the short one still matches.
-    assert seg.split(f"> {short} fox sleeps") == [
-        Segment("> "), Segment(short, "short"), Segment(" fox sleeps")
-    ]
+    assert seg.split(f"> {short} fox sleeps") == [Segment("> "), Segment(short, "short"), Segment(" fox sleeps")]
 
 
 def test_chunk_containing_another_chunk_wins():
@@ -119,7 +122,7 @@ def test_near_miss_is_not_matched():
     chunk = "Marie Curie won two Nobel prizes, in physics and chemistry."
     seg = Segmenter({"k": chunk})
     for i in (0, len(chunk) // 2, len(chunk) - 1):
-        changed = chunk[:i] + ("X" if chunk[i] != "X" else "Y") + chunk[i + 1:]
+        changed = chunk[:i] + ("X" if chunk[i] != "X" else "Y") + chunk[i + 1 :]
         assert seg.split(f"ctx: {changed}") == [Segment(f"ctx: {changed}")]
     # Case, whitespace and truncation are differences too.
     for variant in (chunk.lower(), chunk.replace(" ", "  ", 1), chunk[:-1]):
@@ -131,7 +134,7 @@ def test_unicode_text():
     chunks = {
         "emoji": "Party 🎉 time 👩‍👩‍👧 family",
         "cjk": "東京は日本の首都です。",
-        "accent": "cafe\u0301 au lait",       # e + combining acute
+        "accent": "cafe\u0301 au lait",  # e + combining acute
         "crlf": "line one\r\nline two\r\n",
     }
     seg = Segmenter(chunks)
@@ -359,11 +362,14 @@ NO_SYSTEM_TEMPLATE = (
 )
 
 
-@pytest.mark.parametrize("template,expected", [
-    (ROLE_TEMPLATE, "<|system|>\n{sys}<|end|>\n<|user|>\n{user}<|end|>\n<|assistant|>\n"),
-    # No system role: the instruction goes in front of the first user turn.
-    (NO_SYSTEM_TEMPLATE, "[user] {sys}\n\n{user}\n"),
-])
+@pytest.mark.parametrize(
+    "template,expected",
+    [
+        (ROLE_TEMPLATE, "<|system|>\n{sys}<|end|>\n<|user|>\n{user}<|end|>\n<|assistant|>\n"),
+        # No system role: the instruction goes in front of the first user turn.
+        (NO_SYSTEM_TEMPLATE, "[user] {sys}\n\n{user}\n"),
+    ],
+)
 def test_render_messages_then_split(template, expected):
     tok = _tiny_tokenizer(template)
     chunk = "Doc: the Eiffel tower is 330 m tall. 🗼"
@@ -405,7 +411,7 @@ def reference_split_partial(texts: dict[str, str], prompt: str, min_partial: int
         best, best_rank = None, None
         for t in winner:
             lead = len(t) - len(t.lstrip())
-            for off in ((0, lead) if lead else (0,)):
+            for off in (0, lead) if lead else (0,):
                 rest = t[off:]
                 n = 0
                 while n < len(rest) and pos + n < len(prompt) and prompt[pos + n] == rest[n]:
@@ -417,7 +423,7 @@ def reference_split_partial(texts: dict[str, str], prompt: str, min_partial: int
                     continue
                 if n == 0:
                     continue
-                rank = (len(prompt[pos:pos + n].rstrip()), off == 0, whole, -len(t))
+                rank = (len(prompt[pos : pos + n].rstrip()), off == 0, whole, -len(t))
                 if best is None or rank > best_rank or (rank == best_rank and t < best[0]):
                     best, best_rank = (t, off, n), rank
         return best
@@ -434,7 +440,7 @@ def reference_split_partial(texts: dict[str, str], prompt: str, min_partial: int
             return None
         t, off, n = best
         exact = off == 0 and n == len(t)
-        return Segment(prompt[pos:pos + n], winner[t], off, not exact)
+        return Segment(prompt[pos : pos + n], winner[t], off, not exact)
 
     return scan_segments(prompt, match_at)
 
@@ -454,8 +460,11 @@ def test_partial_mode_serves_a_cut_chunk_and_a_stripped_one():
     assert seg.split(f"[{padded}]") == [Segment("["), Segment(padded, "p"), Segment("]")]
     # A short chunk is matched partially only for all of its non-whitespace content.
     short = Segmenter({"s": "\tShort chunk text.\n\n"}, partial=True)
-    assert short.split("x Short chunk text. y") == [Segment("x "), Segment("Short chunk text.", "s", 1, True),
-                                                     Segment(" y")]
+    assert short.split("x Short chunk text. y") == [
+        Segment("x "),
+        Segment("Short chunk text.", "s", 1, True),
+        Segment(" y"),
+    ]
     assert all(not s.cached for s in short.split("x Short chunk tex y"))
     # Off by default: whole texts only.
     assert all(not s.cached for s in Segmenter({"k": chunk}).split(cut))
@@ -469,7 +478,7 @@ def test_partial_mode_prefers_the_bare_text_and_whole_chunks():
     # A longer chunk cut in the prompt still beats a shorter whole one at the same start.
     long_ = bare + " Its den is dug under the roots of old oaks, and cubs are born in spring."
     seg2 = Segmenter({"bare": bare, "long": long_}, partial=True)
-    cut = long_[:len(bare) + 30]
+    cut = long_[: len(bare) + 30]
     assert seg2.split(cut) == [Segment(cut, "long", 0, True)]
 
 
@@ -505,7 +514,7 @@ def test_random_prompts_match_reference_partial(anchor_chars):
             parts = [prompt]
             for _ in range(rng.randint(1, 3)):
                 t = rng.choice(list(live.values()))
-                t = rng.choice([t, t.strip(), t.lstrip(), t[:rng.randint(1, len(t))]])
+                t = rng.choice([t, t.strip(), t.lstrip(), t[: rng.randint(1, len(t))]])
                 parts.insert(rng.randint(0, len(parts)), t)
             prompt = "".join(parts)
         segs = seg.split(prompt)
@@ -520,18 +529,26 @@ def test_partial_mode_a_cut_chunk_does_not_swallow_the_next_chunk():
     # beginning, or B -- there whole -- is lost.
     a = "The red fox lives in the northern forest and hunts small rodents at dawn.\n\nThe den is dug under oaks."
     b = "The river Lenne flows from the Varn Mountains to the eastern sea."
-    cut = a[:a.index("\n\n")]
+    cut = a[: a.index("\n\n")]
     prompt = "ctx:\n" + cut + "\n\n" + b + "\nQ?"
     seg = Segmenter({"a": a, "b": b}, partial=True)
-    assert seg.split(prompt) == [Segment("ctx:\n"), Segment(cut + "\n\n", "a", 0, True), Segment(b, "b"),
-                                 Segment("\nQ?")]
+    assert seg.split(prompt) == [
+        Segment("ctx:\n"),
+        Segment(cut + "\n\n", "a", 0, True),
+        Segment(b, "b"),
+        Segment("\nQ?"),
+    ]
     # A text registered whole is not beaten by a longer one whose cut only runs on into B.
     seg = Segmenter({"cut": cut, "long": cut + "\n\nThe lake is deep.", "b": b}, partial=True)
-    assert seg.split(prompt) == [Segment("ctx:\n"), Segment(cut, "cut"), Segment("\n\n"), Segment(b, "b"),
-                                 Segment("\nQ?")]
+    assert seg.split(prompt) == [
+        Segment("ctx:\n"),
+        Segment(cut, "cut"),
+        Segment("\n\n"),
+        Segment(b, "b"),
+        Segment("\nQ?"),
+    ]
     # Cut to less than min_partial_chars before B: not taken, B is.
     short = "Foxes hunt at dawn. The river is long and wide and deep."
-    seg = Segmenter({"s": short + " More about foxes and rivers here.", "b": b}, partial=True,
-                    min_partial_chars=64)
+    seg = Segmenter({"s": short + " More about foxes and rivers here.", "b": b}, partial=True, min_partial_chars=64)
     p2 = short[:20] + b
     assert [s.key for s in seg.split(p2) if s.cached] == ["b"]

@@ -1,6 +1,7 @@
 """Serving one KVRag concurrently: queries from many threads and from asyncio, with ingestion
 running at the same time. Tiny random-weight models; answers under concurrency must equal
 the sequential (greedy) ones."""
+
 import asyncio
 import sys
 import threading
@@ -8,13 +9,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
+from corpus_helpers import DOCS, prompt_for
 
 from kvrag.engine import KVRag
 from kvrag.precompute import Precomputer
 from kvrag.query.segment import Segmenter
 from kvrag.testing import tiny_llama
-
-from corpus_helpers import DOCS, prompt_for
 
 
 @pytest.fixture(scope="module")
@@ -109,16 +109,17 @@ def test_langchain_async_add_waits_for_queue_room_off_the_event_loop(rag):
         async def aadd_texts(self, texts, **kwargs):
             return self.add_texts(texts)
 
-    _event_loop_runs_while_ingestion_waits_for_room(
-        rag, lambda pc: precompute_on_add(Store(), pc).aadd_texts(DOCS[:2]))
+    _event_loop_runs_while_ingestion_waits_for_room(rag, lambda pc: precompute_on_add(Store(), pc).aadd_texts(DOCS[:2]))
 
 
 def test_llamaindex_async_transform_waits_for_queue_room_off_the_event_loop(rag):
     from llama_index.core.schema import TextNode
+
     from llama_index.llms.kvrag import KVPrecompute
 
     _event_loop_runs_while_ingestion_waits_for_room(
-        rag, lambda pc: KVPrecompute(pc).acall([TextNode(text=t) for t in DOCS[:2]]))
+        rag, lambda pc: KVPrecompute(pc).acall([TextNode(text=t) for t in DOCS[:2]])
+    )
 
 
 # ---- one model, several threads: length-dependent RoPE ---------------------------------------
@@ -128,9 +129,17 @@ def test_longrope_rotary_is_safe_to_call_from_several_threads():
     # and one rotating a short one must each get their own tables (kvrag's Arch serialises it).
     from kvrag.arch import Arch
 
-    handle = tiny_llama(seed=0, max_position_embeddings=256, rope_parameters={
-        "rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 16,
-        "short_factor": [1.0] * 8, "long_factor": [4.0] * 8})
+    handle = tiny_llama(
+        seed=0,
+        max_position_embeddings=256,
+        rope_parameters={
+            "rope_type": "longrope",
+            "rope_theta": 10000.0,
+            "original_max_position_embeddings": 16,
+            "short_factor": [1.0] * 8,
+            "long_factor": [4.0] * 8,
+        },
+    )
     Arch(handle.model)
     rotary = handle.model.model.rotary_emb
     x = torch.zeros(1)
@@ -157,9 +166,16 @@ def test_longrope_rotary_is_safe_to_call_from_several_threads():
     assert not wrong, f"{len(wrong)} of 4000 rotary calls used another thread's frequencies"
 
 
-LONGROPE = {"max_position_embeddings": 256, "rope_parameters": {
-    "rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 16,
-    "short_factor": [1.0] * 8, "long_factor": [4.0] * 8}}
+LONGROPE = {
+    "max_position_embeddings": 256,
+    "rope_parameters": {
+        "rope_type": "longrope",
+        "rope_theta": 10000.0,
+        "original_max_position_embeddings": 16,
+        "short_factor": [1.0] * 8,
+        "long_factor": [4.0] * 8,
+    },
+}
 
 
 @pytest.mark.parametrize("overrides", [{}, LONGROPE], ids=["llama", "llama-longrope"])
@@ -201,6 +217,7 @@ def _llamaindex_complete(rag):
 
 def _llamaindex_chat(rag):
     from llama_index.core.base.llms.types import ChatMessage
+
     from llama_index.llms.kvrag import KVRagLLM
 
     llm = KVRagLLM(rag, max_new_tokens=64, set_tokenizer=False)
@@ -209,14 +226,16 @@ def _llamaindex_chat(rag):
 
 def _langchain_ainvoke(rag):
     from langchain_core.messages import HumanMessage
+
     from langchain_kvrag import ChatKVRag
 
     llm = ChatKVRag(rag=rag, max_new_tokens=64)
     return llm, lambda: llm.ainvoke([HumanMessage(prompt_for(DOCS[:2]))])
 
 
-@pytest.mark.parametrize("make", [_llamaindex_complete, _llamaindex_chat, _langchain_ainvoke],
-                         ids=["acomplete", "achat", "ainvoke"])
+@pytest.mark.parametrize(
+    "make", [_llamaindex_complete, _llamaindex_chat, _langchain_ainvoke], ids=["acomplete", "achat", "ainvoke"]
+)
 def test_cancelled_async_call_stops_generating_and_leaves_the_foreground(rag, monkeypatch, make):
     # A client disconnects while its (non-streaming) answer is generated: the task is cancelled
     # while the second decode step runs in the worker thread. The generation must stop after

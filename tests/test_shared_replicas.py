@@ -3,6 +3,7 @@ process where it matters: chunks ingested through replica A (queued, computed by
 ``kvrag worker``) are served from cache on replica B's first query; a worker killed with
 SIGKILL mid-job loses nothing and leaves no partial entry; Redis stopped mid-service, flushed
 or evicting only costs misses."""
+
 from __future__ import annotations
 
 import json
@@ -15,12 +16,18 @@ import threading
 import time
 
 import pytest
-
+from corpus_helpers import DOCS as CORPUS
+from corpus_helpers import prompt_for
 from redis_helpers import (  # noqa: F401 (fixtures)
-    RedisServer, any_url, cluster_url, own_redis, prefix, redis, redis_url,
+    RedisServer,
+    any_url,
+    cluster_url,
+    own_redis,
+    prefix,
+    redis,
+    redis_url,
 )
 
-from corpus_helpers import DOCS as CORPUS, prompt_for
 from kvrag.engine import KVRag
 from kvrag.remote import GROUP, RedisQueue, Worker
 from kvrag.store.shared import RedisStore
@@ -48,14 +55,39 @@ def _env():
 
 
 def _python(code: str, *args: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", code, *args], env=_env(), cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-c", code, *args],
+        env=_env(),
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def _worker(url, prefix, model_dir, cache_dir, *extra) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "kvrag", "worker", "--redis", url, "--prefix", prefix,
-                             "--model", model_dir, "--cache-dir", str(cache_dir), *extra],
-                            env=_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "kvrag",
+            "worker",
+            "--redis",
+            url,
+            "--prefix",
+            prefix,
+            "--model",
+            model_dir,
+            "--cache-dir",
+            str(cache_dir),
+            *extra,
+        ],
+        env=_env(),
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def _finish(p: subprocess.Popen, timeout=120) -> str:
@@ -132,8 +164,9 @@ Worker(rag, batch=1, claim_idle_s=1).run()
 
 
 def test_kill9_worker_mid_job_loses_nothing(redis_url, prefix, model_dir, tmp_path, capsys):
-    producer = KVRag(model_dir, cache_dir=tmp_path / "p", shared=RedisStore(redis_url, prefix=prefix),
-                     precompute_via="queue")
+    producer = KVRag(
+        model_dir, cache_dir=tmp_path / "p", shared=RedisStore(redis_url, prefix=prefix), precompute_via="queue"
+    )
     keys = producer.precompute(DOCS)
     flag = tmp_path / "stalled"
     doomed = _python(STALLING_WORKER, redis_url, prefix, model_dir, str(tmp_path / "w1"), str(flag))
@@ -168,8 +201,9 @@ def test_kill9_worker_mid_job_loses_nothing(redis_url, prefix, model_dir, tmp_pa
 def test_redis_stopped_during_queries(own_redis, model_dir, tmp_path, caplog):
     h = KVRag(model_dir, cache_dir=tmp_path / "ref").handle
     a = KVRag(h, cache_dir=tmp_path / "a", shared=RedisStore(own_redis.url, socket_timeout=0.5, retry_s=0.2))
-    b = KVRag(h, cache_dir=tmp_path / "b", shared=RedisStore(own_redis.url, socket_timeout=0.5, retry_s=0.2),
-              hot_cache=0)
+    b = KVRag(
+        h, cache_dir=tmp_path / "b", shared=RedisStore(own_redis.url, socket_timeout=0.5, retry_s=0.2), hot_cache=0
+    )
     a.precompute(DOCS)
     prompt = prompt_for(DOCS)
     want = a.generate(prompt, policy="full_prefill", max_new_tokens=8).token_ids
@@ -218,9 +252,21 @@ def test_example_replicas_llamaindex_over_chroma_server(model_dir, tmp_path):
         sys.path.pop(0)
     if replicas.chroma_binary() is None:
         pytest.skip("the `chroma` CLI (installed with chromadb) is absent")
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "replicas.py"), "--model", model_dir,
-                        "--workdir", str(tmp_path)], env=_env(), cwd=ROOT, capture_output=True, text=True,
-                       timeout=600)
+    r = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(ROOT, "examples", "replicas.py"),
+            "--model",
+            model_dir,
+            "--workdir",
+            str(tmp_path),
+        ],
+        env=_env(),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     a, b = (json.loads(line) for line in r.stdout.splitlines() if line.startswith("{"))
     assert a["drained"] and a["computed_locally"] == 0 and a["queue"]["done"] == a["nodes"] > 0
@@ -235,8 +281,9 @@ def test_worker_publishes_a_chunk_it_only_has_on_its_own_disk(redis_url, prefix,
     local = KVRag(model_dir, cache_dir=tmp_path / "w")
     local.precompute(DOCS)  # on the worker's disk only
     w = KVRag(local.handle, cache_dir=tmp_path / "w", shared=RedisStore(redis_url, prefix=prefix))
-    producer = KVRag(local.handle, cache_dir=tmp_path / "p", shared=RedisStore(redis_url, prefix=prefix),
-                     precompute_via="queue")
+    producer = KVRag(
+        local.handle, cache_dir=tmp_path / "p", shared=RedisStore(redis_url, prefix=prefix), precompute_via="queue"
+    )
     keys = producer.precompute(DOCS)
     stop = threading.Event()
     t = threading.Thread(target=Worker(w, block_s=0.2).run, args=(stop,), daemon=True)
@@ -258,8 +305,9 @@ def test_queue_submit_work_dedup_and_takeover(any_url, prefix, model_dir, tmp_pa
     the stream, its counters and the claim: one slot), and a job a dead consumer read is taken
     over (XAUTOCLAIM)."""
     w = KVRag(model_dir, cache_dir=tmp_path / "w", shared=RedisStore(any_url, prefix=prefix))
-    producer = KVRag(w.handle, cache_dir=tmp_path / "p", shared=RedisStore(any_url, prefix=prefix),
-                     precompute_via="queue")
+    producer = KVRag(
+        w.handle, cache_dir=tmp_path / "p", shared=RedisStore(any_url, prefix=prefix), precompute_via="queue"
+    )
     q = producer.queue
     keys = producer.precompute(DOCS[:2])
     assert q.submit(DOCS[:2], producer.ingestor) == keys  # claimed already: not queued again
@@ -287,8 +335,7 @@ def test_chunks_stored_locally_during_an_outage_are_pushed_up_later(own_redis, m
     """Redis down while replica A precomputes: the chunks go to A's disk only. Redis comes back
     (empty: no persistence); once A sees it again they are pushed up in the background, and a
     second replica with an empty disk reads them from Redis."""
-    a = KVRag(model_dir, cache_dir=tmp_path / "a",
-              shared=RedisStore(own_redis.url, socket_timeout=0.5, retry_s=0.2))
+    a = KVRag(model_dir, cache_dir=tmp_path / "a", shared=RedisStore(own_redis.url, socket_timeout=0.5, retry_s=0.2))
     own_redis.stop()
     keys = a.precompute(DOCS[:2])
     tiers = a.store.stats()["tiers"]

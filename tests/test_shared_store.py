@@ -2,6 +2,7 @@
 text index, verification of every read (tampered, foreign, truncated, not kvrag's values are
 misses that never crash), eviction, and a server going away and coming back. The store's
 key tests run twice: on one server and on a real 3-node Redis Cluster (``cluster_url``)."""
+
 from __future__ import annotations
 
 import json
@@ -9,9 +10,14 @@ import logging
 
 import pytest
 import torch
-
 from redis_helpers import (  # noqa: F401 (fixtures)
-    RedisServer, any_url, cluster_url, own_redis, prefix, redis, redis_url,
+    RedisServer,
+    any_url,
+    cluster_url,
+    own_redis,
+    prefix,
+    redis,
+    redis_url,
 )
 
 from kvrag.store import ChunkEntry, KVStore, make_key
@@ -26,15 +32,27 @@ def entry(seed: int, t: int = 7, fp: str = FP, text: str | None = None) -> tuple
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, 1000, (t,), generator=g)
     k = torch.randn(2, 2, t, 8, generator=g).half()
-    e = ChunkEntry(fp, text or f"chunk {seed}", ids, k, torch.randn(2, 2, t, 8, generator=g).half(),
-                   {"x.codes": torch.arange(t, dtype=torch.int16).view(1, 1, t).expand(2, 2, t).contiguous()})
+    e = ChunkEntry(
+        fp,
+        text or f"chunk {seed}",
+        ids,
+        k,
+        torch.randn(2, 2, t, 8, generator=g).half(),
+        {"x.codes": torch.arange(t, dtype=torch.int16).view(1, 1, t).expand(2, 2, t).contiguous()},
+    )
     return make_key(fp, ids), e
 
 
 def same(a: ChunkEntry, b: ChunkEntry) -> bool:
-    return (a.text == b.text and a.fingerprint == b.fingerprint and torch.equal(a.token_ids, b.token_ids)
-            and torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
-            and a.extras.keys() == b.extras.keys() and all(torch.equal(a.extras[n], b.extras[n]) for n in a.extras))
+    return (
+        a.text == b.text
+        and a.fingerprint == b.fingerprint
+        and torch.equal(a.token_ids, b.token_ids)
+        and torch.equal(a.keys, b.keys)
+        and torch.equal(a.values, b.values)
+        and a.extras.keys() == b.extras.keys()
+        and all(torch.equal(a.extras[n], b.extras[n]) for n in a.extras)
+    )
 
 
 @pytest.fixture
@@ -147,19 +165,23 @@ def _tamper_cases(store, key, e):
     def foreign_fp():  # a sound entry of another model, stored under this key
         data = serialize(entry(1, t=40, fp="another-model")[1], e.token_ids)
         c.set(store._part(key, "foreign", 0), data)
-        c.hset(store._meta(key), mapping={"ver": "foreign", "tag": checksum(data), "size": len(data),
-                                          "part_size": len(data), "parts": 1})
+        c.hset(
+            store._meta(key),
+            mapping={"ver": "foreign", "tag": checksum(data), "size": len(data), "part_size": len(data), "parts": 1},
+        )
 
     def crafted_header():  # its own valid checksum, but the header claims more bytes than exist
         data = bytearray(serialize(e, e.token_ids))
         n = int.from_bytes(data[:8], "little")
-        header = json.loads(bytes(data[8:8 + n]))
+        header = json.loads(bytes(data[8 : 8 + n]))
         header["keys"]["shape"] = [2, 2, 4000, 8]
         hb = json.dumps(header).encode()
-        data = len(hb).to_bytes(8, "little") + hb + bytes(data[8 + n:])
+        data = len(hb).to_bytes(8, "little") + hb + bytes(data[8 + n :])
         c.set(store._part(key, "crafted", 0), data)
-        c.hset(store._meta(key), mapping={"ver": "crafted", "tag": checksum(data), "size": len(data),
-                                          "part_size": len(data), "parts": 1})
+        c.hset(
+            store._meta(key),
+            mapping={"ver": "crafted", "tag": checksum(data), "size": len(data), "part_size": len(data), "parts": 1},
+        )
 
     def not_kvrag_string():
         c.delete(store._meta(key))
@@ -175,9 +197,16 @@ def _tamper_cases(store, key, e):
     def garbage_part():
         c.set(part0, b"\x00" * len(c.get(part0)))
 
-    return [("flipped bytes", flip), ("another key's value", other_key_value), ("foreign fingerprint", foreign_fp),
-            ("crafted header", crafted_header), ("non-kvrag string", not_kvrag_string),
-            ("non-kvrag hash", not_kvrag_hash), ("truncated part", truncated), ("garbage part", garbage_part)]
+    return [
+        ("flipped bytes", flip),
+        ("another key's value", other_key_value),
+        ("foreign fingerprint", foreign_fp),
+        ("crafted header", crafted_header),
+        ("non-kvrag string", not_kvrag_string),
+        ("non-kvrag hash", not_kvrag_hash),
+        ("truncated part", truncated),
+        ("garbage part", garbage_part),
+    ]
 
 
 def test_tampered_entries_are_never_served(store, caplog):
@@ -234,12 +263,12 @@ def test_redis_down_then_back(own_redis, tmp_path, caplog):
     k2, e2 = entry(5)
     own_redis.stop()
     with caplog.at_level(logging.WARNING, logger="kvrag.store.shared"):
-        assert same(tiered.get(key, FP), e)   # the near tier serves it
-        tiered.put(k2, e2)                   # stored locally, no error
+        assert same(tiered.get(key, FP), e)  # the near tier serves it
+        tiered.put(k2, e2)  # stored locally, no error
         assert tiered.near.get(k2, FP) is not None
         for _ in range(5):
             assert far.get(key, FP) is None  # a miss, not an exception
-        assert key in tiered.texts(FP)       # what was listed last (+ near)
+        assert key in tiered.texts(FP)  # what was listed last (+ near)
     warnings = [r for r in caplog.records if "unreachable" in r.getMessage()]
     assert len(warnings) == 1, [r.getMessage() for r in caplog.records]
     own_redis.start()  # an empty server on the same port
@@ -313,9 +342,11 @@ def test_a_local_kvrag_never_imports_redis(tmp_path):
     import subprocess
     import sys
 
-    code = ("import sys; from kvrag.engine import KVRag; from kvrag.testing import tiny_llama; "
-            f"KVRag(tiny_llama(), cache_dir={str(tmp_path / 'kv')!r}); "
-            "assert 'redis' not in sys.modules, 'redis imported'")
+    code = (
+        "import sys; from kvrag.engine import KVRag; from kvrag.testing import tiny_llama; "
+        f"KVRag(tiny_llama(), cache_dir={str(tmp_path / 'kv')!r}); "
+        "assert 'redis' not in sys.modules, 'redis imported'"
+    )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
 
@@ -323,14 +354,14 @@ def test_a_local_kvrag_never_imports_redis(tmp_path):
 def test_framework_wrappers_over_a_kvrag_with_a_shared_tier(redis_url, prefix, tmp_path):
     """The LLM wrappers record the local store's directory (what they serialize) also when a
     shared tier stands in front of it."""
+    from kvrag import KVRag
+    from kvrag.testing import tiny_llama
     from langchain_kvrag import ChatKVRag
     from llama_index.llms.kvrag import KVRagLLM
 
-    from kvrag import KVRag
-    from kvrag.testing import tiny_llama
-
-    rag = KVRag(tiny_llama(seed=0), cache_dir=tmp_path / "kv", shared=RedisStore(redis_url, prefix=prefix),
-                policy="naive_reuse")
+    rag = KVRag(
+        tiny_llama(seed=0), cache_dir=tmp_path / "kv", shared=RedisStore(redis_url, prefix=prefix), policy="naive_reuse"
+    )
     assert isinstance(rag.store, TieredStore) and rag.cache_dir == tmp_path / "kv"
     assert KVRagLLM(rag, set_tokenizer=False).cache_dir == str(tmp_path / "kv")
     assert ChatKVRag(rag=rag).cache_dir == str(tmp_path / "kv")
@@ -341,11 +372,11 @@ def test_wrappers_serialize_the_shared_url_never_its_password(tmp_path, monkeypa
     precompute_via) with the password removed; loaded again, the password comes from
     $KVRAG_REDIS_PASSWORD and the rebuilt KVRag reads the shared tier (a Redis that requires it)."""
     from langchain_core.load import dumpd, load
-    from langchain_kvrag import ChatKVRag
-    from llama_index.llms.kvrag import KVRagLLM
 
     from kvrag import KVRag
     from kvrag.testing import tiny_llama
+    from langchain_kvrag import ChatKVRag
+    from llama_index.llms.kvrag import KVRagLLM
 
     model_dir = tmp_path / "model"
     h = tiny_llama(seed=0)
@@ -393,8 +424,11 @@ def test_cache_push_copies_what_the_shared_tier_lacks(redis_url, prefix, tmp_pat
     key0 = next(iter(entries))
     shared.put(key0, entries[key0])  # already there: not sent again
     bad = list(entries)[1]  # flip bytes inside one local blob's tensor data
-    path = next(f for f in (tmp_path / "kv").rglob("*") if f.is_file() and entries[bad].text.encode() + b'"' in
-                f.read_bytes()[:4096])
+    path = next(
+        f
+        for f in (tmp_path / "kv").rglob("*")
+        if f.is_file() and entries[bad].text.encode() + b'"' in f.read_bytes()[:4096]
+    )
     data = bytearray(path.read_bytes())
     data[-40:-8] = bytes(x ^ 0xFF for x in data[-40:-8])
     path.write_bytes(bytes(data))

@@ -99,7 +99,9 @@ def test_loaded_tensors_are_views_of_the_blob_file_and_outlive_it(store, tmp_pat
     """A load maps the blob file instead of copying it: keys, values and extras are views of
     one mapping (no copy per tensor), writable without touching the stored file, and still
     valid after the file is replaced and unlinked (as a concurrent writer or an eviction does)."""
-    e = make_entry(dtype=torch.bfloat16, T=33, extras={"a2ats.codes": torch.arange(2 * 2 * 33, dtype=torch.int16).view(2, 2, 33)})
+    e = make_entry(
+        dtype=torch.bfloat16, T=33, extras={"a2ats.codes": torch.arange(2 * 2 * 33, dtype=torch.int16).view(2, 2, 33)}
+    )
     key = put(store, e)
     got = store.get(key, FP_A)
     assert_same(e, got)
@@ -205,7 +207,9 @@ def _corrupt_case(store, tmp_path, damage, caplog):
     files = blob_files(tmp_path)
     assert len(files) == 2
     # Find the file of `key`: the one whose bytes are that entry's blob.
-    target = next(f for f in files if e.text.encode() in f.read_bytes()[:4096] and b"other" not in f.read_bytes()[:4096])
+    target = next(
+        f for f in files if e.text.encode() in f.read_bytes()[:4096] and b"other" not in f.read_bytes()[:4096]
+    )
     damage(target)
     with caplog.at_level(logging.WARNING, logger="kvrag.store"):
         assert store.get(key, FP_A) is None
@@ -570,8 +574,11 @@ def _versioned_entry(wid: int, i: int) -> ChunkEntry:
     tag = float(wid * 1000 + i)
     T = len(SHARED_IDS)
     return ChunkEntry(
-        fingerprint=FP_A, text=f"writer {wid} version {i}", token_ids=torch.tensor(SHARED_IDS),
-        keys=torch.full((2, 2, T, 16), tag), values=torch.full((2, 2, T, 16), -tag),
+        fingerprint=FP_A,
+        text=f"writer {wid} version {i}",
+        token_ids=torch.tensor(SHARED_IDS),
+        keys=torch.full((2, 2, T, 16), tag),
+        values=torch.full((2, 2, T, 16), -tag),
         extras={"codes": torch.full((2, 2, T), wid * 1000 + i, dtype=torch.int32)},
     )
 

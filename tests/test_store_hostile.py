@@ -16,12 +16,12 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from test_store import FP_A, blob_files, make_entry, put  # noqa: E402
+
 import kvrag.store.blob as blob_mod  # noqa: E402
 from kvrag.cli import main as cli_main  # noqa: E402
 from kvrag.errors import StoreError  # noqa: E402
 from kvrag.store import KVStore  # noqa: E402
-
-from test_store import FP_A, blob_files, make_entry, put  # noqa: E402
 
 
 class _Plant:
@@ -82,13 +82,18 @@ def test_a_pickled_value_row_is_a_miss_and_never_unpickled(store, tmp_path):
 def test_a_pickled_key_in_the_text_index_is_skipped_and_never_unpickled(store, tmp_path):
     marker = tmp_path / "pwned"
     key = put(store, make_entry(text="listed"))
-    _sql(store.directory / "index" / "cache.db",
-         "INSERT INTO Cache (key, raw, store_time, expire_time, access_time, access_count, tag, size, mode, "
-         "filename, value) VALUES (?, 0, 0, NULL, 0, 0, NULL, 0, 1, NULL, ?)",
-         (pickle.dumps(_Plant(marker)), json.dumps({"text": "x", "fingerprint": FP_A})))
-    _sql(store.directory / "blobs" / "cache.db",
-         "INSERT INTO Cache (key, raw, store_time, expire_time, access_time, access_count, tag, size, mode, "
-         "filename, value) VALUES (?, 0, 0, NULL, 0, 0, NULL, 0, 1, NULL, ?)", (pickle.dumps(_Plant(marker)), b"x"))
+    _sql(
+        store.directory / "index" / "cache.db",
+        "INSERT INTO Cache (key, raw, store_time, expire_time, access_time, access_count, tag, size, mode, "
+        "filename, value) VALUES (?, 0, 0, NULL, 0, 0, NULL, 0, 1, NULL, ?)",
+        (pickle.dumps(_Plant(marker)), json.dumps({"text": "x", "fingerprint": FP_A})),
+    )
+    _sql(
+        store.directory / "blobs" / "cache.db",
+        "INSERT INTO Cache (key, raw, store_time, expire_time, access_time, access_count, tag, size, mode, "
+        "filename, value) VALUES (?, 0, 0, NULL, 0, 0, NULL, 0, 1, NULL, ?)",
+        (pickle.dumps(_Plant(marker)), b"x"),
+    )
     assert store.texts(FP_A) == {key: "listed"}
     store.gc(verify=True)
     assert KVStore(store.directory).texts(FP_A) == {key: "listed"}  # reopening re-indexes the blobs
@@ -169,16 +174,20 @@ def _blob_with_header(header_json: bytes, data: bytes = b"") -> bytes:
 META = {"kvrag_format": "1", "fingerprint": FP_A, "text": "t", "n_tokens": "1"}
 
 
-@pytest.mark.parametrize("header", [
-    # 1e400 is inf as a float: int(inf) raised OverflowError.
-    b'{"__metadata__": %s, "token_ids": {"dtype": "I64", "shape": [1e400], "data_offsets": [0, 8]}}',
-    b'{"__metadata__": %s, "token_ids": {"dtype": "I64", "shape": [1], "data_offsets": [0, Infinity]}}',
-    b'{"__metadata__": %s, "token_ids": {"dtype": "I64", "shape": [1], "data_offsets": [0, NaN]}}',
-    # The header is parsed before the checksum: this raised RecursionError.
-    b'{"__metadata__": %s, "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
-    b'{"__metadata__": %s, "token_ids": {"dtype": "I64", "shape": [true], "data_offsets": [0, 8]}}',
-    b'{"__metadata__": %s, "token_ids": {"dtype": ["I64"], "shape": [1], "data_offsets": [0, 8]}}',
-], ids=["1e400", "Infinity", "NaN", "nested", "bool-shape", "list-dtype"])
+@pytest.mark.parametrize(
+    "header",
+    [
+        # 1e400 is inf as a float: int(inf) raised OverflowError.
+        b'{"__metadata__": %s, "token_ids": {"dtype": "I64", "shape": [1e400], "data_offsets": [0, 8]}}',
+        b'{"__metadata__": %s, "token_ids": {"dtype": "I64", "shape": [1], "data_offsets": [0, Infinity]}}',
+        b'{"__metadata__": %s, "token_ids": {"dtype": "I64", "shape": [1], "data_offsets": [0, NaN]}}',
+        # The header is parsed before the checksum: this raised RecursionError.
+        b'{"__metadata__": %s, "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+        b'{"__metadata__": %s, "token_ids": {"dtype": "I64", "shape": [true], "data_offsets": [0, 8]}}',
+        b'{"__metadata__": %s, "token_ids": {"dtype": ["I64"], "shape": [1], "data_offsets": [0, 8]}}',
+    ],
+    ids=["1e400", "Infinity", "NaN", "nested", "bool-shape", "list-dtype"],
+)
 def test_a_crafted_header_is_corrupt_for_get_gc_and_the_cli(store, header, capsys):
     key = put(store, make_entry())
     _replace_blob(store.directory, key, _blob_with_header(header % json.dumps(META).encode(), b"\0" * 8))
@@ -327,7 +336,8 @@ def test_integer_kv_or_a_blank_text_is_never_served(store):
     key = put(store, e)
     forged = safetensors.torch.save(
         {"token_ids": e.token_ids, "keys": e.keys.to(torch.uint8), "values": e.values.to(torch.uint8)},
-        metadata={"kvrag_format": "1", "fingerprint": FP_A, "text": "t", "n_tokens": str(e.token_ids.numel())})
+        metadata={"kvrag_format": "1", "fingerprint": FP_A, "text": "t", "n_tokens": str(e.token_ids.numel())},
+    )
     _replace_blob(store.directory, key, forged)
     assert store.get(key, FP_A) is None
     key = put(store, e)
@@ -361,8 +371,11 @@ def test_gc_removes_at_once_the_unreferenced_file_of_a_writer_that_died(store):
     dead = subprocess.Popen(["true"])
     dead.wait()
     blobs = store.directory / "blobs"
-    names = {"dead": f"{_host_id()}-{dead.pid}", "alive": f"{_host_id()}-{os.getpid()}",
-             "other_host": f"0badc0de-{dead.pid}"}
+    names = {
+        "dead": f"{_host_id()}-{dead.pid}",
+        "alive": f"{_host_id()}-{os.getpid()}",
+        "other_host": f"0badc0de-{dead.pid}",
+    }
     files = {}
     for what, owner in names.items():
         f = blobs / "ab" / "cd" / f"{what:0<28}.{owner}.val"

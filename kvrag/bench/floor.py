@@ -18,6 +18,7 @@ work-doing ops of one fused prefill and one decode step and those of the plain f
 arithmetic, set the time. TTFT here is the prefill call (lookup + fusion, logits of the first
 token), synchronised on CUDA; the QA scenario's TTFT also samples the token.
 """
+
 from __future__ import annotations
 
 import statistics
@@ -31,10 +32,29 @@ REFERENCE = "full_prefill"
 
 #: Columns of floor.csv, in order.
 FLOOR_FIELDS = [
-    "device", "dataset", "label", "policy", "prompt_tokens", "cached_tokens", "computed_tokens", "chunks",
-    "ttft_s", "floor_s", "ttft_over_floor", "read_s", "move_s", "forward_s", "recompute_s",
-    "recompute_fraction", "full_prefill_s", "ops_prefill", "ops_decode", "ops_plain", "ops_ratio",
-    "syncs_prefill", "error",
+    "device",
+    "dataset",
+    "label",
+    "policy",
+    "prompt_tokens",
+    "cached_tokens",
+    "computed_tokens",
+    "chunks",
+    "ttft_s",
+    "floor_s",
+    "ttft_over_floor",
+    "read_s",
+    "move_s",
+    "forward_s",
+    "recompute_s",
+    "recompute_fraction",
+    "full_prefill_s",
+    "ops_prefill",
+    "ops_decode",
+    "ops_plain",
+    "ops_ratio",
+    "syncs_prefill",
+    "error",
 ]
 
 
@@ -67,14 +87,29 @@ def floor_parts(rag, prompt, repeats: int) -> dict:
         def read():
             nonlocal pieces
             pieces, _ = rag.pieces(text)
+
         reads.append(_timed(read, dev))
         entries = [p.entry for p in pieces if p.kind == CACHED]
-        moves.append(_timed(lambda: [(e.keys.to(device=dev, dtype=dt, non_blocking=True),
-                                      e.values.to(device=dev, dtype=dt, non_blocking=True)) for e in entries], dev))
+        moves.append(
+            _timed(
+                lambda: [
+                    (
+                        e.keys.to(device=dev, dtype=dt, non_blocking=True),
+                        e.values.to(device=dev, dtype=dt, non_blocking=True),
+                    )
+                    for e in entries
+                ],
+                dev,
+            )
+        )
     n = sum(int(p.token_ids.numel()) for p in pieces)
     cached = sum(int(p.token_ids.numel()) for p in pieces if p.kind == CACHED)
-    return {"read_s": statistics.median(reads), "move_s": statistics.median(moves),
-            "prompt_tokens": n, "cached_tokens": cached}
+    return {
+        "read_s": statistics.median(reads),
+        "move_s": statistics.median(moves),
+        "prompt_tokens": n,
+        "cached_tokens": cached,
+    }
 
 
 def forward_s(model, n_cached: int, n_new: int, repeats: int, device) -> float:
@@ -120,15 +155,27 @@ def measure_floor(rag_for, prompt, runs, repeats: int, dataset: str, device: str
     L = base.arch.n_layers
     records, forwards = [], {}
     for run in runs:
-        rec = {"device": device, "scenario": "floor", "dataset": dataset, "label": run.label, "policy": run.policy,
-               "full_prefill_s": ref, "error": errors.get(run.label)}
+        rec = {
+            "device": device,
+            "scenario": "floor",
+            "dataset": dataset,
+            "label": run.label,
+            "policy": run.policy,
+            "full_prefill_s": ref,
+            "error": errors.get(run.label),
+        }
         records.append(rec)
         if run.label in errors:
             continue
         st = stats[run.label]
-        rec.update(prompt_tokens=st.prompt_tokens, cached_tokens=st.cached_tokens,
-                   computed_tokens=st.computed_tokens, chunks=st.chunks_hit,
-                   recompute_fraction=st.recompute_fraction, ttft_s=statistics.median(ttfts[run.label]))
+        rec.update(
+            prompt_tokens=st.prompt_tokens,
+            cached_tokens=st.cached_tokens,
+            computed_tokens=st.computed_tokens,
+            chunks=st.chunks_hit,
+            recompute_fraction=st.recompute_fraction,
+            ttft_s=statistics.median(ttfts[run.label]),
+        )
         if run.policy == REFERENCE or not st.cached_tokens:
             continue
         rag = rag_for(run)
@@ -145,9 +192,20 @@ def measure_floor(rag_for, prompt, runs, repeats: int, dataset: str, device: str
         except Exception as e:  # noqa: BLE001
             rec["error"] = f"op count: {type(e).__name__}: {e}"
             ops = None
-        rec.update(read_s=parts["read_s"], move_s=parts["move_s"], forward_s=fwd, recompute_s=recompute,
-                   floor_s=floor, ttft_over_floor=rec["ttft_s"] / floor)
+        rec.update(
+            read_s=parts["read_s"],
+            move_s=parts["move_s"],
+            forward_s=fwd,
+            recompute_s=recompute,
+            floor_s=floor,
+            ttft_over_floor=rec["ttft_s"] / floor,
+        )
         if ops is not None:
-            rec.update(ops_prefill=ops["prefill"].total, ops_decode=ops["decode"].total, ops_plain=ops["plain"].total,
-                       ops_ratio=ops["prefill"].total / ops["plain"].total, syncs_prefill=ops["prefill"].syncs)
+            rec.update(
+                ops_prefill=ops["prefill"].total,
+                ops_decode=ops["decode"].total,
+                ops_plain=ops["plain"].total,
+                ops_ratio=ops["prefill"].total / ops["plain"].total,
+                syncs_prefill=ops["prefill"].syncs,
+            )
     return records

@@ -11,6 +11,7 @@
 
 Shapes: ``T`` continuation tokens, ``V`` vocabulary.
 """
+
 from __future__ import annotations
 
 import math
@@ -111,7 +112,9 @@ def mean_logprob(logits: torch.Tensor, token_ids: Sequence[int]) -> float:
     return float(logp.gather(1, ids.unsqueeze(1)).mean())
 
 
-def next_token_agreement(reference: torch.Tensor, logits: torch.Tensor, positions: int | None = None) -> tuple[float, float]:
+def next_token_agreement(
+    reference: torch.Tensor, logits: torch.Tensor, positions: int | None = None
+) -> tuple[float, float]:
     """(top-1 agreement, mean KL(reference || policy) in nats) over the first ``positions`` rows.
 
     reference, logits: [T, V] next-token logits of the reference (``full_prefill``) and of a

@@ -25,6 +25,7 @@ In-place ops (``add_``, ``copy_``, ``index_put_``) write their input and are cou
 (``nonzero``, ``unique``, ``masked_select``). ``.tolist()`` and ``.cpu()`` of a CPU tensor
 dispatch nothing, so a CPU count misses those syncs (on CUDA they are ``_to_copy`` ops).
 """
+
 from __future__ import annotations
 
 from collections import Counter
@@ -34,14 +35,41 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 #: Metadata-only ops whose schema does not mark their output as an alias (see the docstring).
-NOT_WORK = frozenset({
-    "_unsafe_view", "_reshape_alias", "lift_fresh", "empty", "empty_like", "empty_strided",
-    "sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "is_same_size", "size", "stride",
-    "dim", "is_contiguous", "resolve_conj", "resolve_neg",
-})
+NOT_WORK = frozenset(
+    {
+        "_unsafe_view",
+        "_reshape_alias",
+        "lift_fresh",
+        "empty",
+        "empty_like",
+        "empty_strided",
+        "sym_size",
+        "sym_stride",
+        "sym_numel",
+        "sym_storage_offset",
+        "is_same_size",
+        "size",
+        "stride",
+        "dim",
+        "is_contiguous",
+        "resolve_conj",
+        "resolve_neg",
+    }
+)
 #: Ops that make the host wait for the device on CUDA.
-SYNC_OPS = frozenset({"_local_scalar_dense", "nonzero", "unique", "_unique", "_unique2",
-                      "unique_consecutive", "unique_dim", "masked_select", "nonzero_static"})
+SYNC_OPS = frozenset(
+    {
+        "_local_scalar_dense",
+        "nonzero",
+        "unique",
+        "_unique",
+        "_unique2",
+        "unique_consecutive",
+        "unique_dim",
+        "masked_select",
+        "nonzero_static",
+    }
+)
 
 
 def is_view(func) -> bool:
@@ -154,5 +182,11 @@ def query_ops(rag, prompt, policy, **policy_params) -> dict:
     decode, _ = count_ops(stepper.step, [1])
     n_cached = int(layout.cached.sum())
     plain = plain_forward_ops(rag.handle.model, n_cached, layout.n - n_cached)
-    return {"prefill": prefill, "decode": decode, "plain": plain, "tokens": layout.n,
-            "cached": n_cached, "chunks": sum(p.kind == CACHED for p in layout.pieces)}
+    return {
+        "prefill": prefill,
+        "decode": decode,
+        "plain": plain,
+        "tokens": layout.n,
+        "cached": n_cached,
+        "chunks": sum(p.kind == CACHED for p in layout.pieces),
+    }

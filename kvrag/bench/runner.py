@@ -16,6 +16,7 @@ model without one); every passage is
 precomputed as one chunk and appears verbatim in the prompt. Precompute is never part of TTFT
 (its throughput is reported on its own). TTFT ratios are computed per example, within the run.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -55,36 +56,36 @@ class BenchConfig:
 
     out: Path
     data: str | None = None
-    synthetic: int = 0                      # synthetic QA items (0 = none)
-    policies: list[str] = field(default_factory=list)   # [] = every registered policy
+    synthetic: int = 0  # synthetic QA items (0 = none)
+    policies: list[str] = field(default_factory=list)  # [] = every registered policy
     params: dict[str, dict] = field(default_factory=dict)  # policy -> hyper-parameters
     limit: int | None = None
     passages: int | None = None
-    passage_words: int | None = None        # truncate passages (quick mode)
+    passage_words: int | None = None  # truncate passages (quick mode)
     repeats: int = 3
     max_new_tokens: int = 32
     kl_positions: int = 16
-    scaling: list[tuple[int, int]] = field(default_factory=list)   # (chunks, tokens per chunk)
-    floor: list[tuple[int, int]] = field(default_factory=list)     # floor benchmark points, as scaling
+    scaling: list[tuple[int, int]] = field(default_factory=list)  # (chunks, tokens per chunk)
+    floor: list[tuple[int, int]] = field(default_factory=list)  # floor benchmark points, as scaling
     sweep_policies: list[str] = field(default_factory=list)
     sweep_ratios: list[float] = field(default_factory=list)
     sweep_limit: int = 0
-    sweep_data: str = "synthetic"           # "synthetic" or "data"
+    sweep_data: str = "synthetic"  # "synthetic" or "data"
     synthetic_passages: int = 6
     synthetic_passage_tokens: int = 200
     synthetic_types: list[str] = field(default_factory=lambda: list(synthetic.QUESTION_TYPES))
-    check_items: int = 0                    # single-hop items of the full_prefill answerability check
+    check_items: int = 0  # single-hop items of the full_prefill answerability check
     devices: list[str] = field(default_factory=lambda: ["cpu"])
     model: str | None = None
     dtype: str = "float32"
     storage_dtype: str = "float16"
-    chunk_anchor: str = "auto"              # KVRag(chunk_anchor=...): "auto" or "none"
+    chunk_anchor: str = "auto"  # KVRag(chunk_anchor=...): "auto" or "none"
     # KVLink adapter of the trained ``kvlink`` runs: "default" (the adapter found for the model,
     # if any: what ``KVRag(policy="kvlink")`` runs), "links" (links-only adapters only), "auto"
     # (the adapter found; an error if none), a directory, or "none". A LoRA adapter changes the
     # model, so its runs get a KVRag of their own.
     kvlink_adapter: str | None = "default"
-    hot_cache: int | str = 0                # KVRag(hot_cache=...): 0 = every run reads the disk (cold)
+    hot_cache: int | str = 0  # KVRag(hot_cache=...): 0 = every run reads the disk (cold)
     seed: int = 0
     footprint: bool = True
     warmup: bool = True
@@ -110,11 +111,15 @@ class BenchConfig:
             raise ValueError(f"sweep_limit must be >= 0 (0 = no sweep), got {self.sweep_limit}")
         # The synthetic generator's own limits (the synthetic set and the single-hop check).
         if self.synthetic_passages < synthetic.MIN_PASSAGES:
-            raise ValueError(f"synthetic_passages must be >= {synthetic.MIN_PASSAGES} (facts + distractors), "
-                             f"got {self.synthetic_passages}")
+            raise ValueError(
+                f"synthetic_passages must be >= {synthetic.MIN_PASSAGES} (facts + distractors), "
+                f"got {self.synthetic_passages}"
+            )
         if self.synthetic_passage_tokens < synthetic.MIN_PASSAGE_TOKENS:
-            raise ValueError(f"synthetic_passage_tokens must be >= {synthetic.MIN_PASSAGE_TOKENS}, "
-                             f"got {self.synthetic_passage_tokens}")
+            raise ValueError(
+                f"synthetic_passage_tokens must be >= {synthetic.MIN_PASSAGE_TOKENS}, "
+                f"got {self.synthetic_passage_tokens}"
+            )
         if self.repeats < 1:
             raise ValueError(f"repeats must be >= 1, got {self.repeats}")
         if self.max_new_tokens < 1:
@@ -129,8 +134,9 @@ class BenchConfig:
                 raise ValueError(f"scaling point {n}x{t}: need >= 1 chunk of >= 32 tokens")
         bad = [t for t in self.synthetic_types if t not in synthetic.QUESTION_TYPES]
         if bad or not self.synthetic_types:
-            raise ValueError(f"synthetic types must be some of {', '.join(synthetic.QUESTION_TYPES)}, "
-                             f"got {self.synthetic_types!r}")
+            raise ValueError(
+                f"synthetic types must be some of {', '.join(synthetic.QUESTION_TYPES)}, got {self.synthetic_types!r}"
+            )
         if self.check_items < 0:
             raise ValueError(f"check_items must be >= 0, got {self.check_items}")
         if self.sweep_data not in ("synthetic", "data"):
@@ -148,16 +154,24 @@ class Example:
     qtype: str = ""
 
 
-def examples_from_items(items: Sequence[Any], *, source: str, limit: int | None = None, passages: int | None = None,
-                        passage_words: int | None = None) -> list[Example]:
+def examples_from_items(
+    items: Sequence[Any],
+    *,
+    source: str,
+    limit: int | None = None,
+    passages: int | None = None,
+    passage_words: int | None = None,
+) -> list[Example]:
     """Validate QA examples (any format :mod:`kvrag.qa_data` reads) and turn them into
     ``Example`` s: each passage is ``title\ntext`` (or the text alone), empty passages dropped."""
     if not isinstance(items, list):
         raise ValueError(f"{source}: expected a JSON list of examples, got {type(items).__name__}")
     out = []
     for i, rec in enumerate(qa_data.parse_items(items[: limit if limit is not None else None], source)):
-        texts = [f"{title.strip()}\n{text.strip()}" if title.strip() else text.strip()
-                 for title, text in rec.passages[: passages if passages else None]]
+        texts = [
+            f"{title.strip()}\n{text.strip()}" if title.strip() else text.strip()
+            for title, text in rec.passages[: passages if passages else None]
+        ]
         if passage_words:
             texts = [" ".join(t.split(" ")[:passage_words]) for t in texts]
         texts = [t for t in texts if t.strip()]
@@ -375,8 +389,11 @@ class Bench:
 
             load_adapter(cfg.kvlink_adapter)  # a wrong path must not cost a model load either
         # Read and check the data file now: a typo must not cost a model load.
-        self.data_examples = (load_examples(cfg.data, limit=cfg.limit, passages=cfg.passages,
-                                            passage_words=cfg.passage_words) if cfg.data else None)
+        self.data_examples = (
+            load_examples(cfg.data, limit=cfg.limit, passages=cfg.passages, passage_words=cfg.passage_words)
+            if cfg.data
+            else None
+        )
         self.records: list[dict] = []
         self.floor_records: list[dict] = []  # the floor scenario (kvrag.bench.floor): a table of its own
         self.precompute_log: list[dict] = []
@@ -402,9 +419,14 @@ class Bench:
         if self.data_examples is not None:
             out.append((Path(cfg.data).stem, self.data_examples))
         if cfg.synthetic:
-            items = synthetic.generate(cfg.synthetic, cfg.seed, types=cfg.synthetic_types, n_passages=cfg.synthetic_passages,
-                                       passage_tokens=cfg.synthetic_passage_tokens,
-                                       count_tokens=lambda s: len(rag.handle.encode(s)))
+            items = synthetic.generate(
+                cfg.synthetic,
+                cfg.seed,
+                types=cfg.synthetic_types,
+                n_passages=cfg.synthetic_passages,
+                passage_tokens=cfg.synthetic_passage_tokens,
+                count_tokens=lambda s: len(rag.handle.encode(s)),
+            )
             out.append(("synthetic", examples_from_items(items, source="synthetic")))
         return out
 
@@ -415,9 +437,14 @@ class Bench:
         single-hop items are too few to tell whether the model can do the task at all."""
         cfg = self.cfg
         seed = cfg.seed + 1
-        items = synthetic.generate(cfg.check_items, seed, types=("single_hop",), n_passages=cfg.synthetic_passages,
-                                   passage_tokens=cfg.synthetic_passage_tokens,
-                                   count_tokens=lambda s: len(rag.handle.encode(s)))
+        items = synthetic.generate(
+            cfg.check_items,
+            seed,
+            types=("single_hop",),
+            n_passages=cfg.synthetic_passages,
+            passage_tokens=cfg.synthetic_passage_tokens,
+            count_tokens=lambda s: len(rag.handle.encode(s)),
+        )
         answered = 0
         for i, ex in enumerate(examples_from_items(items, source="check"), 1):
             out = rag.generate(self.messages(ex, rag), policy=REFERENCE, max_new_tokens=cfg.max_new_tokens, stop=STOP)
@@ -425,8 +452,14 @@ class Bench:
             answered += bool(M.best_acc(answer, ex.answers) or M.best_em(answer, ex.answers))
             if i % 8 == 0 or i == len(items):
                 self.say(f"  single-hop check {i}/{len(items)}: {answered} answered")
-        self.check = {"device": self.device, "items": len(items), "answered": answered, "seed": seed,
-                      "passages": cfg.synthetic_passages, "passage_tokens": cfg.synthetic_passage_tokens}
+        self.check = {
+            "device": self.device,
+            "items": len(items),
+            "answered": answered,
+            "seed": seed,
+            "passages": cfg.synthetic_passages,
+            "passage_tokens": cfg.synthetic_passage_tokens,
+        }
 
     # -- one prompt --
     def messages(self, ex: Example, rag) -> list[dict] | str:
@@ -451,28 +484,40 @@ class Bench:
             # "reuse" run would silently measure a full prefill instead.
             gone = sum(not r.is_cached(t) for t in todo)
             if gone:
-                raise RuntimeError(f"{gone} of the {len(todo)} chunks just precomputed are not in the KV store any "
-                                   f"more: its size limit ({r.store.stats().get('size_limit')} bytes) evicted them; "
-                                   "use a store with a larger limit (kvrag cache gc --size-limit on --cache-dir)")
-            self.precompute_log.append({"device": self.device, "scenario": scenario, "chunks": len(todo),
-                                        "tokens": tokens, "seconds": dt})
+                raise RuntimeError(
+                    f"{gone} of the {len(todo)} chunks just precomputed are not in the KV store any "
+                    f"more: its size limit ({r.store.stats().get('size_limit')} bytes) evicted them; "
+                    "use a store with a larger limit (kvrag cache gc --size-limit on --cache-dir)"
+                )
+            self.precompute_log.append(
+                {"device": self.device, "scenario": scenario, "chunks": len(todo), "tokens": tokens, "seconds": dt}
+            )
 
     def _base_record(self, scenario, dataset, ex: Example, run: Run) -> dict:
         return {
-            "device": self.device, "scenario": scenario, "dataset": dataset, "example_id": ex.id,
-            "qtype": ex.qtype, "policy": run.policy, "label": run.label, "params": run.params,
+            "device": self.device,
+            "scenario": scenario,
+            "dataset": dataset,
+            "example_id": ex.id,
+            "qtype": ex.qtype,
+            "policy": run.policy,
+            "label": run.label,
+            "params": run.params,
             "recompute_ratio_param": run.params.get("recompute_ratio"),
-            "gold": ex.answers, "error": None,
+            "gold": ex.answers,
+            "error": None,
         }
 
     def _timed(self, rag, msgs, run: Run, max_new: int) -> tuple[Any, PeakMemory]:
         with PeakMemory(self.device) as mem:
-            out = self.rag_for(run, rag).generate(msgs, policy=run.policy, max_new_tokens=max_new, stop=STOP,
-                                                  **run.params)
+            out = self.rag_for(run, rag).generate(
+                msgs, policy=run.policy, max_new_tokens=max_new, stop=STOP, **run.params
+            )
         return out, mem
 
-    def time_policies(self, rag, scenario, dataset, ex: Example, runs: list[Run], index: int,
-                      repeats: int, max_new: int) -> dict[str, dict]:
+    def time_policies(
+        self, rag, scenario, dataset, ex: Example, runs: list[Run], index: int, repeats: int, max_new: int
+    ) -> dict[str, dict]:
         """Timed, interleaved runs of every policy on one example: {label: record}."""
         msgs = self.messages(ex, rag)
         recs = {r.label: self._base_record(scenario, dataset, ex, r) for r in runs}
@@ -506,14 +551,23 @@ class Bench:
                 rec["peak_mem_delta_mb"] = max(rec.get("peak_mem_delta_mb", 0.0), mem.delta_mb)
                 if rnd == 0:
                     rec.update(
-                        answer=out.text.strip(), answer_token_ids=list(out.token_ids), new_tokens=s.new_tokens,
+                        answer=out.text.strip(),
+                        answer_token_ids=list(out.token_ids),
+                        new_tokens=s.new_tokens,
                         tpot_s=(s.decode_s / (s.new_tokens - 1)) if s.new_tokens > 1 else None,
-                        prompt_tokens=s.prompt_tokens, cached_tokens=s.cached_tokens,
-                        recomputed_tokens=s.recomputed_tokens, computed_tokens=s.computed_tokens,
-                        kept_tokens=s.kept_tokens, inserted_tokens=s.inserted_tokens,
-                        recompute_fraction=s.recompute_fraction, bytes_loaded=s.bytes_loaded,
-                        chunks_hit=s.chunks_hit, chunks_missed=s.chunks_missed, chunks_hot=s.chunks_hot,
-                        load_s=s.load_s, prefill_s=s.prefill_s,
+                        prompt_tokens=s.prompt_tokens,
+                        cached_tokens=s.cached_tokens,
+                        recomputed_tokens=s.recomputed_tokens,
+                        computed_tokens=s.computed_tokens,
+                        kept_tokens=s.kept_tokens,
+                        inserted_tokens=s.inserted_tokens,
+                        recompute_fraction=s.recompute_fraction,
+                        bytes_loaded=s.bytes_loaded,
+                        chunks_hit=s.chunks_hit,
+                        chunks_missed=s.chunks_missed,
+                        chunks_hot=s.chunks_hot,
+                        load_s=s.load_s,
+                        prefill_s=s.prefill_s,
                         policy_stats={k: v for k, v in dict(s.policy_stats).items() if isinstance(v, (int, float))},
                     )
                     # Share of the prompt's KV the decoder reads per generated token: what it
@@ -589,9 +643,15 @@ class Bench:
     # -- the QA journal --
     def _journal_identity(self, dataset: str) -> dict:
         cfg = {k: v for k, v in dataclasses.asdict(self.cfg).items() if k not in _NOT_IN_JOURNAL_IDENTITY}
-        ident = {"format": JOURNAL_FORMAT, "device": self.device, "dataset": dataset,
-                 "model": self.model_info.get("fingerprint"), "kvlink_adapter": self.model_info.get("kvlink_adapter"),
-                 "runs": [r.label for r in self.runs], "config": _jsonable(cfg)}
+        ident = {
+            "format": JOURNAL_FORMAT,
+            "device": self.device,
+            "dataset": dataset,
+            "model": self.model_info.get("fingerprint"),
+            "kvlink_adapter": self.model_info.get("kvlink_adapter"),
+            "runs": [r.label for r in self.runs],
+            "config": _jsonable(cfg),
+        }
         return json.loads(json.dumps(ident, default=str))  # as it reads back: tuples are lists
 
     def open_journal(self, dataset: str) -> tuple[dict[str, list[dict]], Path]:
@@ -609,11 +669,18 @@ class Bench:
             except (json.JSONDecodeError, KeyError, TypeError):
                 head = None
             if head != ident:
-                differ = sorted(k for k in ident["config"] if not isinstance(head, dict)
-                                or (head.get("config") or {}).get(k) != ident["config"][k])
-                differ += [k for k in ident if k != "config" and (not isinstance(head, dict) or head.get(k) != ident[k])]
-                raise ValueError(f"--resume: {path} was written by another run configuration (differs in: "
-                                 f"{', '.join(differ) or 'its header'}); use another --out, or run without --resume")
+                differ = sorted(
+                    k
+                    for k in ident["config"]
+                    if not isinstance(head, dict) or (head.get("config") or {}).get(k) != ident["config"][k]
+                )
+                differ += [
+                    k for k in ident if k != "config" and (not isinstance(head, dict) or head.get(k) != ident[k])
+                ]
+                raise ValueError(
+                    f"--resume: {path} was written by another run configuration (differs in: "
+                    f"{', '.join(differ) or 'its header'}); use another --out, or run without --resume"
+                )
             for line in lines[1:]:
                 try:
                     row = json.loads(line)
@@ -633,8 +700,10 @@ class Bench:
     def run_qa(self, rag, dataset: str, examples: list[Example]) -> None:
         done, journal = self.open_journal(dataset)
         kept = sum(self._journal_key(i, ex) in done for i, ex in enumerate(examples))
-        self.say(f"[{self.device}] qa/{dataset}: {len(examples)} examples x {len(self.runs)} policies"
-                 + (f" ({kept} kept from {journal})" if kept else ""))
+        self.say(
+            f"[{self.device}] qa/{dataset}: {len(examples)} examples x {len(self.runs)} policies"
+            + (f" ({kept} kept from {journal})" if kept else "")
+        )
         for i, ex in enumerate(examples):
             key = self._journal_key(i, ex)
             if key in done:
@@ -653,9 +722,11 @@ class Bench:
                 f.flush()
                 os.fsync(f.fileno())
             fp = recs[REFERENCE]
-            self.say(f"  {dataset} {i + 1}/{len(examples)} ({fp.get('prompt_tokens')} tok, "
-                     f"{time.perf_counter() - t0:.0f}s): " + "  ".join(
-                         f"{r['label']} {r['ttft_s'] or float('nan'):.2f}s" for r in recs.values()))
+            self.say(
+                f"  {dataset} {i + 1}/{len(examples)} ({fp.get('prompt_tokens')} tok, "
+                f"{time.perf_counter() - t0:.0f}s): "
+                + "  ".join(f"{r['label']} {r['ttft_s'] or float('nan'):.2f}s" for r in recs.values())
+            )
 
     def run_scaling(self, rag) -> None:
         cfg = self.cfg
@@ -670,8 +741,10 @@ class Bench:
             for rec in recs.values():
                 rec.update(chunks=n, chunk_tokens=t)
             self._done(recs)
-            self.say(f"  {n}x{t} ({recs[REFERENCE].get('prompt_tokens')} tok): " + "  ".join(
-                f"{r['label']} {r['ttft_s'] or float('nan'):.2f}s" for r in recs.values()))
+            self.say(
+                f"  {n}x{t} ({recs[REFERENCE].get('prompt_tokens')} tok): "
+                + "  ".join(f"{r['label']} {r['ttft_s'] or float('nan'):.2f}s" for r in recs.values())
+            )
 
     def run_floor(self, rag) -> None:
         """TTFT beside its floor and op counts (``kvrag.bench.floor``) at each floor point."""
@@ -683,23 +756,44 @@ class Bench:
             item = synthetic.exact_length_item(n, t, rag.handle.encode, rag.tokenizer.decode, seed=cfg.seed)
             ex = examples_from_items([item], source="floor")[0]
             self.precompute(rag, ex.passages, "floor")
-            recs = measure_floor(lambda run: self.rag_for(run, rag), self.messages(ex, rag), self.runs,
-                                 cfg.repeats, f"{n}x{t}", self.device, cold=not cfg.hot_cache)
+            recs = measure_floor(
+                lambda run: self.rag_for(run, rag),
+                self.messages(ex, rag),
+                self.runs,
+                cfg.repeats,
+                f"{n}x{t}",
+                self.device,
+                cold=not cfg.hot_cache,
+            )
             self.floor_records += recs
-            self.say(f"  {n}x{t} ({recs[0].get('prompt_tokens')} tok): " + "  ".join(
-                f"{r['label']} {r.get('ttft_s') or float('nan'):.3f}s"
-                + (f" (floor {r['floor_s']:.3f}s, ops {r.get('ops_prefill')}/{r.get('ops_plain')})" if r.get("floor_s") else "")
-                for r in recs))
+            self.say(
+                f"  {n}x{t} ({recs[0].get('prompt_tokens')} tok): "
+                + "  ".join(
+                    f"{r['label']} {r.get('ttft_s') or float('nan'):.3f}s"
+                    + (
+                        f" (floor {r['floor_s']:.3f}s, ops {r.get('ops_prefill')}/{r.get('ops_plain')})"
+                        if r.get("floor_s")
+                        else ""
+                    )
+                    for r in recs
+                )
+            )
 
     def run_sweep(self, rag, datasets: dict[str, list[Example]]) -> None:
         cfg = self.cfg
-        name = "synthetic" if cfg.sweep_data == "synthetic" and "synthetic" in datasets else next(
-            (k for k in datasets if k != "synthetic"), None) or next(iter(datasets), None)
+        name = (
+            "synthetic"
+            if cfg.sweep_data == "synthetic" and "synthetic" in datasets
+            else next((k for k in datasets if k != "synthetic"), None) or next(iter(datasets), None)
+        )
         if name is None:
             return
         examples = datasets[name][: cfg.sweep_limit]
-        runs = [Run(REFERENCE)] + [Run(p, {**cfg.params.get(p, {}), "recompute_ratio": r})
-                                   for p in self.sweep_policies for r in cfg.sweep_ratios]
+        runs = [Run(REFERENCE)] + [
+            Run(p, {**cfg.params.get(p, {}), "recompute_ratio": r})
+            for p in self.sweep_policies
+            for r in cfg.sweep_ratios
+        ]
         self.say(f"[{self.device}] sweep on {name}: {len(examples)} examples x {len(runs) - 1} (policy, ratio)")
         for i, ex in enumerate(examples):
             self.precompute(rag, ex.passages, f"sweep/{name}", runs)
@@ -727,8 +821,12 @@ class Bench:
                 used = dir_bytes(d) - empty
                 blob = r.store.stats()["bytes"]
             bound = 2 * layers * kv_heads * head_dim * nbytes * 1000
-            out[dt] = {"bytes_per_1k": used / tokens * 1000, "blob_bytes_per_1k": blob / tokens * 1000,
-                       "bound_per_1k": bound, "ratio": used / tokens * 1000 / bound}
+            out[dt] = {
+                "bytes_per_1k": used / tokens * 1000,
+                "blob_bytes_per_1k": blob / tokens * 1000,
+                "bound_per_1k": bound,
+                "ratio": used / tokens * 1000 / bound,
+            }
         self.footprint = out
 
     def warm_up(self, rag, ex: Example) -> None:
@@ -739,8 +837,9 @@ class Bench:
         self.precompute_log = [p for p in self.precompute_log if p["scenario"] != "warmup"]
         for run in self.runs:
             try:
-                self.rag_for(run, rag).generate(self.messages(short, rag), policy=run.policy, max_new_tokens=2, stop=STOP,
-                                                **run.params)
+                self.rag_for(run, rag).generate(
+                    self.messages(short, rag), policy=run.policy, max_new_tokens=2, stop=STOP, **run.params
+                )
             except Exception as e:  # noqa: BLE001 - the timed run records it
                 log.debug("warm-up of %s failed: %s", run.label, e)
 
@@ -774,8 +873,9 @@ class Bench:
         elif adapter not in (None, "none", "links"):
             path = find_adapter(handle) if adapter == "auto" else adapter
             if path is None:
-                raise KVLinkError("--kvlink-adapter auto: no KVLink adapter for this model; "
-                                  "train one with `kvrag train kvlink`")
+                raise KVLinkError(
+                    "--kvlink-adapter auto: no KVLink adapter for this model; train one with `kvrag train kvlink`"
+                )
             ad = load_adapter(path)
         if ad is None:
             base_adapter, lora = ("links" if adapter == "links" else None), None
@@ -783,13 +883,17 @@ class Bench:
             # A links-only adapter leaves the weights (and full_prefill) alone: it can ride on
             # the base KVRag. LoRA weights would change the reference too.
             base_adapter, lora = (None, ad) if ad.has_lora else (ad, None)
-        rag = KVRag(handle, cache_dir=cache_dir, kvlink_adapter=base_adapter,
-                    ingest_policies=[r.policy for r in self.runs], **kw)
+        rag = KVRag(
+            handle,
+            cache_dir=cache_dir,
+            kvlink_adapter=base_adapter,
+            ingest_policies=[r.policy for r in self.runs],
+            **kw,
+        )
         self.kvlink_rag = None
         if lora is not None and any(r.policy == "kvlink" for r in self.runs):
             # Same store directory: the adapted model's fingerprint keeps its chunks apart.
-            self.kvlink_rag = KVRag(handle, cache_dir=cache_dir, kvlink_adapter=lora,
-                                    ingest_policies=["kvlink"], **kw)
+            self.kvlink_rag = KVRag(handle, cache_dir=cache_dir, kvlink_adapter=lora, ingest_policies=["kvlink"], **kw)
         return rag
 
     def _add_untrained_kvlink(self, rag) -> None:
@@ -801,11 +905,16 @@ class Bench:
         if adapter is None:
             return
         self.model_info["kvlink_adapter"] = {
-            "path": str(adapter.path), "link_tokens": adapter.link_tokens, "lora": adapter.has_lora,
-            "steps": adapter.meta.get("steps"), "command": adapter.meta.get("command")}
+            "path": str(adapter.path),
+            "link_tokens": adapter.link_tokens,
+            "lora": adapter.has_lora,
+            "steps": adapter.meta.get("steps"),
+            "command": adapter.meta.get("command"),
+        }
         untrained = Run("kvlink", {"mode": "untrained"})
-        if any(r.policy == "kvlink" and not r.params for r in self.runs) and \
-                all(r.label != untrained.label for r in self.runs):
+        if any(r.policy == "kvlink" and not r.params for r in self.runs) and all(
+            r.label != untrained.label for r in self.runs
+        ):
             self.runs.append(untrained)
 
     def run(self) -> dict:
@@ -814,18 +923,27 @@ class Bench:
 
         cfg = self.cfg
         t_start = time.perf_counter()
-        meta = {"machine": machine_info(cfg.devices), "command": cfg.command, "git_commit": _git_commit(),
-                "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "config": _jsonable(dataclasses.asdict(cfg))}
+        meta = {
+            "machine": machine_info(cfg.devices),
+            "command": cfg.command,
+            "git_commit": _git_commit(),
+            "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+            "config": _jsonable(dataclasses.asdict(cfg)),
+        }
         for device in cfg.devices:
             self.device = device
             self.say(f"loading model on {device} ...")
             handle = ModelHandle.load(cfg.model, dtype=cfg.dtype, device=device)
             mc = handle.model.config
-            self.model_info = {"name": getattr(mc, "_name_or_path", "") or cfg.model or "SmolLM2-135M-Instruct (default)",
-                               "fingerprint": handle.fingerprint[:16], "layers": mc.num_hidden_layers,
-                               "kv_heads": getattr(mc, "num_key_value_heads", None),
-                               "dtype": cfg.dtype, "storage_dtype": cfg.storage_dtype,
-                               "chunk_anchor": handle.anchor_ids() if cfg.chunk_anchor == "auto" else []}
+            self.model_info = {
+                "name": getattr(mc, "_name_or_path", "") or cfg.model or "SmolLM2-135M-Instruct (default)",
+                "fingerprint": handle.fingerprint[:16],
+                "layers": mc.num_hidden_layers,
+                "kv_heads": getattr(mc, "num_key_value_heads", None),
+                "dtype": cfg.dtype,
+                "storage_dtype": cfg.storage_dtype,
+                "chunk_anchor": handle.anchor_ids() if cfg.chunk_anchor == "auto" else [],
+            }
             tmp = None
             cache_dir = cfg.cache_dir
             if cache_dir is None:
@@ -865,9 +983,16 @@ class Bench:
                     tmp.cleanup()
         meta["wall_s"] = time.perf_counter() - t_start
         meta["model"] = self.model_info
-        return {"records": self.records, "meta": meta, "precompute": self.precompute_log,
-                "floor": self.floor_records, "footprint": self.footprint, "single_hop_check": self.check, "summary": summarize(self.records),
-                "throughput": throughput(self.records, self.precompute_log)}
+        return {
+            "records": self.records,
+            "meta": meta,
+            "precompute": self.precompute_log,
+            "floor": self.floor_records,
+            "footprint": self.footprint,
+            "single_hop_check": self.check,
+            "summary": summarize(self.records),
+            "throughput": throughput(self.records, self.precompute_log),
+        }
 
 
 def _jsonable(x):
@@ -882,12 +1007,44 @@ def _jsonable(x):
 
 # ---- summary -------------------------------------------------------------------------------
 SUMMARY_FIELDS = [
-    "device", "scenario", "dataset", "label", "policy", "recompute_ratio_param", "n", "errors",
-    "prompt_tokens", "ttft_s", "ttft_spread", "speedup", "tpot_s",
-    "gold_f1", "gold_em", "gold_acc", "fidelity_f1", "fidelity_em", "gold_nll", "gold_nll_delta", "gold_ll_rel_gap",
-    "top1_agreement", "kl", "cached_tokens", "recomputed_tokens", "computed_tokens", "kept_tokens",
-    "kept_fraction", "kv_read_fraction", "recompute_fraction", "bytes_loaded", "peak_mem_mb", "peak_mem_delta_mb",
-    "gold_f1_ratio", "gold_f1_loss_pts", "gold_acc_ratio", "gold_acc_loss_pts", "gold_acc_hits",
+    "device",
+    "scenario",
+    "dataset",
+    "label",
+    "policy",
+    "recompute_ratio_param",
+    "n",
+    "errors",
+    "prompt_tokens",
+    "ttft_s",
+    "ttft_spread",
+    "speedup",
+    "tpot_s",
+    "gold_f1",
+    "gold_em",
+    "gold_acc",
+    "fidelity_f1",
+    "fidelity_em",
+    "gold_nll",
+    "gold_nll_delta",
+    "gold_ll_rel_gap",
+    "top1_agreement",
+    "kl",
+    "cached_tokens",
+    "recomputed_tokens",
+    "computed_tokens",
+    "kept_tokens",
+    "kept_fraction",
+    "kv_read_fraction",
+    "recompute_fraction",
+    "bytes_loaded",
+    "peak_mem_mb",
+    "peak_mem_delta_mb",
+    "gold_f1_ratio",
+    "gold_f1_loss_pts",
+    "gold_acc_ratio",
+    "gold_acc_loss_pts",
+    "gold_acc_hits",
 ]
 
 
@@ -900,14 +1057,45 @@ def summarize(records: list[dict]) -> list[dict]:
     rows = []
     for (device, scenario, dataset, label), rs in groups.items():
         ok = [r for r in rs if not r.get("error")]
-        spreads = [(r["ttft_max"] - r["ttft_min"]) / r["ttft_s"] for r in ok if r.get("ttft_s") and r.get("ttft_max") is not None]
-        row = {"device": device, "scenario": scenario, "dataset": dataset, "label": label, "policy": rs[0]["policy"],
-               "recompute_ratio_param": rs[0].get("recompute_ratio_param"), "n": len(rs), "errors": len(rs) - len(ok),
-               "ttft_s": _median([r.get("ttft_s") for r in ok]), "speedup": _median([r.get("speedup") for r in ok]),
-               "ttft_spread": _median(spreads)}
-        for k in ("prompt_tokens", "tpot_s", "gold_f1", "gold_em", "gold_acc", "fidelity_f1", "fidelity_em", "gold_nll",
-                  "gold_nll_delta", "top1_agreement", "kl", "cached_tokens", "recomputed_tokens", "computed_tokens",
-                  "kept_tokens", "kept_fraction", "kv_read_fraction", "recompute_fraction", "bytes_loaded"):
+        spreads = [
+            (r["ttft_max"] - r["ttft_min"]) / r["ttft_s"]
+            for r in ok
+            if r.get("ttft_s") and r.get("ttft_max") is not None
+        ]
+        row = {
+            "device": device,
+            "scenario": scenario,
+            "dataset": dataset,
+            "label": label,
+            "policy": rs[0]["policy"],
+            "recompute_ratio_param": rs[0].get("recompute_ratio_param"),
+            "n": len(rs),
+            "errors": len(rs) - len(ok),
+            "ttft_s": _median([r.get("ttft_s") for r in ok]),
+            "speedup": _median([r.get("speedup") for r in ok]),
+            "ttft_spread": _median(spreads),
+        }
+        for k in (
+            "prompt_tokens",
+            "tpot_s",
+            "gold_f1",
+            "gold_em",
+            "gold_acc",
+            "fidelity_f1",
+            "fidelity_em",
+            "gold_nll",
+            "gold_nll_delta",
+            "top1_agreement",
+            "kl",
+            "cached_tokens",
+            "recomputed_tokens",
+            "computed_tokens",
+            "kept_tokens",
+            "kept_fraction",
+            "kv_read_fraction",
+            "recompute_fraction",
+            "bytes_loaded",
+        ):
             row[k] = _mean([r.get(k) for r in ok])
         # Answered items as a count: on a few dozen items a ratio of accuracies hides how few
         # answers it rests on.
@@ -917,15 +1105,30 @@ def summarize(records: list[dict]) -> list[dict]:
         row["peak_mem_delta_mb"] = max((r.get("peak_mem_delta_mb") or 0.0 for r in ok), default=None)
         # Relative gap of the *mean* gold log-likelihood to full_prefill's mean on the same examples.
         ids = {r["example_id"] for r in ok if r.get("gold_ll") is not None}
-        refs = [r for r in groups.get((device, scenario, dataset, REFERENCE), []) if r["example_id"] in ids and r.get("gold_ll") is not None]
-        mine = [r["gold_ll"] for r in ok if r.get("gold_ll") is not None and r["example_id"] in {x["example_id"] for x in refs}]
-        row["gold_ll_rel_gap"] = M.relative_gap(_mean(mine), _mean([r["gold_ll"] for r in refs])) if mine and refs else None
+        refs = [
+            r
+            for r in groups.get((device, scenario, dataset, REFERENCE), [])
+            if r["example_id"] in ids and r.get("gold_ll") is not None
+        ]
+        mine = [
+            r["gold_ll"]
+            for r in ok
+            if r.get("gold_ll") is not None and r["example_id"] in {x["example_id"] for x in refs}
+        ]
+        row["gold_ll_rel_gap"] = (
+            M.relative_gap(_mean(mine), _mean([r["gold_ll"] for r in refs])) if mine and refs else None
+        )
         # QA score kept, on the examples both ran: ratio to full_prefill's mean and the loss in
         # points (x100), for gold F1 and for gold accuracy (answer contained).
         for metric in ("gold_f1", "gold_acc"):
-            ref = {r["example_id"]: r[metric] for r in groups.get((device, scenario, dataset, REFERENCE), [])
-                   if r.get(metric) is not None and not r.get("error")}
-            both = [(r[metric], ref[r["example_id"]]) for r in ok if r.get(metric) is not None and r["example_id"] in ref]
+            ref = {
+                r["example_id"]: r[metric]
+                for r in groups.get((device, scenario, dataset, REFERENCE), [])
+                if r.get(metric) is not None and not r.get("error")
+            }
+            both = [
+                (r[metric], ref[r["example_id"]]) for r in ok if r.get(metric) is not None and r["example_id"] in ref
+            ]
             mine_mean, ref_mean = _mean([a for a, _ in both]), _mean([b for _, b in both])
             row[f"{metric}_ratio"] = mine_mean / ref_mean if both and ref_mean else None
             row[f"{metric}_loss_pts"] = 100 * (ref_mean - mine_mean) if both else None
@@ -940,12 +1143,24 @@ def throughput(records: list[dict], precompute_log: list[dict]) -> dict:
     for d in sorted(devices):
         pre = [p for p in precompute_log if p["device"] == d]
         tok, sec = sum(p["tokens"] for p in pre), sum(p["seconds"] for p in pre)
-        fps = [r for r in records if r["device"] == d and r["policy"] == REFERENCE and r["scenario"] == "qa"
-               and r.get("ttft_s") and r.get("prompt_tokens")]
+        fps = [
+            r
+            for r in records
+            if r["device"] == d
+            and r["policy"] == REFERENCE
+            and r["scenario"] == "qa"
+            and r.get("ttft_s")
+            and r.get("prompt_tokens")
+        ]
         ptok, psec = sum(r["prompt_tokens"] for r in fps), sum(r["ttft_s"] for r in fps)
-        out[d] = {"precompute_tokens": tok, "precompute_s": sec,
-                  "precompute_tok_per_s": tok / sec if sec else None,
-                  "prefill_tokens": ptok, "prefill_s": psec, "prefill_tok_per_s": ptok / psec if psec else None}
+        out[d] = {
+            "precompute_tokens": tok,
+            "precompute_s": sec,
+            "precompute_tok_per_s": tok / sec if sec else None,
+            "prefill_tokens": ptok,
+            "prefill_s": psec,
+            "prefill_tok_per_s": ptok / psec if psec else None,
+        }
         if out[d]["precompute_tok_per_s"] and out[d]["prefill_tok_per_s"]:
             out[d]["ratio"] = out[d]["precompute_tok_per_s"] / out[d]["prefill_tok_per_s"]
     return out

@@ -19,6 +19,7 @@ needs) and ``subject``. The same ``seed`` (and options) always gives the same it
 draws from its own ``random.Random`` seeded by a string (Python hashes string seeds with
 SHA-512, not with the per-process ``hash()``).
 """
+
 from __future__ import annotations
 
 import random
@@ -30,26 +31,121 @@ QUESTION_TYPES = ("single_hop", "two_hop", "cross_passage")
 MIN_PASSAGES = 3
 MIN_PASSAGE_TOKENS = 30
 
-_ONSETS = ["b", "br", "d", "dr", "f", "g", "gr", "h", "k", "kr", "l", "m", "n", "p", "qu", "r", "s",
-           "st", "t", "th", "tr", "v", "w", "z"]
+_ONSETS = [
+    "b",
+    "br",
+    "d",
+    "dr",
+    "f",
+    "g",
+    "gr",
+    "h",
+    "k",
+    "kr",
+    "l",
+    "m",
+    "n",
+    "p",
+    "qu",
+    "r",
+    "s",
+    "st",
+    "t",
+    "th",
+    "tr",
+    "v",
+    "w",
+    "z",
+]
 _VOWELS = ["a", "e", "i", "o", "u", "ae", "ia", "ou", "y"]
 _CODAS = ["", "", "", "n", "r", "l", "s", "th", "x", "m", "nd", "rk"]
 _CITY_SUFFIXES = ["mouth", "ford", "holm", "wick", "by", "stead", "haven", "dale", "port", "ton"]
-_COMPANY_KINDS = ["Trading Company", "Ironworks", "Shipyards", "Printing House", "Glassworks",
-                  "Weaving Mills", "Salt Company", "Rope Works"]
-_OCCUPATIONS = ["painter", "astronomer", "shipwright", "botanist", "cartographer", "violinist",
-                "glassblower", "architect", "beekeeper", "clockmaker", "sculptor", "physician"]
-_GOODS = ["dried figs", "amber", "wool", "copper wire", "salted fish", "indigo", "barley", "tin cups",
-          "lamp oil", "walnut wood", "honey", "river clay"]
+_COMPANY_KINDS = [
+    "Trading Company",
+    "Ironworks",
+    "Shipyards",
+    "Printing House",
+    "Glassworks",
+    "Weaving Mills",
+    "Salt Company",
+    "Rope Works",
+]
+_OCCUPATIONS = [
+    "painter",
+    "astronomer",
+    "shipwright",
+    "botanist",
+    "cartographer",
+    "violinist",
+    "glassblower",
+    "architect",
+    "beekeeper",
+    "clockmaker",
+    "sculptor",
+    "physician",
+]
+_GOODS = [
+    "dried figs",
+    "amber",
+    "wool",
+    "copper wire",
+    "salted fish",
+    "indigo",
+    "barley",
+    "tin cups",
+    "lamp oil",
+    "walnut wood",
+    "honey",
+    "river clay",
+]
 _MATERIALS = ["grey", "red", "speckled", "black", "pale yellow", "blue"]
 _ADJS = ["narrow", "crooked", "famous", "quiet", "crowded", "ancient", "windy", "colourful"]
-_THINGS = ["bell tower", "covered market", "stone bridge", "lighthouse", "canal", "orchard",
-           "observatory", "granary"]
+_THINGS = ["bell tower", "covered market", "stone bridge", "lighthouse", "canal", "orchard", "observatory", "granary"]
 
-_FIRST_NAMES = ["Anna", "Maria", "Clara", "Helen", "Sofia", "Laura", "Emma", "Julia", "Nora", "Alice",
-                "Peter", "Thomas", "Daniel", "Martin", "Oscar", "Victor", "Simon", "Hugo", "Felix", "Leon"]
-_SURNAMES = ["Holt", "Brandt", "Marsh", "Keller", "Lindqvist", "Moreau", "Varga", "Novak", "Fischer",
-             "Dumont", "Castell", "Hale", "Rossi", "Okafor", "Sato", "Berg", "Quinn", "Ivanova", "Weber", "Costa"]
+_FIRST_NAMES = [
+    "Anna",
+    "Maria",
+    "Clara",
+    "Helen",
+    "Sofia",
+    "Laura",
+    "Emma",
+    "Julia",
+    "Nora",
+    "Alice",
+    "Peter",
+    "Thomas",
+    "Daniel",
+    "Martin",
+    "Oscar",
+    "Victor",
+    "Simon",
+    "Hugo",
+    "Felix",
+    "Leon",
+]
+_SURNAMES = [
+    "Holt",
+    "Brandt",
+    "Marsh",
+    "Keller",
+    "Lindqvist",
+    "Moreau",
+    "Varga",
+    "Novak",
+    "Fischer",
+    "Dumont",
+    "Castell",
+    "Hale",
+    "Rossi",
+    "Okafor",
+    "Sato",
+    "Berg",
+    "Quinn",
+    "Ivanova",
+    "Weber",
+    "Costa",
+]
 
 # Filler sentences: about places and things only. No other people and no pronoun, so the only
 # "she"/"he" of an item is the cross-passage one. (With distractor people in the filler,
@@ -128,9 +224,16 @@ class _Filler:
         c1, c2 = r.sample(self.cities, 2)
         a1 = r.choice(_ADJS)
         return r.choice(_FILLER).format(
-            c1=c1, c2=c2, r1=r.choice(self.rivers), g1=r.choice(_GOODS),
-            m1=r.choice(_MATERIALS), a1=a1, t1=r.choice(_THINGS),
-            y1=r.randint(1600, 1899), n=r.randint(20, 900), k=r.randint(2, 9),
+            c1=c1,
+            c2=c2,
+            r1=r.choice(self.rivers),
+            g1=r.choice(_GOODS),
+            m1=r.choice(_MATERIALS),
+            a1=a1,
+            t1=r.choice(_THINGS),
+            y1=r.randint(1600, 1899),
+            n=r.randint(20, 900),
+            k=r.randint(2, 9),
         )
 
     def sentences_for(self, tokens: int, count_tokens: Callable[[str], int]) -> list[str]:
@@ -207,8 +310,12 @@ def make_item(
         # Two passages that are not neighbours, in either order.
         pairs = [(a, b) for a in range(n_passages) for b in range(n_passages) if abs(a - b) > 1]
         i, j = rng.choice(pairs)
-        texts[i] = _passage(fill, [f"In {p['year'] + 30}, {p['name']} founded the {company}."], passage_tokens, count, "start")
-        texts[j] = _passage(fill, [f"The {company} has its headquarters in the city of {hq}."], passage_tokens, count, "start")
+        texts[i] = _passage(
+            fill, [f"In {p['year'] + 30}, {p['name']} founded the {company}."], passage_tokens, count, "start"
+        )
+        texts[j] = _passage(
+            fill, [f"The {company} has its headquarters in the city of {hq}."], passage_tokens, count, "start"
+        )
         question = f"In which city is the headquarters of the company founded by {p['name']}?"
         answer, evidence = hq, [i, j]
     else:  # cross_passage
@@ -216,8 +323,10 @@ def make_item(
         pron, poss = ("She", "her") if p["female"] else ("He", "his")
         intro = f"One of the best known people of that time was the {p['occupation']} {p['name']}."
         texts[i] = _passage(fill, [intro], passage_tokens, count, "end")
-        cont = [f"{pron} was born in {p['city']} in {p['year']}.",
-                f"{pron} spent most of {poss} life travelling between distant towns."]
+        cont = [
+            f"{pron} was born in {p['city']} in {p['year']}.",
+            f"{pron} spent most of {poss} life travelling between distant towns.",
+        ]
         texts[i + 1] = _passage(fill, cont, passage_tokens, count, "start")
         question = f"In which city was {p['name']} born?"
         answer, evidence = p["city"], [i, i + 1]
@@ -259,8 +368,16 @@ def generate(
     items = []
     for k in range(n):
         rng = random.Random(f"kvrag-synthetic:{seed}:{k}")
-        items.append(make_item(types[k % len(types)], rng, n_passages=n_passages, passage_tokens=passage_tokens,
-                               count_tokens=count_tokens, item_id=f"syn{seed}-{k}"))
+        items.append(
+            make_item(
+                types[k % len(types)],
+                rng,
+                n_passages=n_passages,
+                passage_tokens=passage_tokens,
+                count_tokens=count_tokens,
+                item_id=f"syn{seed}-{k}",
+            )
+        )
     return items
 
 

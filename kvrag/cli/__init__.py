@@ -11,6 +11,7 @@ so is a ``ValueError`` or ``OSError`` that a sub-command lets through (a bad val
 unusable path it did not check itself). Anything else is a bug and keeps its traceback.
 ``kvrag --debug COMMAND ...`` shows the traceback of every error.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,8 +40,11 @@ def build_parser() -> argparse.ArgumentParser:
         description="Precompute per-chunk KV caches and fuse them at query time to cut RAG time-to-first-token.",
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
-    parser.add_argument("--debug", action="store_true",
-                        help="show the full traceback of an error instead of the one-line 'kvrag: error: ...'")
+    parser.add_argument(
+        "--debug",
+        action="store_true",
+        help="show the full traceback of an error instead of the one-line 'kvrag: error: ...'",
+    )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
         if info.name.startswith("_"):
@@ -55,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _plain_help(parser: argparse.ArgumentParser) -> None:
     """Help texts are written like docstrings (``code``); a terminal shows `code`."""
+
     def plain(text):
         return text.replace("``", "`") if isinstance(text, str) else text
 

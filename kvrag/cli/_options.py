@@ -3,6 +3,7 @@
 ``--cache-dir`` is always a KV store directory (what ``KVRag(cache_dir=...)`` takes); the kvrag
 home (model conversions, codebooks, KVLink models: ``$KVRAG_HOME``) is ``--home``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -17,12 +18,18 @@ class _StoreIsNotHome(argparse.Action):
     and a store directory passed by habit would have become a second home silently."""
 
     def __call__(self, parser, namespace, values, option_string=None):
-        parser.error("--cache-dir names a KV store directory (as KVRag(cache_dir=...)); this command "
-                     "reads the kvrag home (model conversions): pass --home DIR (default $KVRAG_HOME)")
+        parser.error(
+            "--cache-dir names a KV store directory (as KVRag(cache_dir=...)); this command "
+            "reads the kvrag home (model conversions): pass --home DIR (default $KVRAG_HOME)"
+        )
 
 
 def add_home_option(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--home", metavar="DIR", default=None,
-                   help="kvrag home: converted models, codebooks (default $KVRAG_HOME, else the user "
-                        "cache directory, ~/.cache/kvrag on Linux)")
+    p.add_argument(
+        "--home",
+        metavar="DIR",
+        default=None,
+        help="kvrag home: converted models, codebooks (default $KVRAG_HOME, else the user "
+        "cache directory, ~/.cache/kvrag on Linux)",
+    )
     p.add_argument("--cache-dir", action=_StoreIsNotHome, help=argparse.SUPPRESS)

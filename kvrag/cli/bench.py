@@ -2,6 +2,7 @@
 file (MuSiQue format: ``question``, ``answers``, ``ctxs`` of ``{title, text}``) and/or synthetic QA, plus TTFT vs
 context length and quality vs recompute ratio; writes results.json, CSVs, PNG plots and a
 markdown report (``benchmarks/run_default.sh`` makes ``docs/benchmarks.md``)."""
+
 from __future__ import annotations
 
 import json
@@ -12,13 +13,32 @@ from kvrag.cli._options import MODEL_HELP
 from kvrag.errors import KVRagError
 
 # Defaults of a full run, and of --quick (a smoke test: seconds per policy, tiny prompts).
-FULL = {"repeats": 3, "max_new_tokens": 32, "scaling": "4x256,8x256,8x512,12x512",
-        "sweep_ratios": "0,0.05,0.1,0.15,0.3,0.5,1", "sweep_limit": 3, "synthetic_passages": 6,
-        "synthetic_passage_tokens": 200, "passage_words": None, "limit": None, "passages": None,
-        "check_items": 24}
-QUICK = {"repeats": 1, "max_new_tokens": 8, "scaling": "2x64,3x64", "sweep_ratios": "0,0.15,1",
-         "sweep_limit": 1, "synthetic_passages": 3, "synthetic_passage_tokens": 60, "passage_words": 40,
-         "limit": 2, "passages": 3, "check_items": 2}
+FULL = {
+    "repeats": 3,
+    "max_new_tokens": 32,
+    "scaling": "4x256,8x256,8x512,12x512",
+    "sweep_ratios": "0,0.05,0.1,0.15,0.3,0.5,1",
+    "sweep_limit": 3,
+    "synthetic_passages": 6,
+    "synthetic_passage_tokens": 200,
+    "passage_words": None,
+    "limit": None,
+    "passages": None,
+    "check_items": 24,
+}
+QUICK = {
+    "repeats": 1,
+    "max_new_tokens": 8,
+    "scaling": "2x64,3x64",
+    "sweep_ratios": "0,0.15,1",
+    "sweep_limit": 1,
+    "synthetic_passages": 3,
+    "synthetic_passage_tokens": 60,
+    "passage_words": 40,
+    "limit": 2,
+    "passages": 3,
+    "check_items": 2,
+}
 DEFAULT_SWEEP_POLICIES = "cacheblend,a3"
 
 
@@ -28,79 +48,156 @@ class BenchError(KVRagError, ValueError):
 
 def register(sub) -> None:
     p = sub.add_parser(
-        "bench", help="benchmark TTFT and answer quality of every policy against full_prefill",
+        "bench",
+        help="benchmark TTFT and answer quality of every policy against full_prefill",
         description=__doc__,
     )
     g = p.add_argument_group("data")
-    g.add_argument("--data", metavar="FILE", help="QA file: a JSON list (or JSON lines) of {question, answers, "
-                   "ctxs[{title, text}]}; MuSiQue, HotpotQA/2Wiki, LongBench and SQuAD files as released too")
-    g.add_argument("--synthetic", nargs="?", type=int, const=None, default=0, metavar="N",
-                   help="add N synthetic multi-document QA items (default N: 12; quick: 3)")
+    g.add_argument(
+        "--data",
+        metavar="FILE",
+        help="QA file: a JSON list (or JSON lines) of {question, answers, "
+        "ctxs[{title, text}]}; MuSiQue, HotpotQA/2Wiki, LongBench and SQuAD files as released too",
+    )
+    g.add_argument(
+        "--synthetic",
+        nargs="?",
+        type=int,
+        const=None,
+        default=0,
+        metavar="N",
+        help="add N synthetic multi-document QA items (default N: 12; quick: 3)",
+    )
     g.add_argument("--limit", type=int, metavar="N", help="first N >= 1 examples of --data (default all; quick: 2)")
-    g.add_argument("--passages", type=int, metavar="K", help="first K >= 1 passages of each example (default all; "
-                   "quick: 3)")
+    g.add_argument(
+        "--passages", type=int, metavar="K", help="first K >= 1 passages of each example (default all; quick: 3)"
+    )
     g.add_argument("--seed", type=int, default=0, help="seed of the synthetic data")
     g = p.add_argument_group("policies")
-    g.add_argument("--policies", metavar="LIST", help="comma-separated policies (default: every registered one); "
-                   "full_prefill is always added as the reference")
-    g.add_argument("--param", action="append", default=[], metavar="POLICY.KEY=VALUE",
-                   help="a policy hyper-parameter, e.g. cacheblend.recompute_ratio=0.2 (repeatable; JSON values)")
+    g.add_argument(
+        "--policies",
+        metavar="LIST",
+        help="comma-separated policies (default: every registered one); full_prefill is always added as the reference",
+    )
+    g.add_argument(
+        "--param",
+        action="append",
+        default=[],
+        metavar="POLICY.KEY=VALUE",
+        help="a policy hyper-parameter, e.g. cacheblend.recompute_ratio=0.2 (repeatable; JSON values)",
+    )
     g = p.add_argument_group("measurement")
     g.add_argument("--repeats", type=int, metavar="R", help="timed runs per example and policy (default 3; quick 1)")
     g.add_argument("--max-new-tokens", type=int, help="answer length cap (default 32; quick 8)")
     g.add_argument("--kl-positions", type=int, default=16, help="answer positions for top-1/KL (default 16)")
-    g.add_argument("--scaling", metavar="LIST", help="TTFT-vs-length points NxT: N chunks of exactly T tokens "
-                   f"(default {FULL['scaling']}; 'none' to skip)")
-    g.add_argument("--floor", nargs="?", const="12x630", metavar="LIST",
-                   help="floor benchmark at points NxT (bare: 12x630): each policy's TTFT beside its floor (chunk "
-                        "reads + moving them to the device + transformers' forward of the non-cached tokens over a "
-                        "prefix cache + recomputed pairs at full_prefill's rate) and op counts; floor.csv")
+    g.add_argument(
+        "--scaling",
+        metavar="LIST",
+        help=f"TTFT-vs-length points NxT: N chunks of exactly T tokens (default {FULL['scaling']}; 'none' to skip)",
+    )
+    g.add_argument(
+        "--floor",
+        nargs="?",
+        const="12x630",
+        metavar="LIST",
+        help="floor benchmark at points NxT (bare: 12x630): each policy's TTFT beside its floor (chunk "
+        "reads + moving them to the device + transformers' forward of the non-cached tokens over a "
+        "prefix cache + recomputed pairs at full_prefill's rate) and op counts; floor.csv",
+    )
     g.add_argument("--chunks", type=int, metavar="N", help="add scaling points of N chunks, one per --chunk-tokens")
     g.add_argument("--chunk-tokens", metavar="LIST", help="chunk lengths for --chunks, e.g. 256,512")
-    g.add_argument("--sweep-policies", default=DEFAULT_SWEEP_POLICIES, metavar="LIST",
-                   help=f"policies swept over --sweep-ratios (default {DEFAULT_SWEEP_POLICIES}; 'none' to skip)")
-    g.add_argument("--sweep-ratios", metavar="LIST", help=f"recompute ratios (default {FULL['sweep_ratios']}; quick: {QUICK['sweep_ratios']})")
-    g.add_argument("--sweep-limit", type=int, metavar="N", help="examples in the sweep (default 3; quick 1; 0: no sweep)")
-    g.add_argument("--sweep-data", choices=("synthetic", "data"), default="synthetic",
-                   help="data set of the sweep when both are given (default synthetic)")
+    g.add_argument(
+        "--sweep-policies",
+        default=DEFAULT_SWEEP_POLICIES,
+        metavar="LIST",
+        help=f"policies swept over --sweep-ratios (default {DEFAULT_SWEEP_POLICIES}; 'none' to skip)",
+    )
+    g.add_argument(
+        "--sweep-ratios",
+        metavar="LIST",
+        help=f"recompute ratios (default {FULL['sweep_ratios']}; quick: {QUICK['sweep_ratios']})",
+    )
+    g.add_argument(
+        "--sweep-limit", type=int, metavar="N", help="examples in the sweep (default 3; quick 1; 0: no sweep)"
+    )
+    g.add_argument(
+        "--sweep-data",
+        choices=("synthetic", "data"),
+        default="synthetic",
+        help="data set of the sweep when both are given (default synthetic)",
+    )
     g.add_argument("--synthetic-passages", type=int, help="passages per synthetic item, >= 3 (default 6; quick 3)")
-    g.add_argument("--synthetic-types", metavar="LIST",
-                   help="question types of the synthetic items, round-robin (default: single_hop,two_hop,"
-                        "cross_passage); e.g. single_hop alone measures QA where the model itself can answer")
-    g.add_argument("--synthetic-passage-tokens", type=int, help="tokens per synthetic passage, >= 30 (default 200; "
-                   "quick 60)")
-    g.add_argument("--check-items", type=int, metavar="N",
-                   help="with --synthetic: full_prefill alone on N single-hop items of their own seed, to check "
-                        "that the model can answer them (default 24; quick 2; 0 to skip)")
+    g.add_argument(
+        "--synthetic-types",
+        metavar="LIST",
+        help="question types of the synthetic items, round-robin (default: single_hop,two_hop,"
+        "cross_passage); e.g. single_hop alone measures QA where the model itself can answer",
+    )
+    g.add_argument(
+        "--synthetic-passage-tokens", type=int, help="tokens per synthetic passage, >= 30 (default 200; quick 60)"
+    )
+    g.add_argument(
+        "--check-items",
+        type=int,
+        metavar="N",
+        help="with --synthetic: full_prefill alone on N single-hop items of their own seed, to check "
+        "that the model can answer them (default 24; quick 2; 0 to skip)",
+    )
     g.add_argument("--no-footprint", action="store_true", help="skip the KV disk footprint measurement")
     g.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up run")
-    g.add_argument("--resume", action="store_true",
-                   help="continue an interrupted run in --out: the QA examples its journal holds are kept, not "
-                        "run again (same options; --limit may grow)")
-    g.add_argument("--quick", action="store_true", help="smoke test: 2 examples, 3 passages cut to their first 40 words, "
-                   "8 new tokens, 1 repeat, tiny scaling and sweep")
+    g.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue an interrupted run in --out: the QA examples its journal holds are kept, not "
+        "run again (same options; --limit may grow)",
+    )
+    g.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke test: 2 examples, 3 passages cut to their first 40 words, "
+        "8 new tokens, 1 repeat, tiny scaling and sweep",
+    )
     g = p.add_argument_group("model and output")
     g.add_argument("--model", help=MODEL_HELP)
     g.add_argument("--device", default="auto", help="comma-separated devices; 'auto' = cpu, plus cuda if present")
     g.add_argument("--dtype", default="float32", help="compute dtype (default float32)")
-    g.add_argument("--storage-dtype", default="float16", choices=("float32", "float16", "bfloat16"),
-                   help="dtype the chunks' K/V are stored in (default float16)")
-    g.add_argument("--chunk-anchor", default="auto", choices=("auto", "none"),
-                   help="precompute chunks behind the model's attention-sink token (auto, the default) "
-                        "or alone from position 0 (none)")
-    g.add_argument("--kvlink-adapter", default="default", metavar="default|links|auto|none|DIR",
-                   help="KVLink adapter of the trained kvlink runs (default: the one found for the model, if any, "
-                        "as KVRag(policy='kvlink') loads it; links: links-only adapters only; none: untrained); an "
-                        "adapter with LoRA weights gets a model of its own, the reference and every other policy "
-                        "stay on the base model")
-    g.add_argument("--hot-cache", default="0", metavar="BYTES|auto",
-                   help="KVRag(hot_cache=...): bytes of served chunk K/V kept in memory on the compute device "
-                        "(default 0: every run reads its chunks from disk, the cold path; 'auto' = KVRag's default, "
-                        "then the timed runs after the warm-up are served from memory)")
+    g.add_argument(
+        "--storage-dtype",
+        default="float16",
+        choices=("float32", "float16", "bfloat16"),
+        help="dtype the chunks' K/V are stored in (default float16)",
+    )
+    g.add_argument(
+        "--chunk-anchor",
+        default="auto",
+        choices=("auto", "none"),
+        help="precompute chunks behind the model's attention-sink token (auto, the default) "
+        "or alone from position 0 (none)",
+    )
+    g.add_argument(
+        "--kvlink-adapter",
+        default="default",
+        metavar="default|links|auto|none|DIR",
+        help="KVLink adapter of the trained kvlink runs (default: the one found for the model, if any, "
+        "as KVRag(policy='kvlink') loads it; links: links-only adapters only; none: untrained); an "
+        "adapter with LoRA weights gets a model of its own, the reference and every other policy "
+        "stay on the base model",
+    )
+    g.add_argument(
+        "--hot-cache",
+        default="0",
+        metavar="BYTES|auto",
+        help="KVRag(hot_cache=...): bytes of served chunk K/V kept in memory on the compute device "
+        "(default 0: every run reads its chunks from disk, the cold path; 'auto' = KVRag's default, "
+        "then the timed runs after the warm-up are served from memory)",
+    )
     g.add_argument("--cache-dir", help="KV store directory (default: a temporary one, deleted afterwards)")
     g.add_argument("--out", required=True, metavar="DIR", help="output directory (results.json, CSVs, plots)")
-    g.add_argument("--report", metavar="FILE", help="markdown report path (default: DIR/benchmarks.md); plots "
-                   "are copied beside it under bench/")
+    g.add_argument(
+        "--report",
+        metavar="FILE",
+        help="markdown report path (default: DIR/benchmarks.md); plots are copied beside it under bench/",
+    )
     p.set_defaults(func=run)
 
 
@@ -155,14 +252,49 @@ def parse_params(items: list[str]) -> dict[str, dict]:
 def command_line(args) -> str:
     """The run as one canonical, rerunnable command line (every option that shapes it)."""
     parts = ["kvrag", "bench"]
-    for opt in ("data", "synthetic", "limit", "passages", "seed", "policies", "repeats", "max_new_tokens",
-                "kl_positions", "scaling", "floor", "chunks", "chunk_tokens", "sweep_policies", "sweep_ratios", "sweep_limit",
-                "sweep_data", "synthetic_passages", "synthetic_passage_tokens", "synthetic_types", "check_items", "model", "device", "dtype",
-                "storage_dtype", "chunk_anchor", "kvlink_adapter", "hot_cache", "cache_dir", "out", "report"):
+    for opt in (
+        "data",
+        "synthetic",
+        "limit",
+        "passages",
+        "seed",
+        "policies",
+        "repeats",
+        "max_new_tokens",
+        "kl_positions",
+        "scaling",
+        "floor",
+        "chunks",
+        "chunk_tokens",
+        "sweep_policies",
+        "sweep_ratios",
+        "sweep_limit",
+        "sweep_data",
+        "synthetic_passages",
+        "synthetic_passage_tokens",
+        "synthetic_types",
+        "check_items",
+        "model",
+        "device",
+        "dtype",
+        "storage_dtype",
+        "chunk_anchor",
+        "kvlink_adapter",
+        "hot_cache",
+        "cache_dir",
+        "out",
+        "report",
+    ):
         v = getattr(args, opt, None)
-        if v is None or v is False or (opt == "synthetic" and not v) or (opt == "sweep_data" and v == "synthetic") \
-                or (opt == "chunk_anchor" and v == "auto") or (opt == "kvlink_adapter" and v == "default") \
-                or (opt == "hot_cache" and v == "0"):
+        if (
+            v is None
+            or v is False
+            or (opt == "synthetic" and not v)
+            or (opt == "sweep_data" and v == "synthetic")
+            or (opt == "chunk_anchor" and v == "auto")
+            or (opt == "kvlink_adapter" and v == "default")
+            or (opt == "hot_cache" and v == "0")
+        ):
             continue
         parts += [f"--{opt.replace('_', '-')}", str(v)]
     for prm in args.param:
@@ -212,20 +344,42 @@ def config_from_args(args):
     check_outputs(args)
     try:
         return BenchConfig(
-            out=args.out, data=args.data, synthetic=synthetic,
-            policies=_list(args.policies, "--policies"), params=parse_params(args.param),
-            limit=pick("limit"), passages=pick("passages"), passage_words=d["passage_words"],
-            repeats=pick("repeats"), max_new_tokens=pick("max_new_tokens"), kl_positions=args.kl_positions,
-            scaling=scaling, floor=floor, sweep_policies=_list(args.sweep_policies, "--sweep-policies"),
-            sweep_ratios=_list(pick("sweep_ratios"), "--sweep-ratios", float), sweep_limit=pick("sweep_limit"),
-            sweep_data=args.sweep_data, synthetic_passages=pick("synthetic_passages"),
-            synthetic_passage_tokens=pick("synthetic_passage_tokens"), check_items=pick("check_items"),
+            out=args.out,
+            data=args.data,
+            synthetic=synthetic,
+            policies=_list(args.policies, "--policies"),
+            params=parse_params(args.param),
+            limit=pick("limit"),
+            passages=pick("passages"),
+            passage_words=d["passage_words"],
+            repeats=pick("repeats"),
+            max_new_tokens=pick("max_new_tokens"),
+            kl_positions=args.kl_positions,
+            scaling=scaling,
+            floor=floor,
+            sweep_policies=_list(args.sweep_policies, "--sweep-policies"),
+            sweep_ratios=_list(pick("sweep_ratios"), "--sweep-ratios", float),
+            sweep_limit=pick("sweep_limit"),
+            sweep_data=args.sweep_data,
+            synthetic_passages=pick("synthetic_passages"),
+            synthetic_passage_tokens=pick("synthetic_passage_tokens"),
+            check_items=pick("check_items"),
             **({"synthetic_types": _list(args.synthetic_types, "--synthetic-types")} if args.synthetic_types else {}),
-            devices=list(dict.fromkeys(devices)) or ["cpu"], model=args.model, dtype=args.dtype,
-            storage_dtype=args.storage_dtype, chunk_anchor=args.chunk_anchor,
-            kvlink_adapter=args.kvlink_adapter, hot_cache=_hot_cache(args.hot_cache), seed=args.seed, footprint=not args.no_footprint,
-            warmup=not args.no_warmup, cache_dir=args.cache_dir, report=args.report, command=command_line(args),
-            quick=args.quick, resume=args.resume,
+            devices=list(dict.fromkeys(devices)) or ["cpu"],
+            model=args.model,
+            dtype=args.dtype,
+            storage_dtype=args.storage_dtype,
+            chunk_anchor=args.chunk_anchor,
+            kvlink_adapter=args.kvlink_adapter,
+            hot_cache=_hot_cache(args.hot_cache),
+            seed=args.seed,
+            footprint=not args.no_footprint,
+            warmup=not args.no_warmup,
+            cache_dir=args.cache_dir,
+            report=args.report,
+            command=command_line(args),
+            quick=args.quick,
+            resume=args.resume,
         )
     except ValueError as e:
         raise BenchError(_option_names(str(e), args)) from None
@@ -235,7 +389,7 @@ def _option_names(msg: str, args) -> str:
     """'limit must be >= 1 ...' (a BenchConfig field) -> '--limit must be >= 1 ...'."""
     m = re.match(r"(\w+) must ", msg)
     if m and hasattr(args, m.group(1)):
-        return f"--{m.group(1).replace('_', '-')}{msg[len(m.group(1)):]}"
+        return f"--{m.group(1).replace('_', '-')}{msg[len(m.group(1)) :]}"
     return msg
 
 
@@ -275,10 +429,14 @@ def run(args) -> int:
     report = write_report(result, files, Path(cfg.report) if cfg.report else cfg.out / "benchmarks.md")
     say("")
     for t in result["targets"]:
-        say(f"  [{t['status']:>4}] {t['where']}: {t['policy']} {t['metric']} {t['target']} "
-            f"(measured {t['measured'] if t['measured'] is None else round(t['measured'], 3)})")
-    say(f"\n{len(result['records'])} records in {time.strftime('%M:%S', time.gmtime(result['meta']['wall_s']))} "
-        f"-> {cfg.out}/results.json; report {report}")
+        say(
+            f"  [{t['status']:>4}] {t['where']}: {t['policy']} {t['metric']} {t['target']} "
+            f"(measured {t['measured'] if t['measured'] is None else round(t['measured'], 3)})"
+        )
+    say(
+        f"\n{len(result['records'])} records in {time.strftime('%M:%S', time.gmtime(result['meta']['wall_s']))} "
+        f"-> {cfg.out}/results.json; report {report}"
+    )
     failed = [r for r in result["records"] if r.get("error")]
     if failed:
         # A failing policy is a result (its row says so), but a run where nothing ran is not.

@@ -1,4 +1,5 @@
 """``kvrag cache stats|gc|clear``: inspect and maintain a KV store without loading a model."""
+
 from __future__ import annotations
 
 import json
@@ -41,39 +42,64 @@ def default_cache_dir() -> Path:
 
 
 def register(sub) -> None:
-    p = sub.add_parser("cache", help="KV store maintenance: stats, gc, push, clear",
-                       description="Inspect and maintain a kvrag KV store (no model is loaded).")
+    p = sub.add_parser(
+        "cache",
+        help="KV store maintenance: stats, gc, push, clear",
+        description="Inspect and maintain a kvrag KV store (no model is loaded).",
+    )
     cmds = p.add_subparsers(dest="cache_command", metavar="ACTION", required=True)
 
     def common(q):
-        q.add_argument("store_dir", nargs="?", metavar="DIR", default=None,
-                       help="the store directory: a KVRag's cache_dir (default: $KVRAG_HOME/store)")
+        q.add_argument(
+            "store_dir",
+            nargs="?",
+            metavar="DIR",
+            default=None,
+            help="the store directory: a KVRag's cache_dir (default: $KVRAG_HOME/store)",
+        )
         q.add_argument("--cache-dir", default=None, help="the same as DIR")
         q.add_argument("--json", action="store_true", help="print one JSON object instead of text")
 
     s = cmds.add_parser("stats", help="entries, bytes on disk, size limit; with --shared: the Redis tier and queue")
     common(s)
-    s.add_argument("--shared", default=None, metavar="URL",
-                   help="also report the shared Redis tier (redis://host:6379/0, redis+cluster://host:6379): listed "
-                        "chunks, memory, "
-                        "and each precompute queue's length, pending jobs and progress")
+    s.add_argument(
+        "--shared",
+        default=None,
+        metavar="URL",
+        help="also report the shared Redis tier (redis://host:6379/0, redis+cluster://host:6379): listed "
+        "chunks, memory, "
+        "and each precompute queue's length, pending jobs and progress",
+    )
     s.add_argument("--prefix", default="kvrag:", help="key prefix of the shared store (default kvrag:)")
     s.set_defaults(func=run_stats)
     g = cmds.add_parser("gc", help="evict to the size limit, repair the text index; --verify checks every blob")
     common(g)
-    g.add_argument("--size-limit", default=None,
-                   help="evict least-recently-used entries down to this size (e.g. 2G) and record it "
-                        "as the store's limit; default: the limit recorded in the store")
-    g.add_argument("--verify", action="store_true",
-                   help="also load and checksum every blob (slow on big stores); corrupt ones are deleted")
+    g.add_argument(
+        "--size-limit",
+        default=None,
+        help="evict least-recently-used entries down to this size (e.g. 2G) and record it "
+        "as the store's limit; default: the limit recorded in the store",
+    )
+    g.add_argument(
+        "--verify",
+        action="store_true",
+        help="also load and checksum every blob (slow on big stores); corrupt ones are deleted",
+    )
     g.set_defaults(func=run_gc)
-    u = cmds.add_parser("push", help="copy the local entries the shared Redis tier lacks up to it",
-                        description="Copy every entry of a local store that the shared tier lacks up to it (each "
-                                    "read verified): to seed a shared tier from a single-process store, or after a "
-                                    "Redis outage that outlived the replica that stored chunks locally meanwhile.")
+    u = cmds.add_parser(
+        "push",
+        help="copy the local entries the shared Redis tier lacks up to it",
+        description="Copy every entry of a local store that the shared tier lacks up to it (each "
+        "read verified): to seed a shared tier from a single-process store, or after a "
+        "Redis outage that outlived the replica that stored chunks locally meanwhile.",
+    )
     common(u)
-    u.add_argument("--shared", required=True, metavar="URL",
-                   help="the shared Redis tier (redis://host:6379/0, redis+cluster://host:6379)")
+    u.add_argument(
+        "--shared",
+        required=True,
+        metavar="URL",
+        help="the shared Redis tier (redis://host:6379/0, redis+cluster://host:6379)",
+    )
     u.add_argument("--prefix", default="kvrag:", help="key prefix of the shared store (default kvrag:)")
     u.set_defaults(func=run_push)
     c = cmds.add_parser("clear", help="delete every entry (all models)")
@@ -118,10 +144,12 @@ def open_store(cache_dir: str | None, size_limit: int | None = None, option: str
         hint = ""
         if not cache_dir:
             here = [str(p.relative_to(Path.cwd())) for p in find_stores(Path.cwd())]
-            hint = (f"; KV stores under this directory: {', '.join(here)} (pass one, e.g. kvrag cache stats {here[0]})"
-                    if here else
-                    f"; pass the store's directory with {option} (the cache_dir of your KVRag; kvrag demo and bench use a "
-                    f"temporary store unless given --cache-dir)")
+            hint = (
+                f"; KV stores under this directory: {', '.join(here)} (pass one, e.g. kvrag cache stats {here[0]})"
+                if here
+                else f"; pass the store's directory with {option} (the cache_dir of your KVRag; kvrag demo and bench use a "
+                f"temporary store unless given --cache-dir)"
+            )
         raise StoreError(f"no KV store at {directory} (the directory does not exist){hint}")
     if not directory.is_dir():
         raise StoreError(f"{directory} is not a directory")
@@ -160,13 +188,17 @@ def run_stats(args) -> int:
         sh = rec["shared"]
         if not sh.get("reachable", True):
             raise StoreError(f"the shared store {sh['url']} is unreachable")
-        lines += [f"shared      {sh['url']} (prefix {sh['prefix']})",
-                  f"  listed    {sh['listed']} chunks",
-                  f"  memory    {human(sh['used_memory'] or 0)} used, maxmemory "
-                  f"{human(sh['maxmemory']) if sh['maxmemory'] else 'unlimited'}, policy {sh['maxmemory_policy']}"]
+        lines += [
+            f"shared      {sh['url']} (prefix {sh['prefix']})",
+            f"  listed    {sh['listed']} chunks",
+            f"  memory    {human(sh['used_memory'] or 0)} used, maxmemory "
+            f"{human(sh['maxmemory']) if sh['maxmemory'] else 'unlimited'}, policy {sh['maxmemory_policy']}",
+        ]
         for q in sh["queues"]:
-            lines.append(f"  queue     {q['stream']}: {q['queued']} not done ({q['pending']} in a worker), "
-                         f"{q['done']} done, {q['failed']} failed, {q['consumers']} worker(s) seen")
+            lines.append(
+                f"  queue     {q['stream']}: {q['queued']} not done ({q['pending']} in a worker), "
+                f"{q['done']} done, {q['failed']} failed, {q['consumers']} worker(s) seen"
+            )
     _emit(args, rec, lines)
     return 0
 
@@ -205,11 +237,17 @@ def run_push(args) -> int:
         finally:
             far.close()
     rec = {**res, "listed": len(listed), "directory": str(store.directory), "shared": redact(args.shared)}
-    _emit(args, rec, [f"local       {rec['directory']} ({rec['listed']} entries)",
-                      f"shared      {rec['shared']} (prefix {args.prefix})",
-                      f"pushed      {res['pushed']}",
-                      f"present     {res['present']} (already in the shared tier)",
-                      f"unreadable  {res['unreadable']} (local entries that failed verification: not pushed)"])
+    _emit(
+        args,
+        rec,
+        [
+            f"local       {rec['directory']} ({rec['listed']} entries)",
+            f"shared      {rec['shared']} (prefix {args.prefix})",
+            f"pushed      {res['pushed']}",
+            f"present     {res['present']} (already in the shared tier)",
+            f"unreadable  {res['unreadable']} (local entries that failed verification: not pushed)",
+        ],
+    )
     return 0
 
 
@@ -225,14 +263,19 @@ def run_gc(args) -> int:
             raise StoreError(f"gc failed in {store.directory}: {e}") from e
         st = store.stats()
     rec = {**res, "bytes": st["bytes"], "size_limit": st["size_limit"]}
-    _emit(args, rec, [
-        f"evicted          {res['evicted']}",
-        f"index dropped    {res['index_dropped']}",
-        f"re-indexed       {res['reindexed']}",
-        f"corrupt deleted  {res['corrupt']}" + ("" if args.verify else " (not checked: use --verify)"),
-        f"check warnings   {res.get('check_warnings', 0)}" + ("" if args.verify else " (not checked: use --verify)"),
-        f"entries          {res['entries']} ({human(st['bytes'])})",
-    ])
+    _emit(
+        args,
+        rec,
+        [
+            f"evicted          {res['evicted']}",
+            f"index dropped    {res['index_dropped']}",
+            f"re-indexed       {res['reindexed']}",
+            f"corrupt deleted  {res['corrupt']}" + ("" if args.verify else " (not checked: use --verify)"),
+            f"check warnings   {res.get('check_warnings', 0)}"
+            + ("" if args.verify else " (not checked: use --verify)"),
+            f"entries          {res['entries']} ({human(st['bytes'])})",
+        ],
+    )
     return 0
 
 
@@ -241,8 +284,9 @@ def run_clear(args) -> int:
         n = store.stats()["entries"]
         if not args.yes:
             if not sys.stdin.isatty():
-                raise StoreError(f"refusing to clear {n} entries in {store.directory} without --yes "
-                                 "(stdin is not a terminal)")
+                raise StoreError(
+                    f"refusing to clear {n} entries in {store.directory} without --yes (stdin is not a terminal)"
+                )
             try:
                 answer = input(f"delete all {n} entries in {store.directory}? [y/N] ")
             except (EOFError, KeyboardInterrupt):  # Ctrl-D / Ctrl-C at the prompt: a "no"

@@ -3,6 +3,7 @@
 The codebooks land in ``$KVRAG_HOME/a2ats/<model fingerprint>.safetensors`` (or ``--out``),
 where the ``a2ats`` policy finds them for that model.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -12,7 +13,6 @@ import time
 
 from kvrag.cli._options import MODEL_HELP, add_home_option
 
-
 #: The calibrator's defaults (``kvrag.policies.a2ats.calibrate`` / ``.codebook``), written out:
 #: importing those modules imports torch, and building the parser must not (``kvrag --version``,
 #: ``--help``). tests/test_cli_first_hour.py checks that they agree.
@@ -20,9 +20,11 @@ DEFAULTS = dict(tokens=8192, codes=512, iters=8, seq_len=512, uuid_fraction=0.2,
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("calibrate", help="fit per-model data a policy needs (A2ATS codebooks)",
-                              description="Fit the per-model data a policy needs before it can run "
-                                          "(the a2ats policy's key codebooks).")
+    p = subparsers.add_parser(
+        "calibrate",
+        help="fit per-model data a policy needs (A2ATS codebooks)",
+        description="Fit the per-model data a policy needs before it can run (the a2ats policy's key codebooks).",
+    )
     sub = p.add_subparsers(dest="calibrate_command", metavar="POLICY", required=True)
 
     a = sub.add_parser(
@@ -36,23 +38,60 @@ def register(subparsers) -> None:
         ),
     )
     a.add_argument("--model", metavar="PATH", default=None, help=MODEL_HELP)
-    a.add_argument("--tokens", type=int, default=DEFAULTS["tokens"],
-                   help=f"calibration tokens (default {DEFAULTS['tokens']}; the paper used 80K)")
-    a.add_argument("--codes", type=int, default=DEFAULTS["codes"],
-                   help=f"codewords per layer and KV head (default {DEFAULTS['codes']}; the paper used 4096)")
-    a.add_argument("--iters", type=int, default=DEFAULTS["iters"], help=f"Lloyd iterations after k-means++ seeding (default {DEFAULTS['iters']})")
-    a.add_argument("--text", metavar="FILE", action="append", default=None,
-                   help="calibration text: .txt, or .json/.jsonl (every string in it); repeatable")
-    a.add_argument("--store", metavar="DIR", default=None,
-                   help="calibration text: the chunk texts ingested into this kvrag KV store (a KVRag's "
-                        "cache_dir), i.e. your own documents; combines with --text")
-    a.add_argument("--uuid-fraction", type=float, default=DEFAULTS["uuid_fraction"],
-                   help=f"share of the tokens that are random uuids (default {DEFAULTS['uuid_fraction']}, as in the paper)")
-    a.add_argument("--seq-len", type=int, default=DEFAULTS["seq_len"], help=f"tokens per calibration sequence (default {DEFAULTS['seq_len']})")
-    a.add_argument("--rope-offset", type=int, default=DEFAULTS["rope_offset"],
-                   help=f"b, the fixed relative position of windowed RoPE (default {DEFAULTS['rope_offset']})")
+    a.add_argument(
+        "--tokens",
+        type=int,
+        default=DEFAULTS["tokens"],
+        help=f"calibration tokens (default {DEFAULTS['tokens']}; the paper used 80K)",
+    )
+    a.add_argument(
+        "--codes",
+        type=int,
+        default=DEFAULTS["codes"],
+        help=f"codewords per layer and KV head (default {DEFAULTS['codes']}; the paper used 4096)",
+    )
+    a.add_argument(
+        "--iters",
+        type=int,
+        default=DEFAULTS["iters"],
+        help=f"Lloyd iterations after k-means++ seeding (default {DEFAULTS['iters']})",
+    )
+    a.add_argument(
+        "--text",
+        metavar="FILE",
+        action="append",
+        default=None,
+        help="calibration text: .txt, or .json/.jsonl (every string in it); repeatable",
+    )
+    a.add_argument(
+        "--store",
+        metavar="DIR",
+        default=None,
+        help="calibration text: the chunk texts ingested into this kvrag KV store (a KVRag's "
+        "cache_dir), i.e. your own documents; combines with --text",
+    )
+    a.add_argument(
+        "--uuid-fraction",
+        type=float,
+        default=DEFAULTS["uuid_fraction"],
+        help=f"share of the tokens that are random uuids (default {DEFAULTS['uuid_fraction']}, as in the paper)",
+    )
+    a.add_argument(
+        "--seq-len",
+        type=int,
+        default=DEFAULTS["seq_len"],
+        help=f"tokens per calibration sequence (default {DEFAULTS['seq_len']})",
+    )
+    a.add_argument(
+        "--rope-offset",
+        type=int,
+        default=DEFAULTS["rope_offset"],
+        help=f"b, the fixed relative position of windowed RoPE (default {DEFAULTS['rope_offset']})",
+    )
     a.add_argument("--seed", type=int, default=0, help="random seed (uuids, k-means++)")
-    a.add_argument("--out", metavar="FILE", default=None, help="output file (default $KVRAG_HOME/a2ats/<fingerprint>.safetensors)")
+    a.add_argument(
+        "--out", metavar="FILE", default=None, help="output file (default $KVRAG_HOME/a2ats/<fingerprint>.safetensors)"
+    )
     a.add_argument("--dtype", default="float32", help="compute dtype (default float32)")
     a.add_argument("--device", default="cpu", help="torch device (default cpu)")
     add_home_option(a)
@@ -75,8 +114,10 @@ def _a2ats(args: argparse.Namespace) -> int:
     if args.rope_offset < 0:
         raise KVRagError(f"--rope-offset must be >= 0, got {args.rope_offset}")
     if args.tokens < args.codes:
-        raise KVRagError(f"--tokens {args.tokens} cannot fit --codes {args.codes} codewords (k-means needs a "
-                         "calibration token per codeword at least); use more tokens or fewer codes")
+        raise KVRagError(
+            f"--tokens {args.tokens} cannot fit --codes {args.codes} codewords (k-means needs a "
+            "calibration token per codeword at least); use more tokens or fewer codes"
+        )
     # The output and the text are checked before the model load and the model pass: a wrong
     # path must not cost a calibration, nor an empty text file replace a model's codebooks.
     from kvrag.outpaths import check_dir, check_file
@@ -102,16 +143,25 @@ def _a2ats(args: argparse.Namespace) -> int:
 
             for b in bars.values():
                 b.close()
-            total, unit, desc = ((args.tokens, "tok", "model pass") if stage == "tokens"
-                                 else (handle.arch.n_layers, "layer", "k-means"))
+            total, unit, desc = (
+                (args.tokens, "tok", "model pass") if stage == "tokens" else (handle.arch.n_layers, "layer", "k-means")
+            )
             bars[stage] = tqdm(total=total, unit=unit, desc=desc, file=sys.stderr, disable=args.json)
         bars[stage].update(n)
 
     try:
         cb, path = cal.calibrate(
-            handle, texts=texts, n_tokens=args.tokens, n_codes=args.codes, iters=args.iters,
-            seq_len=args.seq_len, uuid_fraction=args.uuid_fraction, rope_offset=args.rope_offset,
-            seed=args.seed, out=args.out, progress=progress,
+            handle,
+            texts=texts,
+            n_tokens=args.tokens,
+            n_codes=args.codes,
+            iters=args.iters,
+            seq_len=args.seq_len,
+            uuid_fraction=args.uuid_fraction,
+            rope_offset=args.rope_offset,
+            seed=args.seed,
+            out=args.out,
+            progress=progress,
         )
     except ValueError as e:  # e.g. fewer calibration tokens than codewords
         raise KVRagError(str(e)) from e
@@ -119,14 +169,21 @@ def _a2ats(args: argparse.Namespace) -> int:
         for b in bars.values():
             b.close()
     info = {
-        "path": str(path), "fingerprint": handle.fingerprint, "layers": cb.n_layers, "kv_heads": cb.n_kv_heads,
-        "codes": cb.n_codes, "head_dim": cb.head_dim, "tokens": cb.meta.get("n_tokens"),
+        "path": str(path),
+        "fingerprint": handle.fingerprint,
+        "layers": cb.n_layers,
+        "kv_heads": cb.n_kv_heads,
+        "codes": cb.n_codes,
+        "head_dim": cb.head_dim,
+        "tokens": cb.meta.get("n_tokens"),
         "seconds": round(time.perf_counter() - t0, 1),
     }
     if args.json:
         print(json.dumps(info, indent=2))
     else:
-        print(f"A2ATS codebooks: {info['layers']} layers x {info['kv_heads']} KV heads x {info['codes']} codes "
-              f"({info['tokens']} calibration tokens, {info['seconds']} s)")
+        print(
+            f"A2ATS codebooks: {info['layers']} layers x {info['kv_heads']} KV heads x {info['codes']} codes "
+            f"({info['tokens']} calibration tokens, {info['seconds']} s)"
+        )
         print(f"written to {path}")
     return 0

@@ -1,4 +1,5 @@
 """``kvrag demo``: ingest a small corpus, ask questions, compare answers and TTFT per policy."""
+
 from __future__ import annotations
 
 import json
@@ -14,16 +15,23 @@ DEFAULT_POLICIES = "full_prefill,naive_reuse,cacheblend,kvlink"
 
 
 def register(sub) -> None:
-    p = sub.add_parser("demo", help="ingest a demo corpus, ask questions, print answers and TTFT per policy",
-                       description="Ingest a corpus (default: kvrag's demo corpus), precompute its chunks' KV, "
-                                   "ask its questions under each policy and print the answers with TTFT, "
-                                   "against full prefill (no reuse).")
+    p = sub.add_parser(
+        "demo",
+        help="ingest a demo corpus, ask questions, print answers and TTFT per policy",
+        description="Ingest a corpus (default: kvrag's demo corpus), precompute its chunks' KV, "
+        "ask its questions under each policy and print the answers with TTFT, "
+        "against full prefill (no reuse).",
+    )
     p.add_argument("--model", default=None, help=MODEL_HELP)
     p.add_argument("--cache-dir", default=None, help="KV store directory (default: a fresh temporary one)")
-    p.add_argument("--corpus", default=None, help="JSON object with instruction (optional), documents and "
-                   "questions (non-empty lists of strings)")
-    p.add_argument("--policies", default=DEFAULT_POLICIES,
-                   help=f"comma-separated policy names (default: {DEFAULT_POLICIES})")
+    p.add_argument(
+        "--corpus",
+        default=None,
+        help="JSON object with instruction (optional), documents and questions (non-empty lists of strings)",
+    )
+    p.add_argument(
+        "--policies", default=DEFAULT_POLICIES, help=f"comma-separated policy names (default: {DEFAULT_POLICIES})"
+    )
     p.add_argument("--max-new-tokens", type=int, default=24, help="answer length cap (>= 1; default 24)")
     p.set_defaults(func=run)
 
@@ -48,8 +56,9 @@ def load_corpus(path: str | None) -> dict:
     except json.JSONDecodeError as e:
         raise KVRagError(f"--corpus {path}: not valid JSON ({e})") from None
     if not isinstance(corpus, dict):
-        raise KVRagError(f"--corpus {path}: expected a JSON object with 'documents' and 'questions', "
-                         f"got a {type(corpus).__name__}")
+        raise KVRagError(
+            f"--corpus {path}: expected a JSON object with 'documents' and 'questions', got a {type(corpus).__name__}"
+        )
     for key in ("documents", "questions"):
         if key not in corpus:
             raise KVRagError(f"--corpus {path}: no {key!r} (a non-empty list of strings)")
@@ -70,7 +79,9 @@ def parse_policies(text: str) -> list[str]:
         raise KVRagError(f"--policies {text!r}: no policy named; give e.g. {DEFAULT_POLICIES}")
     unknown = [p for p in policies if p not in policy_names()]
     if unknown:
-        raise KVRagError(f"--policies: unknown {', '.join(map(repr, unknown))}; registered: {', '.join(policy_names())}")
+        raise KVRagError(
+            f"--policies: unknown {', '.join(map(repr, unknown))}; registered: {', '.join(policy_names())}"
+        )
     return policies
 
 
@@ -114,8 +125,10 @@ def _run(args, corpus: dict, policies: list[str], cache_dir: str) -> int:
     instruction = corpus.get("instruction") or DEFAULT_INSTRUCTION
     t0 = time.perf_counter()
     for r in {id(r): r for r in rags.values()}.values():
-        print("chunk KV of the " + ("base model" if r is rag else "KVLink-adapted model (kvlink's own caches)"),
-              flush=True)
+        print(
+            "chunk KV of the " + ("base model" if r is rag else "KVLink-adapted model (kvlink's own caches)"),
+            flush=True,
+        )
         r.precompute(docs, progress=True)
     n_tok = sum(len(rag.chunk_ids(d)) for d in docs)
     print(f"ingested {len(docs)} documents ({n_tok} tokens) in {time.perf_counter() - t0:.1f}s\n")
@@ -123,8 +136,10 @@ def _run(args, corpus: dict, policies: list[str], cache_dir: str) -> int:
     for pol, r in rags.items():
         r.generate(rag_prompt(rag.tokenizer, docs, "warm-up", instruction), policy=pol, max_new_tokens=1)
     ttft = {p: [] for p in policies}
-    print("recomputed = share of the cached (token, layer) pairs the policy computed again "
-          "(layers before its selection count in full); = full: the same answer as full_prefill\n")
+    print(
+        "recomputed = share of the cached (token, layer) pairs the policy computed again "
+        "(layers before its selection count in full); = full: the same answer as full_prefill\n"
+    )
     # full_prefill first: every other answer is compared with its answer.
     order = sorted(policies, key=lambda p: p != "full_prefill")
     same = {p: 0 for p in policies}
@@ -141,8 +156,10 @@ def _run(args, corpus: dict, policies: list[str], cache_dir: str) -> int:
             agree = reference is not None and pol != "full_prefill" and answer == reference
             same[pol] += agree
             cut = "..." if out.finish_reason == "length" else ""
-            print(f"  {pol:<13} TTFT {s.ttft_s * 1000:7.0f} ms  cached {s.cached_tokens:5d}  "
-                  f"recomputed {s.recompute_fraction:5.1%}  | {answer!r}{cut}{'  = full' if agree else ''}")
+            print(
+                f"  {pol:<13} TTFT {s.ttft_s * 1000:7.0f} ms  cached {s.cached_tokens:5d}  "
+                f"recomputed {s.recompute_fraction:5.1%}  | {answer!r}{cut}{'  = full' if agree else ''}"
+            )
         print()
     base = sorted(ttft.get("full_prefill", []))
     n = len(corpus["questions"])

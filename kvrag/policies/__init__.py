@@ -1,4 +1,5 @@
 """Reuse policies. Importing this package registers every built-in policy."""
+
 import importlib
 import pkgutil
 

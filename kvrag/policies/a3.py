@@ -24,6 +24,7 @@ Paper: "A3: Attention-Aware Accurate KV Cache Fusion for Fast Large Language Mod
 Shapes: ``N`` prompt tokens, ``A`` active tokens, ``Q`` question tokens, ``H`` query heads,
 ``Hkv`` KV heads, ``D`` head dim.
 """
+
 from __future__ import annotations
 
 import math
@@ -43,23 +44,30 @@ RATIO_BASES = ("input", "context", "cached")
 @dataclass
 class A3Params(RecomputeParams):
     score_layer: int = param(
-        1, "layer whose true q/k score the cached tokens (paper: layer 1, i.e. after block 0); "
-           "layers 0..score_layer are computed for every token")
+        1,
+        "layer whose true q/k score the cached tokens (paper: layer 1, i.e. after block 0); "
+        "layers 0..score_layer are computed for every token",
+    )
     ratio_base: str = param(
-        "input", "n in p = recompute_ratio * n: 'input' = prompt length (paper eq. 3), "
-                 "'context' = prompt minus question (reference code), 'cached' = cached tokens")
+        "input",
+        "n in p = recompute_ratio * n: 'input' = prompt length (paper eq. 3), "
+        "'context' = prompt minus question (reference code), 'cached' = cached tokens",
+    )
     head_reduce: str = param(
-        "concat", "how heads are combined: 'concat' = one softmax over the heads' concatenated "
-                  "q.k / sqrt(H*D) (paper eq. 3 with full-width q_j, K and sqrt(h); reference code), "
-                  "or per-head softmaxes combined by 'sum', 'mean' (same ranking as sum) or 'max'")
+        "concat",
+        "how heads are combined: 'concat' = one softmax over the heads' concatenated "
+        "q.k / sqrt(H*D) (paper eq. 3 with full-width q_j, K and sqrt(h); reference code), "
+        "or per-head softmaxes combined by 'sum', 'mean' (same ranking as sum) or 'max'",
+    )
     pool_kernel: int = param(
-        1, "odd width of an average filter over the token scores before top-k (1 = none, as in "
-           "eq. 3; a port of the reference code uses 5)")
+        1,
+        "odd width of an average filter over the token scores before top-k (1 = none, as in "
+        "eq. 3; a port of the reference code uses 5)",
+    )
     evict_budget: int | None = param(
-        None, "extension: KV slots kept per layer and KV head after prefill (SnapKV-style); "
-              "None = no eviction")
-    evict_pool_kernel: int = param(
-        5, "odd width of SnapKV's average pooling of the eviction scores (SnapKV default 5)")
+        None, "extension: KV slots kept per layer and KV head after prefill (SnapKV-style); None = no eviction"
+    )
+    evict_pool_kernel: int = param(5, "odd width of SnapKV's average pooling of the eviction scores (SnapKV default 5)")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -90,8 +98,10 @@ def smooth(scores: torch.Tensor, kernel: int) -> torch.Tensor:
 @register
 class A3(Policy):
     name = "a3"
-    summary = ("recompute the cached tokens the question attends to most at layer 1 "
-               "(+ optional SnapKV-style eviction to a KV budget)")
+    summary = (
+        "recompute the cached tokens the question attends to most at layer 1 "
+        "(+ optional SnapKV-style eviction to a KV budget)"
+    )
     Params = A3Params
 
     # ---- helpers ---------------------------------------------------------------------
@@ -153,15 +163,17 @@ class A3(Policy):
         mask = mask & state.keep.to(device)[None, :]
         return state.arch.windowed(layer, mask, pos[rows], pos)
 
-    def question_attention(self, state, layer: int, q_obs: torch.Tensor, keys: torch.Tensor,
-                           rows: torch.Tensor) -> torch.Tensor:
+    def question_attention(
+        self, state, layer: int, q_obs: torch.Tensor, keys: torch.Tensor, rows: torch.Tensor
+    ) -> torch.Tensor:
         """Per-head softmax attention of question rows at ``layer``. q_obs [H, Q, D], keys
         [Hkv, N, D], rows [Q] (token indices of the question rows) -> probs [H, Q, N]."""
         mask = self.question_mask(state, layer, rows, keys.device)
         return state.arch.attention_probs(q_obs, keys, mask)
 
-    def headless_attention(self, state, layer: int, q_obs: torch.Tensor, keys: torch.Tensor,
-                           rows: torch.Tensor) -> torch.Tensor:
+    def headless_attention(
+        self, state, layer: int, q_obs: torch.Tensor, keys: torch.Tensor, rows: torch.Tensor
+    ) -> torch.Tensor:
         """Eq. 3's softmax with full-width vectors: each question row's q (all H heads
         concatenated) against each key (its KV head repeated for the query heads sharing it,
         GQA), scaled by 1/sqrt(H*D) -- the model's per-head scale / sqrt(H) -- one softmax per

@@ -17,6 +17,7 @@ Query-time call order (see ``kvrag.query.fusion.FusionEngine.prefill``):
 Ingestion time: ``chunk_extras(arch, keys, values, token_ids)`` adds per-chunk tensors stored
 beside the chunk's K/V (A2ATS codes, SamKV's per-chunk query-independent results).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -59,8 +60,7 @@ class Policy:
         unknown = sorted(set(params) - names)
         if unknown:
             raise ValueError(
-                f"policy {self.name!r} has no parameter(s) {unknown}; "
-                f"its parameters are {sorted(names) or 'none'}"
+                f"policy {self.name!r} has no parameter(s) {unknown}; its parameters are {sorted(names) or 'none'}"
             )
         self.params = self.Params(**params)
         self.validate()
@@ -90,8 +90,9 @@ class Policy:
         timed run, so they report what a chunk's first query costs. Default: nothing kept."""
 
     # ---- ingestion -------------------------------------------------------------------
-    def chunk_extras(self, arch: "Arch", keys: torch.Tensor, values: torch.Tensor,
-                     token_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    def chunk_extras(
+        self, arch: "Arch", keys: torch.Tensor, values: torch.Tensor, token_ids: torch.Tensor
+    ) -> dict[str, torch.Tensor]:
         """Extra per-chunk tensors to store with the chunk. keys/values: [L, Hkv, T, D] (keys
         pre-RoPE) as stored, i.e. already rounded to the storage dtype, so extras match what a
         query computes from the stored chunk; token_ids: long [T]. Names must be prefixed with

@@ -6,6 +6,7 @@ cached token ranks them, and only the top fraction (the HKVD tokens) stays compu
 layer on. Several check layers with shrinking ratios implement the paper's *gradual
 filtering*; the reference code's default is one check layer (layer 1).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -21,8 +22,10 @@ from kvrag.policies.registry import register
 class CacheBlendParams(RecomputeParams):
     check_layers: tuple = param((1,), "layers where deviation is measured and tokens are filtered")
     layer_ratios: tuple | None = param(
-        None, "gradual filtering: ratio kept at each check layer (when given, it replaces "
-              "recompute_ratio: its last entry is the final ratio); None = recompute_ratio at every check layer")
+        None,
+        "gradual filtering: ratio kept at each check layer (when given, it replaces "
+        "recompute_ratio: its last entry is the final ratio); None = recompute_ratio at every check layer",
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()

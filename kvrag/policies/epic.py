@@ -12,6 +12,7 @@ recomputing "a few initial and final tokens within each text chunk", hence ``k_t
 Cost: recompute fraction = (k_head + k_tail) x chunks / cached tokens (fewer when a chunk is
 shorter than k_head + k_tail), the same at every layer.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -1,4 +1,5 @@
 """``full_prefill``: no reuse — the model's own forward over every token (quality upper bound)."""
+
 from kvrag.policies.base import Policy
 from kvrag.policies.registry import register
 

@@ -2,6 +2,7 @@
 
 The fastest possible fusion and the quality floor: each chunk was encoded alone, blind to the
 others (A3's "FullReuse" row)."""
+
 from kvrag.policies.base import Policy
 from kvrag.policies.registry import register
 

@@ -1,4 +1,5 @@
 """Name -> policy class registry (``policy="cacheblend", recompute_ratio=0.15``)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -48,10 +49,20 @@ def describe() -> list[dict[str, Any]]:
     for name in policy_names():
         cls = _REGISTRY[name]
         params = [
-            {"name": f.name, "default": f.default if f.default is not dataclasses.MISSING else None,
-             "help": f.metadata.get("help", "")}
+            {
+                "name": f.name,
+                "default": f.default if f.default is not dataclasses.MISSING else None,
+                "help": f.metadata.get("help", ""),
+            }
             for f in dataclasses.fields(cls.Params)
         ]
-        out.append({"name": name, "summary": cls.summary, "params": params, "default": name == DEFAULT_POLICY,
-                    "setup": cls.setup})
+        out.append(
+            {
+                "name": name,
+                "summary": cls.summary,
+                "params": params,
+                "default": name == DEFAULT_POLICY,
+                "setup": cls.setup,
+            }
+        )
     return out

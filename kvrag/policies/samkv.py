@@ -37,6 +37,7 @@ paper itself found to agree on which blocks matter (A.2).
 Shapes: ``N`` prompt tokens, ``L`` layers, ``S`` stable layers, ``H`` query heads, ``Hkv``
 KV heads, ``D`` head dim (the *docs* count is written ``Dd`` where both appear).
 """
+
 from __future__ import annotations
 
 import math
@@ -68,28 +69,41 @@ Q_LOC_KEY, CONTEXT_KEY, META_KEY = "samkv.q_loc", "samkv.context_attn", "samkv.m
 @dataclass
 class SamKVParams(RecomputeParams):
     recompute_ratio: float = param(
-        0.143, "fraction of the cached tokens recomputed, chosen among the kept ones (so at most the "
-               "kept fraction; paper Table 1: 14.3% at 14.9% kept); 1.0 with keep_ratio=1.0, "
-               "adaptive_p=False, update='overwrite' is exact")
+        0.143,
+        "fraction of the cached tokens recomputed, chosen among the kept ones (so at most the "
+        "kept fraction; paper Table 1: 14.3% at 14.9% kept); 1.0 with keep_ratio=1.0, "
+        "adaptive_p=False, update='overwrite' is exact",
+    )
     keep_ratio: float | None = param(
-        0.15, "fraction of the cached tokens kept (initial/local blocks included) — the budget of the "
-              "cross-context filter; None = the paper's rule: total block count / number of documents")
-    block_size: int = param(16, "tokens per block (paper: 64, sized for multi-thousand-token contexts); "
-                                "shrunk for a short document so its always-kept initial/local blocks "
-                                "take at most half of its keep_ratio budget")
+        0.15,
+        "fraction of the cached tokens kept (initial/local blocks included) — the budget of the "
+        "cross-context filter; None = the paper's rule: total block count / number of documents",
+    )
+    block_size: int = param(
+        16,
+        "tokens per block (paper: 64, sized for multi-thousand-token contexts); "
+        "shrunk for a short document so its always-kept initial/local blocks "
+        "take at most half of its keep_ratio budget",
+    )
     initial_blocks: int = param(1, "blocks at the start of every document that are always kept (paper: 1)")
     local_blocks: int = param(2, "blocks at the end of every document that are always kept (paper: 2)")
     stable_layers: tuple | None = param(
-        None, "N*: layers that set P_i (eq. 3) and rank blocks (negative = from the end); "
-              "None = the last round(0.15*L) layers (the paper's models: last 4-5 of 28-36)")
-    adaptive_p: bool = param(True, "eq. 2-3 anchor-based Top-P per document; False = every middle "
-                                   "block is a candidate (keeps exactly keep_ratio)")
+        None,
+        "N*: layers that set P_i (eq. 3) and rank blocks (negative = from the end); "
+        "None = the last round(0.15*L) layers (the paper's models: last 4-5 of 28-36)",
+    )
+    adaptive_p: bool = param(
+        True,
+        "eq. 2-3 anchor-based Top-P per document; False = every middle block is a candidate (keeps exactly keep_ratio)",
+    )
     personalized: bool = param(True, "add eq. 1's personalized bias from the other documents' local Q")
-    normalize: str = param("minmax", "per-document score normalization before the cross-context filter: "
-                                     "minmax | zscore | none")
+    normalize: str = param(
+        "minmax", "per-document score normalization before the cross-context filter: minmax | zscore | none"
+    )
     update: str = param("fusion", "how recomputed K/V replace the cached ones: fusion (eq. 4) | overwrite")
-    theta: float | None = param(None, "fusion weight of the new K/V; None = cos(new, old) per token and "
-                                      "head, clamped to [0, 1] (eq. 4)")
+    theta: float | None = param(
+        None, "fusion weight of the new K/V; None = cos(new, old) per token and head, clamped to [0, 1] (eq. 4)"
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -181,8 +195,9 @@ def anchor_proportion(s_max: torch.Tensor, s_min: torch.Tensor, s_anc: torch.Ten
     return torch.where(m > 0, p, 0.0)
 
 
-def _normalize(blk: torch.Tensor, blk_doc: torch.Tensor, m: torch.Tensor, s_max: torch.Tensor,
-               s_min: torch.Tensor, how: str) -> torch.Tensor:
+def _normalize(
+    blk: torch.Tensor, blk_doc: torch.Tensor, m: torch.Tensor, s_max: torch.Tensor, s_min: torch.Tensor, how: str
+) -> torch.Tensor:
     """Every document's block scores normalized over its own blocks, all documents at once:
     blk [S, B] (the B middle blocks of all documents), blk_doc [B] their document, m [Dd]
     blocks per document, s_max/s_min [S, Dd] -> [S, B]. minmax: (x - min) / span (1 when the
@@ -213,9 +228,20 @@ class Selection:
     kept: list[list[int]]
 
 
-def prelim_pass(arch, ids: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor, keys, values,
-                positions: torch.Tensor, stable: list[int], cos_sin, n_write: int, n_query: int,
-                member: torch.Tensor):
+def prelim_pass(
+    arch,
+    ids: torch.Tensor,
+    rows: torch.Tensor,
+    mask: torch.Tensor,
+    keys,
+    values,
+    positions: torch.Tensor,
+    stable: list[int],
+    cos_sin,
+    n_write: int,
+    n_query: int,
+    member: torch.Tensor,
+):
     """Steps 1-2 in one pass: run ``rows`` [R] (token ids ``ids`` [R]) through every layer, row
     r attending to the keys ``mask`` [R, N] lets it see in ``keys``/``values`` (per layer
     [Hkv, N, D], keys rotated to ``positions`` [N]); cos_sin: the rows' RoPE tables [R, D].
@@ -315,14 +341,16 @@ def select_blocks(
             blk_doc.append(i)
             blk_len.append(e0 - s0)
         col_blk.extend([-1] * (doc.end - doc.local[0]))
-        col_anc.extend([i] * (doc.init[1] - doc.init[0]) + [n_docs] * (doc.local[0] - doc.init[1])
-                       + [i] * (doc.end - doc.local[0]))
+        col_anc.extend(
+            [i] * (doc.init[1] - doc.init[0]) + [n_docs] * (doc.local[0] - doc.init[1]) + [i] * (doc.end - doc.local[0])
+        )
     n_blk = len(blk_doc)
     col_blk = [n_blk if b < 0 else b for b in col_blk]
     cols_t, doc_t, blk_t, anc_t = torch.tensor([cols, col_doc, col_blk, col_anc], device=dev)
     blk_doc_t, blk_len_t = torch.tensor([blk_doc, blk_len], dtype=torch.long, device=dev).view(2, n_blk)
-    m, n_anc = torch.tensor([[len(doc.middle) for doc in docs],
-                             [sum(e0 - s0 for s0, e0 in doc.forced) for doc in docs]], device=dev)
+    m, n_anc = torch.tensor(
+        [[len(doc.middle) for doc in docs], [sum(e0 - s0 for s0, e0 in doc.forced) for doc in docs]], device=dev
+    )
 
     # Token scores ts [S, C]: every document's queries against every key, each token then
     # taking its own document's (Dd x the arithmetic of scoring each document alone, in one op).
@@ -390,8 +418,10 @@ class SamKVInfo:
 @register
 class SamKV(Policy):
     name = "samkv"
-    summary = ("keep ~15% of each document's KV (anchor-based Top-P blocks for a personalized query), "
-               "recompute most kept tokens locally, decode on the sparse cache")
+    summary = (
+        "keep ~15% of each document's KV (anchor-based Top-P blocks for a personalized query), "
+        "recompute most kept tokens locally, decode on the sparse cache"
+    )
     Params = SamKVParams
 
     @classmethod
@@ -422,10 +452,25 @@ class SamKV(Policy):
         rows = torch.arange(max(0, t - local), t, device=dev)
         mask = rows[:, None] >= positions[None, :]
         member = torch.ones(1, rows.numel(), device=dev) / rows.numel()
-        _, q_loc, _, ctx = prelim_pass(arch, token_ids[rows.cpu()].to(dev), rows, mask, rot, vals, positions, stable,
-                                       (cos[rows], sin[rows]), 0, 0, member)
-        return {Q_LOC_KEY: q_loc[0].reshape(arch.n_layers, -1).contiguous().cpu(), CONTEXT_KEY: ctx.cpu(),
-                META_KEY: torch.tensor([local, *stable], dtype=torch.long)}
+        _, q_loc, _, ctx = prelim_pass(
+            arch,
+            token_ids[rows.cpu()].to(dev),
+            rows,
+            mask,
+            rot,
+            vals,
+            positions,
+            stable,
+            (cos[rows], sin[rows]),
+            0,
+            0,
+            member,
+        )
+        return {
+            Q_LOC_KEY: q_loc[0].reshape(arch.n_layers, -1).contiguous().cpu(),
+            CONTEXT_KEY: ctx.cpu(),
+            META_KEY: torch.tensor([local, *stable], dtype=torch.long),
+        }
 
     # ---- configuration -------------------------------------------------------------------
     def stable_layers(self, n_layers: int) -> list[int]:
@@ -487,8 +532,9 @@ class SamKV(Policy):
         return q.float().view(arch.n_layers, arch.n_heads, arch.head_dim), ctx.float()
 
     # ---- step 1-2: preliminary prefill against the compressed cache ---------------------
-    def _preliminary(self, state, docs: list[DocBlocks], pieces: list, doc_keys: list, stable: list[int],
-                     forced: torch.Tensor):
+    def _preliminary(
+        self, state, docs: list[DocBlocks], pieces: list, doc_keys: list, stable: list[int], forced: torch.Tensor
+    ):
         """Run the prompt's own tokens against the compressed cache (initial + local tokens of
         every document, ``forced`` bool [N]) and every document's local tokens against that
         document alone, in one batch (``prelim_pass``).
@@ -534,7 +580,7 @@ class SamKV(Policy):
         q_rows = [r for r in own_rows if r in query]
         loc_rows, loc_doc, doc_of = [], [], [-1] * n
         for j, d in enumerate(docs):
-            doc_of[d.start:d.end] = [j] * (d.end - d.start)
+            doc_of[d.start : d.end] = [j] * (d.end - d.start)
         for t, j in enumerate(todo):
             d = docs[j]
             lo = max(d.start, d.end - self.params.local_blocks * d.block_size)
@@ -560,8 +606,19 @@ class SamKV(Policy):
         else:
             keys, values = [k.clone() for k in state.K], [v.clone() for v in state.V]
         q_que, q_new, query_attn, ctx_new = prelim_pass(
-            arch, lay.token_ids[rows_cpu].to(dev), rows, mask, keys, values, pos, stable,
-            (state.cos[rows], state.sin[rows]), n_own, len(q_rows), member)
+            arch,
+            lay.token_ids[rows_cpu].to(dev),
+            rows,
+            mask,
+            keys,
+            values,
+            pos,
+            stable,
+            (state.cos[rows], state.sin[rows]),
+            n_own,
+            len(q_rows),
+            member,
+        )
 
         L = arch.n_layers
         q_loc = torch.zeros(len(docs), L, arch.n_heads, arch.head_dim)
@@ -570,8 +627,7 @@ class SamKV(Policy):
             # Stored rotated to chunk positions 0..T-1; R(start) moves them to the prompt (RoPE
             # rotations compose, so rotating the mean equals the mean of rotated vectors).
             idx = torch.tensor([j for j, _ in hits])
-            q_loc[idx] = self._shift(arch, torch.stack([h[0] for _, h in hits]),
-                                     [docs[j].start for j, _ in hits], n)
+            q_loc[idx] = self._shift(arch, torch.stack([h[0] for _, h in hits]), [docs[j].start for j, _ in hits], n)
             toks = torch.tensor([t for j, _ in hits for t in range(docs[j].start, docs[j].end)], dtype=torch.long)
             context_attn[toks] = torch.cat([h[1] for _, h in hits])
         if todo:
@@ -621,13 +677,16 @@ class SamKV(Policy):
         L = state.arch.n_layers
         stable = self.stable_layers(L)
         docs = [doc_blocks(s, e, self.block_size_for(e - s), p.initial_blocks, p.local_blocks) for _, s, e in spans]
-        doc_keys = [self._memo_key(lay.pieces[si], stable, p.local_blocks * d.block_size, state.arch, lay.n)
-                    for (si, _, _), d in zip(spans, docs)]
+        doc_keys = [
+            self._memo_key(lay.pieces[si], stable, p.local_blocks * d.block_size, state.arch, lay.n)
+            for (si, _, _), d in zip(spans, docs)
+        ]
         # Index lists built on the host, one write each: no op per document or block.
         forced_mask = torch.zeros(n, dtype=torch.bool)
         forced_mask[torch.tensor([t for d in docs for s, e in d.forced for t in range(s, e)], dtype=torch.long)] = True
         q_que, q_loc, query_attn, context_attn = self._preliminary(
-            state, docs, [lay.pieces[si] for si, _, _ in spans], doc_keys, stable, forced_mask)
+            state, docs, [lay.pieces[si] for si, _, _ in spans], doc_keys, stable, forced_mask
+        )
         sq, sl = q_que[stable], q_loc[:, stable]
         qhat = personalized_queries(sq, sl) if p.personalized else sq.unsqueeze(0).expand_as(sl).clone()
 
@@ -641,12 +700,19 @@ class SamKV(Policy):
             target = int(round(p.keep_ratio * n_cached))
             budget = dict(budget_tokens=max(0, target - forced))
         sel = select_blocks(
-            qhat, [state.K[layer] for layer in stable], docs,
-            adaptive_p=p.adaptive_p, normalize=p.normalize, **budget,
+            qhat,
+            [state.K[layer] for layer in stable],
+            docs,
+            adaptive_p=p.adaptive_p,
+            normalize=p.normalize,
+            **budget,
         )
         keep = ~cached | forced_mask
-        keep[torch.tensor([t for d, kept in zip(docs, sel.kept) for b in kept for t in range(*d.middle[b])],
-                          dtype=torch.long)] = True
+        keep[
+            torch.tensor(
+                [t for d, kept in zip(docs, sel.kept) for b in kept for t in range(*d.middle[b])], dtype=torch.long
+            )
+        ] = True
 
         # Local recomputation (§3.3 / A.1): initial/local tokens ranked by the question's
         # attention in the compressed prefill, kept middle tokens by the attention they got in
@@ -665,18 +731,28 @@ class SamKV(Policy):
 
         state.keep = keep.to(state.keep.device)
         kept_cached = int((keep & cached).sum())
-        state.scratch.setdefault("policy_stats", {}).update({
-            "samkv.kept_fraction": kept_cached / n_cached,
-            "samkv.mean_p": sum(sel.p) / len(sel.p),
-            "samkv.middle_blocks_kept": sum(len(k) for k in sel.kept),
-            "samkv.recomputed": int(recompute.sum()),
-            "samkv.prelim_rows": state.scratch["samkv_prelim_rows"],
-            "samkv.docs_from_store": state.scratch.pop("samkv_from_store"),
-        })
+        state.scratch.setdefault("policy_stats", {}).update(
+            {
+                "samkv.kept_fraction": kept_cached / n_cached,
+                "samkv.mean_p": sum(sel.p) / len(sel.p),
+                "samkv.middle_blocks_kept": sum(len(k) for k in sel.kept),
+                "samkv.recomputed": int(recompute.sum()),
+                "samkv.prelim_rows": state.scratch["samkv_prelim_rows"],
+                "samkv.docs_from_store": state.scratch.pop("samkv_from_store"),
+            }
+        )
         state.scratch["samkv_recompute"] = recompute
         state.scratch["samkv"] = SamKVInfo(
-            docs=docs, stable=stable, q_que=q_que.cpu(), q_loc=q_loc.cpu(), qhat=qhat.cpu(),
-            selection=sel, keep=keep, recompute=recompute, query_attn=query_attn, context_attn=context_attn,
+            docs=docs,
+            stable=stable,
+            q_que=q_que.cpu(),
+            q_loc=q_loc.cpu(),
+            qhat=qhat.cpu(),
+            selection=sel,
+            keep=keep,
+            recompute=recompute,
+            query_attn=query_attn,
+            context_attn=context_attn,
             prelim_rows=state.scratch.pop("samkv_prelim_rows"),
         )
 

@@ -11,6 +11,7 @@ training sequence is laid out exactly as a query is.
 Ids are ``list[int]``; ``offsets`` are the prompt tokens' ``(start, end)`` character spans and
 ``starts`` their start characters (sorted), as ``prompt_tokens`` returns them.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -33,7 +34,7 @@ def spell_chunk(handle, text: str, newline_ids: Sequence[int]) -> list[int]:
     nl = list(newline_ids)
     ids = handle.encode("\n" + text)
     if nl and ids[: len(nl)] == nl and len(ids) > len(nl):
-        return ids[len(nl):]
+        return ids[len(nl) :]
     return handle.encode(text)  # the line break merged into the text's first token: spell the text alone
 
 
@@ -48,14 +49,24 @@ def chunk_token_starts(tokenizer, newline_ids: Sequence[int], text: str, chunk: 
     nl = list(newline_ids)
     enc = tokenizer("\n" + text, add_special_tokens=False, return_offsets_mapping=True)
     ids = list(enc["input_ids"])
-    if nl and ids[:len(nl)] == nl and ids[len(nl):] == chunk:
-        return [max(s - 1, 0) for s, _ in enc["offset_mapping"][len(nl):]]
+    if nl and ids[: len(nl)] == nl and ids[len(nl) :] == chunk:
+        return [max(s - 1, 0) for s, _ in enc["offset_mapping"][len(nl) :]]
     return None
 
 
-def match_chunk(tokenizer, newline_ids: Sequence[int], chunk: list[int], text: str, start: int, end: int,
-                ids: list[int], offsets: list[tuple[int, int]], starts: list[int], lo: int,
-                offset: int = 0) -> tuple[int, int, int]:
+def match_chunk(
+    tokenizer,
+    newline_ids: Sequence[int],
+    chunk: list[int],
+    text: str,
+    start: int,
+    end: int,
+    ids: list[int],
+    offsets: list[tuple[int, int]],
+    starts: list[int],
+    lo: int,
+    offset: int = 0,
+) -> tuple[int, int, int]:
     """Where the prompt's tokens reuse a stored chunk (token ids ``chunk``, text ``text``),
     whose characters ``offset ..`` were found at the prompt's characters [start, end): prompt
     tokens ``j..j+m-1`` are its tokens ``k..k+m-1`` (m = 0: nowhere). ``ids`` / ``offsets`` /
@@ -146,9 +157,15 @@ class Placement:
     m: int = 0
 
 
-def place_chunks(tokenizer, newline_ids: Sequence[int], ids: list[int], offsets: list[tuple[int, int]],
-                 starts: list[int], spans: Iterable,
-                 read: Callable[[Any], tuple[list[int], str, Any] | None]) -> Iterator[Placement]:
+def place_chunks(
+    tokenizer,
+    newline_ids: Sequence[int],
+    ids: list[int],
+    offsets: list[tuple[int, int]],
+    starts: list[int],
+    spans: Iterable,
+    read: Callable[[Any], tuple[list[int], str, Any] | None],
+) -> Iterator[Placement]:
     """Align each ``(segment, start, end)`` of ``spans`` (``chunk_spans``, in prompt order)
     with the prompt's tokens, left to right: a chunk is placed only after the tokens the
     previous one took. ``read(segment)`` returns the chunk as ``(stored token ids, text,
@@ -164,8 +181,9 @@ def place_chunks(tokenizer, newline_ids: Sequence[int], ids: list[int], offsets:
             yield Placement(seg, "missed")
             continue
         chunk_ids, text, payload = got
-        j, k, m = match_chunk(tokenizer, newline_ids, chunk_ids, text, start, end, ids, offsets, starts, tok,
-                              seg.offset)
+        j, k, m = match_chunk(
+            tokenizer, newline_ids, chunk_ids, text, start, end, ids, offsets, starts, tok, seg.offset
+        )
         if m == 0:
             yield Placement(seg, "unaligned")
             continue

@@ -7,6 +7,7 @@ Two back-ends continue from a prefilled cache:
 * ``FusedStepper`` runs kvrag's own layer step and asks the policy, per layer, which cache
   slots each new token attends to (A2ATS' top-k retrieval).
 """
+
 from __future__ import annotations
 
 import functools
@@ -139,7 +140,10 @@ class HFStepper:
         pos = torch.arange(self.pos, self.pos + t, device=ids.device).unsqueeze(0)
         past = self.cache.get_seq_length()
         out = self.model(
-            input_ids=ids, position_ids=pos, **cache_kwargs(self.model, self.cache), use_cache=True,
+            input_ids=ids,
+            position_ids=pos,
+            **cache_kwargs(self.model, self.cache),
+            use_cache=True,
             cache_position=torch.arange(past, past + t, device=ids.device),
             logits_to_keep=1 if last_only else 0,
         )
@@ -204,12 +208,12 @@ class FusedStepper:
                 grown.append(b)
             bufs = self._bufs[layer] = tuple(grown)
         kb, vb, pb = bufs
-        kb[:, n:n + 1] = k
-        vb[:, n:n + 1] = v
-        self.K[layer], self.V[layer] = kb[:, :n + 1], vb[:, :n + 1]
+        kb[:, n : n + 1] = k
+        vb[:, n : n + 1] = v
+        self.K[layer], self.V[layer] = kb[:, : n + 1], vb[:, : n + 1]
         if pb is not None:
             pb[:, n] = self.pos
-            self.kpos[layer] = pb[:, :n + 1]
+            self.kpos[layer] = pb[:, : n + 1]
 
     def _window_mask(self, layer: int, idx) -> torch.Tensor | None:
         """bool [H, 1, R] (True = inside the layer's sliding window) for the rows read, or None."""
@@ -279,7 +283,7 @@ class TextStream:
                         hold = max(hold, j)
                         break
         visible = text[: len(text) - hold]
-        delta = visible[len(self.emitted):] if visible.startswith(self.emitted) else ""
+        delta = visible[len(self.emitted) :] if visible.startswith(self.emitted) else ""
         self.emitted = visible if visible.startswith(self.emitted) else self.emitted
         return delta
 
@@ -289,7 +293,7 @@ class TextStream:
             cut = text.find(s)
             if cut >= 0:
                 text = text[:cut]
-        delta = text[len(self.emitted):] if text.startswith(self.emitted) else ""
+        delta = text[len(self.emitted) :] if text.startswith(self.emitted) else ""
         self.emitted += delta
         return delta
 

@@ -9,6 +9,7 @@ The engine names no policy: it only calls the hooks of ``kvrag.policies.base.Pol
 Shapes: ``N`` tokens in the fused prompt, ``A`` active tokens, ``L`` layers, ``Hkv`` KV heads,
 ``D`` head dim, ``E`` hidden size, ``V`` vocabulary.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -194,9 +195,17 @@ class FusionEngine:
         K, V, entries = self.cached_kv(layout, cos, sin)
 
         state = FusionState(
-            arch=arch, layout=layout, policy=policy, K=K, V=V,
-            keep=torch.ones(n, dtype=torch.bool, device=dev), active=torch.empty(0, dtype=torch.long),
-            cos=cos, sin=sin, layer_counts=torch.zeros(n, dtype=torch.long), entries=entries,
+            arch=arch,
+            layout=layout,
+            policy=policy,
+            K=K,
+            V=V,
+            keep=torch.ones(n, dtype=torch.bool, device=dev),
+            active=torch.empty(0, dtype=torch.long),
+            cos=cos,
+            sin=sin,
+            layer_counts=torch.zeros(n, dtype=torch.long),
+            entries=entries,
         )
         del K, V
         policy.prepare(state)
@@ -290,7 +299,11 @@ class FusionEngine:
             policy_stats=state.scratch.setdefault("policy_stats", {}),
         )
         return FusionResult(
-            logits=logits, K=Kout, V=Vout, positions=out_pos,
-            next_position=int(layout.positions[-1]) + 1, stats=stats,
+            logits=logits,
+            K=Kout,
+            V=Vout,
+            positions=out_pos,
+            next_position=int(layout.positions[-1]) + 1,
+            stats=stats,
             state=state if keep_state else None,
         )

@@ -6,6 +6,7 @@ The result is the prompt as ``Piece``\\ s: plain token runs and cached chunks, i
 token ids concatenated are exactly the tokenizer's ids of the whole prompt (after the BOS ids
 it adds), for every policy alike.
 """
+
 from __future__ import annotations
 
 import logging
@@ -74,8 +75,9 @@ class ChunkLookup:
         device the buffer is pinned, so the copy to the GPU is asynchronous and at full speed
         (docs/cache.md, "How a blob is read")."""
         pin = self.handle.device.type == "cuda"
-        return {k: self._readers.submit(self.store.get, k, self.fingerprint, pin_memory=pin)
-                for k in dict.fromkeys(keys)}
+        return {
+            k: self._readers.submit(self.store.get, k, self.fingerprint, pin_memory=pin) for k in dict.fromkeys(keys)
+        }
 
     def pieces(self, prompt: str, use_cache: bool = True) -> tuple[list[Piece], FusionStats]:
         """The prompt's token ids, split into plain pieces and cached chunks: ([Piece], stats
@@ -104,8 +106,13 @@ class ChunkLookup:
             spans = list(chunk_spans(self.segmenter.split(prompt)))
             hot_entries = {seg.key: e for seg, _, _ in spans if (e := self.hot.get(seg.key)) is not None}
             # Reads start at once, all of them, for every span a prompt token lies in.
-            disk = self.read_entries([seg.key for seg, start, end in spans if seg.key not in hot_entries
-                                      and token_inside(starts, offsets, start, end, 0)])
+            disk = self.read_entries(
+                [
+                    seg.key
+                    for seg, start, end in spans
+                    if seg.key not in hot_entries and token_inside(starts, offsets, start, end, 0)
+                ]
+            )
 
             def read(seg):
                 entry = hot_entries.get(seg.key)

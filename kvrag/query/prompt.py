@@ -4,6 +4,7 @@ whose tokenizer has no chat template (a base model), as plain text.
 
 Passages are separated by blank lines and appear verbatim, so each one is found in the
 rendered prompt and served from its precomputed chunk."""
+
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
@@ -27,8 +28,9 @@ def has_chat_template(tokenizer) -> bool:
     return bool(getattr(tokenizer, "chat_template", None))
 
 
-def rag_prompt(tokenizer, passages: Sequence[str], question: str,
-               instruction: str = DEFAULT_INSTRUCTION) -> list[dict] | str:
+def rag_prompt(
+    tokenizer, passages: Sequence[str], question: str, instruction: str = DEFAULT_INSTRUCTION
+) -> list[dict] | str:
     """The RAG prompt for ``tokenizer``'s model: ``rag_messages`` when it has a chat template,
     else the same layout as plain text (instruction, passages, question, ``Answer:``), which a
     base model continues. Both are what ``KVRag.generate`` takes."""
@@ -76,8 +78,10 @@ def render_messages(tokenizer, messages: Sequence[Mapping]) -> str:
         try:
             text = tokenizer.apply_chat_template([merged, *messages[2:]], tokenize=False, add_generation_prompt=True)
         except Exception as e2:  # noqa: BLE001
-            raise ValueError(f"the tokenizer's chat template refused these messages: {e2} "
-                             f"(also with the system message folded into the first user message)") from e2
+            raise ValueError(
+                f"the tokenizer's chat template refused these messages: {e2} "
+                f"(also with the system message folded into the first user message)"
+            ) from e2
     if not isinstance(text, str):
         raise TypeError(f"apply_chat_template returned {type(text).__name__}, expected the rendered str")
     return text
@@ -97,5 +101,6 @@ def render_prompt(tokenizer, prompt: str | Sequence[Mapping]) -> str:
     except UnicodeEncodeError as e:  # the tokenizer would fail with an obscure TypeError
         raise ValueError(
             f"prompt contains an unpaired surrogate {text[e.start]!r} at character {e.start}: not "
-            "valid Unicode text; decode its source with errors='replace'") from None
+            "valid Unicode text; decode its source with errors='replace'"
+        ) from None
     return text

@@ -32,6 +32,7 @@ into a small *delta* automaton, so a background precompute worker that adds a ch
 every two queries does not force a full rebuild per query; the main automaton is rebuilt once
 the delta (or the set of removed-but-still-indexed texts) grows past a size that amortises it.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -88,8 +89,8 @@ class _Index:
                 continue
             lead = _lead(t)
             core = len(t.rstrip())  # the anchor must not need trailing whitespace
-            for off in ((0, lead) if lead else (0,)):
-                by_anchor.setdefault(t[off:off + min(anchor_chars, core - off)], []).append((t, off))
+            for off in (0, lead) if lead else (0,):
+                by_anchor.setdefault(t[off : off + min(anchor_chars, core - off)], []).append((t, off))
         self.groups: list[tuple[int, tuple[tuple[str, int], ...]]] = []
         self.automaton = None
         if not by_anchor:
@@ -148,14 +149,21 @@ class Segmenter:
     DELTA_MIN = 256
     DELTA_FACTOR = 4
 
-    def __init__(self, texts: Mapping[str, str] | None = None, *, anchor_chars: int = 32,
-                 partial: bool = False, min_partial_chars: int = 64):
+    def __init__(
+        self,
+        texts: Mapping[str, str] | None = None,
+        *,
+        anchor_chars: int = 32,
+        partial: bool = False,
+        min_partial_chars: int = 64,
+    ):
         if not isinstance(anchor_chars, int) or anchor_chars < 1:
             raise ValueError(f"anchor_chars must be an int >= 1, got {anchor_chars!r}")
         if not isinstance(min_partial_chars, int) or min_partial_chars < anchor_chars:
             # Below the anchor length a partial match could not be found by its anchor.
-            raise ValueError(f"min_partial_chars must be an int >= anchor_chars ({anchor_chars}), "
-                             f"got {min_partial_chars!r}")
+            raise ValueError(
+                f"min_partial_chars must be an int >= anchor_chars ({anchor_chars}), got {min_partial_chars!r}"
+            )
         self.anchor_chars = anchor_chars
         self.partial = bool(partial)
         self.min_partial_chars = min_partial_chars
@@ -169,8 +177,8 @@ class Segmenter:
         self._text_keys: dict[str, dict[str, None]] = {}
         self._main = _Index((), anchor_chars, self.partial)
         self._delta = _Index((), anchor_chars, self.partial)
-        self._delta_texts: set[str] = set()   # live texts not in the main index
-        self._stale = 0                       # texts in the main index that are no longer live
+        self._delta_texts: set[str] = set()  # live texts not in the main index
+        self._stale = 0  # texts in the main index that are no longer live
         self._delta_dirty = False
         if texts:
             self.update(texts)
@@ -209,6 +217,7 @@ class Segmenter:
         for k, t in texts.items():
             _check_text(k, t)
         with self._lock:
+
             def older(k: str) -> bool:
                 return since is None or self._added_at.get(k, -1) <= since
 
@@ -332,8 +341,14 @@ class Segmenter:
                     # chunk: the cut ends where it starts instead of swallowing its beginning.
                     while best is not None and best[2] < len(best[0]) - best[1]:
                         end = start + best[2]
-                        block = next((s for s in starts[i + 1:bisect.bisect_left(starts, end, i + 1)]
-                                      if (b := best_at(s)) is not None and s + b[2] > end), None)
+                        block = next(
+                            (
+                                s
+                                for s in starts[i + 1 : bisect.bisect_left(starts, end, i + 1)]
+                                if (b := best_at(s)) is not None and s + b[2] > end
+                            ),
+                            None,
+                        )
                         if block is None:
                             break
                         best = self._best(prompt, start, cands[start], live, limit=block - start)
@@ -343,8 +358,9 @@ class Segmenter:
                 if start > pos:
                     out.append(Segment(prompt[pos:start]))
                 whole = off == 0 and n == len(t)
-                out.append(Segment(prompt[start:start + n] if not whole else t, next(reversed(live[t])),
-                                   off, not whole))
+                out.append(
+                    Segment(prompt[start : start + n] if not whole else t, next(reversed(live[t])), off, not whole)
+                )
                 pos = start + n
             if pos < len(prompt):
                 out.append(Segment(prompt[pos:]))
@@ -395,7 +411,7 @@ class Segmenter:
                 # holds it bare, from its own first character (off == 0: K/V computed in the
                 # exact context), whole before cut.
                 need = max(need, best_rank[0])
-            if (limit is not None and need > limit) or not prompt.startswith(t[off:off + need], start):
+            if (limit is not None and need > limit) or not prompt.startswith(t[off : off + need], start):
                 continue  # shorter than the shortest cut taken, or than the best so far
             n = _common_prefix(prompt, start, t, off, need, limit)
             rank = (n - _trail(prompt, start + n, n), off == 0, 0, -len(t))
@@ -408,7 +424,7 @@ def _trail(prompt: str, end: int, n: int) -> int:
     """How many of the ``n`` characters before ``end`` in ``prompt`` are trailing whitespace."""
     if not prompt[end - 1].isspace():
         return 0
-    return n - len(prompt[end - n:end].rstrip())
+    return n - len(prompt[end - n : end].rstrip())
 
 
 def _common_prefix(prompt: str, start: int, text: str, off: int, lo: int = 0, limit: int | None = None) -> int:
@@ -422,13 +438,13 @@ def _common_prefix(prompt: str, start: int, text: str, off: int, lo: int = 0, li
     step = 64
     while lo < hi:
         mid = min(lo + step, hi)
-        if not prompt.startswith(text[off + lo:off + mid], start + lo):
+        if not prompt.startswith(text[off + lo : off + mid], start + lo):
             hi = mid - 1
             break
         lo, step = mid, step * 2
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if prompt.startswith(text[off + lo:off + mid], start + lo):
+        if prompt.startswith(text[off + lo : off + mid], start + lo):
             lo = mid
         else:
             hi = mid - 1

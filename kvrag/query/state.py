@@ -8,6 +8,7 @@ imports none of them, so the policies need not import the engine that calls them
 Shapes: ``N`` tokens in the fused prompt, ``A`` active tokens, ``Hkv`` KV heads, ``D`` head
 dim, ``T`` tokens of one piece, ``E`` hidden size.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

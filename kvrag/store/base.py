@@ -6,6 +6,7 @@ tier) and ``kvrag.store.hot.HotCache`` (served entries kept on the compute devic
 tier (several replicas) implements ``ChunkStore`` and plugs in beside them; the blob format
 every persistent tier writes and verifies is ``kvrag.store.blob``.
 """
+
 from __future__ import annotations
 
 import abc
@@ -45,8 +46,9 @@ class ChunkEntry:
         if not 0 <= a < b <= t:
             raise ValueError(f"span {a}..{b} of a {t}-token chunk")
         extras = {k: (v[:, :, a:b] if v.dim() >= 3 and v.shape[2] == t else v) for k, v in self.extras.items()}
-        return ChunkEntry(self.fingerprint, self.text, self.token_ids[a:b], self.keys[:, :, a:b],
-                          self.values[:, :, a:b], extras)
+        return ChunkEntry(
+            self.fingerprint, self.text, self.token_ids[a:b], self.keys[:, :, a:b], self.values[:, :, a:b], extras
+        )
 
     def layout_problem(self, layout: tuple[int, int, int]) -> str | None:
         """Why this entry cannot serve a model whose K/V are laid out ``layout`` = (L, Hkv, D),

@@ -6,6 +6,7 @@ metadata ``kvrag_format`` (= ``CACHE_FORMAT_VERSION``), ``fingerprint``, ``text`
 ``n_tokens``: a blob describes itself. Its tag (``checksum``) is stored beside it and checked
 before anything in it is trusted beyond the format version.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -60,7 +61,9 @@ def is_newer_format(meta: dict[str, str]) -> bool:
         return False
 
 
-def verified_header(buf: torch.Tensor, tag: object, fingerprint: str | None = None) -> tuple[dict[str, Any], int] | None:
+def verified_header(
+    buf: torch.Tensor, tag: object, fingerprint: str | None = None
+) -> tuple[dict[str, Any], int] | None:
     """The safetensors header of a stored blob (uint8 [bytes]) and the offset its data starts
     at, once its checksum and format version check out; None for a blob of a newer format;
     raises Corrupt otherwise.
@@ -234,10 +237,23 @@ def metadata(header: dict[str, Any]) -> dict[str, str]:
 
 
 #: safetensors dtype names -> torch dtypes, for the views of a read blob.
-DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-           "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-           "U64": torch.uint64, "U32": torch.uint32, "U16": torch.uint16, "U8": torch.uint8, "BOOL": torch.bool}
+DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U64": torch.uint64,
+    "U32": torch.uint32,
+    "U16": torch.uint16,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
 
 
 def deserialize(buf: torch.Tensor, header: dict[str, Any], start: int) -> ChunkEntry:
@@ -273,8 +289,10 @@ def deserialize(buf: torch.Tensor, header: dict[str, Any], start: int) -> ChunkE
     if ids.dim() != 1 or ids.dtype != torch.int64:
         raise Corrupt(f"token_ids has shape {tuple(ids.shape)} dtype {ids.dtype}, expected [T] int64")
     if k.dim() != 4 or k.shape != v.shape or k.dtype != v.dtype or not k.dtype.is_floating_point:
-        raise Corrupt(f"keys {tuple(k.shape)} {k.dtype} / values {tuple(v.shape)} {v.dtype} are inconsistent "
-                      "(expected one floating dtype, [L, Hkv, T, D])")
+        raise Corrupt(
+            f"keys {tuple(k.shape)} {k.dtype} / values {tuple(v.shape)} {v.dtype} are inconsistent "
+            "(expected one floating dtype, [L, Hkv, T, D])"
+        )
     if not text.strip():
         raise Corrupt("blank chunk text")
     if k.shape[2] != ids.numel() or n_tokens != ids.numel():

@@ -24,6 +24,7 @@ confining them covers paths we would otherwise re-implement and keep in step wit
   (a FIFO never hangs the open), and must be a regular file. Removal and the creation of a new
   value file walk the same way, so they can only touch names inside the directory.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -129,8 +130,11 @@ class ConfinedDisk(diskcache.Disk):
                     raise
             except OSError as e:
                 if e.errno in (errno.ELOOP, errno.ENOTDIR):
-                    raise OSError(e.errno, f"{os.path.join(self._root, *parts[:-1])} is not a directory of the "
-                                  "store (a symbolic link?): not written") from None
+                    raise OSError(
+                        e.errno,
+                        f"{os.path.join(self._root, *parts[:-1])} is not a directory of the "
+                        "store (a symbolic link?): not written",
+                    ) from None
                 raise
         try:
             with open(fd, "wb" if "b" in mode else "w", encoding=None if "b" in mode else encoding) as writer:
@@ -161,8 +165,13 @@ class ConfinedDisk(diskcache.Disk):
                 return data.decode("utf-8")
             except UnicodeDecodeError as e:
                 raise OSError(errno.EILSEQ, f"{filename!r} is not UTF-8 text: {e}") from None
-        log.warning("KVStore: refused a row of %s with mode %r and a %s value (kvrag never writes "
-                    "pickled or other values): treated as missing", self._root, mode, type(value).__name__)
+        log.warning(
+            "KVStore: refused a row of %s with mode %r and a %s value (kvrag never writes "
+            "pickled or other values): treated as missing",
+            self._root,
+            mode,
+            type(value).__name__,
+        )
         raise OSError(errno.EPERM, f"refused a row with mode {mode!r}")
 
     # ---- files ---------------------------------------------------------------------
@@ -291,8 +300,10 @@ def check_db_files(directory: Path) -> None:
         except FileNotFoundError:
             continue
         if stat.S_ISLNK(st.st_mode) or not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)):
-            raise StoreError(f"{path} is a symbolic link or a special file, not part of a KVStore: "
-                             "a store directory must hold its own files")
+            raise StoreError(
+                f"{path} is a symbolic link or a special file, not part of a KVStore: "
+                "a store directory must hold its own files"
+            )
 
 
 def _setting_ok(key: object, value: object) -> bool:
@@ -323,8 +334,7 @@ def sanitize_settings(db: Path, timeout: float) -> None:
             rows = []
         bad = [key for key, value in rows if not _setting_ok(key, value)]
         for key in bad:
-            log.warning("KVStore: %s holds a setting diskcache would obey but never writes (%r); removed",
-                        db, key)
+            log.warning("KVStore: %s holds a setting diskcache would obey but never writes (%r); removed", db, key)
             con.execute("DELETE FROM Settings WHERE key = ?", (key,))
         con.execute("COMMIT")
     finally:

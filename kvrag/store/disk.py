@@ -50,11 +50,21 @@ import torch
 
 from kvrag.errors import StoreError
 from kvrag.store.base import CACHE_FORMAT_VERSION, ChunkEntry, ChunkStore, make_key
-from kvrag.store.confined import ConfinedDisk, check_db_files, sanitize_settings
 from kvrag.store.blob import (
-    Corrupt, checksum, data_end, deserialize, index_record, index_value, is_newer_format, metadata, read_file_header,
-    serialize, validate_entry, verified_header,
+    Corrupt,
+    checksum,
+    data_end,
+    deserialize,
+    index_record,
+    index_value,
+    is_newer_format,
+    metadata,
+    read_file_header,
+    serialize,
+    validate_entry,
+    verified_header,
 )
+from kvrag.store.confined import ConfinedDisk, check_db_files, sanitize_settings
 
 __all__ = ["CACHE_FORMAT_VERSION", "ChunkEntry", "KVStore"]
 
@@ -98,8 +108,9 @@ class _DirLock:
         try:
             self._f = os.fdopen(os.open(self.path, flags, 0o644), "a+b")
         except OSError as e:
-            raise StoreError(f"cannot open the lock file {self.path} ({e.strerror}): a store directory "
-                             "must hold its own files") from e
+            raise StoreError(
+                f"cannot open the lock file {self.path} ({e.strerror}): a store directory must hold its own files"
+            ) from e
         try:
             import fcntl
 
@@ -132,20 +143,23 @@ class KVStore(ChunkStore):
     and its blobs through ``kvrag.store.blob``'s checks, so a crafted one gives misses."""
 
     def __init__(self, directory, *, size_limit: int | None = None, timeout: float = 60.0):
-        if size_limit is not None and (isinstance(size_limit, bool) or not isinstance(size_limit, int)
-                                       or size_limit <= 0):
+        if size_limit is not None and (
+            isinstance(size_limit, bool) or not isinstance(size_limit, int) or size_limit <= 0
+        ):
             raise ValueError(f"size_limit must be a positive number of bytes, got {size_limit!r}")
         if not str(directory).strip():
-            raise ValueError("KVStore directory must be a non-empty path (\"\" would be the current directory)")
+            raise ValueError('KVStore directory must be a non-empty path ("" would be the current directory)')
         self.directory = Path(directory).expanduser()
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
         except OSError as e:
-            raise type(e)(e.errno, f"cannot create KVStore directory {self.directory}: {e.strerror}",
-                          str(self.directory)) from e
+            raise type(e)(
+                e.errno, f"cannot create KVStore directory {self.directory}: {e.strerror}", str(self.directory)
+            ) from e
         if not os.access(self.directory, os.W_OK | os.X_OK):
-            raise PermissionError(errno.EACCES, f"KVStore directory {self.directory} is not writable",
-                                  str(self.directory))
+            raise PermissionError(
+                errno.EACCES, f"KVStore directory {self.directory} is not writable", str(self.directory)
+            )
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
             raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
         self.timeout = float(timeout)
@@ -164,20 +178,30 @@ class KVStore(ChunkStore):
             # disk_min_file_size=0: every blob lives in its own file, written then renamed in.
             # sqlite_mmap_size=0: SQLite reads its file, not a memory map of it, so a damaged or
             # truncated database is an error, not a SIGBUS that kills the process.
-            common = dict(cull_limit=0, sqlite_mmap_size=0, disk=ConfinedDisk, timeout=self.timeout,
-                          disk_pickle_protocol=0, statistics=0, tag_index=0)
+            common = dict(
+                cull_limit=0,
+                sqlite_mmap_size=0,
+                disk=ConfinedDisk,
+                timeout=self.timeout,
+                disk_pickle_protocol=0,
+                statistics=0,
+                tag_index=0,
+            )
             try:
-                self._blobs = self._open_cache("blobs", eviction_policy=_EVICTION_POLICY,
-                                               disk_min_file_size=0, **common, **blob_settings)
+                self._blobs = self._open_cache(
+                    "blobs", eviction_policy=_EVICTION_POLICY, disk_min_file_size=0, **common, **blob_settings
+                )
             except sqlite3.DatabaseError as e:
                 if (err := self._environment_error(e, "open")) is not None:
                     raise err from e
                 raise StoreError(
                     f"the KVStore database {blob_db} is damaged ({e}); its chunks cannot be found "
-                    f"without it: delete the directory {self.directory} (they are recomputed)") from e
+                    f"without it: delete the directory {self.directory} (they are recomputed)"
+                ) from e
             except (OSError, sqlite3.Error) as e:
                 raise self._environment_error(e, "open") or OSError(
-                    f"cannot open the KVStore in {self.directory}: {e}") from e
+                    f"cannot open the KVStore in {self.directory}: {e}"
+                ) from e
             self._index = self._open_index(common)
         self.size_limit = int(self._blobs.size_limit)
         self._lock = threading.Lock()
@@ -205,11 +229,13 @@ class KVStore(ChunkStore):
             return StoreError(
                 f"cannot {doing} the KVStore in {self.directory}: another process has held its database "
                 f"locked for over {self.timeout:g} s ({e or 'timeout'}); the store is not damaged: retry "
-                "once that process is done, or raise KVStore(timeout=...)")
+                "once that process is done, or raise KVStore(timeout=...)"
+            )
         if getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or "disk is full" in text:
             return StoreError(
                 f"cannot {doing} the KVStore in {self.directory}: the disk is full ({e}); the store is "
-                "not damaged and its entries are still served: free space (or lower size_limit) and retry")
+                "not damaged and its entries are still served: free space (or lower size_limit) and retry"
+            )
         return None
 
     def _open_index(self, settings: dict) -> diskcache.Cache:
@@ -222,13 +248,18 @@ class KVStore(ChunkStore):
             if (err := self._environment_error(e, "open")) is not None:
                 raise err from e
             aside = path.with_name(f"index.damaged-{int(time.time())}-{os.getpid()}")
-            log.warning("KVStore: text index %s is damaged (%s); moved to %s and rebuilt from the blobs",
-                        path / diskcache.core.DBNAME, e, aside)
+            log.warning(
+                "KVStore: text index %s is damaged (%s); moved to %s and rebuilt from the blobs",
+                path / diskcache.core.DBNAME,
+                e,
+                aside,
+            )
             path.rename(aside)
             index = self._open_cache("index", eviction_policy="none", **settings)
         except (OSError, sqlite3.Error) as e:
             raise self._environment_error(e, "open") or OSError(
-                f"cannot open the KVStore in {self.directory}: {e}") from e
+                f"cannot open the KVStore in {self.directory}: {e}"
+            ) from e
         self._index = index
         for key in self._keys(self._blobs):
             self._reindex(key)
@@ -252,7 +283,8 @@ class KVStore(ChunkStore):
             raise StoreError(
                 f"chunk entry of {len(data)} bytes ({int(ids.numel())} tokens) is larger than the store's "
                 f"size limit ({self.size_limit} bytes): not stored, nothing evicted; raise size_limit "
-                "or split the document into smaller chunks")
+                "or split the document into smaller chunks"
+            )
         tag = checksum(data)
         try:
             self._write(key, data, tag, index_value(entry.text, entry.fingerprint, ids.numel()))
@@ -261,9 +293,15 @@ class KVStore(ChunkStore):
                 raise err from e
             raise
         if self._enforce_limit() and key not in self._blobs:
-            log.warning("KVStore: entry %s (%d bytes) was evicted as soon as stored: the size limit %d "
-                        "bytes leaves no room for it (the store takes %d bytes, SQLite files included); "
-                        "raise size_limit", key, len(data), self.size_limit, self._blobs.volume())
+            log.warning(
+                "KVStore: entry %s (%d bytes) was evicted as soon as stored: the size limit %d "
+                "bytes leaves no room for it (the store takes %d bytes, SQLite files included); "
+                "raise size_limit",
+                key,
+                len(data),
+                self.size_limit,
+                self._blobs.volume(),
+            )
 
     @staticmethod
     def _set(cache: diskcache.Cache, key: str, value, **kw) -> None:
@@ -316,23 +354,32 @@ class KVStore(ChunkStore):
         except sqlite3.DatabaseError as e:
             # The SQLite file itself is damaged: this query computes the chunk; writes fail
             # with a StoreError that says how to reset the store.
-            log.warning("KVStore: the store's database %s is damaged (%s); entry %s treated as a miss",
-                        self.directory / "blobs" / diskcache.core.DBNAME, e, key)
+            log.warning(
+                "KVStore: the store's database %s is damaged (%s); entry %s treated as a miss",
+                self.directory / "blobs" / diskcache.core.DBNAME,
+                e,
+                key,
+            )
             return self._miss()
         buf, tag, name = found
         try:
             verified = verified_header(buf, tag, fingerprint)
             if verified is None:
-                log.warning("KVStore: entry %s has a format version newer than this kvrag's %d; "
-                            "not used, left for the newer kvrag", key, CACHE_FORMAT_VERSION)
+                log.warning(
+                    "KVStore: entry %s has a format version newer than this kvrag's %d; "
+                    "not used, left for the newer kvrag",
+                    key,
+                    CACHE_FORMAT_VERSION,
+                )
                 return self._miss()
             header, start = verified
             meta = metadata(header)
             if meta.get("fingerprint") != fingerprint:
                 # The checksum holds, so this is a sound entry of another model asked for
                 # with the wrong fingerprint (a caller error): leave it for its owner.
-                log.warning("KVStore: entry %s belongs to model %s, not %s; not used",
-                            key, meta.get("fingerprint"), fingerprint)
+                log.warning(
+                    "KVStore: entry %s belongs to model %s, not %s; not used", key, meta.get("fingerprint"), fingerprint
+                )
                 with self._lock:
                     self._counts["wrong_model"] += 1
                 return self._miss()
@@ -358,8 +405,11 @@ class KVStore(ChunkStore):
         if not self._looks_whole(key):
             return False
         if self._reindex(key):
-            log.warning("KVStore: chunk %s was stored but not listed in the text index (a writer "
-                        "killed mid-write?); re-listed it", key)
+            log.warning(
+                "KVStore: chunk %s was stored but not listed in the text index (a writer "
+                "killed mid-write?); re-listed it",
+                key,
+            )
         return key in self._index
 
     def texts(self, fingerprint: str | None) -> dict[str, str]:
@@ -371,8 +421,10 @@ class KVStore(ChunkStore):
         except sqlite3.DatabaseError as e:
             if (err := self._environment_error(e, "list")) is not None:
                 raise err from e
-            raise StoreError(f"cannot list the KVStore in {self.directory}: its database is damaged ({e}); "
-                             "reopen it (a damaged text index is rebuilt) or delete the directory") from e
+            raise StoreError(
+                f"cannot list the KVStore in {self.directory}: its database is damaged ({e}); "
+                "reopen it (a damaged text index is rebuilt) or delete the directory"
+            ) from e
 
     def _texts(self, fingerprint: str | None) -> dict[str, str]:
         return {key: text for key, (text, fp) in self._listed().items() if fingerprint is None or fp == fingerprint}
@@ -395,8 +447,11 @@ class KVStore(ChunkStore):
                 continue
             rec = index_record(raw)
             if rec is None:
-                log.warning("KVStore: unusable text-index entry %s; skipped (gc() or a precompute of the "
-                            "chunk rebuilds it from the blob)", key)
+                log.warning(
+                    "KVStore: unusable text-index entry %s; skipped (gc() or a precompute of the "
+                    "chunk rebuilds it from the blob)",
+                    key,
+                )
                 continue
             if key in self._blobs:
                 out[key] = rec
@@ -457,8 +512,14 @@ class KVStore(ChunkStore):
                 continue
             if self._reindex(key):
                 reindexed += 1
-        return {"evicted": evicted, "index_dropped": dropped, "reindexed": reindexed,
-                "corrupt": corrupt, "check_warnings": check_warnings, "entries": len(self._blobs)}
+        return {
+            "evicted": evicted,
+            "index_dropped": dropped,
+            "reindexed": reindexed,
+            "corrupt": corrupt,
+            "check_warnings": check_warnings,
+            "entries": len(self._blobs),
+        }
 
     def close(self) -> None:
         self._blobs.close()
@@ -509,8 +570,13 @@ class KVStore(ChunkStore):
                     return None
                 if size == 0:
                     data = handle.read()
-                    return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data \
-                        else torch.empty(0, dtype=torch.uint8), tag, name
+                    return (
+                        torch.frombuffer(bytearray(data), dtype=torch.uint8)
+                        if data
+                        else torch.empty(0, dtype=torch.uint8),
+                        tag,
+                        name,
+                    )
                 if pin_memory:
                     try:
                         buf = torch.empty(size, dtype=torch.uint8, pin_memory=True)
@@ -566,8 +632,9 @@ class KVStore(ChunkStore):
         the access time in the same transaction as the read: then a full disk or another process
         holding the write lock turned every read into a miss (or a wait). With ``touch`` the
         access is recorded afterwards, best effort (``_touch``)."""
-        rows = self._blobs._sql("SELECT rowid, tag, mode, filename, value, size FROM Cache "
-                                "WHERE key = ? AND raw = 1", (key,)).fetchall()
+        rows = self._blobs._sql(
+            "SELECT rowid, tag, mode, filename, value, size FROM Cache WHERE key = ? AND raw = 1", (key,)
+        ).fetchall()
         if not rows:
             return None, None, None
         rowid, tag, mode, filename, value, size = rows[0]
@@ -609,8 +676,7 @@ class KVStore(ChunkStore):
     def _drop_corrupt(self, key: str, name: str | None, problem: str) -> None:
         """Log, count and delete a blob that failed verification. Deletes only the version
         that was read (same file name), so a good entry another process just wrote survives."""
-        log.warning("KVStore: corrupt entry %s in %s: %s; deleted, it will be recomputed",
-                    key, self.directory, problem)
+        log.warning("KVStore: corrupt entry %s in %s: %s; deleted, it will be recomputed", key, self.directory, problem)
         with self._lock:
             self._counts["corrupt"] += 1
         with self._blobs.transact(retry=True):
@@ -627,8 +693,9 @@ class KVStore(ChunkStore):
         # The row goes by its rowid (as in diskcache's own delete), so a row whose key kvrag
         # never writes (pickled) is evicted like any other instead of being looked up by a key
         # it cannot be found by, forever.
-        select = diskcache.core.EVICTION_POLICY[_EVICTION_POLICY]["cull"].format(fields="rowid, key, raw, filename",
-                                                                                  now=0)
+        select = diskcache.core.EVICTION_POLICY[_EVICTION_POLICY]["cull"].format(
+            fields="rowid, key, raw, filename", now=0
+        )
         evicted = 0
         while self._blobs.volume() > self.size_limit:
             with self._blobs._transact(retry=True) as (sql, cleanup):
@@ -686,8 +753,7 @@ class KVStore(ChunkStore):
         missing = [row for row in cache._sql(select).fetchall() if not cache.disk.exists(row[3])]
         for rowid, db_key, raw, filename in missing:
             with self._blobs.transact(retry=True), cache.transact(retry=True):
-                still = cache._sql("SELECT 1 FROM Cache WHERE rowid = ? AND filename = ?",
-                                   (rowid, filename)).fetchall()
+                still = cache._sql("SELECT 1 FROM Cache WHERE rowid = ? AND filename = ?", (rowid, filename)).fetchall()
                 if not still or cache.disk.exists(filename):
                     continue
                 # A file name outside the store counts as missing: the row goes, the file stays.
@@ -747,8 +813,11 @@ class KVStore(ChunkStore):
                         self._index.delete(key, retry=True)
             return False
         n_tokens = meta.get("n_tokens", "0")
-        value = index_value(meta["text"], meta["fingerprint"],
-                            int(n_tokens) if n_tokens.isascii() and n_tokens.isdigit() and len(n_tokens) < 12 else 0)
+        value = index_value(
+            meta["text"],
+            meta["fingerprint"],
+            int(n_tokens) if n_tokens.isascii() and n_tokens.isdigit() and len(n_tokens) < 12 else 0,
+        )
         with self._blobs.transact(retry=True):
             if self._current_tag(key) != tag:
                 return False

@@ -11,6 +11,7 @@ A store key names its content (model fingerprint + token ids, ``KVStore.make_key
 copy here never goes stale: another process evicting or clearing the disk entry does not
 change what the key holds, and serving the copy gives the same answer as reading the disk.
 """
+
 from __future__ import annotations
 
 import threading
@@ -75,10 +76,14 @@ class HotCache:
         # buffer); a kept view would hold a file descriptor and, once the blob is evicted, its
         # disk space, for as long as it stays here. non_blocking: from a pinned read the copy
         # to the GPU runs asynchronously, ordered before the kernels that use it.
-        hot = ChunkEntry(entry.fingerprint, entry.text, entry.token_ids.clone(),
-                         entry.keys.to(device=self.device, dtype=self.dtype, non_blocking=True, copy=True),
-                         entry.values.to(device=self.device, dtype=self.dtype, non_blocking=True, copy=True),
-                         {k: v.clone() for k, v in entry.extras.items()})
+        hot = ChunkEntry(
+            entry.fingerprint,
+            entry.text,
+            entry.token_ids.clone(),
+            entry.keys.to(device=self.device, dtype=self.dtype, non_blocking=True, copy=True),
+            entry.values.to(device=self.device, dtype=self.dtype, non_blocking=True, copy=True),
+            {k: v.clone() for k, v in entry.extras.items()},
+        )
         with self._lock:
             self._entries[key] = hot  # evicts least recently used entries down to the budget
         return hot
@@ -89,8 +94,13 @@ class HotCache:
 
     def stats(self) -> dict:
         with self._lock:
-            return {"entries": len(self._entries), "bytes": int(self._entries.currsize), "budget": self.budget,
-                    "hits": self.hits, "misses": self.misses}
+            return {
+                "entries": len(self._entries),
+                "bytes": int(self._entries.currsize),
+                "budget": self.budget,
+                "hits": self.hits,
+                "misses": self.misses,
+            }
 
     def __len__(self) -> int:
         return len(self._entries)

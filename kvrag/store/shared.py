@@ -45,6 +45,7 @@ tiered store catches it: the near tiers hold the entry). After a failure the sto
 Redis for ``retry_s`` instead of paying a connect timeout on every chunk read, then tries
 again: redis-py opens a new connection for the next command, so it reconnects by itself.
 """
+
 from __future__ import annotations
 
 import logging
@@ -61,7 +62,15 @@ import torch
 from kvrag.errors import StoreError
 from kvrag.store.base import ChunkEntry, ChunkStore, make_key
 from kvrag.store.blob import (
-    Corrupt, checksum, deserialize, index_record, index_value, metadata, read_header, serialize, validate_entry,
+    Corrupt,
+    checksum,
+    deserialize,
+    index_record,
+    index_value,
+    metadata,
+    read_header,
+    serialize,
+    validate_entry,
     verified_header,
 )
 
@@ -89,8 +98,10 @@ def parse_url(url: str) -> tuple[str, bool]:
     with the accepted forms for anything else."""
     from urllib.parse import urlsplit
 
-    forms = ("redis://host:6379/0 (redis://[[user]:password@]host:port/db), rediss:// (TLS), "
-             "unix:///path.sock, or redis+cluster://host:6379 (rediss+cluster://) for a Redis Cluster")
+    forms = (
+        "redis://host:6379/0 (redis://[[user]:password@]host:port/db), rediss:// (TLS), "
+        "unix:///path.sock, or redis+cluster://host:6379 (rediss+cluster://) for a Redis Cluster"
+    )
     if not isinstance(url, str) or "://" not in url:
         raise ValueError(f"shared store URL must look like {forms}; got {url!r}")
     scheme, rest = url.split("://", 1)
@@ -203,9 +214,14 @@ class Outage:
                 self._down_since = time.monotonic()
             self._retry_at = time.monotonic() + self.retry_s
         if first:
-            log.warning("%s is unreachable (%s: %s): serving from the local tiers and computing what "
-                        "they lack; retrying every %g s, said once per outage",
-                        self.what, type(e).__name__, e, self.retry_s)
+            log.warning(
+                "%s is unreachable (%s: %s): serving from the local tiers and computing what "
+                "they lack; retrying every %g s, said once per outage",
+                self.what,
+                type(e).__name__,
+                e,
+                self.retry_s,
+            )
 
     def ok(self) -> None:
         if self._down_since is None:
@@ -231,11 +247,20 @@ class RedisStore(ChunkStore):
     (short: a dead server must cost a query little). retry_s: after a failure, seconds during
     which the server is not tried. Counters are per process."""
 
-    def __init__(self, url: str, *, prefix: str = "kvrag:", part_size: int = PART_SIZE,
-                 socket_timeout: float = 2.0, retry_s: float = 2.0, client=None) -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        prefix: str = "kvrag:",
+        part_size: int = PART_SIZE,
+        socket_timeout: float = 2.0,
+        retry_s: float = 2.0,
+        client=None,
+    ) -> None:
         if not isinstance(prefix, str) or not prefix or "{" in prefix or "}" in prefix:
-            raise ValueError(f"prefix must be a non-empty string without '{{' or '}}' (kvrag's hash tags), "
-                             f"got {prefix!r}")
+            raise ValueError(
+                f"prefix must be a non-empty string without '{{' or '}}' (kvrag's hash tags), got {prefix!r}"
+            )
         if isinstance(part_size, bool) or not isinstance(part_size, int) or part_size < 1024:
             raise ValueError(f"part_size must be an int >= 1024 bytes, got {part_size!r}")
         self.url = url
@@ -299,8 +324,9 @@ class RedisStore(ChunkStore):
                 out = fn()
             except (AskError, ClusterCrossSlotError) as e:
                 # MOVED/ASK/CROSSSLOT from a plain client: the URL names a cluster node.
-                raise redis.ConnectionError(f"{e} (the server is a Redis Cluster node: use a "
-                                            "redis+cluster:// URL)") from e
+                raise redis.ConnectionError(
+                    f"{e} (the server is a Redis Cluster node: use a redis+cluster:// URL)"
+                ) from e
         except (redis.ConnectionError, redis.TimeoutError, OSError, ClusterError, RedisClusterException) as e:
             self.outage.failed(e)
             if write:
@@ -340,7 +366,7 @@ class RedisStore(ChunkStore):
 
             p = self.client.pipeline(transaction=False)
             for i, name in enumerate(parts):
-                p.set(name, view[i * self.part_size:(i + 1) * self.part_size], ex=_PENDING_TTL_S)
+                p.set(name, view[i * self.part_size : (i + 1) * self.part_size], ex=_PENDING_TTL_S)
             p.execute()
             # WATCH the meta: a writer that published the same key between our read of the old
             # version and our commit makes us read again, so its parts are deleted, not leaked.
@@ -358,8 +384,16 @@ class RedisStore(ChunkStore):
                         for name in parts:
                             t.persist(name)
                         t.delete(self._meta(key))
-                        t.hset(self._meta(key), mapping={"ver": ver, "tag": checksum(data), "size": len(data),
-                                                         "part_size": self.part_size, "parts": n})
+                        t.hset(
+                            self._meta(key),
+                            mapping={
+                                "ver": ver,
+                                "tag": checksum(data),
+                                "size": len(data),
+                                "part_size": self.part_size,
+                                "parts": n,
+                            },
+                        )
                         t.execute()
                         break
                     except redis.WatchError:
@@ -418,6 +452,7 @@ class RedisStore(ChunkStore):
     def ensure_indexed(self, key: str) -> bool:
         """True if ``key``'s meta and every part are present and it is listed (re-listed from
         the blob's own header if not). Costs one round trip for a whole entry."""
+
         def run():
             meta = _meta_fields(self._hgetall(self._meta(key)), self.part_size)
             if meta is None:
@@ -443,6 +478,7 @@ class RedisStore(ChunkStore):
     def texts(self, fingerprint: str | None) -> dict[str, str]:
         """key -> text of the listed entries of ``fingerprint`` (None: all). The index is
         re-read only when its version counter moved; unreachable: what was read last."""
+
         def run():
             p = self.client.pipeline(transaction=False)
             p.get(self._idxv)
@@ -474,21 +510,35 @@ class RedisStore(ChunkStore):
             listed = self.client.hlen(self._idx)
             if not self.cluster:
                 mem = self.client.info("memory")
-                return {"listed": listed, "used_memory": mem.get("used_memory"), "maxmemory": mem.get("maxmemory"),
-                        "maxmemory_policy": mem.get("maxmemory_policy")}
+                return {
+                    "listed": listed,
+                    "used_memory": mem.get("used_memory"),
+                    "maxmemory": mem.get("maxmemory"),
+                    "maxmemory_policy": mem.get("maxmemory_policy"),
+                }
             # A cluster: summed over its primaries (``nodes``), one policy if they agree.
             mems = list(self.client.info("memory", target_nodes=self.client.PRIMARIES).values())
             policies = sorted({str(m.get("maxmemory_policy")) for m in mems})
-            return {"listed": listed, "nodes": len(mems), "used_memory": sum(m.get("used_memory", 0) for m in mems),
-                    "maxmemory": sum(m.get("maxmemory", 0) for m in mems),
-                    "maxmemory_policy": policies[0] if len(policies) == 1 else ",".join(policies)}
+            return {
+                "listed": listed,
+                "nodes": len(mems),
+                "used_memory": sum(m.get("used_memory", 0) for m in mems),
+                "maxmemory": sum(m.get("maxmemory", 0) for m in mems),
+                "maxmemory_policy": policies[0] if len(policies) == 1 else ",".join(policies),
+            }
 
         server = self._call(run, default={"reachable": False})
-        return {"url": redact(self.url), "prefix": self.prefix, **server, **c,
-                "hit_rate": c["hits"] / lookups if lookups else 0.0}
+        return {
+            "url": redact(self.url),
+            "prefix": self.prefix,
+            **server,
+            **c,
+            "hit_rate": c["hits"] / lookups if lookups else 0.0,
+        }
 
     def clear(self) -> int:
         """Delete every key under this store's prefix (all models); returns how many."""
+
         def run():
             n = 0
             batch = []
@@ -544,6 +594,7 @@ class RedisStore(ChunkStore):
 
     def _unlist(self, key: str) -> None:
         """Drop the index entry of an entry that is gone (evicted, or not kvrag's)."""
+
         def run():
             if self._read(key) in (None, "gone"):  # None: no meta any more
                 self._list(key, None)
@@ -555,8 +606,9 @@ class RedisStore(ChunkStore):
         so a good entry another replica has just written survives."""
         import redis
 
-        log.warning("RedisStore: corrupt entry %s in %s: %s; deleted, it will be recomputed", key,
-                    redact(self.url), problem)
+        log.warning(
+            "RedisStore: corrupt entry %s in %s: %s; deleted, it will be recomputed", key, redact(self.url), problem
+        )
         self._count("corrupt")
         self._count("misses")
 
@@ -608,12 +660,21 @@ def _meta_fields(raw: dict, default_part: int) -> dict[str, Any] | None:
     """The checked fields of a meta hash, or None if it is not one kvrag wrote."""
     try:
         meta = {k.decode("ascii"): v.decode("ascii") for k, v in raw.items()}
-        out = {"ver": meta["ver"], "tag": meta["tag"], "size": int(meta["size"]),
-               "part_size": int(meta.get("part_size", default_part)), "parts": int(meta["parts"])}
+        out = {
+            "ver": meta["ver"],
+            "tag": meta["tag"],
+            "size": int(meta["size"]),
+            "part_size": int(meta.get("part_size", default_part)),
+            "parts": int(meta["parts"]),
+        }
     except (KeyError, ValueError, UnicodeDecodeError, AttributeError):
         return None
-    if not out["ver"].isalnum() or not 0 < out["size"] <= MAX_ENTRY_BYTES or out["part_size"] < 1024 \
-            or out["parts"] != max(1, math.ceil(out["size"] / out["part_size"])):
+    if (
+        not out["ver"].isalnum()
+        or not 0 < out["size"] <= MAX_ENTRY_BYTES
+        or out["part_size"] < 1024
+        or out["parts"] != max(1, math.ceil(out["size"] / out["part_size"]))
+    ):
         return None
     return out
 
@@ -640,7 +701,7 @@ def _buffer(parts: list[bytes], size: int, pin_memory: bool) -> torch.Tensor:
         buf = torch.empty(size, dtype=torch.uint8)
     out, at = buf.numpy(), 0
     for x in parts:
-        out[at:at + len(x)] = np.frombuffer(x, dtype=np.uint8)
+        out[at : at + len(x)] = np.frombuffer(x, dtype=np.uint8)
         at += len(x)
     return buf
 

@@ -14,6 +14,7 @@ runs in a background thread, never in a query's path; a process restarted before
 the list (the chunks stay on its disk; other replicas compute them, or a ``kvrag worker``
 that has them copies them up).
 """
+
 from __future__ import annotations
 
 import logging
@@ -46,8 +47,15 @@ class TieredStore(ChunkStore):
         self._unsynced: OrderedDict[str, str] = OrderedDict()  # key -> fingerprint, oldest first
         self._pushing = False
         self._lock = threading.Lock()
-        self._counts = {"near_hits": 0, "far_hits": 0, "misses": 0, "promoted": 0, "far_write_failures": 0,
-                        "pushed_after_outage": 0, "unsynced_dropped": 0}
+        self._counts = {
+            "near_hits": 0,
+            "far_hits": 0,
+            "misses": 0,
+            "promoted": 0,
+            "far_write_failures": 0,
+            "pushed_after_outage": 0,
+            "unsynced_dropped": 0,
+        }
         outage = getattr(far, "outage", None)
         if outage is not None and hasattr(outage, "on_recover"):
             outage.on_recover(self._schedule_push)
@@ -115,8 +123,11 @@ class TieredStore(ChunkStore):
             self._counts["unsynced_dropped"] += dropped
             first_drop = dropped and self._counts["unsynced_dropped"] == dropped
         if first_drop:
-            log.warning("TieredStore: more than %d chunks stored only locally while the shared tier is down; "
-                        "the oldest will not be pushed up to it (said once)", self.max_unsynced)
+            log.warning(
+                "TieredStore: more than %d chunks stored only locally while the shared tier is down; "
+                "the oldest will not be pushed up to it (said once)",
+                self.max_unsynced,
+            )
 
     def _schedule_push(self) -> None:
         with self._lock:
@@ -149,8 +160,9 @@ class TieredStore(ChunkStore):
                 self._pushing = False
                 self._counts["pushed_after_outage"] += pushed
             if pushed:
-                log.warning("TieredStore: pushed %d chunk(s) stored locally during the outage up to the shared tier",
-                            pushed)
+                log.warning(
+                    "TieredStore: pushed %d chunk(s) stored locally during the outage up to the shared tier", pushed
+                )
 
     def delete(self, key: str) -> bool:
         near = self.near.delete(key)

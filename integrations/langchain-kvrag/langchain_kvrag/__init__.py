@@ -1,4 +1,5 @@
 """LangChain integration of kvrag (distribution ``langchain-kvrag``)."""
+
 from langchain_kvrag.chat_models import ChatKVRag, to_kvrag_messages
 from langchain_kvrag.hooks import KVPrecomputeHook, KVWarmingRetriever, precompute_on_add
 

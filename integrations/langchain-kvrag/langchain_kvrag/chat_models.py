@@ -1,4 +1,5 @@
 """``ChatKVRag``: a LangChain chat model backed by kvrag's fused KV-cache prefill."""
+
 from __future__ import annotations
 
 import logging
@@ -24,8 +25,19 @@ from pydantic import ConfigDict, Field, PrivateAttr, model_validator
 
 from kvrag.engine import Generation, KVRag
 from kvrag.frameworks import (
-    SHARED_FIELDS, UsageTotals, WrapsKVRag, aiter_in_thread, call_options, check_shared_matches, foreground_steps,
-    max_tokens_alias, open_stream, resolve_policy, shared_options, shared_settings, stop_list,
+    SHARED_FIELDS,
+    UsageTotals,
+    WrapsKVRag,
+    aiter_in_thread,
+    call_options,
+    check_shared_matches,
+    foreground_steps,
+    max_tokens_alias,
+    open_stream,
+    resolve_policy,
+    shared_options,
+    shared_settings,
+    stop_list,
 )
 from kvrag.query.prompt import has_chat_template, plain_chat_prompt
 
@@ -105,13 +117,22 @@ class ChatKVRag(WrapsKVRag, BaseChatModel):
 
     model_config = ConfigDict(arbitrary_types_allowed=True)
 
-    rag: Any = Field(default=None, exclude=True, description="A kvrag.engine.KVRag (built from model/cache_dir if None).")
-    model: Optional[str] = Field(default=None, description="HF model directory or .gguf (None: SmolLM2-135M-Instruct); "
-                                 "filled in with the path the KVRag loaded (None for a model built in memory).")
-    cache_dir: Optional[str] = Field(default=None, description="KV store directory (None: $KVRAG_HOME/store); "
-                                     "filled in with the KVRag's store.")
-    shared: Optional[str] = Field(default=None, description="The shared tier's URL, without its password (filled "
-                                  "in; loaded again with the password from $KVRAG_REDIS_PASSWORD).")
+    rag: Any = Field(
+        default=None, exclude=True, description="A kvrag.engine.KVRag (built from model/cache_dir if None)."
+    )
+    model: Optional[str] = Field(
+        default=None,
+        description="HF model directory or .gguf (None: SmolLM2-135M-Instruct); "
+        "filled in with the path the KVRag loaded (None for a model built in memory).",
+    )
+    cache_dir: Optional[str] = Field(
+        default=None, description="KV store directory (None: $KVRAG_HOME/store); filled in with the KVRag's store."
+    )
+    shared: Optional[str] = Field(
+        default=None,
+        description="The shared tier's URL, without its password (filled "
+        "in; loaded again with the password from $KVRAG_REDIS_PASSWORD).",
+    )
     shared_prefix: Optional[str] = Field(default=None, description="The shared tier's key prefix (filled in).")
     precompute_via: str = Field(default="local", description="'local' or 'queue' (filled in from the KVRag).")
     policy: str = "cacheblend"
@@ -123,10 +144,16 @@ class ChatKVRag(WrapsKVRag, BaseChatModel):
     stop: Optional[list[str]] = None
     seed: Optional[int] = None
     precompute_options: dict[str, Any] = Field(default_factory=dict, description="Precomputer(...) options.")
-    fingerprint: Optional[str] = Field(default=None, description="The cache fingerprint of the model "
-                                       "(filled in; a serialized chat model checks it when loaded again).")
-    streaming: bool = Field(default=False, description="LangChain's convention: invoke() goes through the "
-                            "streaming path. Tokens reach on_llm_new_token callbacks either way.")
+    fingerprint: Optional[str] = Field(
+        default=None,
+        description="The cache fingerprint of the model "
+        "(filled in; a serialized chat model checks it when loaded again).",
+    )
+    streaming: bool = Field(
+        default=False,
+        description="LangChain's convention: invoke() goes through the "
+        "streaming path. Tokens reach on_llm_new_token callbacks either way.",
+    )
 
     _precomputer: Any = PrivateAttr(default=None)
     _last: Any = PrivateAttr(default=None)
@@ -144,27 +171,39 @@ class ChatKVRag(WrapsKVRag, BaseChatModel):
         known = set(cls.model_fields) | {f.alias for f in cls.model_fields.values() if f.alias}
         flat = {k: data.pop(k) for k in list(data) if k not in known}
         data["policy"], data["policy_params"] = resolve_policy(
-            data.get("policy"), data.get("policy_params"), flat, data.get("rag"), "ChatKVRag")
+            data.get("policy"), data.get("policy_params"), flat, data.get("rag"), "ChatKVRag"
+        )
         return data
 
     @model_validator(mode="after")
     def _build(self) -> "ChatKVRag":
         if self.rag is None and self.model is None and self.fingerprint is not None:
             # Serialization always records the model's path; none means it was built in memory.
-            raise ValueError("this ChatKVRag was serialized from a model built in memory, which cannot be loaded "
-                             "from its settings: pass rag= with that model's KVRag")
+            raise ValueError(
+                "this ChatKVRag was serialized from a model built in memory, which cannot be loaded "
+                "from its settings: pass rag= with that model's KVRag"
+            )
         given = self.rag is not None
         if self.rag is None:
             # The chat model's policy is also the KVRag's: a KVRag built for kvlink loads the
             # KVLink model (trained adapter) where one exists for this model.
-            self.rag = KVRag(self.model, cache_dir=self.cache_dir, policy=self.policy, **self.policy_params,
-                             **shared_options(self.shared, self.shared_prefix, self.precompute_via))
+            self.rag = KVRag(
+                self.model,
+                cache_dir=self.cache_dir,
+                policy=self.policy,
+                **self.policy_params,
+                **shared_options(self.shared, self.shared_prefix, self.precompute_via),
+            )
         elif not isinstance(self.rag, KVRag):
             raise TypeError(f"rag must be a kvrag.engine.KVRag, got {type(self.rag).__name__}")
-        elif (self.model is not None or self.cache_dir is not None) and \
-                _BUILT_FROM.get(self.rag) != (self.model, self.cache_dir):
-            raise ValueError("pass either an existing `rag` or `model`/`cache_dir`, not both "
-                             "(`model`/`cache_dir` are not configurable fields: they load another model)")
+        elif (self.model is not None or self.cache_dir is not None) and _BUILT_FROM.get(self.rag) != (
+            self.model,
+            self.cache_dir,
+        ):
+            raise ValueError(
+                "pass either an existing `rag` or `model`/`cache_dir`, not both "
+                "(`model`/`cache_dir` are not configurable fields: they load another model)"
+            )
         if given:
             check_shared_matches({k: getattr(self, k) for k in SHARED_FIELDS}, self.rag, "ChatKVRag")
         # ``model`` and ``cache_dir`` name what the KVRag was loaded from (LangChain's
@@ -174,7 +213,8 @@ class ChatKVRag(WrapsKVRag, BaseChatModel):
             raise ValueError(
                 f"ChatKVRag was given fingerprint {self.fingerprint[:16]}..., but model "
                 f"{source or '(in memory)'} has {self.rag.fingerprint[:16]}...: it was serialized from another model "
-                "(or one built in memory, which cannot be loaded from settings: pass rag=)")
+                "(or one built in memory, which cannot be loaded from settings: pass rag=)"
+            )
         self.model = str(source) if source else None
         self.cache_dir = str(self.rag.cache_dir)
         self.fingerprint = self.rag.fingerprint
@@ -199,9 +239,17 @@ class ChatKVRag(WrapsKVRag, BaseChatModel):
         # belong in it too (the defaults would load another model over another store), and the
         # fingerprint, checked on load (LangChain's LLM cache also keys answers on this record).
         if out.get("type") == "constructor":
-            out["kwargs"] = {k: v for k, v in {**out["kwargs"], "model": self.model, "cache_dir": self.cache_dir,
-                                                "fingerprint": self.fingerprint,
-                                                **{k: getattr(self, k) for k in SHARED_FIELDS}}.items() if k != "rag"}
+            out["kwargs"] = {
+                k: v
+                for k, v in {
+                    **out["kwargs"],
+                    "model": self.model,
+                    "cache_dir": self.cache_dir,
+                    "fingerprint": self.fingerprint,
+                    **{k: getattr(self, k) for k in SHARED_FIELDS},
+                }.items()
+                if k != "rag"
+            }
         return out
 
     def _get_ls_params(self, stop: Optional[list[str]] = None, **kwargs: Any):
@@ -244,17 +292,31 @@ class ChatKVRag(WrapsKVRag, BaseChatModel):
         source = getattr(self.rag.handle, "source", None)
         # Everything that changes the answer: LangChain's LLM cache keys on these (plus a call's
         # own options), so two models differing only in max_new_tokens must not share answers.
-        return {"model": os.path.basename(str(source)) if source else None, "policy": self.policy,
-                "policy_params": self.policy_params, "fingerprint": self.rag.fingerprint[:16],
-                "max_new_tokens": self.max_new_tokens, "temperature": self.temperature, "top_p": self.top_p,
-                "top_k": self.top_k, "seed": self.seed,
-                # Not "stop": LangChain overwrites that key with the call's own stop list.
-                "default_stop": self.stop}
+        return {
+            "model": os.path.basename(str(source)) if source else None,
+            "policy": self.policy,
+            "policy_params": self.policy_params,
+            "fingerprint": self.rag.fingerprint[:16],
+            "max_new_tokens": self.max_new_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "seed": self.seed,
+            # Not "stop": LangChain overwrites that key with the call's own stop list.
+            "default_stop": self.stop,
+        }
 
     # ---- core --------------------------------------------------------------------------
     def _options(self, stop: Optional[list[str]], kwargs: dict[str, Any]) -> dict[str, Any]:
-        defaults = dict(policy=self.policy, max_new_tokens=self.max_new_tokens, temperature=self.temperature,
-                        top_p=self.top_p, top_k=self.top_k, stop=stop_list(self.stop), seed=self.seed)
+        defaults = dict(
+            policy=self.policy,
+            max_new_tokens=self.max_new_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            stop=stop_list(self.stop),
+            seed=self.seed,
+        )
         opts = call_options(defaults, self.policy_params, kwargs, "ChatKVRag", log)
         opts["stop"] = opts["stop"] + stop_list(stop)  # LangChain's per-call stop adds to ours
         return opts
@@ -277,9 +339,14 @@ class ChatKVRag(WrapsKVRag, BaseChatModel):
             "kvrag_stats": gen.stats.as_dict(),
         }
 
-    def _iterate(self, messages: list[BaseMessage], stop: Optional[list[str]],
-                 run_manager: Optional[CallbackManagerForLLMRun], kwargs: dict[str, Any],
-                 whole: bool = False) -> Iterator[tuple[str, Any]]:
+    def _iterate(
+        self,
+        messages: list[BaseMessage],
+        stop: Optional[list[str]],
+        run_manager: Optional[CallbackManagerForLLMRun],
+        kwargs: dict[str, Any],
+        whole: bool = False,
+    ) -> Iterator[tuple[str, Any]]:
         """The one generation path (``langchain-ollama``'s ``_iterate_over_stream``): yields
         (delta, None) per text delta -- reported to ``run_manager`` as a new token, so callbacks
         see tokens from ``invoke`` too -- then ("", Generation) once at the end.
@@ -288,9 +355,11 @@ class ChatKVRag(WrapsKVRag, BaseChatModel):
         otherwise (a stream, read at its consumer's pace) each step holds it while it computes."""
         s = open_stream(self.rag, self._prompt(messages), self._options(stop, kwargs), self._foreground)
         try:
-            for delta in (s if whole else foreground_steps(s, self._foreground)):
+            for delta in s if whole else foreground_steps(s, self._foreground):
                 if run_manager is not None:
-                    run_manager.on_llm_new_token(delta, chunk=ChatGenerationChunk(message=AIMessageChunk(content=delta)))
+                    run_manager.on_llm_new_token(
+                        delta, chunk=ChatGenerationChunk(message=AIMessageChunk(content=delta))
+                    )
                 yield delta, None
         finally:
             # Closed early (a cancelled ainvoke, a consumer that stopped reading): stop decoding
@@ -300,15 +369,25 @@ class ChatKVRag(WrapsKVRag, BaseChatModel):
         self._record(gen)
         yield "", gen
 
-    def _generate(self, messages: list[BaseMessage], stop: Optional[list[str]] = None,
-                  run_manager: Optional[CallbackManagerForLLMRun] = None, **kwargs: Any) -> ChatResult:
+    def _generate(
+        self,
+        messages: list[BaseMessage],
+        stop: Optional[list[str]] = None,
+        run_manager: Optional[CallbackManagerForLLMRun] = None,
+        **kwargs: Any,
+    ) -> ChatResult:
         with self._foreground():  # the whole answer holds background precompute back
             for _, gen in self._iterate(messages, stop, run_manager, kwargs, whole=True):
                 pass
         return self._result(gen)
 
-    async def _agenerate(self, messages: list[BaseMessage], stop: Optional[list[str]] = None,
-                         run_manager: Optional[AsyncCallbackManagerForLLMRun] = None, **kwargs: Any) -> ChatResult:
+    async def _agenerate(
+        self,
+        messages: list[BaseMessage],
+        stop: Optional[list[str]] = None,
+        run_manager: Optional[AsyncCallbackManagerForLLMRun] = None,
+        **kwargs: Any,
+    ) -> ChatResult:
         # LangChain's default runs ``_generate`` in an executor, which a cancelled ``ainvoke``
         # (a client that went away) cannot stop: it decoded up to max_new_tokens in the
         # background. Stepped here, it stops after the step in flight.
@@ -320,25 +399,37 @@ class ChatKVRag(WrapsKVRag, BaseChatModel):
     def _result(self, gen: Generation) -> ChatResult:
         meta = self._metadata(gen)
         msg = AIMessage(content=gen.text, usage_metadata=_usage(gen.stats), response_metadata=meta)
-        return ChatResult(generations=[ChatGeneration(message=msg, generation_info={"finish_reason": meta["finish_reason"]})],
-                          llm_output={"model_name": meta["model_name"], "policy": meta["policy"]})
+        return ChatResult(
+            generations=[ChatGeneration(message=msg, generation_info={"finish_reason": meta["finish_reason"]})],
+            llm_output={"model_name": meta["model_name"], "policy": meta["policy"]},
+        )
 
-    def _stream(self, messages: list[BaseMessage], stop: Optional[list[str]] = None,
-                run_manager: Optional[CallbackManagerForLLMRun] = None, **kwargs: Any) -> Iterator[ChatGenerationChunk]:
+    def _stream(
+        self,
+        messages: list[BaseMessage],
+        stop: Optional[list[str]] = None,
+        run_manager: Optional[CallbackManagerForLLMRun] = None,
+        **kwargs: Any,
+    ) -> Iterator[ChatGenerationChunk]:
         for delta, gen in self._iterate(messages, stop, run_manager, kwargs):
             if gen is None:
                 yield ChatGenerationChunk(message=AIMessageChunk(content=delta))
                 continue
             meta = self._metadata(gen)
             yield ChatGenerationChunk(
-                message=AIMessageChunk(content="", usage_metadata=_usage(gen.stats), response_metadata=meta,
-                                       chunk_position="last"),
+                message=AIMessageChunk(
+                    content="", usage_metadata=_usage(gen.stats), response_metadata=meta, chunk_position="last"
+                ),
                 generation_info={"finish_reason": meta["finish_reason"]},
             )
 
-    async def _astream(self, messages: list[BaseMessage], stop: Optional[list[str]] = None,
-                       run_manager: Optional[AsyncCallbackManagerForLLMRun] = None,
-                       **kwargs: Any) -> AsyncIterator[ChatGenerationChunk]:
+    async def _astream(
+        self,
+        messages: list[BaseMessage],
+        stop: Optional[list[str]] = None,
+        run_manager: Optional[AsyncCallbackManagerForLLMRun] = None,
+        **kwargs: Any,
+    ) -> AsyncIterator[ChatGenerationChunk]:
         # LangChain's default steps ``_stream`` in an executor too, but a cancelled consumer
         # leaves the generator open until garbage collection; here it raises CancelledError
         # and the generator is closed as soon as the step in flight returns.

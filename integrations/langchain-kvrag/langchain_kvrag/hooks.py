@@ -12,14 +12,15 @@ The text precomputed is ``document.page_content`` (``text_fn`` changes that): th
 put it in the prompt verbatim (e.g. ``"\\n\\n".join(d.page_content for d in docs)``), since
 kvrag finds cached chunks by exact text.
 """
+
 from __future__ import annotations
 
 import contextlib
 import functools
 import inspect
 import logging
-from contextvars import ContextVar
 from collections.abc import Callable, Iterator, Sequence
+from contextvars import ContextVar
 from typing import Any, Optional
 
 from langchain_core.callbacks import AsyncCallbackManagerForRetrieverRun, CallbackManagerForRetrieverRun
@@ -68,7 +69,8 @@ def _lister(vectorstore):
     if not callable(get):
         raise TypeError(
             f"cannot list the documents of a {type(vectorstore).__name__} (no Chroma-style get()): "
-            "pass their texts to KVPrecomputeHook.schedule(texts), or wrap its retriever in KVWarmingRetriever")
+            "pass their texts to KVPrecomputeHook.schedule(texts), or wrap its retriever in KVWarmingRetriever"
+        )
     return get
 
 
@@ -80,8 +82,16 @@ class KVPrecomputeHook:
     unchanged). block: when the precompute queue is full, wait for room (back-pressure on
     ingestion) instead of dropping."""
 
-    def __init__(self, target: Any = None, *, llm: Any = None, rag: Any = None, precomputer: Any = None,
-                 text_fn: Optional[Callable[[str], str]] = None, block: bool = True):
+    def __init__(
+        self,
+        target: Any = None,
+        *,
+        llm: Any = None,
+        rag: Any = None,
+        precomputer: Any = None,
+        text_fn: Optional[Callable[[str], str]] = None,
+        block: bool = True,
+    ):
         target = hook_target("KVPrecomputeHook", target, llm=llm, rag=rag, precomputer=precomputer)
         Precomputer.of(target)  # a wrong target fails here, not at the first add_documents
         self.target = target
@@ -103,8 +113,7 @@ class KVPrecomputeHook:
 
     async def aschedule(self, texts: Sequence[str]) -> None:
         """``schedule`` for async code: waiting for queue room never blocks the event loop."""
-        await self.precomputer.asubmit_many(self._texts(texts), block=self.block, skip_invalid=True,
-                                            skip_full=True)
+        await self.precomputer.asubmit_many(self._texts(texts), block=self.block, skip_invalid=True, skip_full=True)
 
     def backfill(self, vectorstore, *, page_size: int = 1000) -> int:
         """Schedule the texts ``vectorstore`` already holds (filled by ``Chroma.from_documents``,
@@ -164,6 +173,7 @@ class KVPrecomputeHook:
             return args, kwargs, texts
 
         if inspect.iscoroutinefunction(method):
+
             @functools.wraps(method)
             async def hooked_async(*args, **kwargs):
                 args, kwargs, texts = take(args, kwargs)
@@ -198,9 +208,17 @@ class KVPrecomputeHook:
         del vectorstore.__dict__[_ATTR]
 
 
-def precompute_on_add(vectorstore, target: Any = None, *, llm: Any = None, rag: Any = None,
-                      precomputer: Any = None, text_fn: Optional[Callable[[str], str]] = None,
-                      block: bool = True, backfill: bool = False):
+def precompute_on_add(
+    vectorstore,
+    target: Any = None,
+    *,
+    llm: Any = None,
+    rag: Any = None,
+    precomputer: Any = None,
+    text_fn: Optional[Callable[[str], str]] = None,
+    block: bool = True,
+    backfill: bool = False,
+):
     """Make ``vectorstore.add_documents``/``add_texts`` (and async variants, and
     ``update_documents``) schedule the KV precompute of what they store; returns the store.
 
@@ -229,8 +247,13 @@ class KVWarmingRetriever(BaseRetriever):
     def __init__(self, retriever: Optional[BaseRetriever] = None, target: Any = None, **kwargs: Any):
         if retriever is not None:
             kwargs["retriever"] = retriever
-        target = hook_target("KVWarmingRetriever", target, llm=kwargs.pop("llm", None), rag=kwargs.pop("rag", None),
-                             precomputer=kwargs.pop("precomputer", None))
+        target = hook_target(
+            "KVWarmingRetriever",
+            target,
+            llm=kwargs.pop("llm", None),
+            rag=kwargs.pop("rag", None),
+            precomputer=kwargs.pop("precomputer", None),
+        )
         Precomputer.of(target)  # a wrong target fails here
         super().__init__(target=target, **kwargs)
 
@@ -247,8 +270,9 @@ class KVWarmingRetriever(BaseRetriever):
         schedule_retrieved(self.precomputer, self._texts(docs), self.defer_s)
         return docs
 
-    async def _aget_relevant_documents(self, query: str, *,
-                                       run_manager: AsyncCallbackManagerForRetrieverRun) -> list[Document]:
+    async def _aget_relevant_documents(
+        self, query: str, *, run_manager: AsyncCallbackManagerForRetrieverRun
+    ) -> list[Document]:
         docs = await self.retriever.ainvoke(query, config={"callbacks": run_manager.get_child()})
         schedule_retrieved(self.precomputer, self._texts(docs), self.defer_s)
         return docs

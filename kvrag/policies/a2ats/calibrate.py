@@ -10,6 +10,7 @@ codebooks. ``calibrate`` does it all and saves the file ``find_codebooks`` looks
 
 Shapes as in ``kvrag.policies.a2ats.codebook``.
 """
+
 from __future__ import annotations
 
 import json
@@ -23,13 +24,20 @@ from pathlib import Path
 import torch
 
 from kvrag.policies.a2ats.codebook import (
-    DEFAULT_CODES, DEFAULT_ITERS, DEFAULT_ROPE_OFFSET, MAX_CODES, CodebookError, Codebooks, codebook_path,
-    fit_codebook, model_probe,
+    DEFAULT_CODES,
+    DEFAULT_ITERS,
+    DEFAULT_ROPE_OFFSET,
+    MAX_CODES,
+    CodebookError,
+    Codebooks,
+    codebook_path,
+    fit_codebook,
+    model_probe,
 )
 
 log = logging.getLogger("kvrag")
 
-DEFAULT_TOKENS = 8192        # paper: 64K web text + 16K random uuids
+DEFAULT_TOKENS = 8192  # paper: 64K web text + 16K random uuids
 DEFAULT_SEQ_LEN = 512
 DEFAULT_UUID_FRACTION = 0.2  # the paper's 16K uuid tokens of 80K
 
@@ -67,8 +75,10 @@ def read_texts(paths: Sequence[str | os.PathLike]) -> list[str]:
     for p in paths:
         p = Path(p)
         if not p.is_file():
-            raise CodebookError(f"calibration text file {str(p)!r} "
-                                + ("is a directory, not a file" if p.is_dir() else "does not exist"))
+            raise CodebookError(
+                f"calibration text file {str(p)!r} "
+                + ("is a directory, not a file" if p.is_dir() else "does not exist")
+            )
         try:
             raw = p.read_text(encoding="utf-8", errors="replace")
         except OSError as e:
@@ -86,8 +96,9 @@ def read_texts(paths: Sequence[str | os.PathLike]) -> list[str]:
         except json.JSONDecodeError as e:
             raise CodebookError(f"calibration text file {str(p)!r} is not valid JSON: {e}") from e
         if not got:
-            what = ("holds no string longer than 32 characters" if p.suffix.lower() in (".json", ".jsonl")
-                    else "is empty")
+            what = (
+                "holds no string longer than 32 characters" if p.suffix.lower() in (".json", ".jsonl") else "is empty"
+            )
             raise CodebookError(f"calibration text file {str(p)!r} {what}: no calibration text in it")
         out.extend(got)
     return out
@@ -99,8 +110,10 @@ def store_texts(store) -> list[str]:
     is an error (CodebookError), not a codebook fitted on uuids alone."""
     texts = [t for _, t in sorted(store.texts(None).items()) if t.strip()]
     if not texts:
-        raise CodebookError(f"the KV store at {store.directory} holds no chunk text: ingest documents first, "
-                            "or calibrate on files with --text")
+        raise CodebookError(
+            f"the KV store at {store.directory} holds no chunk text: ingest documents first, "
+            "or calibrate on files with --text"
+        )
     return texts
 
 
@@ -128,8 +141,14 @@ def builtin_texts() -> list[str]:
 
 
 def calibration_sequences(
-    encode: Callable[[str], list[int]], texts: Sequence[str], n_tokens: int, *, seq_len: int = DEFAULT_SEQ_LEN,
-    uuid_fraction: float = DEFAULT_UUID_FRACTION, seed: int = 0, prefix: Sequence[int] = (),
+    encode: Callable[[str], list[int]],
+    texts: Sequence[str],
+    n_tokens: int,
+    *,
+    seq_len: int = DEFAULT_SEQ_LEN,
+    uuid_fraction: float = DEFAULT_UUID_FRACTION,
+    seed: int = 0,
+    prefix: Sequence[int] = (),
 ) -> list[list[int]]:
     """Token sequences of at most ``seq_len`` tokens, ~``n_tokens`` in all: ``1 - uuid_fraction``
     of them from ``texts`` (joined by blank lines), the rest random uuids. Each sequence starts
@@ -148,7 +167,7 @@ def calibration_sequences(
     def cut(ids: list[int], budget: int) -> list[list[int]]:
         seqs = []
         for s in range(0, min(len(ids), budget), body):
-            piece = ids[s:min(s + body, budget)]
+            piece = ids[s : min(s + body, budget)]
             if len(piece) >= 2:
                 seqs.append(list(prefix) + piece)
         return seqs
@@ -209,9 +228,16 @@ def collect_statistics(arch, sequences: Sequence[Sequence[int]], rope_offset: in
 
 
 def fit_codebooks(
-    arch, sequences: Sequence[Sequence[int]], *, n_codes: int = DEFAULT_CODES, iters: int = DEFAULT_ITERS,
-    rope_offset: int = DEFAULT_ROPE_OFFSET, seed: int = 0, max_keys: int | None = None,
-    meta: dict | None = None, progress=None,
+    arch,
+    sequences: Sequence[Sequence[int]],
+    *,
+    n_codes: int = DEFAULT_CODES,
+    iters: int = DEFAULT_ITERS,
+    rope_offset: int = DEFAULT_ROPE_OFFSET,
+    seed: int = 0,
+    max_keys: int | None = None,
+    meta: dict | None = None,
+    progress=None,
 ) -> Codebooks:
     """Fit one query-aware codebook per (layer, KV head) of ``arch``'s model on ``sequences``.
 
@@ -236,17 +262,34 @@ def fit_codebooks(
         if progress is not None:
             progress("layers", 1)
     info = {
-        "model_type": arch.config.model_type, "n_layers": arch.n_layers, "n_kv_heads": arch.n_kv_heads,
-        "n_heads": arch.n_heads, "head_dim": arch.head_dim, "n_codes": n_codes, "n_tokens": int(n),
-        "iters": iters, "rope_offset": rope_offset, "seed": seed, **(meta or {}),
+        "model_type": arch.config.model_type,
+        "n_layers": arch.n_layers,
+        "n_kv_heads": arch.n_kv_heads,
+        "n_heads": arch.n_heads,
+        "head_dim": arch.head_dim,
+        "n_codes": n_codes,
+        "n_tokens": int(n),
+        "iters": iters,
+        "rope_offset": rope_offset,
+        "seed": seed,
+        **(meta or {}),
     }
     return Codebooks(torch.stack(books), torch.stack(chols), model_probe(arch), info)
 
 
 def calibrate(
-    handle, *, texts: Sequence[str] | None = None, n_tokens: int = DEFAULT_TOKENS, n_codes: int = DEFAULT_CODES,
-    iters: int = DEFAULT_ITERS, seq_len: int = DEFAULT_SEQ_LEN, uuid_fraction: float = DEFAULT_UUID_FRACTION,
-    rope_offset: int = DEFAULT_ROPE_OFFSET, seed: int = 0, out: str | os.PathLike | None = None, progress=None,
+    handle,
+    *,
+    texts: Sequence[str] | None = None,
+    n_tokens: int = DEFAULT_TOKENS,
+    n_codes: int = DEFAULT_CODES,
+    iters: int = DEFAULT_ITERS,
+    seq_len: int = DEFAULT_SEQ_LEN,
+    uuid_fraction: float = DEFAULT_UUID_FRACTION,
+    rope_offset: int = DEFAULT_ROPE_OFFSET,
+    seed: int = 0,
+    out: str | os.PathLike | None = None,
+    progress=None,
 ) -> tuple[Codebooks, Path]:
     """Fit codebooks for a ``ModelHandle`` and save them to ``out`` (default
     ``$KVRAG_HOME/a2ats/<fingerprint>.safetensors``). ``texts`` None = ``builtin_texts()``."""
@@ -258,16 +301,27 @@ def calibrate(
     path = Path(out) if out is not None else codebook_path(handle.fingerprint)
     check_file(path, "codebook file", CodebookError)  # now, not after the model pass
     seqs = calibration_sequences(
-        handle.encode, texts, n_tokens, seq_len=seq_len, uuid_fraction=uuid_fraction, seed=seed,
+        handle.encode,
+        texts,
+        n_tokens,
+        seq_len=seq_len,
+        uuid_fraction=uuid_fraction,
+        seed=seed,
         prefix=handle.prefix_ids(),
     )
     # Too few tokens (asked for, or the text ran out): caught before the model pass, not after.
     n = sum(len(s) for s in seqs)
     if n < n_codes:
-        raise ValueError(f"{n} calibration tokens cannot fit {n_codes} codewords; use more tokens (or text) "
-                         "or fewer codes")
+        raise ValueError(
+            f"{n} calibration tokens cannot fit {n_codes} codewords; use more tokens (or text) or fewer codes"
+        )
     cb = fit_codebooks(
-        handle.arch, seqs, n_codes=n_codes, iters=iters, rope_offset=rope_offset, seed=seed,
+        handle.arch,
+        seqs,
+        n_codes=n_codes,
+        iters=iters,
+        rope_offset=rope_offset,
+        seed=seed,
         meta={"fingerprint": handle.fingerprint, "uuid_fraction": uuid_fraction, "seq_len": seq_len},
         progress=progress,
     )

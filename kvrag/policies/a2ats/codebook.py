@@ -23,6 +23,7 @@ model (``find_codebooks``). Calibration -- which text, which statistics -- is
 Shapes: ``L`` layers, ``H`` query heads, ``Hkv`` KV heads, ``G = H / Hkv`` query heads per KV
 head, ``D`` head dim, ``C`` codewords, ``T`` tokens, ``N`` calibration keys per head.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -41,10 +42,10 @@ from kvrag.errors import KVRagError
 log = logging.getLogger("kvrag")
 
 FORMAT = "kvrag-a2ats-codebooks/1"
-DEFAULT_CODES = 512          # paper: 4096 (fitted on 80K tokens of an 8B model, on GPUs)
+DEFAULT_CODES = 512  # paper: 4096 (fitted on 80K tokens of an 8B model, on GPUs)
 DEFAULT_ITERS = 8
-DEFAULT_ROPE_OFFSET = 2048   # the paper's b
-MAX_CODES = 32767            # codes are stored as int16
+DEFAULT_ROPE_OFFSET = 2048  # the paper's b
+MAX_CODES = 32767  # codes are stored as int16
 # Tokens of the probe sequence whose keys identify a model (see ``model_probe``).
 _PROBE_TOKENS = 16
 
@@ -62,13 +63,15 @@ def _nearest(x: torch.Tensor, centers: torch.Tensor, block: int = 4096) -> torch
     c2 = (centers * centers).sum(-1)  # [B, C]
     out = []
     for s in range(0, x.shape[1], block):
-        xs = x[:, s:s + block]
+        xs = x[:, s : s + block]
         d = c2[:, None, :] - 2 * torch.matmul(xs, centers.transpose(1, 2))
         out.append(d.argmin(-1))
     return torch.cat(out, dim=1)
 
 
-def kmeans(x: torch.Tensor, k: int, iters: int = DEFAULT_ITERS, generator: torch.Generator | None = None) -> torch.Tensor:
+def kmeans(
+    x: torch.Tensor, k: int, iters: int = DEFAULT_ITERS, generator: torch.Generator | None = None
+) -> torch.Tensor:
     """Batched k-means++ (seeding + ``iters`` Lloyd steps) of B independent point sets.
 
     x [B, N, D] -> centers [B, k, D] (same dtype). A cluster that ends up empty keeps its
@@ -123,8 +126,13 @@ def query_cholesky(h: torch.Tensor, jitter: float = 1e-6) -> torch.Tensor:
 
 
 def fit_codebook(
-    keys: torch.Tensor, h: torch.Tensor, n_codes: int, *, iters: int = DEFAULT_ITERS,
-    generator: torch.Generator | None = None, query_aware: bool = True,
+    keys: torch.Tensor,
+    h: torch.Tensor,
+    n_codes: int,
+    *,
+    iters: int = DEFAULT_ITERS,
+    generator: torch.Generator | None = None,
+    query_aware: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Query-aware VQ codebooks for B independent (layer, head) problems.
 
@@ -133,7 +141,9 @@ def fit_codebook(
     ``C L`` the codewords codes are assigned against). ``query_aware=False`` fits conventional
     VQ (L = I): the paper's ablation baseline, kept for tests and comparisons."""
     if keys.dim() != 3 or h.dim() != 3 or h.shape[0] != keys.shape[0] or h.shape[1:] != (keys.shape[2], keys.shape[2]):
-        raise ValueError(f"fit_codebook: keys [B, N, D] and h [B, D, D] do not match: {tuple(keys.shape)}, {tuple(h.shape)}")
+        raise ValueError(
+            f"fit_codebook: keys [B, N, D] and h [B, D, D] do not match: {tuple(keys.shape)}, {tuple(h.shape)}"
+        )
     if query_aware:
         chol = query_cholesky(h)
     else:
@@ -169,7 +179,9 @@ class Codebooks:
             )
         l, hkv, c, d = cb.shape
         if tuple(ch.shape) != (l, hkv, d, d) or tuple(pr.shape[:2]) != (l, hkv) or pr.shape[3] != d:
-            raise CodebookError(f"inconsistent codebook shapes: codebook {tuple(cb.shape)}, chol {tuple(ch.shape)}, probe {tuple(pr.shape)}")
+            raise CodebookError(
+                f"inconsistent codebook shapes: codebook {tuple(cb.shape)}, chol {tuple(ch.shape)}, probe {tuple(pr.shape)}"
+            )
         if not 1 <= c <= MAX_CODES:
             raise CodebookError(f"codebook has {c} codewords; codes are int16, so 1..{MAX_CODES} are supported")
         self.codebook = cb.float().contiguous()
@@ -219,12 +231,14 @@ class Codebooks:
     def codes_layer(self, layer: int, keys: torch.Tensor, block: int = 2048) -> torch.Tensor:
         """Codes of pre-RoPE keys at one layer: keys [Hkv, T, D] -> int16 [Hkv, T] (eq. 20)."""
         if keys.dim() != 3 or keys.shape[0] != self.n_kv_heads or keys.shape[2] != self.head_dim:
-            raise ValueError(f"codes_layer: keys must be [{self.n_kv_heads}, T, {self.head_dim}], got {tuple(keys.shape)}")
+            raise ValueError(
+                f"codes_layer: keys must be [{self.n_kv_heads}, T, {self.head_dim}], got {tuple(keys.shape)}"
+            )
         chol, cz, cz2 = self.chol[layer], self._cz[layer], self._cz2[layer]
         k = keys.detach().to("cpu", torch.float64)
         out = []
         for s in range(0, k.shape[1], block):
-            z = torch.matmul(k[:, s:s + block], chol)  # [Hkv, t, D]
+            z = torch.matmul(k[:, s : s + block], chol)  # [Hkv, t, D]
             d = cz2[:, None, :] - 2 * torch.matmul(z, cz.transpose(1, 2))
             out.append(d.argmin(-1))
         if not out:
@@ -265,7 +279,9 @@ class Codebooks:
             with safe_open(str(path), framework="pt") as f:
                 raw = f.metadata() or {}
                 if raw.get("format") != FORMAT:
-                    raise CodebookError(f"{str(path)!r} is not a kvrag A2ATS codebook file (format {raw.get('format')!r})")
+                    raise CodebookError(
+                        f"{str(path)!r} is not a kvrag A2ATS codebook file (format {raw.get('format')!r})"
+                    )
                 tensors = {k: f.get_tensor(k) for k in ("codebook", "chol", "probe")}
         except CodebookError:
             raise

@@ -17,6 +17,7 @@ The full K/V stays where it is (CPU memory here); the policy reports how many KV
 decode steps read versus full attention in ``stats.policy_stats`` (``a2ats.*`` keys).
 Codebooks come from ``kvrag calibrate a2ats`` (see ``kvrag.policies.a2ats.calibrate``).
 """
+
 from __future__ import annotations
 
 import logging
@@ -27,8 +28,8 @@ from pathlib import Path
 
 import torch
 
-from kvrag.policies.a2ats import codebook as books
 from kvrag.checks import check_int, check_real
+from kvrag.policies.a2ats import codebook as books
 from kvrag.policies.base import Policy, param
 from kvrag.policies.registry import register
 from kvrag.query.state import CACHED
@@ -44,27 +45,42 @@ CODEBOOK_KEY = "a2ats.codebook"
 
 @dataclass
 class A2ATSParams:
-    topk: float = param(0.03, "fraction of the context each KV head reads by approximate score, beyond the sink "
-                              "and window tokens (paper 0.03); 1.0 = every token (exact attention)")
+    topk: float = param(
+        0.03,
+        "fraction of the context each KV head reads by approximate score, beyond the sink "
+        "and window tokens (paper 0.03); 1.0 = every token (exact attention)",
+    )
     sink: int = param(4, "first tokens always attended (paper 4)")
     window: int = param(64, "w: the last w tokens are always attended with exact RoPE (paper 64)")
-    rope_offset: int | None = param(None, "b: fixed relative position used to score keys outside the window "
-                                          "(paper 2048); None = the value the codebook was calibrated with")
-    selection: str = param("per_head", "'per_head': each KV head reads its own top-k rows (paper); "
-                                       "'union': all KV heads read the union of their top-k rows")
-    group_reduce: str = param("prob", "GQA: combine the approximate scores of the query heads sharing a KV head "
-                                      "as summed softmax probabilities ('prob') or summed raw scores ('score')")
+    rope_offset: int | None = param(
+        None,
+        "b: fixed relative position used to score keys outside the window "
+        "(paper 2048); None = the value the codebook was calibrated with",
+    )
+    selection: str = param(
+        "per_head",
+        "'per_head': each KV head reads its own top-k rows (paper); "
+        "'union': all KV heads read the union of their top-k rows",
+    )
+    group_reduce: str = param(
+        "prob",
+        "GQA: combine the approximate scores of the query heads sharing a KV head "
+        "as summed softmax probabilities ('prob') or summed raw scores ('score')",
+    )
     prefill: str = param("naive", "prefill fusion: 'naive' (naive_reuse) or 'cacheblend' (with recompute_ratio)")
     recompute_ratio: float = param(0.15, "fraction of cached tokens recomputed when prefill='cacheblend'")
-    codebook: str | None = param(None, "codebook file; None = the one `kvrag calibrate a2ats` fitted for this "
-                                       "model under $KVRAG_HOME/a2ats/")
+    codebook: str | None = param(
+        None, "codebook file; None = the one `kvrag calibrate a2ats` fitted for this model under $KVRAG_HOME/a2ats/"
+    )
 
 
 @register
 class A2ATS(Policy):
     name = "a2ats"
-    summary = ("decode-time top-k attention: keys scored from query-aware VQ codes (windowed RoPE); each KV head "
-               "reads its top 3% + sink + window rows")
+    summary = (
+        "decode-time top-k attention: keys scored from query-aware VQ codes (windowed RoPE); each KV head "
+        "reads its top 3% + sink + window rows"
+    )
     Params = A2ATSParams
     setup = "needs per-model codebooks first: kvrag calibrate a2ats"
 
@@ -87,8 +103,11 @@ class A2ATS(Policy):
         from kvrag.policies.registry import get_policy
 
         # The prefill is another policy's job: delegate its hooks instead of re-implementing it.
-        self.inner = (get_policy("naive_reuse") if p.prefill == "naive"
-                      else get_policy("cacheblend", recompute_ratio=float(p.recompute_ratio)))
+        self.inner = (
+            get_policy("naive_reuse")
+            if p.prefill == "naive"
+            else get_policy("cacheblend", recompute_ratio=float(p.recompute_ratio))
+        )
         self._books: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
         self._warned = False
 
@@ -119,8 +138,10 @@ class A2ATS(Policy):
         cb = self.codebooks(arch, required=False)
         if cb is None:
             if not self._warned:
-                log.warning("a2ats: no codebook for this model; chunk codes will be computed at query time "
-                            "(run `kvrag calibrate a2ats`)")
+                log.warning(
+                    "a2ats: no codebook for this model; chunk codes will be computed at query time "
+                    "(run `kvrag calibrate a2ats`)"
+                )
                 self._warned = True
             return {}
         return {CODES_KEY: cb.codes(keys), CODEBOOK_KEY: cb.digest_tensor()}
@@ -139,11 +160,18 @@ class A2ATS(Policy):
         b = self.params.rope_offset if self.params.rope_offset is not None else cb.rope_offset
         state.scratch["a2ats"] = {"codebooks": cb, "rope_offset": b}
         stats = state.scratch.setdefault("policy_stats", {})
-        stats.update({
-            "a2ats.codes_reused": 0, "a2ats.codes_computed": 0, "a2ats.decode_tokens": 0,
-            "a2ats.kv_bytes_read": 0, "a2ats.kv_bytes_full": 0, "a2ats.code_bytes_read": 0,
-            "a2ats.kv_read_fraction": 1.0, "a2ats.kv_bytes_read_per_token": 0.0,
-        })
+        stats.update(
+            {
+                "a2ats.codes_reused": 0,
+                "a2ats.codes_computed": 0,
+                "a2ats.decode_tokens": 0,
+                "a2ats.kv_bytes_read": 0,
+                "a2ats.kv_bytes_full": 0,
+                "a2ats.code_bytes_read": 0,
+                "a2ats.kv_read_fraction": 1.0,
+                "a2ats.kv_bytes_read_per_token": 0.0,
+            }
+        )
         self.inner.prepare(state)
 
     def initial_active(self, state):
@@ -212,8 +240,12 @@ class A2ATS(Policy):
         extras = getattr(entry, "extras", None) or {}
         stored, digest = extras.get(CODES_KEY), extras.get(CODEBOOK_KEY)
         t = entry.keys.shape[2]
-        if (stored is not None and digest is not None and bytes(digest.to(torch.uint8).tolist()) == cb.digest
-                and tuple(stored.shape) == (cb.n_layers, cb.n_kv_heads, t)):
+        if (
+            stored is not None
+            and digest is not None
+            and bytes(digest.to(torch.uint8).tolist()) == cb.digest
+            and tuple(stored.shape) == (cb.n_layers, cb.n_kv_heads, t)
+        ):
             return stored.long(), True
         return cb.codes(entry.keys).long(), False
 
@@ -226,7 +258,9 @@ class A2ATS(Policy):
         if have < upto:
             rows = torch.arange(have, upto)
             m0 = sc["m0"]
-            pos = torch.where(rows < m0, sc["positions"][rows.clamp(max=max(m0 - 1, 0))], sc["next_position"] + rows - m0)
+            pos = torch.where(
+                rows < m0, sc["positions"][rows.clamp(max=max(m0 - 1, 0))], sc["next_position"] + rows - m0
+            )
             k = stepper.K[layer][:, rows.to(stepper.K[layer].device)]
             # Each row was rotated with the tables of its sequence: the prompt's for prefill rows,
             # a decoded token's own (position + 1) for the others (matters for LongRoPE).

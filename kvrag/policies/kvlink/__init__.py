@@ -3,6 +3,7 @@
 ``policy`` is the reuse policy (registered as ``"kvlink"``), ``adapter`` finds, loads and
 applies trained adapters, ``train`` trains one (``kvrag train kvlink``; imported on demand:
 it needs peft)."""
+
 from kvrag.policies.kvlink.policy import KVLink
 
 __all__ = ["KVLink"]

@@ -13,6 +13,7 @@ A LoRA adapter changes every K/V the model computes, so :func:`apply_adapter` me
 model are then misses, never wrong hits. Training (``kvrag.policies.kvlink.train``) writes
 these directories with :func:`save_adapter`.
 """
+
 from __future__ import annotations
 
 import copy
@@ -56,7 +57,8 @@ def adapter_key(handle: ModelHandle) -> str:
     parts = handle.fingerprint_parts
     blob = json.dumps(
         {"arch": parts["arch"], "weights": parts["weights"], "tokenizer": parts["tokenizer"]},
-        sort_keys=True, default=str,
+        sort_keys=True,
+        default=str,
     )
     return hashlib.sha256(blob.encode("utf-8")).hexdigest()
 
@@ -94,8 +96,12 @@ def default_adapter(handle: ModelHandle, allow_lora: bool = False) -> "KVLinkAda
     if (ad.has_lora and not allow_lora) or ad.meta.get("base_key") != adapter_key(handle):
         return None
     if ad.links.shape[2] != handle.model.config.hidden_size:
-        log.warning("ignoring the KVLink adapter in %s: link width %d != hidden size %d", path,
-                    ad.links.shape[2], handle.model.config.hidden_size)
+        log.warning(
+            "ignoring the KVLink adapter in %s: link width %d != hidden size %d",
+            path,
+            ad.links.shape[2],
+            handle.model.config.hidden_size,
+        )
         return None
     return ad
 
@@ -141,29 +147,33 @@ def load_adapter(path: str | os.PathLike) -> KVLinkAdapter:
     d = Path(path).expanduser()
     meta_path = d / META_FILE
     if not meta_path.is_file():
-        raise KVLinkError(f"{d} is not a KVLink adapter directory (no {META_FILE}); create one with `kvrag train kvlink`")
+        raise KVLinkError(
+            f"{d} is not a KVLink adapter directory (no {META_FILE}); create one with `kvrag train kvlink`"
+        )
     try:
         meta = json.loads(meta_path.read_text(encoding="utf-8"))
     except ValueError as e:
         raise KVLinkError(f"{meta_path} is not valid JSON: {e}") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT_VERSION:
-        raise KVLinkError(f"{meta_path}: unsupported KVLink adapter format {meta.get('format') if isinstance(meta, dict) else meta!r} "
-                          f"(this kvrag reads format {FORMAT_VERSION})")
+        raise KVLinkError(
+            f"{meta_path}: unsupported KVLink adapter format {meta.get('format') if isinstance(meta, dict) else meta!r} "
+            f"(this kvrag reads format {FORMAT_VERSION})"
+        )
     if not (d / LINKS_FILE).is_file():
         raise KVLinkError(f"KVLink adapter {d} lacks {LINKS_FILE}")
     links = load_file(str(d / LINKS_FILE)).get("links")
     if links is None or links.dim() != 3 or links.shape[0] < 1:
-        raise KVLinkError(f"{d / LINKS_FILE} must hold 'links' of shape [max_docs >= 1, K, E], got "
-                          f"{None if links is None else tuple(links.shape)}")
+        raise KVLinkError(
+            f"{d / LINKS_FILE} must hold 'links' of shape [max_docs >= 1, K, E], got "
+            f"{None if links is None else tuple(links.shape)}"
+        )
     lora_digest = None
     if meta.get("lora") is not None:
         for name in (LORA_FILE, LORA_CONFIG):
             if not (d / name).is_file():
                 raise KVLinkError(f"KVLink adapter {d} declares LoRA weights but lacks {name}")
         # The digest names the merged weights in the adapted model's fingerprint.
-        lora_digest = hashlib.sha256(
-            (sha256_file(d / LORA_FILE) + sha256_file(d / LORA_CONFIG)).encode()
-        ).hexdigest()
+        lora_digest = hashlib.sha256((sha256_file(d / LORA_FILE) + sha256_file(d / LORA_CONFIG)).encode()).hexdigest()
     # Rows past those training reached are their initial value (the mean embedding), which the
     # fine-tuned model never saw after a document: serve the last trained row there instead
     # (``links_for``). Adapters from before ``trained_rows`` was recorded trained at most
@@ -190,7 +200,9 @@ def apply_adapter(handle: ModelHandle, adapter: str | os.PathLike | KVLinkAdapte
         path = find_adapter(handle)
         if path is None:
             dirs = ", ".join(str(p) for p in default_adapter_dirs(handle))
-            raise KVLinkError(f"no KVLink adapter for this model (looked in {dirs}); train one with `kvrag train kvlink`")
+            raise KVLinkError(
+                f"no KVLink adapter for this model (looked in {dirs}); train one with `kvrag train kvlink`"
+            )
         ad = load_adapter(path)
     else:
         ad = load_adapter(adapter)
@@ -223,7 +235,10 @@ def apply_adapter(handle: ModelHandle, adapter: str | os.PathLike | KVLinkAdapte
         weights = base_weights
     setattr(model, ADAPTER_ATTR, ad)
     return ModelHandle(
-        model, handle.tokenizer, weight_digest=weights, source=handle.source,
+        model,
+        handle.tokenizer,
+        weight_digest=weights,
+        source=handle.source,
         load_info={**handle.load_info, "kvlink_adapter": str(ad.path)},
     )
 

@@ -26,6 +26,7 @@ Splits are deterministic: an item or passage belongs to ``"eval"`` when the sha2
 (a QA question, a passage's text) falls in the held-out fraction (:func:`split_of`), so a run
 trains on ``"train"`` and evaluation code reads the other half with the same function.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -84,8 +85,9 @@ def _is_prose(text: str, min_words: int = 0) -> bool:
     return letters >= 0.6 * len(text.replace(" ", "").replace("\n", ""))
 
 
-def split_passages(text: str, max_tokens: int = 200, *, count: Callable[[str], int] = approx_tokens,
-                   min_words: int = 30) -> list[str]:
+def split_passages(
+    text: str, max_tokens: int = 200, *, count: Callable[[str], int] = approx_tokens, min_words: int = 30
+) -> list[str]:
     """``text`` cut into passages of at most ``max_tokens`` (by ``count``): whole paragraphs
     packed together while they fit, a longer paragraph cut at sentence ends, a longer sentence at
     words. Paragraphs that are not prose (:func:`_is_prose`) are dropped, and passages of fewer
@@ -155,8 +157,9 @@ def pydoc_passages(max_tokens: int = 200, **kw) -> list[str]:
     return [p for name in sorted(topics) for p in split_passages(topics[name], max_tokens, **kw)]
 
 
-def usr_share_doc_passages(max_tokens: int = 200, *, root: str | os.PathLike = "/usr/share/doc",
-                           max_files: int = 200, **kw) -> list[str]:
+def usr_share_doc_passages(
+    max_tokens: int = 200, *, root: str | os.PathLike = "/usr/share/doc", max_files: int = 200, **kw
+) -> list[str]:
     """README, copyright and changelog text files under ``/usr/share/doc`` (plain text only:
     gzipped changelogs are read through :mod:`gzip`); at most ``max_files``, in name order."""
     import gzip
@@ -179,8 +182,9 @@ def usr_share_doc_passages(max_tokens: int = 200, *, root: str | os.PathLike = "
     return out
 
 
-def man_passages(max_tokens: int = 200, *, max_pages: int = 40, section_dir: str = "/usr/share/man/man1",
-                 **kw) -> list[str]:
+def man_passages(
+    max_tokens: int = 200, *, max_pages: int = 40, section_dir: str = "/usr/share/man/man1", **kw
+) -> list[str]:
     """Manual pages rendered by ``man -P cat`` (the first ``max_pages`` of section 1 in name
     order); none, with the reason logged, where the ``man`` command does not exist."""
     if shutil.which("man") is None:
@@ -216,8 +220,10 @@ def synthetic_items(n: int, seed: int, count: Callable[[str], int] | None = None
     from kvrag.bench import synthetic
     from kvrag.policies.kvlink.train import QAItem
 
-    return [QAItem(it["question"], it["answers"], [c["text"] for c in it["ctxs"]])
-            for it in synthetic.generate(n, seed, count_tokens=count)]
+    return [
+        QAItem(it["question"], it["answers"], [c["text"] for c in it["ctxs"]])
+        for it in synthetic.generate(n, seed, count_tokens=count)
+    ]
 
 
 # ---- tasks ------------------------------------------------------------------------------------
@@ -245,8 +251,15 @@ def _opening(text: str, words: int = 8) -> str:
     return " ".join(text.split()[:words])
 
 
-def pool_task(source: str, pool: Sequence[str], rng: random.Random, n_docs: int, *, p_without: float,
-              kinds: Sequence[str] = TASK_KINDS) -> Task:
+def pool_task(
+    source: str,
+    pool: Sequence[str],
+    rng: random.Random,
+    n_docs: int,
+    *,
+    p_without: float,
+    kinds: Sequence[str] = TASK_KINDS,
+) -> Task:
     """A self-distillation task over ``n_docs`` passages of ``pool`` (see the module doc)."""
     # One more than asked: the spare stands in for the answering passage when it is left out.
     idx = rng.sample(range(len(pool)), min(n_docs + 1, len(pool)))
@@ -289,8 +302,9 @@ def qa_task(source: str, item, rng: random.Random, n_docs: int, *, p_without: fl
         rng.shuffle(passages)
     else:  # the gold passage and others, shuffled: as `kvrag train kvlink` picks them
         passages = pick_passages(item, n_docs, rng)
-    return Task(source, "qa", passages, item.question, list(item.answers),
-                "teacher" if without else "gold", not without)
+    return Task(
+        source, "qa", passages, item.question, list(item.answers), "teacher" if without else "gold", not without
+    )
 
 
 class Mixture:
@@ -298,9 +312,17 @@ class Mixture:
     ``min_docs..max_docs`` passages from it. ``pools``: source -> passages; ``qa``: source ->
     QA items (``QAItem``). Deterministic given the ``random.Random`` passed to :meth:`task`."""
 
-    def __init__(self, pools: dict[str, Sequence[str]] | None = None, qa: dict[str, Sequence] | None = None, *,
-                 min_docs: int = 2, max_docs: int = 10, p_without: float = 0.25,
-                 weights: dict[str, float] | None = None, kinds: Sequence[str] = TASK_KINDS):
+    def __init__(
+        self,
+        pools: dict[str, Sequence[str]] | None = None,
+        qa: dict[str, Sequence] | None = None,
+        *,
+        min_docs: int = 2,
+        max_docs: int = 10,
+        p_without: float = 0.25,
+        weights: dict[str, float] | None = None,
+        kinds: Sequence[str] = TASK_KINDS,
+    ):
         self.pools = {k: list(dict.fromkeys(v)) for k, v in (pools or {}).items() if v}
         self.qa = {k: list(v) for k, v in (qa or {}).items() if v}
         if not self.pools and not self.qa:
@@ -348,8 +370,13 @@ class Mixture:
                     h.update("\x1f".join([it.question, *it.answers, *it.passages]).encode("utf-8") + b"\0")
                 out[name] = {"items": len(self.qa[name])}
             out[name].update(sha256=h.hexdigest(), weight=self.weights[self.names.index(name)])
-        return {"sources": out, "min_docs": self.min_docs, "max_docs": self.max_docs, "p_without": self.p_without,
-                "kinds": list(self.kinds)}
+        return {
+            "sources": out,
+            "min_docs": self.min_docs,
+            "max_docs": self.max_docs,
+            "p_without": self.p_without,
+            "kinds": list(self.kinds),
+        }
 
 
 # ---- tasks -> training samples -------------------------------------------------------------
@@ -360,8 +387,17 @@ class TaskSampler:
     (``answer_tokens`` at most, to the end-of-turn token): computed by the caller's model, which
     training never changes (it trains a copy). Call as ``sampler(rng) -> (Sample, source)``."""
 
-    def __init__(self, handle, mixture: Mixture, *, link_tokens: int, max_docs: int, answer_tokens: int = 24,
-                 max_passage_chars: int = 0, max_tokens: int | None = None):
+    def __init__(
+        self,
+        handle,
+        mixture: Mixture,
+        *,
+        link_tokens: int,
+        max_docs: int,
+        answer_tokens: int = 24,
+        max_passage_chars: int = 0,
+        max_tokens: int | None = None,
+    ):
         if answer_tokens < 1:
             raise KVLinkError(f"answer_tokens must be >= 1, got {answer_tokens}")
         self.handle, self.mixture = handle, mixture
@@ -380,8 +416,9 @@ class TaskSampler:
         from kvrag.policies.kvlink.train import answer_ids, build_sample, prompt_pieces, rag_prompt, truncate_passage
 
         h = self.handle
-        passages = list(dict.fromkeys(p for p in (truncate_passage(p, self.max_passage_chars) for p in task.passages)
-                                      if p.strip()))
+        passages = list(
+            dict.fromkeys(p for p in (truncate_passage(p, self.max_passage_chars) for p in task.passages) if p.strip())
+        )
         prompt = rag_prompt(h, passages, task.question)
         pieces = prompt_pieces(h, prompt, passages)
         eos = h.tokenizer.eos_token_id
@@ -393,11 +430,17 @@ class TaskSampler:
         else:
             ids = torch.tensor([[t for piece in pieces for t in piece[0]]], device=h.device)
             with torch.no_grad():
-                out = h.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=self.answer_tokens,
-                                       do_sample=False, eos_token_id=eos,
-                                       pad_token_id=eos if eos is not None else 0,
-                                       output_logits=True, return_dict_in_generate=True)
-            ans = out.sequences[0, ids.shape[1]:].tolist()
+                out = h.model.generate(
+                    ids,
+                    attention_mask=torch.ones_like(ids),
+                    max_new_tokens=self.answer_tokens,
+                    do_sample=False,
+                    eos_token_id=eos,
+                    pad_token_id=eos if eos is not None else 0,
+                    output_logits=True,
+                    return_dict_in_generate=True,
+                )
+            ans = out.sequences[0, ids.shape[1] :].tolist()
             # Row t of the generation's logits predicts answer token t over the plain prompt:
             # the distillation target, so training need not run the teacher again.
             logits = torch.cat(out.logits, dim=0)[: len(ans)].float() if ans else None
@@ -432,6 +475,12 @@ def cloze_items(pool: Sequence[str], n: int, seed: int = 0, *, docs: int = 4) ->
             break
         t = pool_task("eval", pool, rng, docs, p_without=0.0, kinds=("cloze",))
         if t.kind == "cloze":
-            out.append({"id": f"cloze-{seed}-{len(out)}", "question": t.question, "answers": t.answers,
-                        "ctxs": [{"title": "", "text": p} for p in t.passages]})
+            out.append(
+                {
+                    "id": f"cloze-{seed}-{len(out)}",
+                    "question": t.question,
+                    "answers": t.answers,
+                    "ctxs": [{"title": "", "text": p} for p in t.passages],
+                }
+            )
     return out

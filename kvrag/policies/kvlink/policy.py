@@ -22,16 +22,17 @@ The adapter travels *with the model object* (attribute ``kvrag_kvlink``) rather 
 policy, because the policy interface never sees the model handle, and because a LoRA adapter
 changes the model for every policy: chunks must be precomputed by the adapted model.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
 
-from kvrag.query.state import CACHED
 from kvrag.policies.base import Policy, param
 from kvrag.policies.cacheblend import CacheBlend, CacheBlendParams
 from kvrag.policies.registry import register
+from kvrag.query.state import CACHED
 
 #: Attribute of an adapted HF model that holds its ``KVLinkAdapter`` (set by
 #: ``kvrag.policies.kvlink.adapter.apply_adapter``).
@@ -44,15 +45,21 @@ MAX_LINK_TOKENS = 64
 @dataclass
 class KVLinkParams:
     link_tokens: int | None = param(
-        None, "link tokens after each cached document (paper: 0, 1 or 5); None = the adapter's "
-              "count in trained mode, 5 (KVLink5) in untrained mode; 0 = re-encoding only")
+        None,
+        "link tokens after each cached document (paper: 0, 1 or 5); None = the adapter's "
+        "count in trained mode, 5 (KVLink5) in untrained mode; 0 = re-encoding only",
+    )
     mode: str = param(
-        "auto", "'trained': use the KVLink adapter the model was loaded with (error if none); "
-                "'untrained': mean-embedding link tokens, no fine-tuning (far below full prefill); "
-                "'auto': trained if the model carries an adapter, else untrained")
+        "auto",
+        "'trained': use the KVLink adapter the model was loaded with (error if none); "
+        "'untrained': mean-embedding link tokens, no fine-tuning (far below full prefill); "
+        "'auto': trained if the model carries an adapter, else untrained",
+    )
     recompute_ratio: float = param(
-        0.0, "links + recompute: also recompute this fraction of the cached tokens, chosen as "
-             "cacheblend chooses them (value deviation at check_layers); 0 = links only (the paper)")
+        0.0,
+        "links + recompute: also recompute this fraction of the cached tokens, chosen as "
+        "cacheblend chooses them (value deviation at check_layers); 0 = links only (the paper)",
+    )
     check_layers: tuple = param((1,), "layers where deviation is measured (with recompute_ratio > 0)")
 
     def __post_init__(self) -> None:
@@ -79,8 +86,10 @@ def mean_embedding(arch) -> torch.Tensor:
 @register
 class KVLink(Policy):
     name = "kvlink"
-    summary = ("re-encoded cached documents + K link tokens after each, computed at query time "
-               "(trained mode needs a KVLink adapter: kvrag train kvlink)")
+    summary = (
+        "re-encoded cached documents + K link tokens after each, computed at query time "
+        "(trained mode needs a KVLink adapter: kvrag train kvlink)"
+    )
     Params = KVLinkParams
     setup = "trained mode needs a KVLink model: kvrag train kvlink (untrained mode runs as is)"
 
@@ -91,8 +100,11 @@ class KVLink(Policy):
         # Links + recompute (issue 31, item 4): the link tokens are computed tokens like the
         # question, so cacheblend's selection -- which keeps every non-cached row and ranks
         # only cached ones -- composes with them unchanged.
-        self._blend = (CacheBlend(recompute_ratio=p.recompute_ratio, check_layers=p.check_layers)
-                       if p.recompute_ratio > 0 else None)
+        self._blend = (
+            CacheBlend(recompute_ratio=p.recompute_ratio, check_layers=p.check_layers)
+            if p.recompute_ratio > 0
+            else None
+        )
 
     def check_model(self, arch) -> None:
         if self._blend is not None:

@@ -26,6 +26,7 @@ link embeddings only, the model — and its fingerprint and chunk caches — sta
 
 The result is written as an adapter directory (``kvrag.policies.kvlink.adapter``).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -48,14 +49,22 @@ from kvrag import qa_data
 from kvrag.arch import Arch
 from kvrag.model import ModelHandle
 from kvrag.policies.kvlink.adapter import (
-    FORMAT_VERSION, META_FILE, KVLinkAdapter, KVLinkError, adapter_key, default_adapter_dirs, load_adapter,
-    save_adapter, sha256_file,
+    FORMAT_VERSION,
+    META_FILE,
+    KVLinkAdapter,
+    KVLinkError,
+    adapter_key,
+    default_adapter_dirs,
+    load_adapter,
+    save_adapter,
+    sha256_file,
 )
 from kvrag.policies.kvlink.policy import mean_embedding
 
 log = logging.getLogger("kvrag.kvlink")
 
 OBJECTIVES = ("answer", "distill")
+
 
 # ---- training data ---------------------------------------------------------------------
 @dataclass
@@ -80,8 +89,9 @@ def load_qa(path: str | os.PathLike) -> list[QAItem]:
         for j, (title, text) in enumerate(r.passages):
             if not text.strip():
                 raise KVLinkError(f"{path}: example {r.id} ctx {j} has no 'text' string (empty)")
-        items.append(QAItem(r.question, r.answers,
-                            [f"{title}: {text}" if title.strip() else text for title, text in r.passages]))
+        items.append(
+            QAItem(r.question, r.answers, [f"{title}: {text}" if title.strip() else text for title, text in r.passages])
+        )
     return items
 
 
@@ -132,7 +142,10 @@ class Sample:
 
 
 def build_sample(
-    pieces: Sequence[tuple], answer_ids: Sequence[int], link_tokens: int, max_docs: int,
+    pieces: Sequence[tuple],
+    answer_ids: Sequence[int],
+    link_tokens: int,
+    max_docs: int,
     anchor: Sequence[int] = (),
 ) -> Sample:
     """Assemble a ``Sample`` from prompt pieces ``(token ids, is_document)`` in order and the
@@ -217,8 +230,8 @@ def prompt_pieces(handle: ModelHandle, prompt: str, documents: Sequence[str]) ->
         if pl.status != "placed":
             continue  # computed as plain text at query time too
         if pl.j > tok:
-            out.append((ids[tok:pl.j], False))
-        out.append((pl.chunk[pl.k:pl.k + pl.m], True, pl.chunk[:pl.k]))
+            out.append((ids[tok : pl.j], False))
+        out.append((pl.chunk[pl.k : pl.k + pl.m], True, pl.chunk[: pl.k]))
         tok = pl.j + pl.m
     if tok < len(ids):
         out.append((ids[tok:], False))
@@ -258,15 +271,21 @@ def pick_passages(item: QAItem, n: int, rng: random.Random) -> list[str]:
     return [item.passages[i] for i in chosen]
 
 
-def make_sample(handle, item: QAItem, rng: random.Random, *, docs: int, max_passage_chars: int,
-                link_tokens: int, max_docs: int) -> Sample:
+def make_sample(
+    handle, item: QAItem, rng: random.Random, *, docs: int, max_passage_chars: int, link_tokens: int, max_docs: int
+) -> Sample:
     passages = [truncate_passage(p, max_passage_chars) for p in pick_passages(item, docs, rng)]
     # Identical passages would be one chunk: drop duplicates, keeping order.
     passages = list(dict.fromkeys(p for p in passages if p.strip()))
     prompt = rag_prompt(handle, passages, item.question)
     # Documents read the anchor KVRag(chunk_anchor="auto") precomputes chunks behind.
-    return build_sample(prompt_pieces(handle, prompt, passages), answer_ids(handle, item.answers[0]),
-                        link_tokens, max_docs, handle.anchor_ids())
+    return build_sample(
+        prompt_pieces(handle, prompt, passages),
+        answer_ids(handle, item.answers[0]),
+        link_tokens,
+        max_docs,
+        handle.anchor_ids(),
+    )
 
 
 # ---- the forward pass with the KVLink mask ---------------------------------------------
@@ -318,7 +337,7 @@ def sample_loss(arch: Arch, sample: Sample, links, objective: str, teacher_logit
     without link tokens — it optimises fidelity to full prefill rather than the gold answer."""
     logits = answer_logits(arch, sample, links)
     if objective == "answer":
-        return F.cross_entropy(logits, sample.ids[sample.answer_start:].to(logits.device))
+        return F.cross_entropy(logits, sample.ids[sample.answer_start :].to(logits.device))
     logp = F.log_softmax(logits, dim=-1)
     t_logp = F.log_softmax(teacher_logits.to(logp.device), dim=-1)
     return F.kl_div(logp, t_logp, log_target=True, reduction="batchmean")
@@ -359,14 +378,20 @@ class TrainConfig:
         need(isinstance(self.lora_rank, int) and self.lora_rank >= 0, f"lora_rank must be >= 0, got {self.lora_rank}")
         need(self.lora_alpha is None or self.lora_alpha > 0, f"lora_alpha must be > 0, got {self.lora_alpha}")
         need(self.lora_rank == 0 or len(self.lora_targets) > 0, "lora_targets is empty")
-        need(isinstance(self.link_tokens, int) and 0 <= self.link_tokens <= 64,
-             f"link_tokens must be in [0, 64], got {self.link_tokens}")
-        need(self.lora_rank > 0 or self.link_tokens > 0,
-             "nothing to train: lora_rank=0 and link_tokens=0 (train LoRA, link tokens, or both)")
+        need(
+            isinstance(self.link_tokens, int) and 0 <= self.link_tokens <= 64,
+            f"link_tokens must be in [0, 64], got {self.link_tokens}",
+        )
+        need(
+            self.lora_rank > 0 or self.link_tokens > 0,
+            "nothing to train: lora_rank=0 and link_tokens=0 (train LoRA, link tokens, or both)",
+        )
         need(isinstance(self.max_docs, int) and self.max_docs >= 1, f"max_docs must be >= 1, got {self.max_docs}")
         need(isinstance(self.docs, int) and self.docs >= 1, f"docs must be >= 1, got {self.docs}")
-        need(isinstance(self.min_docs, int) and 0 <= self.min_docs <= self.docs,
-             f"min_docs must be in [0, docs={self.docs}] (0 = always docs), got {self.min_docs}")
+        need(
+            isinstance(self.min_docs, int) and 0 <= self.min_docs <= self.docs,
+            f"min_docs must be in [0, docs={self.docs}] (0 = always docs), got {self.min_docs}",
+        )
         need(self.max_passage_chars >= 0, f"max_passage_chars must be >= 0, got {self.max_passage_chars}")
         need(self.holdout >= 0, f"holdout must be >= 0, got {self.holdout}")
         need(self.objective in OBJECTIVES, f"objective must be one of {OBJECTIVES}, got {self.objective!r}")
@@ -430,8 +455,11 @@ def train_kvlink(
     say = progress or (lambda msg: log.info("%s", msg))
     out_dir = Path(out).expanduser() if out is not None else default_adapter_dirs(handle)[0]
     if (out_dir / META_FILE).exists() and not force and not resume:
-        more = (", or resume=True (--resume) to continue its run"
-                if (out_dir / CHECKPOINT_DIR / _CKPT_FILE).is_file() else "")
+        more = (
+            ", or resume=True (--resume) to continue its run"
+            if (out_dir / CHECKPOINT_DIR / _CKPT_FILE).is_file()
+            else ""
+        )
         raise KVLinkError(f"{out_dir} already holds a KVLink adapter; pass force=True (--force) to overwrite it{more}")
     if checkpoint_every < 0:
         raise KVLinkError(f"checkpoint_every must be >= 0 (0 = only when stopping early), got {checkpoint_every}")
@@ -454,8 +482,16 @@ def train_kvlink(
             # each place (the paper's data mixes prompts of many sizes); drawn only when asked,
             # so runs without it keep their sample sequence.
             n_docs = rng.randint(cfg.min_docs, cfg.docs) if cfg.min_docs else cfg.docs
-            return make_sample(handle, item, rng, docs=n_docs, max_passage_chars=cfg.max_passage_chars,
-                               link_tokens=cfg.link_tokens, max_docs=cfg.max_docs), "data"
+            return make_sample(
+                handle,
+                item,
+                rng,
+                docs=n_docs,
+                max_passage_chars=cfg.max_passage_chars,
+                link_tokens=cfg.link_tokens,
+                max_docs=cfg.max_docs,
+            ), "data"
+
     # What a resumed run must share with the checkpoint's: every option that changes a step,
     # and the data (its digests).
     identity = {**_resumable_config(cfg), "data_sha256": data_sha, "data": data_meta}
@@ -474,11 +510,16 @@ def train_kvlink(
         missing = [t for t in cfg.lora_targets if t not in names]
         if missing:
             attn = sorted(n for n, _ in Arch(model).layers[0].self_attn.named_children())
-            raise KVLinkError(f"LoRA targets {', '.join(missing)} name no module of this model (its attention "
-                              f"has {', '.join(attn)}); pass --lora-targets / lora_targets that exist")
+            raise KVLinkError(
+                f"LoRA targets {', '.join(missing)} name no module of this model (its attention "
+                f"has {', '.join(attn)}); pass --lora-targets / lora_targets that exist"
+            )
         lcfg = LoraConfig(
-            r=cfg.lora_rank, lora_alpha=cfg.lora_alpha or 2 * cfg.lora_rank,
-            target_modules=list(cfg.lora_targets), lora_dropout=0.0, bias="none",
+            r=cfg.lora_rank,
+            lora_alpha=cfg.lora_alpha or 2 * cfg.lora_rank,
+            target_modules=list(cfg.lora_targets),
+            lora_dropout=0.0,
+            bias="none",
         )
         try:
             peft_model = get_peft_model(model, lcfg)
@@ -539,13 +580,24 @@ def train_kvlink(
 
     def checkpoint(step: int) -> None:
         sittings[-1].update(to_step=step, seconds=round(time.perf_counter() - t0, 1))
-        _save_checkpoint(out_dir, identity, {
-            "lora": _lora_state(peft_model), "links": links.detach().cpu(), "optimizer": opt.state_dict(),
-            "scheduler": sched.state_dict(), "torch_rng": torch.get_rng_state(), "py_rng": rng.getstate(),
-            "step": step, "losses": torch.tensor(losses, dtype=torch.float64), "skipped": skipped,
-            "trained_rows": trained_rows, "source_counts": json.dumps(source_counts),
-            "sittings": json.dumps(sittings),
-        })
+        _save_checkpoint(
+            out_dir,
+            identity,
+            {
+                "lora": _lora_state(peft_model),
+                "links": links.detach().cpu(),
+                "optimizer": opt.state_dict(),
+                "scheduler": sched.state_dict(),
+                "torch_rng": torch.get_rng_state(),
+                "py_rng": rng.getstate(),
+                "step": step,
+                "losses": torch.tensor(losses, dtype=torch.float64),
+                "skipped": skipped,
+                "trained_rows": trained_rows,
+                "source_counts": json.dumps(source_counts),
+                "sittings": json.dumps(sittings),
+            },
+        )
 
     pbar = None
     if bar:
@@ -561,8 +613,10 @@ def train_kvlink(
             if sample.n > cfg.max_tokens:
                 skipped += 1
                 if skipped > 100 * cfg.steps:
-                    raise KVLinkError(f"almost every example exceeds max_tokens={cfg.max_tokens}; "
-                                      "use fewer docs or --max-passage-chars")
+                    raise KVLinkError(
+                        f"almost every example exceeds max_tokens={cfg.max_tokens}; "
+                        "use fewer docs or --max-passage-chars"
+                    )
                 continue
             trained_rows = max(trained_rows, min(int(sample.segment.max()), cfg.max_docs))
             loss = sample_loss(arch, sample, links, cfg.objective, teacher(sample)) / cfg.batch
@@ -574,13 +628,15 @@ def train_kvlink(
         opt.step()
         sched.step()
         losses.append(total)
-        recent = losses[-cfg.log_every:]
+        recent = losses[-cfg.log_every :]
         if pbar is not None:
             pbar.update(1)
             pbar.set_postfix(loss=f"{sum(recent) / len(recent):.4f}")
         elif (step + 1) % cfg.log_every == 0 or step == start or step + 1 == cfg.steps:
-            say(f"step {step + 1}/{cfg.steps}  loss {sum(recent) / len(recent):.4f}  "
-                f"{(time.perf_counter() - t0) / (step + 1 - start):.2f} s/step")
+            say(
+                f"step {step + 1}/{cfg.steps}  loss {sum(recent) / len(recent):.4f}  "
+                f"{(time.perf_counter() - t0) / (step + 1 - start):.2f} s/step"
+            )
         last = step + 1 == cfg.steps
         if stop_at_step is not None and step + 1 >= stop_at_step and not last:
             say(f"stopping at step {step + 1} as asked; saving (resume to go on)")
@@ -604,8 +660,12 @@ def train_kvlink(
         "link_tokens": cfg.link_tokens,
         "max_docs": cfg.max_docs,
         "trained_rows": max(1, trained_rows),
-        "lora": None if peft_model is None else {
-            "rank": cfg.lora_rank, "alpha": cfg.lora_alpha or 2 * cfg.lora_rank, "targets": list(cfg.lora_targets),
+        "lora": None
+        if peft_model is None
+        else {
+            "rank": cfg.lora_rank,
+            "alpha": cfg.lora_alpha or 2 * cfg.lora_rank,
+            "targets": list(cfg.lora_targets),
         },
         "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(cfg).items()},
         "data_sha256": data_sha,
@@ -679,8 +739,13 @@ def _load_checkpoint(out_dir: Path, identity: dict) -> dict:
     diff = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k))
     if diff:
         show = lambda v: repr(v) if len(repr(v)) <= 80 else "<another value>"  # noqa: E731 - data digests are long
-        raise KVLinkError("the checkpoint in " + str(d) + " was made with other options or data: " + ", ".join(
-            f"{k}={show(saved.get(k))} (now {show(now.get(k))})" for k in diff) + "; resume with the same ones")
+        raise KVLinkError(
+            "the checkpoint in "
+            + str(d)
+            + " was made with other options or data: "
+            + ", ".join(f"{k}={show(saved.get(k))} (now {show(now.get(k))})" for k in diff)
+            + "; resume with the same ones"
+        )
     try:
         return torch.load(d / _CKPT_FILE, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - any unreadable file is the same problem

@@ -1,4 +1,5 @@
 """LlamaIndex integration of kvrag (distribution ``llama-index-llms-kvrag``)."""
+
 from llama_index.llms.kvrag.base import (
     KVCacheWarmer,
     KVPrecompute,

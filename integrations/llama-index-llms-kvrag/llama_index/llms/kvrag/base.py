@@ -15,6 +15,7 @@
 All of them share one :class:`kvrag.precompute.Precomputer` per ``KVRag`` (the LLM's), so
 ingestion and queries do not compete with two workers.
 """
+
 from __future__ import annotations
 
 import functools
@@ -46,9 +47,23 @@ from llama_index.core.schema import BaseNode, Document, MetadataMode, NodeWithSc
 
 from kvrag.engine import Generation, KVRag
 from kvrag.frameworks import (
-    SHARED_FIELDS, WrapsKVRag, aiter_in_thread, aopen_stream, arun_stream, call_options, check_shared_matches,
-    max_tokens_alias, open_stream, UsageTotals, foreground_steps, hook_target, resolve_policy, schedule_retrieved,
-    shared_options, shared_settings, usage_counts,
+    SHARED_FIELDS,
+    UsageTotals,
+    WrapsKVRag,
+    aiter_in_thread,
+    aopen_stream,
+    arun_stream,
+    call_options,
+    check_shared_matches,
+    foreground_steps,
+    hook_target,
+    max_tokens_alias,
+    open_stream,
+    resolve_policy,
+    schedule_retrieved,
+    shared_options,
+    shared_settings,
+    usage_counts,
 )
 from kvrag.precompute import Precomputer
 from kvrag.query.prompt import has_chat_template
@@ -56,6 +71,7 @@ from kvrag.query.prompt import has_chat_template
 __all__ = ["KVRagLLM", "KVPrecompute", "KVCacheWarmer", "KVWarmingRetriever", "node_texts"]
 
 log = logging.getLogger("kvrag.llama_index")
+
 
 # ---- prompt rendering ----------------------------------------------------------------------
 def _message_text(m: ChatMessage) -> str:
@@ -111,8 +127,10 @@ def _install_tokenizer(rag: KVRag) -> None:
         return
     _installed_tokenizer = rag.handle.encode
     Settings.tokenizer = _installed_tokenizer
-    log.info("KVRagLLM: LlamaIndex's global tokenizer is now the model's (Settings.tokenizer); "
-             "pass set_tokenizer=False to keep LlamaIndex's default")
+    log.info(
+        "KVRagLLM: LlamaIndex's global tokenizer is now the model's (Settings.tokenizer); "
+        "pass set_tokenizer=False to keep LlamaIndex's default"
+    )
 
 
 def _is_default_tokenizer(tok: Any) -> bool:
@@ -178,11 +196,17 @@ class KVRagLLM(WrapsKVRag, LLM):
     top_k: int = Field(default=0, ge=0)
     stop: list[str] = Field(default_factory=list, description="Stop strings (not included in the output).")
     seed: Optional[int] = Field(default=None, description="Sampling seed (temperature > 0).")
-    model: Optional[str] = Field(default=None, description="The model loaded: HF directory or .gguf path "
-                                 "(filled in from the KVRag; what from_dict loads again).")
+    model: Optional[str] = Field(
+        default=None,
+        description="The model loaded: HF directory or .gguf path "
+        "(filled in from the KVRag; what from_dict loads again).",
+    )
     cache_dir: Optional[str] = Field(default=None, description="The KV store directory (filled in from the KVRag).")
-    shared: Optional[str] = Field(default=None, description="The shared tier's URL, without its password (filled in "
-                                  "from the KVRag; loaded again with the password from $KVRAG_REDIS_PASSWORD).")
+    shared: Optional[str] = Field(
+        default=None,
+        description="The shared tier's URL, without its password (filled in "
+        "from the KVRag; loaded again with the password from $KVRAG_REDIS_PASSWORD).",
+    )
     shared_prefix: Optional[str] = Field(default=None, description="The shared tier's key prefix (filled in).")
     precompute_via: str = Field(default="local", description="'local' or 'queue' (filled in from the KVRag).")
 
@@ -215,12 +239,17 @@ class KVRagLLM(WrapsKVRag, LLM):
         flat = {k: kwargs.pop(k) for k in list(kwargs) if k not in type(self).model_fields}
         # Checked before a model is loaded.
         kwargs["policy"], kwargs["policy_params"] = resolve_policy(
-            kwargs.get("policy"), kwargs.get("policy_params"), flat, rag, "KVRagLLM")
+            kwargs.get("policy"), kwargs.get("policy_params"), flat, rag, "KVRagLLM"
+        )
         if rag is None:
             # The LLM's policy is also the KVRag's: a KVRag built for kvlink loads the KVLink
             # model (trained adapter) where one exists for this model.
-            rag_options = {"policy": kwargs["policy"], **kwargs["policy_params"], **shared_options(**shared),
-                           **(rag_options or {})}
+            rag_options = {
+                "policy": kwargs["policy"],
+                **kwargs["policy_params"],
+                **shared_options(**shared),
+                **(rag_options or {}),
+            }
             rag = KVRag(model, cache_dir=cache_dir, **rag_options)
         chat = _has_chat_template(rag)
         if kwargs.get("messages_to_prompt") is None:
@@ -251,8 +280,10 @@ class KVRagLLM(WrapsKVRag, LLM):
         ``shared=`` with it again as a keyword)."""
         data = {**data, **kwargs}
         if data.get("model") == IN_MEMORY:
-            raise ValueError("this KVRagLLM wrapped a model built in memory, which cannot be loaded again from "
-                             "its settings: pass KVRagLLM(rag) with that KVRag instead")
+            raise ValueError(
+                "this KVRagLLM wrapped a model built in memory, which cannot be loaded again from "
+                "its settings: pass KVRagLLM(rag) with that KVRag instead"
+            )
         data.pop("class_name", None)
         return cls(**data)
 
@@ -277,8 +308,15 @@ class KVRagLLM(WrapsKVRag, LLM):
 
     # ---- core --------------------------------------------------------------------------
     def _options(self, kwargs: dict[str, Any]) -> dict[str, Any]:
-        defaults = dict(policy=self.policy, max_new_tokens=self.max_new_tokens, temperature=self.temperature,
-                        top_p=self.top_p, top_k=self.top_k, stop=list(self.stop), seed=self.seed)
+        defaults = dict(
+            policy=self.policy,
+            max_new_tokens=self.max_new_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            stop=list(self.stop),
+            seed=self.seed,
+        )
         return call_options(defaults, self.policy_params, kwargs, "KVRagLLM", log)
 
     def _generate(self, prompt: str, kwargs: dict[str, Any]) -> Generation:
@@ -312,8 +350,7 @@ class KVRagLLM(WrapsKVRag, LLM):
 
     @staticmethod
     def _completion_response(gen: Generation) -> CompletionResponse:
-        return CompletionResponse(text=gen.text, additional_kwargs=_info(gen),
-                                  raw=_raw(gen))
+        return CompletionResponse(text=gen.text, additional_kwargs=_info(gen), raw=_raw(gen))
 
     def _stream_complete_impl(self, prompt: str, formatted: bool, kwargs) -> CompletionResponseGen:
         text = self._completion_prompt(prompt, formatted)
@@ -325,8 +362,7 @@ class KVRagLLM(WrapsKVRag, LLM):
                 if final is None:
                     yield CompletionResponse(text=acc, delta=delta)
                 else:
-                    yield CompletionResponse(text=acc, delta="", additional_kwargs=_info(final),
-                                             raw=_raw(final))
+                    yield CompletionResponse(text=acc, delta="", additional_kwargs=_info(final), raw=_raw(final))
 
         return gen()
 
@@ -378,8 +414,12 @@ def _as_chat(resp: CompletionResponse) -> ChatResponse:
     """A completion of the rendered chat as the assistant's reply; kvrag's stats stay in
     ``additional_kwargs`` of the response (LlamaIndex's generic converter moves them into the
     message)."""
-    return ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=resp.text), delta=resp.delta,
-                        additional_kwargs=resp.additional_kwargs, raw=resp.raw)
+    return ChatResponse(
+        message=ChatMessage(role=MessageRole.ASSISTANT, content=resp.text),
+        delta=resp.delta,
+        additional_kwargs=resp.additional_kwargs,
+        raw=resp.raw,
+    )
 
 
 def _as_chat_stream(parts: CompletionResponseGen) -> ChatResponseGen:
@@ -388,8 +428,9 @@ def _as_chat_stream(parts: CompletionResponseGen) -> ChatResponseGen:
 
 
 # ---- which text a node contributes to the prompt ---------------------------------------------
-def node_texts(nodes: Sequence[BaseNode], metadata_mode: MetadataMode = MetadataMode.LLM,
-               strip: bool = True) -> tuple[list[str], int]:
+def node_texts(
+    nodes: Sequence[BaseNode], metadata_mode: MetadataMode = MetadataMode.LLM, strip: bool = True
+) -> tuple[list[str], int]:
     """The chunk texts of ``nodes`` as a response synthesizer puts them in the prompt:
     ``node.get_content(metadata_mode)`` (``MetadataMode.LLM``: the metadata the LLM sees, in
     the node's own template), ``strip()``ped as the compact/tree_summarize/refine modes do
@@ -435,15 +476,19 @@ class KVPrecompute(_Unpicklable, TransformComponent):
     in ``precomputer.progress().failed``) and is answered by plain prefill."""
 
     metadata_mode: MetadataMode = Field(default=MetadataMode.LLM, description="How node text is rendered for the LLM.")
-    strip: bool = Field(default=True, description="Precompute text.strip(), the form the response modes render "
-                                                  "(see node_texts); False: the text as rendered.")
+    strip: bool = Field(
+        default=True,
+        description="Precompute text.strip(), the form the response modes render "
+        "(see node_texts); False: the text as rendered.",
+    )
     block: bool = Field(default=True, description="Wait for room when the precompute queue is full.")
 
     _target: Any = PrivateAttr(default=None)
     _warned: bool = PrivateAttr(default=False)
 
-    def __init__(self, target: Any = None, *, llm: Any = None, rag: Any = None, precomputer: Any = None,
-                 **data: Any) -> None:
+    def __init__(
+        self, target: Any = None, *, llm: Any = None, rag: Any = None, precomputer: Any = None, **data: Any
+    ) -> None:
         target = hook_target("KVPrecompute", target, llm=llm, rag=rag, precomputer=precomputer)
         super().__init__(**data)
         Precomputer.of(target)  # a wrong target fails here, not at the first node
@@ -462,8 +507,10 @@ class KVPrecompute(_Unpicklable, TransformComponent):
     def _texts(self, nodes: Sequence[BaseNode]) -> list[str]:
         if not self._warned and any(isinstance(n, Document) for n in nodes):
             self._warned = True
-            log.warning("KVPrecompute received Document objects: place it after the node parser "
-                        "(e.g. SentenceSplitter) so it precomputes the chunks the retriever returns")
+            log.warning(
+                "KVPrecompute received Document objects: place it after the node parser "
+                "(e.g. SentenceSplitter) so it precomputes the chunks the retriever returns"
+            )
         texts, skipped = node_texts(nodes, self.metadata_mode, self.strip)
         if skipped:
             log.warning("KVPrecompute: skipped %d node(s) without text", skipped)
@@ -476,8 +523,7 @@ class KVPrecompute(_Unpicklable, TransformComponent):
     async def acall(self, nodes: Sequence[BaseNode], **kwargs: Any) -> Sequence[BaseNode]:
         # LlamaIndex's default acall runs __call__ on the event loop, where waiting for queue
         # room (block=True) would stall every other request on the loop.
-        await self.precomputer.asubmit_many(self._texts(nodes), block=self.block, skip_invalid=True,
-                                            skip_full=True)
+        await self.precomputer.asubmit_many(self._texts(nodes), block=self.block, skip_invalid=True, skip_full=True)
         return nodes
 
 
@@ -495,8 +541,9 @@ class KVCacheWarmer(_Unpicklable, BaseNodePostprocessor):
 
     _target: Any = PrivateAttr(default=None)
 
-    def __init__(self, target: Any = None, *, llm: Any = None, rag: Any = None, precomputer: Any = None,
-                 **data: Any) -> None:
+    def __init__(
+        self, target: Any = None, *, llm: Any = None, rag: Any = None, precomputer: Any = None, **data: Any
+    ) -> None:
         target = hook_target("KVCacheWarmer", target, llm=llm, rag=rag, precomputer=precomputer)
         super().__init__(**data)
         Precomputer.of(target)
@@ -510,7 +557,9 @@ class KVCacheWarmer(_Unpicklable, BaseNodePostprocessor):
     def precomputer(self) -> Precomputer:
         return Precomputer.of(self._target)  # live at each use, as KVPrecompute's
 
-    def _postprocess_nodes(self, nodes: list[NodeWithScore], query_bundle: Optional[QueryBundle] = None) -> list[NodeWithScore]:
+    def _postprocess_nodes(
+        self, nodes: list[NodeWithScore], query_bundle: Optional[QueryBundle] = None
+    ) -> list[NodeWithScore]:
         texts, _ = node_texts([n.node for n in nodes], self.metadata_mode, self.strip)
         schedule_retrieved(self.precomputer, texts, self.defer_s)
         return nodes
@@ -520,16 +569,24 @@ class KVWarmingRetriever(BaseRetriever):
     """Retriever wrapper with the same effect as :class:`KVCacheWarmer`, for code that takes a
     retriever (``RetrieverQueryEngine.from_args(KVWarmingRetriever(index.as_retriever(), llm), llm=llm)``)."""
 
-    def __init__(self, retriever: BaseRetriever, target: Any = None, *, llm: Any = None, rag: Any = None,
-                 precomputer: Any = None, metadata_mode: MetadataMode = MetadataMode.LLM,
-                 strip: bool = True, defer_s: float = 10.0) -> None:
+    def __init__(
+        self,
+        retriever: BaseRetriever,
+        target: Any = None,
+        *,
+        llm: Any = None,
+        rag: Any = None,
+        precomputer: Any = None,
+        metadata_mode: MetadataMode = MetadataMode.LLM,
+        strip: bool = True,
+        defer_s: float = 10.0,
+    ) -> None:
         target = hook_target("KVWarmingRetriever", target, llm=llm, rag=rag, precomputer=precomputer)
         if not isinstance(retriever, BaseRetriever):
             raise TypeError(f"retriever must be a LlamaIndex BaseRetriever, got {type(retriever).__name__}")
         super().__init__(callback_manager=retriever.callback_manager)
         self._retriever = retriever
-        self._warmer = KVCacheWarmer(target, metadata_mode=metadata_mode, strip=strip,
-                                     defer_s=defer_s)
+        self._warmer = KVCacheWarmer(target, metadata_mode=metadata_mode, strip=strip, defer_s=defer_s)
 
     @property
     def precomputer(self) -> Precomputer:
