@@ -20,6 +20,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "KVRag": "kvrag.engine",
     "Generation": "kvrag.engine",
+    "Prefill": "kvrag.engine",
     "Stream": "kvrag.engine",
     "Precomputer": "kvrag.precompute",
     "PrecomputeProgress": "kvrag.precompute",
@@ -36,7 +37,7 @@ _EXPORTS = {
 __all__ = [*_EXPORTS, "__version__"]
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
-    from kvrag.engine import Generation, KVRag, Stream
+    from kvrag.engine import Generation, KVRag, Prefill, Stream
     from kvrag.errors import ChunkError, KVRagError, ModelLoadError, StoreError
     from kvrag.precompute import (
         PrecomputeFailure,

@@ -55,6 +55,22 @@ class Generation:
 
 
 @dataclass
+class Prefill:
+    """What ``KVRag.prefill`` returns: the prompt's fused (or full) prefill, ready to decode.
+
+    ``logits``: [V], the next-token logits after the last prompt token. ``stepper``: the
+    decoder that continues from the prefilled cache (``step(token_ids) -> [n, V]``).
+    ``prompt_ids``: the tokenizer's ids of the prompt (inserted link tokens excluded).
+    ``t0``: perf_counter when the call arrived (TTFT counts from it)."""
+
+    logits: torch.Tensor
+    stepper: HFStepper | FusedStepper
+    stats: FusionStats
+    prompt_ids: list[int]
+    t0: float
+
+
+@dataclass
 class _Prepared:
     """A request checked and segmented by ``KVRag._prepare``, ready for ``_fuse``: layout is
     None when the prompt takes the exact full-prefill path. t0/t_ready: perf_counter at the
@@ -372,12 +388,13 @@ class KVRag:
         stats.prefill_s = time.perf_counter() - t_fuse
         return logits, stepper, stats, prompt_ids
 
-    def prefill(self, prompt: str | Sequence[dict], policy: str | Policy | None = None, **policy_params):
-        """Fused prefill of a prompt. Returns (logits [V], stepper, stats, prompt ids, start time)."""
+    def prefill(self, prompt: str | Sequence[dict], policy: str | Policy | None = None, **policy_params) -> Prefill:
+        """Fused prefill of a prompt under ``policy`` (the KVRag's own when None)."""
         t0 = time.perf_counter()
         pol = get_policy(policy if policy is not None else self.policy, **policy_params)
         prep = self._prepare(self.render(prompt), pol, t0)
-        return (*self._fuse(prep), t0)
+        logits, stepper, stats, prompt_ids = self._fuse(prep)
+        return Prefill(logits, stepper, stats, prompt_ids, t0)
 
     def stream(
         self,
@@ -471,12 +488,14 @@ class KVRag:
             self._continuation_ids(i, ids)
             for i, ids in enumerate(check_seq("continuations", continuations, "a sequence of id sequences"))
         ]
-        logits, stepper, stats, _, _ = self.prefill(prompt, policy, **policy_params)
+        pre = self.prefill(prompt, policy, **policy_params)
+        logits, stepper, stats = pre.logits, pre.stepper, pre.stats
         rewindable = hasattr(stepper, "rewind")
         outs = []
         for i, ids in enumerate(continuations):
             if i and not rewindable:
-                logits, stepper, stats, _, _ = self.prefill(prompt, policy, **policy_params)
+                pre = self.prefill(prompt, policy, **policy_params)
+                logits, stepper, stats = pre.logits, pre.stepper, pre.stats
             point = stepper.checkpoint() if rewindable else None
             rows = [logits.unsqueeze(0)]
             if len(ids):

@@ -148,7 +148,7 @@ def measure_floor(rag_for, prompt, runs, repeats: int, dataset: str, device: str
             except Exception as e:  # noqa: BLE001 - a failing policy is a result
                 errors[run.label] = f"{type(e).__name__}: {e}"
                 continue
-            stats[run.label] = out["r"][2]
+            stats[run.label] = out["r"].stats
             if rnd:  # round 0 warms up
                 ttfts[run.label].append(t)
     ref = statistics.median(ttfts[runs[0].label]) if ttfts[runs[0].label] else None
