@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_readme_says_what_the_default_model_costs_on_disk():
@@ -44,8 +44,10 @@ def snippet(heading: str) -> str:
 
 # What the test reads after the snippet ran: the documents stored, and the first query's hits.
 CHECKS = {
-    "LlamaIndex": "print('DOCS', collection.count()); print('HIT', llm.last_stats.chunks_hit, llm.last_stats.cached_tokens)",
-    "LangChain": "print('DOCS', len(store.get()['ids'])); print('HIT', llm.last_stats.chunks_hit, llm.last_stats.cached_tokens)",
+    "LlamaIndex": "print('DOCS', collection.count()); "
+    "print('HIT', llm.last_stats.chunks_hit, llm.last_stats.cached_tokens)",
+    "LangChain": "print('DOCS', len(store.get()['ids'])); "
+    "print('HIT', llm.last_stats.chunks_hit, llm.last_stats.cached_tokens)",
 }
 
 

@@ -18,34 +18,13 @@ import time
 import pytest
 from corpus_helpers import DOCS as CORPUS
 from corpus_helpers import prompt_for
-from redis_helpers import (  # noqa: F401 (fixtures)
-    RedisServer,
-    any_url,
-    cluster_url,
-    own_redis,
-    prefix,
-    redis,
-    redis_url,
-)
 
 from kvrag.engine import KVRag
 from kvrag.remote import GROUP, RedisQueue, Worker
 from kvrag.store.shared import RedisStore
-from kvrag.testing import tiny_llama
 
 DOCS = CORPUS[:3]
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    """A tiny model saved once: every process loads the same files, so their fingerprints
-    (and so their keys) match."""
-    d = tmp_path_factory.mktemp("tiny-model")
-    h = tiny_llama(seed=0)
-    h.model.save_pretrained(d)
-    h.tokenizer.save_pretrained(d)
-    return str(d)
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _env():

@@ -10,15 +10,7 @@ import logging
 
 import pytest
 import torch
-from redis_helpers import (  # noqa: F401 (fixtures)
-    RedisServer,
-    any_url,
-    cluster_url,
-    own_redis,
-    prefix,
-    redis,
-    redis_url,
-)
+from redis_helpers import RedisServer, redis
 
 from kvrag.store import ChunkEntry, KVStore, make_key
 from kvrag.store.blob import checksum, serialize

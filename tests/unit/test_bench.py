@@ -404,7 +404,8 @@ QA_ITEMS = [
         "ctxs": [
             {
                 "title": "Mara Quill",
-                "text": "Mara Quill is a musician from the town of Brenholt. She plays the cello in the Brenholt Quartet.",
+                "text": "Mara Quill is a musician from the town of Brenholt. "
+                "She plays the cello in the Brenholt Quartet.",
             },
             {
                 "title": "Brenholt",
@@ -554,7 +555,7 @@ def test_cold_path_times_a_chunks_first_query(tmp_path, monkeypatch, hot_cache):
     monkeypatch.setattr(SamKV, "forget", classmethod(lambda cls: (forgets.append(cls.name), real(cls))))
     recs = bench.time_policies(rag, "qa", "d", ex, [Run("full_prefill"), Run("samkv")], 0, 3, 1)
     assert not recs["samkv"]["error"] and len(recs["samkv"]["ttft_runs"]) == 3
-    # (SamKV.forget itself empties the memo: tests/test_policy_samkv.py.)
+    # (SamKV.forget itself empties the memo: tests/unit/test_policy_samkv.py.)
     assert forgets.count("samkv") == (3 if hot_cache == 0 else 0)
 
 

@@ -1,7 +1,7 @@
 """The engine's invariants on the compute device named by ``$KVRAG_TEST_DEVICE`` (default cpu).
 
 CI has no GPU, so there this file checks the CPU; on a GPU machine run
-``KVRAG_TEST_DEVICE=cuda pytest tests/test_device.py`` to check the CUDA paths: SDPA's CUDA
+``KVRAG_TEST_DEVICE=cuda pytest tests/unit/test_device.py`` to check the CUDA paths: SDPA's CUDA
 kernels, grouped-query expansion, RoPE tables on the device, device<->host moves of cached
 K/V, per-layer selection code, and half-precision compute. Every test here also compares the
 device against the model's own forward or against the same model on the CPU."""
@@ -201,7 +201,8 @@ def test_half_precision_compute_at_ratio_one_tracks_full_prefill(dtype, tmp_path
 
 
 @pytest.mark.skipif(
-    DEVICE == "cpu", reason="the CPU case is tests/test_kvlink_tune.py::test_resumed_run_equals_the_uninterrupted_one"
+    DEVICE == "cpu",
+    reason="the CPU case is tests/unit/test_kvlink_tune.py::test_resumed_run_equals_the_uninterrupted_one",
 )
 def test_kvrag_tune_trains_and_resumes_on_the_device(tmp_path):
     """`kvrag tune`'s loop on the device: teacher answers generated there, LoRA + links trained

@@ -12,16 +12,6 @@ from kvrag.testing import tiny_llama
 DOCS = CORPUS[:3]
 
 
-@pytest.fixture(scope="module")
-def handle():
-    return tiny_llama(seed=0)
-
-
-@pytest.fixture
-def rag(handle, tmp_path):
-    return KVRag(handle, cache_dir=tmp_path / "kv", policy="cacheblend")
-
-
 def test_full_prefill_equals_transformers_generate(rag, handle):
     rag.precompute(DOCS)
     out = rag.generate(prompt_for(DOCS), policy="full_prefill", max_new_tokens=12)

@@ -4,6 +4,7 @@ and serializing an LLM object. Tiny random model with SmolLM2's tokenizer (fast)
 
 import copy
 import pickle
+from pathlib import Path
 
 import pytest
 
@@ -15,16 +16,6 @@ TEXTS = [
     "Mount Kelvar is the tallest peak of the Arden range, at 4,210 metres.",
 ]
 PROMPT = "Context:\n\n" + "\n\n".join(TEXTS) + "\n\nQuestion: Where does the red fox live?"
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    """The tiny model saved as an HF directory: a model with a path, as users load them."""
-    handle = tiny_llama(seed=0)
-    d = tmp_path_factory.mktemp("tiny-model")
-    handle.model.save_pretrained(d)
-    handle.tokenizer.save_pretrained(d)
-    return d
 
 
 @pytest.fixture
@@ -213,7 +204,7 @@ def test_langchain_model_id_tracing_and_serialization(lc_llm, rag, model_dir):
 
     assert lc_llm.model == str(model_dir) and lc_llm.cache_dir == str(rag.store.directory)
     ls = lc_llm._get_ls_params()
-    assert ls["ls_provider"] == "kvrag" and ls["ls_model_name"] == model_dir.name
+    assert ls["ls_provider"] == "kvrag" and ls["ls_model_name"] == Path(model_dir).name
     assert ChatKVRag.is_lc_serializable()
     d = dumpd(lc_llm)
     assert d["kwargs"]["model"] == str(model_dir) and "rag" not in d["kwargs"]

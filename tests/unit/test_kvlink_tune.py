@@ -10,7 +10,6 @@ import torch
 from kvrag.policies.kvlink import data as D
 from kvrag.policies.kvlink.adapter import KVLinkError, load_adapter
 from kvrag.policies.kvlink.train import CHECKPOINT_DIR, QAItem, TrainConfig, train_kvlink
-from kvrag.testing import tiny_llama
 
 PROSE = (
     "The river rose for three days before the town council met. Farmers moved their herds to the "
@@ -20,11 +19,6 @@ PROSE = (
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
-
-
-@pytest.fixture(scope="module")
-def handle():
-    return tiny_llama(seed=0)
 
 
 def _pool(n=8):

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1] / "kvrag"
+ROOT = Path(__file__).resolve().parents[2] / "kvrag"
 
 
 def _module_name(path: Path) -> str:

@@ -18,7 +18,7 @@ DOCS = [
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
+def base_model_dir(tmp_path_factory):
     tok = smollm2_tokenizer()
     tok.chat_template = None
     handle = tiny_llama(seed=0, tokenizer=tok)
@@ -28,8 +28,8 @@ def model_dir(tmp_path_factory):
     return d
 
 
-def test_rag_prompt_is_plain_text_without_a_chat_template(model_dir, tmp_path):
-    rag = KVRag(str(model_dir), cache_dir=tmp_path / "kv")
+def test_rag_prompt_is_plain_text_without_a_chat_template(base_model_dir, tmp_path):
+    rag = KVRag(str(base_model_dir), cache_dir=tmp_path / "kv")
     assert not getattr(rag.tokenizer, "chat_template", None)
     prompt = rag_prompt(rag.tokenizer, DOCS, "Where does the fox live?")
     assert isinstance(prompt, str) and prompt.startswith(DEFAULT_INSTRUCTION) and prompt.endswith("Answer:")
@@ -43,12 +43,12 @@ def test_rag_prompt_is_plain_text_without_a_chat_template(model_dir, tmp_path):
     assert rag_prompt(smollm2_tokenizer(), DOCS, "q") == rag_messages(DOCS, "q")
 
 
-def test_langchain_chat_model_renders_plain_text(model_dir, tmp_path):
+def test_langchain_chat_model_renders_plain_text(base_model_dir, tmp_path):
     from langchain_core.messages import HumanMessage, SystemMessage
 
     from langchain_kvrag import ChatKVRag
 
-    llm = ChatKVRag(model=str(model_dir), cache_dir=str(tmp_path / "kv"), max_new_tokens=3)
+    llm = ChatKVRag(model=str(base_model_dir), cache_dir=str(tmp_path / "kv"), max_new_tokens=3)
     llm.rag.precompute(DOCS)
     msgs = [SystemMessage(content="Answer briefly."), HumanMessage(content="\n\n".join(DOCS) + "\n\nWhere?")]
     llm.invoke(msgs)
@@ -60,10 +60,11 @@ def test_langchain_chat_model_renders_plain_text(model_dir, tmp_path):
     assert llm.get_num_tokens_from_messages(msgs) == llm.last_stats.prompt_tokens
 
 
-def test_demo_bench_and_training_run_on_a_base_model(model_dir, tmp_path, capsys, monkeypatch):
+def test_demo_bench_and_training_run_on_a_base_model(base_model_dir, tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("KVRAG_HOME", str(tmp_path / "home"))
     assert (
-        main(["demo", "--model", str(model_dir), "--policies", "full_prefill,cacheblend", "--max-new-tokens", "2"]) == 0
+        main(["demo", "--model", str(base_model_dir), "--policies", "full_prefill,cacheblend", "--max-new-tokens", "2"])
+        == 0
     )
     assert "no chat template" not in capsys.readouterr().out
     out = tmp_path / "bench"
@@ -73,7 +74,7 @@ def test_demo_bench_and_training_run_on_a_base_model(model_dir, tmp_path, capsys
                 "bench",
                 "--quick",
                 "--model",
-                str(model_dir),
+                str(base_model_dir),
                 "--synthetic",
                 "1",
                 "--policies",
@@ -114,7 +115,7 @@ def test_demo_bench_and_training_run_on_a_base_model(model_dir, tmp_path, capsys
                 "--data",
                 str(data),
                 "--model",
-                str(model_dir),
+                str(base_model_dir),
                 "--steps",
                 "1",
                 "--docs",
@@ -128,7 +129,7 @@ def test_demo_bench_and_training_run_on_a_base_model(model_dir, tmp_path, capsys
     assert "(1 step)" in capsys.readouterr().out  # no "first 10 -> last 10" over one step
 
 
-def test_bench_exits_non_zero_when_every_run_failed(model_dir, tmp_path, monkeypatch):
+def test_bench_exits_non_zero_when_every_run_failed(base_model_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("KVRAG_HOME", str(tmp_path / "home"))
 
     def refuse(self, *a, **k):
@@ -141,7 +142,7 @@ def test_bench_exits_non_zero_when_every_run_failed(model_dir, tmp_path, monkeyp
                 "bench",
                 "--quick",
                 "--model",
-                str(model_dir),
+                str(base_model_dir),
                 "--synthetic",
                 "1",
                 "--policies",

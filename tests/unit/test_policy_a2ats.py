@@ -106,22 +106,17 @@ def test_kmeans_finds_separated_clusters():
 
 
 # ---- calibration, files, lookup ---------------------------------------------------------------
-@pytest.fixture(scope="module")
-def tiny_handle():
-    return tiny_llama(seed=0)
-
-
-def test_calibrate_tiny_model_shapes_and_reload_by_fingerprint(tiny_handle, tmp_path, monkeypatch):
+def test_calibrate_tiny_model_shapes_and_reload_by_fingerprint(handle, tmp_path, monkeypatch):
     monkeypatch.setenv("KVRAG_HOME", str(tmp_path))
     text = ["The red fox lives in the northern forest and hunts small rodents at dawn. " * 40]
-    cb, path = cal.calibrate(tiny_handle, texts=text, n_tokens=600, n_codes=24, iters=3, seq_len=128)
-    assert path == tmp_path / "a2ats" / f"{tiny_handle.fingerprint}.safetensors" and path.is_file()
-    arch = tiny_handle.arch
+    cb, path = cal.calibrate(handle, texts=text, n_tokens=600, n_codes=24, iters=3, seq_len=128)
+    assert path == tmp_path / "a2ats" / f"{handle.fingerprint}.safetensors" and path.is_file()
+    arch = handle.arch
     assert cb.codebook.shape == (arch.n_layers, arch.n_kv_heads, 24, arch.head_dim)
     assert cb.chol.shape == (arch.n_layers, arch.n_kv_heads, arch.head_dim, arch.head_dim)
     # Lower-triangular Cholesky factors with a positive diagonal.
     assert torch.equal(cb.chol, torch.tril(cb.chol)) and bool((torch.diagonal(cb.chol, dim1=-2, dim2=-1) > 0).all())
-    assert cb.meta["fingerprint"] == tiny_handle.fingerprint and 500 <= cb.meta["n_tokens"] <= 600
+    assert cb.meta["fingerprint"] == handle.fingerprint and 500 <= cb.meta["n_tokens"] <= 600
     back = books.Codebooks.load(path)
     assert torch.equal(back.codebook, cb.codebook) and torch.equal(back.chol, cb.chol) and back.digest == cb.digest
     assert back.meta["n_codes"] == 24
@@ -161,13 +156,13 @@ def test_broken_codebook_file_is_a_clear_error(tmp_path):
         books.Codebooks.load(tmp_path / "missing.safetensors")
 
 
-def test_calibration_sequences_mix_text_and_uuids(tiny_handle):
-    enc = tiny_handle.encode
+def test_calibration_sequences_mix_text_and_uuids(handle):
+    enc = handle.encode
     seqs = cal.calibration_sequences(
         enc, ["alpha beta gamma delta " * 200], 1000, seq_len=100, uuid_fraction=0.25, prefix=[7]
     )
     assert all(s[0] == 7 and len(s) <= 100 for s in seqs)
-    text = tiny_handle.tokenizer.decode([t for s in seqs for t in s[1:]])
+    text = handle.tokenizer.decode([t for s in seqs for t in s[1:]])
     assert "alpha beta" in text and text.count("-4") >= 5  # uuid4 strings: xxxxxxxx-xxxx-4xxx-...
     assert 900 <= sum(len(s) - 1 for s in seqs) <= 1000
     with pytest.raises(ValueError, match="uuid_fraction"):
@@ -416,7 +411,7 @@ DOCS = [
 ]
 
 
-def test_kvrag_for_a2ats_checks_its_codebook_up_front_and_stores_codes_with_it(tiny_handle, tmp_path, monkeypatch):
+def test_kvrag_for_a2ats_checks_its_codebook_up_front_and_stores_codes_with_it(handle, tmp_path, monkeypatch):
     """KVRag(policy="a2ats") without a codebook fails at construction (not once chunks are
     cached and the first prompt hits them); with codebook=PATH, its chunk codes are stored
     at precompute by that configured policy, with no ingest_policies given."""
@@ -424,11 +419,11 @@ def test_kvrag_for_a2ats_checks_its_codebook_up_front_and_stores_codes_with_it(t
 
     monkeypatch.setenv("KVRAG_HOME", str(tmp_path / "home"))  # no codebook to find
     with pytest.raises(books.CodebookError, match="kvrag calibrate a2ats"):
-        KVRag(tiny_handle, cache_dir=tmp_path / "kv", policy="a2ats")
+        KVRag(handle, cache_dir=tmp_path / "kv", policy="a2ats")
     _, path = cal.calibrate(
-        tiny_handle, texts=DOCS * 4, n_tokens=400, n_codes=16, iters=2, seq_len=128, out=tmp_path / "books.safetensors"
+        handle, texts=DOCS * 4, n_tokens=400, n_codes=16, iters=2, seq_len=128, out=tmp_path / "books.safetensors"
     )
-    rag = KVRag(tiny_handle, cache_dir=tmp_path / "kv", policy="a2ats", codebook=str(path), **SMALL)
+    rag = KVRag(handle, cache_dir=tmp_path / "kv", policy="a2ats", codebook=str(path), **SMALL)
     assert rag.ingest_policies == [rag.policy]
     keys = rag.precompute(DOCS)
     assert all("a2ats.codes" in rag.store.get(k, rag.fingerprint).extras for k in keys)
@@ -438,13 +433,13 @@ def test_kvrag_for_a2ats_checks_its_codebook_up_front_and_stores_codes_with_it(t
     assert out.stats.policy_stats["a2ats.codes_reused"] == out.stats.cached_tokens * rag.arch.n_layers
 
 
-def test_kvrag_precompute_stores_codes_and_decode_reports_bytes(tiny_handle, tmp_path, monkeypatch):
+def test_kvrag_precompute_stores_codes_and_decode_reports_bytes(handle, tmp_path, monkeypatch):
     from kvrag.engine import KVRag
 
     monkeypatch.setenv("KVRAG_HOME", str(tmp_path))
-    cal.calibrate(tiny_handle, texts=DOCS * 4, n_tokens=400, n_codes=16, iters=2, seq_len=128)
+    cal.calibrate(handle, texts=DOCS * 4, n_tokens=400, n_codes=16, iters=2, seq_len=128)
     rag = KVRag(
-        tiny_handle,
+        handle,
         cache_dir=tmp_path / "kv",
         policy="a2ats",
         ingest_policies=["a2ats"],
@@ -467,12 +462,12 @@ def test_kvrag_precompute_stores_codes_and_decode_reports_bytes(tiny_handle, tmp
     assert rag.generate(prompt, max_new_tokens=6, topk=1.0).token_ids == naive.token_ids
 
 
-def test_cli_calibrate_a2ats(tiny_handle, tmp_path, capsys):
+def test_cli_calibrate_a2ats(handle, tmp_path, capsys):
     from kvrag.cli import main
 
     model_dir = tmp_path / "model"
-    tiny_handle.model.save_pretrained(model_dir)
-    tiny_handle.tokenizer.save_pretrained(model_dir)
+    handle.model.save_pretrained(model_dir)
+    handle.tokenizer.save_pretrained(model_dir)
     text = tmp_path / "corpus.txt"
     text.write_text(" ".join(DOCS) * 5)
     out = tmp_path / "books.safetensors"
@@ -527,18 +522,18 @@ def test_cli_calibrate_a2ats(tiny_handle, tmp_path, capsys):
     assert "codewords" in capsys.readouterr().err
 
 
-def test_cli_calibrate_a2ats_on_the_documents_of_a_kv_store(tiny_handle, tmp_path, capsys, monkeypatch):
+def test_cli_calibrate_a2ats_on_the_documents_of_a_kv_store(handle, tmp_path, capsys, monkeypatch):
     # In-domain calibration text is what helps A2ATS most: --store fits on the chunk texts a
     # KVRag ingested (any model's), together with --text files.
     from kvrag.cli import main
 
     model_dir = tmp_path / "model"
-    tiny_handle.model.save_pretrained(model_dir)
-    tiny_handle.tokenizer.save_pretrained(model_dir)
+    handle.model.save_pretrained(model_dir)
+    handle.tokenizer.save_pretrained(model_dir)
     store_dir = tmp_path / "kv"
     from kvrag.engine import KVRag
 
-    KVRag(tiny_handle, cache_dir=store_dir).precompute(DOCS)
+    KVRag(handle, cache_dir=store_dir).precompute(DOCS)
     extra = tmp_path / "extra.txt"
     extra.write_text("An extra calibration document about lighthouses and their keepers. " * 3)
     seen = []
@@ -577,7 +572,7 @@ def test_cli_calibrate_a2ats_on_the_documents_of_a_kv_store(tiny_handle, tmp_pat
     assert sorted(seen[0]) == sorted([extra.read_text(), *DOCS])
 
 
-def test_calibrate_checks_text_tokens_and_output_before_the_model_pass(tiny_handle, tmp_path, monkeypatch):
+def test_calibrate_checks_text_tokens_and_output_before_the_model_pass(handle, tmp_path, monkeypatch):
     def boom(*a, **k):
         raise AssertionError("the model pass ran before the input was checked")
 
@@ -585,11 +580,11 @@ def test_calibrate_checks_text_tokens_and_output_before_the_model_pass(tiny_hand
     out = tmp_path / "cb.safetensors"
     # Text that runs out: fewer tokens than codewords.
     with pytest.raises(ValueError, match="codewords"):
-        cal.calibrate(tiny_handle, texts=["a few words"], n_tokens=400, n_codes=64, uuid_fraction=0.0, out=out)
+        cal.calibrate(handle, texts=["a few words"], n_tokens=400, n_codes=64, uuid_fraction=0.0, out=out)
     with pytest.raises(books.CodebookError, match="no calibration text"):
-        cal.calibrate(tiny_handle, texts=["", "  "], n_tokens=400, n_codes=16, out=out)
+        cal.calibrate(handle, texts=["", "  "], n_tokens=400, n_codes=16, out=out)
     with pytest.raises(books.CodebookError, match="is a directory"):
-        cal.calibrate(tiny_handle, texts=[" ".join(DOCS)], n_tokens=400, n_codes=16, out=tmp_path)
+        cal.calibrate(handle, texts=[" ".join(DOCS)], n_tokens=400, n_codes=16, out=tmp_path)
     assert not out.exists()
     # read_texts: a file that yields no text is an error, not a codebook fitted on uuids.
     (tmp_path / "nostr.json").write_text('[1, {"a": "short"}]')

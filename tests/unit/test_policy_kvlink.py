@@ -227,11 +227,6 @@ def qa_rows():
 
 
 @pytest.fixture(scope="module")
-def handle():
-    return tiny_llama(seed=0)
-
-
-@pytest.fixture(scope="module")
 def data_file(tmp_path_factory):
     p = tmp_path_factory.mktemp("kvlink_data") / "qa.json"
     p.write_text(json.dumps(qa_rows()))

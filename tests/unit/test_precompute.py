@@ -13,12 +13,6 @@ from kvrag.engine import KVRag
 from kvrag.errors import ChunkError
 from kvrag.precompute import Precomputer, PrecomputerClosedError, QueueFullError
 from kvrag.store import KVStore
-from kvrag.testing import tiny_llama
-
-
-@pytest.fixture(scope="module")
-def handle():
-    return tiny_llama(seed=0)
 
 
 @pytest.fixture

@@ -17,16 +17,6 @@ from kvrag.query.segment import Segmenter
 from kvrag.testing import tiny_llama
 
 
-@pytest.fixture(scope="module")
-def handle():
-    return tiny_llama(seed=0)
-
-
-@pytest.fixture
-def rag(handle, tmp_path):
-    return KVRag(handle, cache_dir=tmp_path / "kv")
-
-
 # ---- ingestion while queries run -----------------------------------------------------------
 def test_segmenter_update_since_keeps_keys_added_after_the_snapshot():
     seg = Segmenter({"k1": "alpha beta", "k2": "gamma delta"})

@@ -6,7 +6,6 @@ import multiprocessing as mp
 import os
 import sqlite3
 import time
-from pathlib import Path
 
 import diskcache
 import pytest
@@ -14,27 +13,12 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from store_helpers import FP_A, FP_B, blob_files, make_entry, put  # noqa: E402
+
 import kvrag.store.blob as blob_mod  # noqa: E402
 import kvrag.store.disk as store_mod  # noqa: E402
 from kvrag.errors import StoreError  # noqa: E402
 from kvrag.store import CACHE_FORMAT_VERSION, ChunkEntry, KVStore  # noqa: E402
-
-FP_A = "fingerprint-model-a"
-FP_B = "fingerprint-model-b"
-
-
-def make_entry(fp=FP_A, text="some chunk text", T=5, L=2, H=2, D=8, dtype=torch.float32, seed=0, extras=None):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, 50_000, (T,), generator=g)
-    k = torch.randn(L, H, T, D, generator=g).to(dtype)
-    v = torch.randn(L, H, T, D, generator=g).to(dtype)
-    return ChunkEntry(fingerprint=fp, text=text, token_ids=ids, keys=k, values=v, extras=extras or {})
-
-
-def put(store, entry):
-    key = KVStore.make_key(entry.fingerprint, entry.token_ids)
-    store.put(key, entry)
-    return key
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -53,11 +37,6 @@ def assert_same(a: ChunkEntry, b: ChunkEntry):
     for n in a.extras:
         assert a.extras[n].dtype == b.extras[n].dtype
         assert torch.equal(bits(a.extras[n]), bits(b.extras[n]))
-
-
-def blob_files(directory: Path) -> list[Path]:
-    # diskcache writes each value to <directory>/blobs/xx/yy/<random>.val
-    return sorted((directory / "blobs").rglob("*.val"))
 
 
 @pytest.fixture
@@ -177,7 +156,7 @@ def test_miss_returns_none(store):
 def test_a_read_the_database_refuses_is_a_miss_and_keeps_the_entry(store, monkeypatch, caplog):
     """A read the database refuses (here: its select fails) makes the query compute the chunk,
     not crash, and the sound entry stays. (A failed LRU *touch* is not a miss at all:
-    tests/test_store_hostile.py.)"""
+    tests/unit/test_store_hostile.py.)"""
     key = put(store, make_entry(fp=FP_A))
 
     def refused(*a, **k):

@@ -16,7 +16,7 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from test_store import FP_A, blob_files, make_entry, put  # noqa: E402
+from store_helpers import FP_A, blob_files, make_entry, put  # noqa: E402
 
 import kvrag.store.blob as blob_mod  # noqa: E402
 from kvrag.cli import main as cli_main  # noqa: E402

