@@ -12,6 +12,7 @@ from fusion_helpers import CONFIGS, assert_matches_hf_cache, hf_logits, pieces_f
 
 from kvrag.arch import Arch
 from kvrag.policies import get_policy
+from kvrag.policies.base import top_k_indices
 from kvrag.query.decode import HFStepper, output_cache
 from kvrag.query.fusion import FusionEngine
 from kvrag.query.state import Layout
@@ -113,7 +114,7 @@ def test_a3_default_scores_with_one_softmax_over_concatenated_heads(model_type, 
     cand[q_rows] = False
     p = int(0.2 * n)
     expected = torch.zeros(n, dtype=torch.bool)
-    expected[torch.topk(score.masked_fill(~cand, float("-inf")), p).indices] = True
+    expected[top_k_indices(score.masked_fill(~cand, float("-inf")), p)] = True  # the tie rule: earlier wins
     torch.testing.assert_close(res.state.scratch["a3.scores"].cpu(), score, atol=1e-4, rtol=1e-4)
     assert torch.equal(recomputed(res, layout, L), expected)
 
@@ -149,7 +150,7 @@ def test_a3_recomputes_what_the_question_attends_to(model_type, head_reduce, poo
     p = int(0.2 * n)  # paper: p = r * n, n = input length
     assert int(chosen.sum()) == p
     expected = torch.zeros(n, dtype=torch.bool)
-    expected[torch.topk(score.masked_fill(~cand, float("-inf")), p).indices] = True
+    expected[top_k_indices(score.masked_fill(~cand, float("-inf")), p)] = True  # the tie rule: earlier wins
     assert torch.equal(chosen, expected)
     # Cached tokens left out were computed at layers 0..score_layer only.
     counts = res.state.layer_counts
@@ -226,7 +227,7 @@ def test_a3_eviction_keeps_budget_system_prompt_and_question(model_type):
             kept = res.positions[layer, h]
             assert kept.unique().numel() == C
             assert protected[kept].sum() == int(protected.sum())  # S and Q always kept
-            free = torch.topk(votes[h].masked_fill(protected, float("-inf")), C - int(protected.sum())).indices
+            free = top_k_indices(votes[h].masked_fill(protected, float("-inf")), C - int(protected.sum()))
             assert set(kept[~protected[kept]].tolist()) == set(free.tolist())
             # The kept slots hold exactly those tokens' K/V.
             torch.testing.assert_close(res.K[layer][h], cache.layers[layer].keys[0, h, kept], atol=1e-4, rtol=1e-4)

@@ -267,16 +267,21 @@ def _ref_select_blocks(qhat, keys, docs, budget_tokens=None, budget_blocks=None,
             s_anc = float(ts[anchor - d.start].mean()) if anchor.numel() else float("-inf")
             per_p.append(_ref_anchor_proportion(blk, s_anc))
             per_s.append(_ref_normalize(blk, normalize))
+        cands.append([])
         if m == 0:
-            ps.append(0.0), scores.append(torch.zeros(0)), cands.append([])
+            ps.append(0.0), scores.append(torch.zeros(0))
             continue
         p = float(torch.tensor(per_p).mean()) if adaptive_p else 1.0
         sc = torch.stack(per_s).mean(0)
         ps.append(p), scores.append(sc)
-        cands.append(top_indices(sc, min(m, math.ceil(p * m - 1e-9))).tolist())
-    pool = sorted(((float(scores[i][b]), i, b) for i in range(len(docs)) for b in cands[i]), reverse=True)
+    # The tie rule: scores within the tie grid of every document's scores, the earlier block.
+    scale = sk.tie_scale(scores)
+    for i, d in enumerate(docs):
+        m = len(d.middle)
+        if m:
+            cands[i] = top_indices(scores[i], min(m, math.ceil(ps[i] * m - 1e-9)), scale).tolist()
     kept, used = [[] for _ in docs], 0
-    for _, i, b in pool:
+    for i, b in sk.pool_order(scores, cands):  # the tie rule: equal scores on the grid, earlier first
         size = 1 if budget_blocks is not None else docs[i].middle[b][1] - docs[i].middle[b][0]
         limit = budget_blocks if budget_blocks is not None else budget_tokens
         if used + size <= limit:

@@ -30,7 +30,7 @@ import torch
 
 from kvrag.checks import check_int, check_real
 from kvrag.policies.a2ats import codebook as books
-from kvrag.policies.base import Policy, param
+from kvrag.policies.base import Policy, param, top_k_indices
 from kvrag.policies.registry import register
 from kvrag.query.state import CACHED
 
@@ -323,7 +323,7 @@ class A2ATS(Policy):
         if vis is not None:
             score = score.masked_fill(~vis[:, lo:hi], float("-inf"))
             fixed = fixed[vis[:, fixed].any(0)]
-        top = torch.topk(score, k, dim=-1).indices + lo  # [Hkv, k]
+        top = top_k_indices(score, k) + lo  # [Hkv, k]
         if p.selection == "per_head":
             idx = torch.cat([fixed.expand(hkv, -1), top], dim=1).sort(dim=1).values
             rows_read = hkv * idx.shape[1]
