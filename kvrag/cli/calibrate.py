@@ -128,9 +128,9 @@ def _a2ats(args: argparse.Namespace) -> int:
         check_dir(books.codebook_dir(), "the codebook directory ($KVRAG_HOME/a2ats)")
     texts = cal.read_texts(args.text) if args.text else None
     if args.store is not None:
-        from kvrag.cli.cache import open_store
+        from kvrag.cli.cache import open_existing_store
 
-        with open_store(args.store, option="--store") as store:
+        with open_existing_store(args.store, option="--store") as store:
             texts = (texts or []) + cal.store_texts(store)
     t0 = time.perf_counter()
     handle = ModelHandle.load(args.model, dtype=args.dtype, device=args.device, cache_dir=args.home)

@@ -58,8 +58,8 @@ def _attention(d: dict) -> str:
 
 def _info(args: argparse.Namespace) -> int:
     # Imported here so `kvrag --help` stays fast (torch/transformers take seconds to import).
-    from kvrag.ingest import cache_fingerprint, resolve_anchor
     from kvrag.model import ModelHandle
+    from kvrag.precompute.ingest import cache_fingerprint, resolve_anchor
 
     handle = ModelHandle.load(args.model, dtype=args.dtype, device=args.device, cache_dir=args.home)
     d = handle.describe()

@@ -1,4 +1,4 @@
-"""``kvrag worker --redis URL``: compute the chunks that replicas queued (``kvrag.remote``).
+"""``kvrag worker --redis URL``: compute the chunks that replicas queued (``kvrag.precompute.redis_queue``).
 
 Run any number of them, on any machine that has the model: they share the queue through a
 Redis consumer group, and a job a worker was on when it died is taken over by another once
@@ -52,8 +52,8 @@ def register(sub) -> None:
 
 def run(args) -> int:
     from kvrag.engine import KVRag
-    from kvrag.remote import Worker
-    from kvrag.store.shared import RedisStore
+    from kvrag.precompute.worker import Worker
+    from kvrag.store import open_shared
 
     if args.batch < 1 or args.claim_idle <= 0:
         raise ValueError("--batch must be >= 1 and --claim-idle > 0")
@@ -64,7 +64,7 @@ def run(args) -> int:
         cache_dir=args.cache_dir,
         storage_dtype=args.storage_dtype,
         ingest_policies=policies,
-        shared=RedisStore(args.redis, prefix=args.prefix),
+        shared=open_shared(args.redis, prefix=args.prefix),
     )
     worker = Worker(rag, name=args.name, batch=args.batch, claim_idle_s=args.claim_idle)
     stop = threading.Event()

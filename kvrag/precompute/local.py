@@ -3,7 +3,7 @@
 Ingestion hooks (a LlamaIndex transform, a LangChain vector-store hook, a retriever hook) hand
 chunk texts to :meth:`Precomputer.submit`, which validates them, queues them and returns at
 once; worker thread(s) tokenize, skip what is already stored, pack the rest ``batch_tokens``
-at a time and call :meth:`kvrag.engine.KVRag.precompute` (``kvrag.ingest``: it stores the
+at a time and call :meth:`kvrag.engine.KVRag.precompute` (``kvrag.precompute.ingest``: it stores the
 K/V and registers the text with the segmenter, so the very next query finds it).
 
 Guarantees:
@@ -11,7 +11,7 @@ Guarantees:
 * **dedup**: a text already queued or in flight is not queued twice (the caller gets the same
   future); in the worker, two texts with the same store key are computed once, and a key
   already in the store is not recomputed (but re-listed in the store's text index if a writer
-  killed mid-put left it out, so other processes find it: ``KVStore.ensure_indexed``).
+  killed mid-put left it out, so other processes find it: ``DiskStore.ensure_indexed``).
 * **back-pressure**: at most ``max_queued`` texts wait; ``submit`` then blocks (or raises
   :class:`QueueFullError` with ``block=False`` / after ``timeout``).
 * **no silent loss**: every failure is logged, counted (``progress().failed``) and kept
@@ -373,7 +373,7 @@ class Precomputer:
     def _exit(self) -> None:
         """Run by the exit hook: finish (or, with ``drain_on_exit=False``, drop with a warning)
         what is queued, and wait for every pack in flight, so nothing dies with the daemon
-        workers (a worker killed inside ``KVStore.put`` would also leave a half-written entry)."""
+        workers (a worker killed inside ``DiskStore.put`` would also leave a half-written entry)."""
         self._atexit_ref = None  # this hook is running: nothing to unregister any more
         if not self.drain_on_exit:
             left = self.shutdown(cancel_pending=True, wait=False)

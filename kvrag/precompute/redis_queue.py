@@ -1,9 +1,9 @@
-"""Precompute across machines: a Redis Stream of chunk texts and the workers that consume it.
+"""Precompute across machines: the Redis Stream of chunk texts replicas queue (``RedisQueue``).
 
 A replica built with ``KVRag(shared="redis://...", precompute_via="queue")`` hands the chunks
 it ingests to ``RedisQueue.submit`` (``KVRag.precompute`` and so the ``Precomputer`` and every
 ingestion hook call it) instead of computing them; ``kvrag worker --redis URL`` processes
-(``Worker``), on any machine with the model, compute them into the shared store.
+(``kvrag.precompute.worker.Worker``), on any machine with the model, compute them into the shared store.
 
 Redis Streams with a consumer group give the guarantees (no hand-rolled queue):
 
@@ -15,7 +15,7 @@ Redis Streams with a consumer group give the guarantees (no hand-rolled queue):
   replica queued (a ``SET NX`` claim with a TTL, removed when the job is done), so N replicas
   ingesting the same document queue it once; a worker skips a job whose chunk is stored.
 * **no partial entry**: an entry becomes visible only with its meta, written after all its
-  parts in one transaction (``kvrag.store.shared``).
+  parts in one transaction (``kvrag.store.redis_store``).
 
 One stream per cache fingerprint (``<prefix>q:{<fingerprint>}``): a worker only takes jobs
 for the model and anchor it runs. The stream, its counters, its failures and its claims
@@ -28,8 +28,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import socket
-import threading
 import time
 from collections.abc import Iterable
 from typing import Any
@@ -37,7 +35,7 @@ from typing import Any
 from kvrag.checks import check_texts_iterable
 from kvrag.errors import ChunkError, KVRagError
 
-log = logging.getLogger("kvrag.remote")
+log = logging.getLogger(__name__)
 
 GROUP = "kvrag-workers"
 
@@ -50,7 +48,7 @@ def streams_key(prefix: str) -> str:
 class RedisQueue:
     """The precompute queue of one cache fingerprint on the shared store's Redis.
 
-    store: a ``kvrag.store.shared.RedisStore`` (its connection and key prefix are used).
+    store: a ``kvrag.store.redis_store.RedisStore`` (its connection and key prefix are used).
     claim_ttl_s: how long a queued chunk is not queued again by another replica (the claim
     is removed when it is done; the TTL only matters if the job itself is lost)."""
 
@@ -65,11 +63,11 @@ class RedisQueue:
         p = store.prefix
         # One hash tag for every key of this queue: _ack's transaction touches four of them.
         self.stream = f"{p}q:{{{fingerprint}}}"
-        self._claim = f"{self.stream}:claim:"
-        self._counts = f"{self.stream}:counts"
-        self._failed = f"{self.stream}:failed"
-        self._streams = streams_key(p)
-        self._group_ready = False
+        self.claim_prefix = f"{self.stream}:claim:"
+        self.counts_key = f"{self.stream}:counts"
+        self.failed_key = f"{self.stream}:failed"
+        self.streams_index = streams_key(p)
+        self.group_ready = False
 
     @property
     def client(self):
@@ -78,23 +76,23 @@ class RedisQueue:
     def ensure_group(self) -> None:
         import redis
 
-        if self._group_ready:
+        if self.group_ready:
             return
         try:
             self.client.xgroup_create(self.stream, GROUP, id="0", mkstream=True)
         except redis.ResponseError as e:
             if "BUSYGROUP" not in str(e):
                 raise
-        self.client.sadd(self._streams, self.fingerprint)
-        self._group_ready = True
+        self.client.sadd(self.streams_index, self.fingerprint)
+        self.group_ready = True
 
     # ---- producer ------------------------------------------------------------------
     def submit(self, texts: Iterable[str], ingestor) -> list[str]:
         """Queue the texts whose chunk is neither stored nor queued; returns every text's key.
-        ``ingestor``: the replica's ``kvrag.ingest.Ingestor`` (tokenization, keys, listing).
-        Raises ``kvrag.store.shared.SharedStoreDown`` if Redis cannot be reached: nothing
+        ``ingestor``: the replica's ``kvrag.precompute.ingest.Ingestor`` (tokenization, keys, listing).
+        Raises ``kvrag.store.redis_store.SharedStoreDown`` if Redis cannot be reached: nothing
         is lost silently (the ``Precomputer`` keeps the texts as retryable failures)."""
-        from kvrag.store.shared import SharedStoreDown
+        from kvrag.store.redis_store import SharedStoreDown
 
         check_texts_iterable(texts, "precompute")
         texts = list(texts)
@@ -110,12 +108,12 @@ class RedisQueue:
             for key, text in dict(zip(keys, texts)).items():
                 if ingestor.ensure_listed(key, text):
                     continue  # stored (by anyone): registered with the segmenter, nothing to do
-                if not self.client.set(self._claim + key, os.getpid(), nx=True, ex=self.claim_ttl_s):
+                if not self.client.set(self.claim_prefix + key, os.getpid(), nx=True, ex=self.claim_ttl_s):
                     continue  # queued by another replica (or by us) and not done yet
                 self.client.xadd(self.stream, {"key": key, "text": text.encode("utf-8")})
                 queued += 1
             if queued:
-                self.client.hincrby(self._counts, "queued", queued)
+                self.client.hincrby(self.counts_key, "queued", queued)
         except KVRagError:
             raise
         except Exception as e:
@@ -134,7 +132,7 @@ class RedisQueue:
 
         p = self.client.pipeline(transaction=False)
         p.xlen(self.stream)
-        p.hgetall(self._counts)
+        p.hgetall(self.counts_key)
         length, counts = p.execute()
         try:
             groups = self.client.xinfo_groups(self.stream)
@@ -154,7 +152,7 @@ class RedisQueue:
 
     def failures(self) -> dict[str, str]:
         """key -> error of the jobs that failed for good (a text the model cannot take)."""
-        return {k.decode(): json.loads(v)["error"] for k, v in self.client.hgetall(self._failed).items()}
+        return {k.decode(): json.loads(v)["error"] for k, v in self.client.hgetall(self.failed_key).items()}
 
     def wait(self, keys: Iterable[str] | None = None, timeout: float | None = None, poll_s: float = 0.1) -> bool:
         """Block until ``keys`` are in the shared store (None: until the stream is empty);
@@ -173,139 +171,3 @@ class RedisQueue:
             if deadline is not None and time.monotonic() >= deadline:
                 return False
             time.sleep(poll_s)
-
-
-class Worker:
-    """Consumes one fingerprint's precompute stream for ``rag`` (a ``KVRag`` built with the
-    same model and ``shared=`` URL, computing locally).
-
-    name: the consumer name (default host:pid). batch: jobs read at a time (computed in one
-    packed pass). claim_idle_s: a job pending that long on a worker is taken over (longer
-    than a batch takes). block_s: how long one read waits for new jobs."""
-
-    def __init__(
-        self, rag, *, name: str | None = None, batch: int = 8, claim_idle_s: float = 60.0, block_s: float = 1.0
-    ) -> None:
-        far = getattr(rag.store, "far", None)
-        if far is None or not hasattr(far, "client"):
-            raise ValueError("a worker needs a KVRag with a Redis shared store (shared='redis://...')")
-        if rag.queue is not None:
-            raise ValueError("a worker computes its jobs: build its KVRag with precompute_via='local'")
-        self.rag = rag
-        self.queue = RedisQueue(far, rag.fingerprint)
-        self.name = name or f"{socket.gethostname()}:{os.getpid()}"
-        self.batch = batch
-        self.claim_idle_ms = int(claim_idle_s * 1000)
-        self.block_ms = int(block_s * 1000)
-        self.done = 0
-
-    @property
-    def client(self):
-        return self.queue.client
-
-    def _take(self) -> list[tuple[bytes, dict]]:
-        """Up to ``batch`` jobs: first those a dead worker left pending, then new ones."""
-        q = self.queue
-        claimed = self.client.xautoclaim(
-            q.stream, GROUP, self.name, min_idle_time=self.claim_idle_ms, start_id="0-0", count=self.batch
-        )
-        msgs = [m for m in claimed[1] if m and m[1]]
-        if msgs:
-            log.info("kvrag worker %s: took over %d job(s) of a worker that stopped", self.name, len(msgs))
-            return msgs
-        got = self.client.xreadgroup(GROUP, self.name, {q.stream: ">"}, count=self.batch, block=self.block_ms)
-        return [m for _, entries in (got or []) for m in entries if m and m[1]]
-
-    def step(self) -> int:
-        """Take and process one batch; returns the jobs finished (acknowledged)."""
-        self.queue.ensure_group()
-        msgs = self._take()
-        if not msgs:
-            return 0
-        ing = self.rag.ingestor
-        jobs, bad = [], []
-        for mid, fields in msgs:
-            try:
-                key, text = fields[b"key"].decode("ascii"), fields[b"text"].decode("utf-8")
-                if ing.key(ing.chunk_ids(text)) != key:
-                    raise ChunkError("the job's key is not its text's key (another model, or not kvrag's)")
-            except (KeyError, UnicodeDecodeError, ChunkError, ValueError, TypeError) as e:
-                bad.append((mid, fields.get(b"key", b"?").decode("ascii", "replace"), e))
-                continue
-            jobs.append((mid, key, text))
-        far, near = self.rag.store.far, self.rag.store.near
-        todo = []
-        for mid, key, text in jobs:
-            if far.ensure_indexed(key):
-                continue  # stored in Redis meanwhile (another worker, a replica's write-through)
-            # On this worker's disk but not in Redis (flushed, evicted, another prefix): copy
-            # it up instead of computing it again (``rag.precompute`` would skip it as stored).
-            entry = near.get(key, self.rag.fingerprint)
-            if entry is not None:
-                far.put(key, entry)
-            else:
-                todo.append((mid, key, text))
-        errors: dict[str, BaseException] = {}
-        if todo:
-            try:
-                self.rag.precompute([t for _, _, t in todo])
-            except Exception:
-                for _, key, text in todo:  # find the culprit(s): each alone
-                    try:
-                        self.rag.precompute([text])
-                    except Exception as e:
-                        errors[key] = e
-        finished = 0
-        for mid, key, text in jobs:
-            if key in errors:
-                e = errors[key]
-                if isinstance(e, ChunkError):  # the text itself: it will never succeed
-                    bad.append((mid, key, e))
-                else:
-                    log.error("kvrag worker %s: job %s failed (left pending, retried): %s", self.name, key, e)
-                continue
-            # Acknowledged only once the entry is whole in the shared store: if the write to
-            # Redis failed, the job stays pending and is retried (by us or another worker).
-            if not far.ensure_indexed(key):
-                log.error(
-                    "kvrag worker %s: chunk %s is not in the shared store after computing it; left pending",
-                    self.name,
-                    key,
-                )
-                continue
-            self._ack(mid, key, "done")
-            finished += 1
-        for mid, key, e in bad:
-            log.error("kvrag worker %s: job %s dropped: %s", self.name, key, e)
-            self.client.hset(self.queue._failed, key, json.dumps({"error": f"{type(e).__name__}: {e}"}))
-            self._ack(mid, key, "failed")
-        self.done += finished
-        return finished
-
-    def _ack(self, mid, key: str, outcome: str) -> None:
-        q = self.queue
-        t = self.client.pipeline(transaction=True)
-        t.xack(q.stream, GROUP, mid)
-        t.xdel(q.stream, mid)
-        t.delete(q._claim + key)
-        t.hincrby(q._counts, outcome, 1)
-        t.execute()
-
-    def run(self, stop: threading.Event | None = None, *, until_idle: bool = False) -> int:
-        """Process jobs until ``stop`` is set (or, with ``until_idle``, until a read finds
-        none and nothing is pending); Redis outages are waited out. Returns the jobs done."""
-        import redis
-        from redis.exceptions import ClusterError, RedisClusterException
-
-        stop = stop or threading.Event()
-        while not stop.is_set():
-            try:
-                n = self.step()
-            except (redis.ConnectionError, redis.TimeoutError, ClusterError, RedisClusterException) as e:
-                log.warning("kvrag worker %s: Redis unreachable (%s); retrying in 2 s", self.name, e)
-                self.queue._group_ready = False
-                stop.wait(2.0)
-                continue
-            if n == 0 and until_idle and self.queue.progress()["queued"] == 0:
-                break
-        return self.done

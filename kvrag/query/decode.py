@@ -22,13 +22,14 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from kvrag.arch import Arch
+from kvrag.defaults import DEFAULT_MAX_NEW_TOKENS
 
 
 @dataclass
 class Sampling:
     """Decoding options. temperature 0 = greedy."""
 
-    max_new_tokens: int = 128
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0

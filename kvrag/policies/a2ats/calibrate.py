@@ -105,7 +105,7 @@ def read_texts(paths: Sequence[str | os.PathLike]) -> list[str]:
 
 
 def store_texts(store) -> list[str]:
-    """Calibration texts from a kvrag KV store (``KVStore``): the chunk texts ingested into it,
+    """Calibration texts from a kvrag KV store (``DiskStore``): the chunk texts ingested into it,
     by any model — the documents the deployment retrieves, i.e. in-domain text. An empty store
     is an error (CodebookError), not a codebook fitted on uuids alone."""
     texts = [t for _, t in sorted(store.texts(None).items()) if t.strip()]

@@ -329,7 +329,7 @@ def probe_matches(stored: torch.Tensor, probe: torch.Tensor, rtol: float = 0.05)
 
 def codebook_dir() -> Path:
     """Where fitted codebooks live: ``$KVRAG_HOME/a2ats`` (default ``~/.cache/kvrag/a2ats``)."""
-    from kvrag.model import default_home
+    from kvrag.paths import default_home
 
     return default_home() / "a2ats"
 

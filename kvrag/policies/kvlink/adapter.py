@@ -28,7 +28,9 @@ from pathlib import Path
 import torch
 
 from kvrag.errors import KVRagError
-from kvrag.model import ModelHandle, _sha256_file, default_home
+from kvrag.model import ModelHandle
+from kvrag.model.digests import sha256_file
+from kvrag.paths import default_home
 from kvrag.policies.kvlink.policy import ADAPTER_ATTR
 
 log = logging.getLogger("kvrag.kvlink")
@@ -133,11 +135,6 @@ class KVLinkAdapter:
         """[K, E] link embeddings after the ``doc_index``-th (0-based) cached document; indices
         past the table reuse its last row (they were never trained on their own)."""
         return self.links[min(int(doc_index), self.max_docs - 1)]
-
-
-def sha256_file(path: str | os.PathLike) -> str:
-    """The sha256 of a file's bytes (``kvrag.model``'s streaming digest)."""
-    return _sha256_file(Path(path))
 
 
 def load_adapter(path: str | os.PathLike) -> KVLinkAdapter:
