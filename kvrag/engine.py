@@ -20,7 +20,6 @@ from pathlib import Path
 
 import torch
 
-from kvrag.arch import Arch
 from kvrag.checks import check_int, check_seq
 from kvrag.defaults import (
     DEFAULT_CHUNK_ANCHOR,
@@ -207,7 +206,8 @@ class KVRag:
         self.handle = model if isinstance(model, ModelHandle) else ModelHandle.load(model, dtype=dtype, device=device)
         if kvlink_adapter is not None:
             self.handle = adapt_model(self.handle, kvlink_adapter, pol.name)
-        self.arch = Arch(self.handle.model)
+        # One Arch per model: the handle builds it, every component shares it.
+        self.arch = self.handle.arch
         pol.check_model(self.arch)  # e.g. a2ats without a codebook: now, not at the first hit
         # The default policy's per-chunk extras (A2ATS codes) are computed at precompute time,
         # with its own configuration (codebook=...): an ingest policy of the same name is it.

@@ -6,6 +6,7 @@ import json
 import sys
 from pathlib import Path
 
+from kvrag.defaults import DEFAULT_SHARED_PREFIX
 from kvrag.errors import StoreError
 from kvrag.paths import default_store_dir
 
@@ -64,7 +65,11 @@ def register(sub) -> None:
         "chunks, memory, "
         "and each precompute queue's length, pending jobs and progress",
     )
-    s.add_argument("--prefix", default="kvrag:", help="key prefix of the shared store (default kvrag:)")
+    s.add_argument(
+        "--prefix",
+        default=DEFAULT_SHARED_PREFIX,
+        help=f"key prefix of the shared store (default {DEFAULT_SHARED_PREFIX})",
+    )
     s.set_defaults(func=run_stats)
     g = cmds.add_parser("gc", help="evict to the size limit, repair the text index; --verify checks every blob")
     common(g)
@@ -94,7 +99,11 @@ def register(sub) -> None:
         metavar="URL",
         help="the shared Redis tier (redis://host:6379/0, redis+cluster://host:6379)",
     )
-    u.add_argument("--prefix", default="kvrag:", help="key prefix of the shared store (default kvrag:)")
+    u.add_argument(
+        "--prefix",
+        default=DEFAULT_SHARED_PREFIX,
+        help=f"key prefix of the shared store (default {DEFAULT_SHARED_PREFIX})",
+    )
     u.set_defaults(func=run_push)
     c = cmds.add_parser("clear", help="delete every entry (all models)")
     common(c)

@@ -12,6 +12,7 @@ import sys
 import time
 
 from kvrag.cli._options import MODEL_HELP, add_home_option
+from kvrag.defaults import DEFAULT_COMPUTE_DTYPE
 
 #: The calibrator's defaults (``kvrag.policies.a2ats.calibrate`` / ``.codebook``), written out:
 #: importing those modules imports torch, and building the parser must not (``kvrag --version``,
@@ -92,7 +93,7 @@ def register(subparsers) -> None:
     a.add_argument(
         "--out", metavar="FILE", default=None, help="output file (default $KVRAG_HOME/a2ats/<fingerprint>.safetensors)"
     )
-    a.add_argument("--dtype", default="float32", help="compute dtype (default float32)")
+    a.add_argument("--dtype", default=DEFAULT_COMPUTE_DTYPE, help=f"compute dtype (default {DEFAULT_COMPUTE_DTYPE})")
     a.add_argument("--device", default="cpu", help="torch device (default cpu)")
     add_home_option(a)
     a.add_argument("--json", action="store_true", help="print one JSON object instead of text")

@@ -322,8 +322,9 @@ def eval_sets(args, held: dict[str, list[str]], out: Path) -> list[tuple[str, Pa
 def evaluate(args, out: Path, held: dict[str, list[str]]) -> dict:
     """Bench the adapter in ``out`` against full_prefill, naive_reuse and cacheblend on every
     held-out set; writes ``out/eval/<set>/`` (the benchmark's files) and ``out/eval.json``."""
+    from kvrag.bench.config import BenchConfig
     from kvrag.bench.report import write_outputs, write_report
-    from kvrag.bench.runner import Bench, BenchConfig
+    from kvrag.bench.runner import Bench
     from kvrag.policies.kvlink.adapter import META_FILE, KVLinkError
 
     if not (out / META_FILE).is_file():

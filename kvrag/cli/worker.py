@@ -13,6 +13,7 @@ import signal
 import threading
 
 from kvrag.cli._options import MODEL_HELP
+from kvrag.defaults import DEFAULT_SHARED_PREFIX, DEFAULT_STORAGE_DTYPE
 
 
 def register(sub) -> None:
@@ -29,10 +30,18 @@ def register(sub) -> None:
         help="the shared store, e.g. redis://host:6379/0 (rediss:// for TLS, redis+cluster://host:6379 "
         "for a Redis Cluster; the password in the URL or in $KVRAG_REDIS_PASSWORD)",
     )
-    p.add_argument("--prefix", default="kvrag:", help="key prefix of the shared store (default kvrag:)")
+    p.add_argument(
+        "--prefix",
+        default=DEFAULT_SHARED_PREFIX,
+        help=f"key prefix of the shared store (default {DEFAULT_SHARED_PREFIX})",
+    )
     p.add_argument("--model", default=None, help=f"{MODEL_HELP}; the replicas' model: jobs are per model fingerprint")
     p.add_argument("--cache-dir", default=None, help="the worker's local store (default: $KVRAG_HOME/store)")
-    p.add_argument("--storage-dtype", default="float16", help="dtype of stored K/V, as the replicas' (float16)")
+    p.add_argument(
+        "--storage-dtype",
+        default=DEFAULT_STORAGE_DTYPE,
+        help=f"dtype of stored K/V, as the replicas' ({DEFAULT_STORAGE_DTYPE})",
+    )
     p.add_argument(
         "--ingest-policies",
         default="",

@@ -364,9 +364,7 @@ class ModelHandle:
 
     def _attention_summary(self) -> dict[str, Any]:
         """What kvrag's layer step honours per layer: RoPE type, sliding windows, NoPE layers."""
-        from kvrag.arch import Arch
-
-        arch = Arch(self.model)
+        arch = self.arch
         windowed = {}
         for i, w in enumerate(arch.windows):
             if w:
