@@ -150,8 +150,8 @@ def open_existing_store(cache_dir: str | None, size_limit: int | None = None, op
             hint = (
                 f"; KV stores under this directory: {', '.join(here)} (pass one, e.g. kvrag cache stats {here[0]})"
                 if here
-                else f"; pass the store's directory with {option} (the cache_dir of your KVRag; kvrag demo and bench use a "
-                f"temporary store unless given --cache-dir)"
+                else f"; pass the store's directory with {option} (the cache_dir of your KVRag; kvrag demo and "
+                f"bench use a temporary store unless given --cache-dir)"
             )
         raise StoreError(f"no KV store at {directory} (the directory does not exist){hint}")
     if not directory.is_dir():

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvrag.frameworks.streaming import foreground
+from kvrag.frameworks.usage import UsageTotals
 from kvrag.precompute import Precomputer
 
 
@@ -16,15 +17,22 @@ class WrapsKVRag:
     ``_precomputer`` (None until first used) and ``_last`` (the latest ``Generation``), and
     ``_precompute_options()`` (keyword arguments of ``Precomputer.for_rag``)."""
 
+    # Provided by the framework class that mixes this in.
+    rag: Any
+    _precomputer: Precomputer | None
+    _last: Any
+    _usage: UsageTotals
+
     def _precompute_options(self) -> dict[str, Any]:
         return {}
 
     @property
     def precomputer(self) -> Precomputer:
         """The background precomputer the ingestion/retriever hooks feed (shared per KVRag)."""
-        if self._precomputer is None or self._precomputer.closed:
-            self._precomputer = Precomputer.for_rag(self.rag, **self._precompute_options())
-        return self._precomputer
+        pc = self._precomputer
+        if pc is None or pc.closed:
+            pc = self._precomputer = Precomputer.for_rag(self.rag, **self._precompute_options())
+        return pc
 
     @property
     def last_stats(self):
@@ -64,7 +72,8 @@ class WrapsKVRag:
         for shared in (self._precomputer, self._last):
             if shared is not None:
                 memo[id(shared)] = shared
-        return super().__deepcopy__(memo)
+        # The framework base class mixed in after this one (pydantic's BaseModel) defines it.
+        return super().__deepcopy__(memo)  # type: ignore[misc]
 
     def __getstate__(self) -> Any:
         raise TypeError(

@@ -99,11 +99,11 @@ class Worker:
         finished = 0
         for mid, key, text in jobs:
             if key in errors:
-                e = errors[key]
-                if isinstance(e, ChunkError):  # the text itself: it will never succeed
-                    bad.append((mid, key, e))
+                err = errors[key]
+                if isinstance(err, ChunkError):  # the text itself: it will never succeed
+                    bad.append((mid, key, err))
                 else:
-                    log.error("kvrag worker %s: job %s failed (left pending, retried): %s", self.name, key, e)
+                    log.error("kvrag worker %s: job %s failed (left pending, retried): %s", self.name, key, err)
                 continue
             # Acknowledged only once the entry is whole in the shared store: if the write to
             # Redis failed, the job stays pending and is retried (by us or another worker).
@@ -116,9 +116,9 @@ class Worker:
                 continue
             self._ack(mid, key, "done")
             finished += 1
-        for mid, key, e in bad:
-            log.error("kvrag worker %s: job %s dropped: %s", self.name, key, e)
-            self.client.hset(self.queue.failed_key, key, json.dumps({"error": f"{type(e).__name__}: {e}"}))
+        for mid, key, err in bad:
+            log.error("kvrag worker %s: job %s dropped: %s", self.name, key, err)
+            self.client.hset(self.queue.failed_key, key, json.dumps({"error": f"{type(err).__name__}: {err}"}))
             self._ack(mid, key, "failed")
         self.done += finished
         return finished

@@ -537,7 +537,8 @@ class DiskStore(ChunkStore):
         return f"DiskStore({str(self.directory)!r}, size_limit={self.size_limit})"
 
     # ---- internals -----------------------------------------------------------------
-    def _miss(self) -> None:
+    def _miss(self) -> ChunkEntry | None:
+        """Count a miss; returns what a miss reads as (None)."""
         with self._lock:
             self._counts["misses"] += 1
         return None

@@ -153,7 +153,8 @@ def load_adapter(path: str | os.PathLike) -> KVLinkAdapter:
         raise KVLinkError(f"{meta_path} is not valid JSON: {e}") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT_VERSION:
         raise KVLinkError(
-            f"{meta_path}: unsupported KVLink adapter format {meta.get('format') if isinstance(meta, dict) else meta!r} "
+            f"{meta_path}: unsupported KVLink adapter format "
+            f"{meta.get('format') if isinstance(meta, dict) else meta!r} "
             f"(this kvrag reads format {FORMAT_VERSION})"
         )
     if not (d / LINKS_FILE).is_file():
