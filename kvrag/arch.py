@@ -88,7 +88,9 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 class Arch:
     """Handles on the modules of a decoder-only causal LM of a supported family."""
 
-    model: torch.nn.Module
+    # A transformers causal LM (``PreTrainedModel``): its submodules are built from the config,
+    # so attribute reads are typed ``Any`` rather than torch's ``Tensor | Module``.
+    model: Any
 
     def __post_init__(self) -> None:
         cfg = self.model.config
@@ -98,11 +100,9 @@ class Arch:
                 f"model_type {mt!r} is not supported by kvrag's fusion engine "
                 f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
             )
-        # transformers builds these modules by config, so their attributes are not typed:
-        # ``Any`` rather than torch's ``Tensor | Module`` for every attribute read.
-        self.config: Any = cfg
-        self.body: Any = self.model.model
-        self.layers: Any = self.body.layers
+        self.config = cfg
+        self.body = self.model.model
+        self.layers = self.body.layers
         self.n_layers = len(self.layers)
         attn = self.layers[0].self_attn
         self.head_dim = attn.head_dim

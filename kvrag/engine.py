@@ -14,7 +14,7 @@ import logging
 import numbers
 import os
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Generator, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -100,7 +100,7 @@ class _Prepared:
 class Stream:
     """Iterator of text deltas; ``.stats``/``.text``/``.token_ids`` are complete once exhausted."""
 
-    def __init__(self, gen: Iterator[str]):
+    def __init__(self, gen: Generator[str, None, None]):
         self._gen = gen
         self.text = ""
         self.token_ids: list[int] = []

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Generator, Iterator
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -65,7 +65,7 @@ class ThreadStepper:
     already executing" (replacing the CancelledError, and leaving the generator open). So
     ``close`` only marks it while a step runs; that step closes it when it returns."""
 
-    def __init__(self, it: Iterator):
+    def __init__(self, it: Generator):
         self._it = it
         self._lock = threading.Lock()
         self._running = False

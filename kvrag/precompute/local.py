@@ -44,7 +44,7 @@ from collections import deque
 from collections.abc import Iterable
 from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Literal, overload
 
 from kvrag.checks import check_texts_iterable, validate_chunk_text
 from kvrag.errors import ChunkError, KVRagError
@@ -135,7 +135,7 @@ class _Job:
         # caller waiting, the chunk is still computed (bookkeeping uses ``finished``).
         self.future: Future = Future()
         self.finished = False
-        self.ids: list[int] | None = None
+        self.ids: list[int] = []  # set by Precomputer._prepare, with the key
         self.key: str | None = None
         self.waiters: list[_Job] = []  # other texts with the same key, finished with this one
 
@@ -265,8 +265,16 @@ class Precomputer:
     _of_rag: "weakref.WeakKeyDictionary[Any, weakref.WeakSet]" = weakref.WeakKeyDictionary()
     _of_rag_lock = threading.Lock()  # not _shared_lock: for_rag holds that while it constructs one
 
+    @overload
     @classmethod
-    def for_rag(cls, rag, *, create: bool = True, **kwargs) -> "Precomputer | None":
+    def for_rag(cls, rag, *, create: Literal[True] = True, **kwargs) -> Precomputer: ...
+
+    @overload
+    @classmethod
+    def for_rag(cls, rag, *, create: bool, **kwargs) -> Precomputer | None: ...
+
+    @classmethod
+    def for_rag(cls, rag, *, create: bool = True, **kwargs) -> Precomputer | None:
         """The process-wide default precomputer of ``rag`` (created on first use with
         ``kwargs``), so an LLM adapter and the ingestion hooks share one queue and one worker
         instead of competing for the CPU. A shut-down one is replaced. ``create=False``:
@@ -316,6 +324,7 @@ class Precomputer:
                 ready.acquire(timeout=60)
             import torch
 
+            assert prev_threads is not None  # read above whenever ``ready`` is made
             torch.set_num_threads(prev_threads)  # ... now restore the default for everyone else
         # Daemon threads die with the interpreter; drain (or report) the queue before that.
         self._atexit_ref = _register_exit(self)
@@ -608,6 +617,7 @@ class Precomputer:
     def _run(self, ready: threading.Semaphore | None) -> None:
         if ready is not None:
             try:
+                assert self.num_threads is not None  # ``ready`` is only made with a thread count
                 _set_worker_threads(self.num_threads)
             except Exception:
                 log.exception("kvrag precompute: could not set the worker's torch thread count")

@@ -138,7 +138,7 @@ class RedisQueue:
             groups = self.client.xinfo_groups(self.stream)
         except redis.ResponseError:  # no stream yet
             groups = []
-        group = next((g for g in groups if g.get("name") in (GROUP, GROUP.encode())), {})
+        group: dict = next((g for g in groups if g.get("name") in (GROUP, GROUP.encode())), {})
         c = {k.decode(): int(v) for k, v in counts.items()}
         return {
             "stream": self.stream,

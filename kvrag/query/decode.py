@@ -226,7 +226,7 @@ class FusedStepper:
         inside = (self.pos - kp) < self.arch.windows[layer]
         if bool(inside.all()):
             return None
-        group = self.arch.n_heads // self.arch.n_kv_heads
+        group = int(self.arch.n_heads) // int(self.arch.n_kv_heads)
         return inside.repeat_interleave(group, dim=0).unsqueeze(1)
 
     @torch.no_grad()

@@ -119,7 +119,7 @@ class _DirLock:
             import msvcrt
 
             self._f.seek(0)
-            msvcrt.locking(self._f.fileno(), msvcrt.LK_LOCK, 1)
+            msvcrt.locking(self._f.fileno(), msvcrt.LK_LOCK, 1)  # type: ignore[attr-defined]  # Windows-only module
         return self
 
     def __exit__(self, *exc) -> None:
@@ -586,7 +586,7 @@ class DiskStore(ChunkStore):
                     except RuntimeError as e:  # no CUDA, or page-locked memory exhausted
                         log.debug("DiskStore: no pinned buffer for %s (%s); mapping the file", key, e)
                     else:
-                        view, got = memoryview(buf.numpy()), 0
+                        view, got = buf.numpy().data, 0
                         while got < size and (n := handle.readinto(view[got:])):  # releases the GIL
                             got += n
                         return buf[:got], tag, name

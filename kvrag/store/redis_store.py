@@ -134,7 +134,7 @@ def connect(url: str, *, socket_timeout: float = 2.0):
         from redis.exceptions import RedisClusterException
     except ImportError as e:  # pragma: no cover - redis is a core dependency
         raise StoreError("a shared store needs redis-py: pip install 'redis[hiredis]'") from e
-    opts = {"socket_timeout": socket_timeout, "socket_connect_timeout": socket_timeout}
+    opts: dict[str, Any] = {"socket_timeout": socket_timeout, "socket_connect_timeout": socket_timeout}
     if os.environ.get(PASSWORD_ENV):
         opts["password"] = os.environ[PASSWORD_ENV]  # a password in the URL wins (redis-py)
     try:
