@@ -14,19 +14,26 @@ import logging
 import numbers
 import os
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Generator, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from kvrag.arch import Arch
 from kvrag.checks import check_int, check_seq
-from kvrag.ingest import STORAGE_DTYPES, Ingestor, cache_fingerprint, resolve_anchor
-from kvrag.model import ModelHandle, default_home
+from kvrag.defaults import (
+    DEFAULT_CHUNK_ANCHOR,
+    DEFAULT_COMPUTE_DTYPE,
+    DEFAULT_MAX_NEW_TOKENS,
+    DEFAULT_POLICY,
+    DEFAULT_STORAGE_DTYPE,
+)
+from kvrag.model import ModelHandle
+from kvrag.paths import default_store_dir
 from kvrag.policies import Policy, get_policy
 from kvrag.policies.kvlink.adapter import adapt_model
 from kvrag.precompute import pending_in_prompt
+from kvrag.precompute.ingest import STORAGE_DTYPES, Ingestor, cache_fingerprint, resolve_anchor
 from kvrag.query.align import prompt_prefix
 from kvrag.query.decode import FusedStepper, HFStepper, Sampling, TextStream, eos_ids, generate_tokens
 from kvrag.query.fusion import FusionEngine, FusionResult
@@ -34,7 +41,8 @@ from kvrag.query.lookup import ChunkLookup
 from kvrag.query.prompt import render_prompt
 from kvrag.query.segment import Segmenter
 from kvrag.query.state import CACHED, INSERTED, FusionStats, Layout, Piece
-from kvrag.store import ChunkStore, KVStore
+from kvrag.store import ChunkStore, open_shared, open_store
+from kvrag.store.factory import check_cache_dir
 from kvrag.store.hot import HotCache, resolve_budget
 
 log = logging.getLogger("kvrag")
@@ -92,7 +100,7 @@ class _Prepared:
 class Stream:
     """Iterator of text deltas; ``.stats``/``.text``/``.token_ids`` are complete once exhausted."""
 
-    def __init__(self, gen: Iterator[str]):
+    def __init__(self, gen: Generator[str, None, None]):
         self._gen = gen
         self.text = ""
         self.token_ids: list[int] = []
@@ -145,12 +153,12 @@ class KVRag:
     reads every chunk from disk. ``FusionStats.chunks_hot`` counts the chunks it served.
     shared: a tier that several replicas share, behind the local store: a Redis URL
     (``redis://[:password@]host:6379/0``, ``rediss://`` for TLS; keys under ``kvrag:``) or a
-    ``ChunkStore`` such as ``kvrag.store.shared.RedisStore(url, prefix=...)``. Writes go to
+    ``ChunkStore`` such as ``kvrag.store.redis_store.RedisStore(url, prefix=...)``. Writes go to
     the local store then the shared one; a local miss is read from the shared tier and copied
     to the local store (``kvrag.store.tiered``, docs/deploy.md). None (default): local only,
     no server. precompute_via: ``"local"`` computes chunks in this process; ``"queue"`` (needs
     ``shared`` on Redis) hands them to ``kvrag worker`` processes through a Redis stream
-    (``self.queue``, ``kvrag.remote``): ``precompute`` and the ingestion hooks then return
+    (``self.queue``, ``kvrag.precompute.redis_queue``): ``precompute`` and the ingestion hooks then return
     once the chunks are queued."""
 
     def __init__(
@@ -158,16 +166,16 @@ class KVRag:
         model: ModelHandle | str | None = None,
         *,
         cache_dir: str | os.PathLike | None = None,
-        policy: str | Policy = "cacheblend",
-        storage_dtype: str = "float16",
+        policy: str | Policy = DEFAULT_POLICY,
+        storage_dtype: str = DEFAULT_STORAGE_DTYPE,
         size_limit: int | None = None,
-        dtype: str = "float32",
+        dtype: str = DEFAULT_COMPUTE_DTYPE,
         device: str = "cpu",
         ingest_policies: Sequence[str | Policy] = (),
         query_tokens: int | None = None,
         refresh_s: float = 2.0,
         kvlink_adapter: str | os.PathLike | None = "default",
-        chunk_anchor: str | Sequence[int] = "auto",
+        chunk_anchor: str | Sequence[int] = DEFAULT_CHUNK_ANCHOR,
         hot_cache: int | str = "auto",
         shared: "str | ChunkStore | None" = None,
         precompute_via: str = "local",
@@ -176,9 +184,7 @@ class KVRag:
         # Bad options fail before a model load, and before the store is opened: opening it
         # records ``size_limit`` in a store other processes may share.
         pol = get_policy(policy, **policy_params)
-        if cache_dir is not None and not str(cache_dir).strip():
-            # Path("") is the working directory: a store would silently fill it.
-            raise ValueError(f"cache_dir must be a non-empty path (None: the default store), got {cache_dir!r}")
+        check_cache_dir(cache_dir)
         if storage_dtype not in STORAGE_DTYPES:
             raise ValueError(f"storage_dtype must be one of {sorted(STORAGE_DTYPES)}, got {storage_dtype!r}")
         if hot_cache != "auto":
@@ -191,20 +197,17 @@ class KVRag:
             raise ValueError(
                 "precompute_via='queue' needs a shared store (shared='redis://...') where the workers store the chunks"
             )
-        far = None
-        if shared is not None:
-            # Imported here: a single-process kvrag never imports redis. Built before the model
-            # load, so a malformed URL fails at once (no connection is made yet).
-            from kvrag.store.shared import RedisStore
-
-            far = shared if isinstance(shared, ChunkStore) else RedisStore(shared)
+        # Built before the model load, so a malformed URL fails at once (no connection is made
+        # yet); a single-process kvrag never imports redis.
+        far = None if shared is None else open_shared(shared)
         if isinstance(ingest_policies, (str, Policy)):
             ingest_policies = [ingest_policies]
         ingest = [get_policy(p) for p in ingest_policies]
         self.handle = model if isinstance(model, ModelHandle) else ModelHandle.load(model, dtype=dtype, device=device)
         if kvlink_adapter is not None:
             self.handle = adapt_model(self.handle, kvlink_adapter, pol.name)
-        self.arch = Arch(self.handle.model)
+        # One Arch per model: the handle builds it, every component shares it.
+        self.arch = self.handle.arch
         pol.check_model(self.arch)  # e.g. a2ats without a codebook: now, not at the first hit
         # The default policy's per-chunk extras (A2ATS codes) are computed at precompute time,
         # with its own configuration (codebook=...): an ingest policy of the same name is it.
@@ -217,17 +220,13 @@ class KVRag:
         # fingerprint, so a store shared by differently configured instances never mixes them.
         self.fingerprint = cache_fingerprint(self.handle.fingerprint, self.anchor)
         #: The local store's directory (also with a shared tier in front of which it sits).
-        self.cache_dir = Path(cache_dir) if cache_dir is not None else default_home() / "store"
-        self.store: ChunkStore = KVStore(self.cache_dir, size_limit=size_limit)
+        self.cache_dir = Path(cache_dir) if cache_dir is not None else default_store_dir()
+        self.store: ChunkStore = open_store(self.cache_dir, shared=far, size_limit=size_limit)
         self.queue = None
-        if far is not None:
-            from kvrag.store.tiered import TieredStore
+        if far is not None and precompute_via == "queue":
+            from kvrag.precompute.redis_queue import RedisQueue
 
-            self.store = TieredStore(self.store, far)
-            if precompute_via == "queue":
-                from kvrag.remote import RedisQueue
-
-                self.queue = RedisQueue(far, self.fingerprint)
+            self.queue = RedisQueue(far, self.fingerprint)
         self.hot = HotCache(resolve_budget(hot_cache, self.handle.device), self.handle.device, self.handle.dtype)
         self.policy = pol
         self.ingest_policies = ingest
@@ -401,7 +400,7 @@ class KVRag:
         prompt: str | Sequence[dict],
         *,
         policy: str | Policy | None = None,
-        max_new_tokens: int = 128,
+        max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
         temperature: float = 0.0,
         top_p: float = 1.0,
         top_k: int = 0,

@@ -14,7 +14,8 @@ import shutil
 from collections.abc import Sequence
 from pathlib import Path
 
-from kvrag.bench.runner import REFERENCE, SUMMARY_FIELDS
+from kvrag.bench.config import REFERENCE
+from kvrag.bench.summary import SUMMARY_FIELDS
 
 # (policy label, what, threshold) at ~6k tokens: the QA data set (MuSiQue, 10 passages).
 TARGETS_6K = [

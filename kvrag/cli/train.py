@@ -177,8 +177,9 @@ def print_losses(res) -> None:
 def run_kvlink(args) -> int:
     import torch
 
-    from kvrag.model import ModelHandle, default_home
+    from kvrag.model import ModelHandle
     from kvrag.outpaths import check_dir
+    from kvrag.paths import default_home
     from kvrag.policies.kvlink.adapter import META_FILE, KVLinkError
     from kvrag.policies.kvlink.train import command_line, load_qa, train_kvlink
 

@@ -22,13 +22,14 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from kvrag.arch import Arch
+from kvrag.defaults import DEFAULT_MAX_NEW_TOKENS
 
 
 @dataclass
 class Sampling:
     """Decoding options. temperature 0 = greedy."""
 
-    max_new_tokens: int = 128
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
@@ -225,7 +226,7 @@ class FusedStepper:
         inside = (self.pos - kp) < self.arch.windows[layer]
         if bool(inside.all()):
             return None
-        group = self.arch.n_heads // self.arch.n_kv_heads
+        group = int(self.arch.n_heads) // int(self.arch.n_kv_heads)
         return inside.repeat_interleave(group, dim=0).unsqueeze(1)
 
     @torch.no_grad()

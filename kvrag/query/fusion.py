@@ -77,7 +77,13 @@ class _Rows:
 
     def __init__(self, arch: Arch, positions: torch.Tensor, positions_sorted: bool) -> None:
         self.arch, self.positions, self.sorted = arch, positions, positions_sorted
-        self._active = self._keep = None
+        self._active: torch.Tensor | None = None
+        self._keep: torch.Tensor | None = None
+        self._pos_q: torch.Tensor
+        self._keys: _Keys
+        self._cs: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._causal: tuple[torch.Tensor, list[tuple[int, int, int]] | None] | None = None
+        self._additive: torch.Tensor | None = None
 
     def _see(self, active: torch.Tensor) -> None:
         if active is not self._active:

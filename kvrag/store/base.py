@@ -1,7 +1,7 @@
 """What every tier of the KV store shares: the ``ChunkEntry`` it holds, the key it is found
 by, and the ``ChunkStore`` interface the query and ingestion paths talk to.
 
-Tiers: ``kvrag.store.disk.KVStore`` (diskcache on local disk, the default and the durable
+Tiers: ``kvrag.store.disk.DiskStore`` (diskcache on local disk, the default and the durable
 tier) and ``kvrag.store.hot.HotCache`` (served entries kept on the compute device). A shared
 tier (several replicas) implements ``ChunkStore`` and plugs in beside them; the blob format
 every persistent tier writes and verifies is ``kvrag.store.blob``.

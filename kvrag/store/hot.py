@@ -7,7 +7,7 @@ to load the cached KV vs 0.15 s for the full prefill). RAG traffic reuses the sa
 chunks, so a least-recently-used set of them is kept ready in memory (LMCache's CPU/GPU tier
 over its disk backend does the same).
 
-A store key names its content (model fingerprint + token ids, ``KVStore.make_key``), so a
+A store key names its content (model fingerprint + token ids, ``make_key``), so a
 copy here never goes stale: another process evicting or clearing the disk entry does not
 change what the key holds, and serving the copy gives the same answer as reading the disk.
 """

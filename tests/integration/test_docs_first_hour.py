@@ -26,7 +26,8 @@ def test_readme_says_what_the_default_model_costs_on_disk():
 
 @pytest.mark.real
 def test_readme_size_and_place_of_the_converted_model_are_true():
-    from kvrag.model import ModelHandle, default_home
+    from kvrag.model import ModelHandle
+    from kvrag.paths import default_home
 
     h = ModelHandle.load()
     weights = Path(h.load_info["weights_dir"])

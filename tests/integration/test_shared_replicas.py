@@ -20,8 +20,9 @@ from corpus_helpers import DOCS as CORPUS
 from corpus_helpers import prompt_for
 
 from kvrag.engine import KVRag
-from kvrag.remote import GROUP, RedisQueue, Worker
-from kvrag.store.shared import RedisStore
+from kvrag.precompute.redis_queue import GROUP, RedisQueue
+from kvrag.precompute.worker import Worker
+from kvrag.store.redis_store import RedisStore
 
 DOCS = CORPUS[:3]
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -79,7 +80,7 @@ REPLICA_A = """
 import json, sys
 from kvrag.engine import KVRag
 from kvrag.precompute import Precomputer
-from kvrag.store.shared import RedisStore
+from kvrag.store.redis_store import RedisStore
 url, prefix, model, cache, docs = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], json.loads(sys.argv[5])
 rag = KVRag(model, cache_dir=cache, shared=RedisStore(url, prefix=prefix), precompute_via="queue")
 pc = Precomputer.of(rag)              # what the LlamaIndex / LangChain ingestion hooks call
@@ -126,8 +127,8 @@ def test_replica_b_serves_what_replica_a_queued(redis_url, prefix, model_dir, tm
 STALLING_WORKER = """
 import sys, time, redis.client
 from kvrag.engine import KVRag
-from kvrag.remote import Worker
-from kvrag.store.shared import RedisStore
+from kvrag.precompute.worker import Worker
+from kvrag.store.redis_store import RedisStore
 url, prefix, model, cache, flag = sys.argv[1:6]
 real = redis.client.Pipeline.execute
 def execute(self, *a, **k):
@@ -187,7 +188,7 @@ def test_redis_stopped_during_queries(own_redis, model_dir, tmp_path, caplog):
     prompt = prompt_for(DOCS)
     want = a.generate(prompt, policy="full_prefill", max_new_tokens=8).token_ids
     own_redis.stop()
-    with caplog.at_level(logging.WARNING, logger="kvrag.store.shared"):
+    with caplog.at_level(logging.WARNING, logger="kvrag.store.redis_store"):
         on_a = a.generate(prompt, policy="cacheblend", recompute_ratio=1.0, max_new_tokens=8)
         on_b = [b.generate(prompt, policy="cacheblend", recompute_ratio=1.0, max_new_tokens=8) for _ in range(3)]
     assert on_a.stats.chunks_hit == len(DOCS) and on_a.token_ids == want  # near tiers serve A
@@ -298,7 +299,7 @@ def test_queue_submit_work_dedup_and_takeover(any_url, prefix, model_dir, tmp_pa
     p = q.progress()
     assert p["done"] == 2 and p["queued"] == 0 and p["pending"] == 0
     assert all(producer.store.far.get(k, producer.fingerprint) is not None for k in keys)
-    assert not q.client.exists(q._claim + keys[0])  # the claim is released with the job
+    assert not q.client.exists(q.claim_prefix + keys[0])  # the claim is released with the job
     q.submit(DOCS[:2], producer.ingestor)  # stored now: nothing queued
     assert q.progress()["submitted"] == 2
     # A consumer reads the third job and dies: another worker takes it over.

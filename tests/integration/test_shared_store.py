@@ -1,4 +1,4 @@
-"""The shared tier on a real Redis (kvrag.store.shared, kvrag.store.tiered): round trip, the
+"""The shared tier on a real Redis (kvrag.store.redis_store, kvrag.store.tiered): round trip, the
 text index, verification of every read (tampered, foreign, truncated, not kvrag's values are
 misses that never crash), eviction, and a server going away and coming back. The store's
 key tests run twice: on one server and on a real 3-node Redis Cluster (``cluster_url``)."""
@@ -12,9 +12,9 @@ import pytest
 import torch
 from redis_helpers import RedisServer, redis
 
-from kvrag.store import ChunkEntry, KVStore, make_key
+from kvrag.store import ChunkEntry, DiskStore, make_key
 from kvrag.store.blob import checksum, serialize
-from kvrag.store.shared import PART_SIZE, RedisStore, SharedStoreDown, public_url, redact
+from kvrag.store.redis_store import PART_SIZE, RedisStore, SharedStoreDown, public_url, redact
 from kvrag.store.tiered import TieredStore
 
 FP = "fp-shared-test"
@@ -230,13 +230,13 @@ def test_evicted_part_is_a_miss_and_unlisted(store):
 
 
 def test_tiered_write_through_read_through_promotion(store, tmp_path):
-    near = KVStore(tmp_path / "a")
+    near = DiskStore(tmp_path / "a")
     tiered = TieredStore(near, store)
     key, e = entry(3)
     tiered.put(key, e)
     assert key in near and key in store
     # Replica B: its own empty disk, the same Redis.
-    b = TieredStore(KVStore(tmp_path / "b"), RedisStore(store.url, prefix=store.prefix))
+    b = TieredStore(DiskStore(tmp_path / "b"), RedisStore(store.url, prefix=store.prefix))
     assert b.texts(FP) == {key: e.text}
     assert key not in b.near
     assert same(b.get(key, FP), e)
@@ -249,12 +249,12 @@ def test_tiered_write_through_read_through_promotion(store, tmp_path):
 
 def test_redis_down_then_back(own_redis, tmp_path, caplog):
     far = RedisStore(own_redis.url, socket_timeout=0.5, retry_s=0.2)
-    tiered = TieredStore(KVStore(tmp_path / "d"), far)
+    tiered = TieredStore(DiskStore(tmp_path / "d"), far)
     key, e = entry(4)
     tiered.put(key, e)
     k2, e2 = entry(5)
     own_redis.stop()
-    with caplog.at_level(logging.WARNING, logger="kvrag.store.shared"):
+    with caplog.at_level(logging.WARNING, logger="kvrag.store.redis_store"):
         assert same(tiered.get(key, FP), e)  # the near tier serves it
         tiered.put(k2, e2)  # stored locally, no error
         assert tiered.near.get(k2, FP) is not None
@@ -406,7 +406,7 @@ def test_cache_push_copies_what_the_shared_tier_lacks(redis_url, prefix, tmp_pat
     present; the shared tier down is a clear error, not a traceback."""
     from kvrag.cli import main
 
-    local = KVStore(tmp_path / "kv")
+    local = DiskStore(tmp_path / "kv")
     # Two models; 600 tokens, so each blob is a file of its own (not a value inside SQLite).
     entries = dict(entry(s, t=600, fp=FP if s < 3 else "fp-other") for s in range(4))
     for k, e in entries.items():

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import torch
 
-from kvrag.store import ChunkEntry, KVStore
+from kvrag.store import ChunkEntry, make_key
 
 FP_A = "fingerprint-model-a"
 FP_B = "fingerprint-model-b"
@@ -20,7 +20,7 @@ def make_entry(fp=FP_A, text="some chunk text", T=5, L=2, H=2, D=8, dtype=torch.
 
 
 def put(store, entry):
-    key = KVStore.make_key(entry.fingerprint, entry.token_ids)
+    key = make_key(entry.fingerprint, entry.token_ids)
     store.put(key, entry)
     return key
 

@@ -10,7 +10,8 @@ import torch
 
 from kvrag.bench import metrics as M
 from kvrag.bench import synthetic as S
-from kvrag.bench.runner import examples_from_items, load_examples, summarize
+from kvrag.bench.examples import examples_from_items, load_examples
+from kvrag.bench.summary import summarize
 
 
 # ---- metrics -------------------------------------------------------------------------------
@@ -535,7 +536,9 @@ def test_cold_path_times_a_chunks_first_query(tmp_path, monkeypatch, hot_cache):
     """With no hot tier every timed run starts with nothing of an earlier run in memory, the
     policies' per-chunk query-time memos (SamKV's) included: each timed samkv run computes its
     documents' local rows again. With a hot tier (the warm path) the memo is kept."""
-    from kvrag.bench.runner import Bench, BenchConfig, Example, Run
+    from kvrag.bench.config import BenchConfig, Run
+    from kvrag.bench.examples import Example
+    from kvrag.bench.runner import Bench
     from kvrag.engine import KVRag
     from kvrag.policies.samkv import SamKV
     from kvrag.testing import tiny_llama
@@ -578,8 +581,9 @@ def test_floor_scenario_measures_ttft_floor_and_ops(tmp_path):
     """Each reuse policy gets its floor (reads + move + plain forward [+ recompute]) and op
     counts beside the plain forward's; full_prefill is the throughput reference; floor.csv and
     the report's section are written."""
+    from kvrag.bench.config import BenchConfig
     from kvrag.bench.report import render_markdown, write_outputs
-    from kvrag.bench.runner import Bench, BenchConfig
+    from kvrag.bench.runner import Bench
     from kvrag.engine import KVRag
     from kvrag.testing import tiny_llama
 
@@ -636,7 +640,10 @@ def test_floor_scenario_measures_ttft_floor_and_ops(tmp_path):
 def test_qa_journal_resumes_an_interrupted_run(tmp_path, monkeypatch):
     """Each finished QA example is journaled; --resume keeps those (a torn last line dropped)
     and runs only the rest; a journal of another configuration is refused, not mixed in."""
-    from kvrag.bench.runner import Bench, BenchConfig, Example, journal_path
+    from kvrag.bench.config import BenchConfig
+    from kvrag.bench.examples import Example
+    from kvrag.bench.journal import journal_path
+    from kvrag.bench.runner import Bench
     from kvrag.engine import KVRag
     from kvrag.testing import tiny_llama
 
@@ -687,7 +694,8 @@ def test_qa_journal_resumes_an_interrupted_run(tmp_path, monkeypatch):
 def test_a_store_too_small_for_the_chunks_just_precomputed_is_an_error(tmp_path):
     """A KV store whose size limit evicts what was just precomputed would make every reuse run
     a silent full prefill: the bench says so instead of measuring it."""
-    from kvrag.bench.runner import Bench, BenchConfig
+    from kvrag.bench.config import BenchConfig
+    from kvrag.bench.runner import Bench
     from kvrag.engine import KVRag
     from kvrag.testing import tiny_llama
 

@@ -108,7 +108,7 @@ def test_model_info_shows_the_stores_fingerprint_and_bytes(tmp_path, capsys):
 
 @pytest.mark.skipif(sys.platform != "linux", reason="XDG_CACHE_HOME is the Linux convention platformdirs follows")
 def test_the_kvrag_home_follows_xdg_cache_home(tmp_path, monkeypatch):
-    from kvrag.model import default_home
+    from kvrag.paths import default_home
 
     monkeypatch.delenv("KVRAG_HOME", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))

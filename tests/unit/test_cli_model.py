@@ -239,9 +239,9 @@ def test_calibrate_a2ats_checks_before_loading(tmp_path, capsys, no_model_load):
         "no KV store",
         "nowhere",
     )
-    from kvrag.store import KVStore
+    from kvrag.store import DiskStore
 
-    KVStore(tmp_path / "empty-store").close()
+    DiskStore(tmp_path / "empty-store").close()
     _fails(
         ["calibrate", "a2ats", "--store", str(tmp_path / "empty-store"), "--out", str(out)],
         capsys,
@@ -260,7 +260,7 @@ def fake_gguf(tmp_path):
 
 
 def test_unusable_cache_dir_for_a_conversion_is_a_clear_error(tmp_path, capsys, fake_gguf, monkeypatch):
-    import kvrag.model as km
+    import kvrag.model.gguf as kg
     from kvrag.errors import ModelLoadError
 
     a_file = tmp_path / "a-file"
@@ -278,7 +278,7 @@ def test_unusable_cache_dir_for_a_conversion_is_a_clear_error(tmp_path, capsys, 
     (home / "models").mkdir(parents=True)
     real_access = os.access
     monkeypatch.setattr(
-        km.os, "access", lambda p, mode, **k: False if str(p).startswith(str(home)) else real_access(p, mode, **k)
+        kg.os, "access", lambda p, mode, **k: False if str(p).startswith(str(home)) else real_access(p, mode, **k)
     )
     with pytest.raises(ModelLoadError, match="not writable") as e:
         ModelHandle.load(fake_gguf, cache_dir=home)
@@ -286,22 +286,23 @@ def test_unusable_cache_dir_for_a_conversion_is_a_clear_error(tmp_path, capsys, 
 
 
 def test_read_only_home_with_the_conversion_done_still_loads(tmp_path, fake_gguf, monkeypatch):
-    import kvrag.model as km
+    import kvrag.model.digests as kd
+    import kvrag.model.gguf as kg
     from kvrag.testing import tiny_llama
 
     home = tmp_path / "home"
-    digest = km.file_digest(fake_gguf, home)
-    conv = km._conversion_dir(home, digest)
+    digest = kd.file_digest(fake_gguf, home)
+    conv = kg.conversion_dir(home, digest)
     tiny = tiny_llama(seed=1)
     tiny.model.save_pretrained(conv)
     tiny.tokenizer.save_pretrained(conv)
-    (conv / km._CONVERSION_MARKER).write_text("{}")
+    (conv / kg.CONVERSION_MARKER).write_text("{}")
 
     def read_only(*a, **k):
         raise PermissionError(30, "Read-only file system")
 
-    monkeypatch.setattr(km, "_atomic_write_text", read_only)
-    monkeypatch.setattr(km, "convert_gguf", read_only)
+    monkeypatch.setattr(kd, "atomic_write_text", read_only)
+    monkeypatch.setattr(kg, "convert_gguf", read_only)
     h = ModelHandle.load(fake_gguf, cache_dir=home)
     assert h.load_info == {"weights_dir": str(conv), "converted": False}
 

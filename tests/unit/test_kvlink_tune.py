@@ -56,17 +56,17 @@ def test_split_passages_keeps_paragraphs_and_sentence_ends_within_the_budget():
 
 
 def test_text_file_and_store_sources(tmp_path):
-    from kvrag.store import ChunkEntry, KVStore
+    from kvrag.store import ChunkEntry, DiskStore, make_key
 
     (tmp_path / "a.txt").write_text("\n\n".join([PROSE] * 3))
     assert len(D.file_passages([tmp_path / "a.txt"], 60, min_words=5)) >= 4
     assert D.file_passages([tmp_path], 60) == D.file_passages([tmp_path / "a.txt"], 60)
     with pytest.raises(KVLinkError, match="does not exist"):
         D.file_passages([tmp_path / "nope.txt"])
-    store = KVStore(tmp_path / "kv")
+    store = DiskStore(tmp_path / "kv")
     z = torch.zeros(1, 1, 2, 2)
     for t in ("chunk one text", "the second chunk"):
-        store.put(KVStore.make_key("fp", [len(t)]), ChunkEntry("fp", t, torch.tensor([1, 2]), z, z.clone(), {}))
+        store.put(make_key("fp", [len(t)]), ChunkEntry("fp", t, torch.tensor([1, 2]), z, z.clone(), {}))
     assert sorted(D.store_passages(store)) == ["chunk one text", "the second chunk"]
 
 

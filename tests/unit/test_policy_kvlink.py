@@ -544,7 +544,8 @@ def test_bench_measures_a_lora_adapter_on_its_own_model_against_the_base_referen
     """`kvrag bench --kvlink-adapter DIR` with LoRA weights: trained kvlink runs on the adapted
     model (its own chunk caches), full_prefill and the untrained variant on the base model."""
     from kvrag.bench import synthetic
-    from kvrag.bench.runner import STOP, examples_from_items
+    from kvrag.bench.config import STOP
+    from kvrag.bench.examples import examples_from_items
     from kvrag.cli import main
     from kvrag.model import ModelHandle
     from kvrag.query.prompt import rag_messages
@@ -660,7 +661,7 @@ def test_shipped_adapter_brings_kvlink_closer_to_full_prefill(tmp_path, monkeypa
     next-token distributions are closer to the base model's full prefill than untrained
     KVLink's."""
     from kvrag.bench import synthetic
-    from kvrag.bench.runner import examples_from_items
+    from kvrag.bench.examples import examples_from_items
     from kvrag.policies.kvlink.adapter import ASSETS_DIR
     from kvrag.query.prompt import rag_messages
 

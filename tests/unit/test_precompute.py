@@ -12,7 +12,7 @@ from kvrag.checks import validate_chunk_text
 from kvrag.engine import KVRag
 from kvrag.errors import ChunkError
 from kvrag.precompute import Precomputer, PrecomputerClosedError, QueueFullError
-from kvrag.store import KVStore
+from kvrag.store import DiskStore, make_key
 
 
 @pytest.fixture
@@ -346,7 +346,7 @@ def test_same_key_from_two_workers_is_computed_once(rag, monkeypatch):
     assert pc.wait_until_idle(timeout=60)
     pc.shutdown()
     assert sorted(calls) == sorted(DOCS)
-    assert {f.result() for f in futs} == {KVStore.make_key(rag.fingerprint, rag.chunk_ids(d)) for d in DOCS}
+    assert {f.result() for f in futs} == {make_key(rag.fingerprint, rag.chunk_ids(d)) for d in DOCS}
 
 
 # ---- kvrag cache stats|gc|clear -------------------------------------------------------------
@@ -413,10 +413,9 @@ def test_parse_size():
 
 
 def _store(tmp_path):
-    from kvrag.store import KVStore
 
     d = tmp_path / "store"
-    KVStore(d).close()
+    DiskStore(d).close()
     return str(d)
 
 
@@ -587,7 +586,7 @@ def test_submit_many_rejects_a_single_text(rag):
 
 # ---- a writer killed between the blob and the text-index write -----------------------------------
 def test_resubmit_relists_a_chunk_missing_from_the_text_index(rag, monkeypatch, caplog):
-    def killed(*a, **k):  # what `kill -9` between KVStore.put's two writes leaves behind
+    def killed(*a, **k):  # what `kill -9` between DiskStore.put's two writes leaves behind
         raise SystemExit("killed")
 
     monkeypatch.setattr(rag.store._index, "set", killed)
@@ -618,6 +617,6 @@ def test_resubmit_relists_a_chunk_missing_from_the_text_index(rag, monkeypatch, 
     monkeypatch.undo()
     key2 = rag.chunk_key(DOCS[2])
     assert key2 not in rag.store.texts(rag.fingerprint)
-    monkeypatch.setattr("kvrag.ingest.compute_chunk_kv", lambda *a, **k: pytest.fail("recomputed"))
+    monkeypatch.setattr("kvrag.precompute.ingest.compute_chunk_kv", lambda *a, **k: pytest.fail("recomputed"))
     assert rag.precompute([DOCS[2]]) == [key2]
     assert rag.store.texts(rag.fingerprint)[key2] == DOCS[2]

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from kvrag import qa_data
-from kvrag.bench.runner import load_examples
+from kvrag.bench.examples import load_examples
 from kvrag.policies.kvlink.adapter import KVLinkError
 from kvrag.policies.kvlink.train import load_qa
 
@@ -187,7 +187,8 @@ def test_bench_and_trainer_read_the_same_file_each_their_way(tmp_path):
 def test_longbench_passages_are_served_as_chunks(tmp_path):
     """End to end: every passage read from a released-format file is precomputed as a chunk
     and found in the bench's prompt."""
-    from kvrag.bench.runner import Bench, BenchConfig
+    from kvrag.bench.config import BenchConfig
+    from kvrag.bench.runner import Bench
     from kvrag.engine import KVRag
     from kvrag.testing import tiny_llama
 

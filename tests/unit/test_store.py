@@ -1,4 +1,4 @@
-"""KVStore: bit-exact round trips, integrity checks on every load, LRU eviction, the text
+"""DiskStore: bit-exact round trips, integrity checks on every load, LRU eviction, the text
 index, stats, several processes at once, and clear errors for bad input."""
 
 import logging
@@ -18,7 +18,7 @@ from store_helpers import FP_A, FP_B, blob_files, make_entry, put  # noqa: E402
 import kvrag.store.blob as blob_mod  # noqa: E402
 import kvrag.store.disk as store_mod  # noqa: E402
 from kvrag.errors import StoreError  # noqa: E402
-from kvrag.store import CACHE_FORMAT_VERSION, ChunkEntry, KVStore  # noqa: E402
+from kvrag.store import CACHE_FORMAT_VERSION, ChunkEntry, DiskStore, make_key  # noqa: E402
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -41,7 +41,7 @@ def assert_same(a: ChunkEntry, b: ChunkEntry):
 
 @pytest.fixture
 def store(tmp_path):
-    s = KVStore(tmp_path)
+    s = DiskStore(tmp_path)
     yield s
     s.close()
 
@@ -68,9 +68,9 @@ def test_round_trip_is_bit_exact(store, dtype):
 
 def test_round_trip_from_a_new_store_object(tmp_path):
     e = make_entry(dtype=torch.bfloat16)
-    with KVStore(tmp_path) as s1:
+    with DiskStore(tmp_path) as s1:
         key = put(s1, e)
-    with KVStore(tmp_path) as s2:
+    with DiskStore(tmp_path) as s2:
         assert_same(e, s2.get(key, FP_A))
 
 
@@ -132,23 +132,23 @@ def test_blob_whose_header_does_not_fit_its_data_is_corrupt(store, tmp_path, cap
 
 
 def test_make_key_depends_on_fingerprint_and_ids():
-    k = KVStore.make_key(FP_A, [1, 2, 3])
-    assert k == KVStore.make_key(FP_A, torch.tensor([1, 2, 3]))
-    assert k == KVStore.make_key(FP_A, torch.tensor([1, 2, 3], dtype=torch.int32))
+    k = make_key(FP_A, [1, 2, 3])
+    assert k == make_key(FP_A, torch.tensor([1, 2, 3]))
+    assert k == make_key(FP_A, torch.tensor([1, 2, 3], dtype=torch.int32))
     assert len(k) == 64 and set(k) <= set("0123456789abcdef")  # lower-case hex sha256
-    assert k != KVStore.make_key(FP_B, [1, 2, 3])
-    assert k != KVStore.make_key(FP_A, [1, 2, 4])
-    assert k != KVStore.make_key(FP_A, [1, 2])
+    assert k != make_key(FP_B, [1, 2, 3])
+    assert k != make_key(FP_A, [1, 2, 4])
+    assert k != make_key(FP_A, [1, 2])
     with pytest.raises(ValueError, match="ints"):
-        KVStore.make_key(FP_A, [1.5, 2.0])
+        make_key(FP_A, [1.5, 2.0])
     with pytest.raises(ValueError, match="fingerprint"):
-        KVStore.make_key("", [1])
+        make_key("", [1])
 
 
 # ---- misses and wrong model ------------------------------------------------------------
 def test_miss_returns_none(store):
-    assert store.get(KVStore.make_key(FP_A, [1, 2]), FP_A) is None
-    assert KVStore.make_key(FP_A, [1, 2]) not in store
+    assert store.get(make_key(FP_A, [1, 2]), FP_A) is None
+    assert make_key(FP_A, [1, 2]) not in store
     s = store.stats()
     assert (s["hits"], s["misses"], s["corrupt"]) == (0, 1, 0)
 
@@ -297,7 +297,7 @@ def test_a_damaged_version_field_under_this_kvrags_fingerprint_is_corrupt(store,
 
 
 def test_an_entry_larger_than_the_size_limit_is_refused_and_evicts_nothing(tmp_path):
-    store = KVStore(tmp_path, size_limit=200_000)
+    store = DiskStore(tmp_path, size_limit=200_000)
     small = [put(store, make_entry(T=16, seed=i, text=f"t{i}")) for i in range(4)]
     big = make_entry(T=2000, L=2, H=2, D=16, seed=9, text="big")  # ~512 KB of K/V
     with pytest.raises(StoreError, match="larger than the store's size limit"):
@@ -339,28 +339,28 @@ def test_a_damaged_database_under_an_open_store_is_a_miss_not_a_crash(store, tmp
 
 
 def test_a_damaged_text_index_is_rebuilt_from_the_blobs(tmp_path):
-    store = KVStore(tmp_path)
+    store = DiskStore(tmp_path)
     keys = [put(store, make_entry(T=16, seed=i, text=f"t{i}")) for i in range(3)]
     store.close()
     (tmp_path / "index" / diskcache.core.DBNAME).write_bytes(b"garbage" * 100)
-    reopened = KVStore(tmp_path)
+    reopened = DiskStore(tmp_path)
     assert reopened.texts(FP_A) == {k: f"t{i}" for i, k in enumerate(keys)}
     assert all(reopened.get(k, FP_A) is not None for k in keys)
 
 
 def test_a_damaged_blob_database_names_the_file_and_the_fix(tmp_path):
-    store = KVStore(tmp_path)
+    store = DiskStore(tmp_path)
     put(store, make_entry(T=16))
     store.close()
     (tmp_path / "blobs" / diskcache.core.DBNAME).write_bytes(b"garbage" * 100)
     with pytest.raises(StoreError, match="blobs.*damaged.*delete the directory"):
-        KVStore(tmp_path)
+        DiskStore(tmp_path)
 
 
 def _open_limit(directory, start, q):
     while time.time() < start:
         pass
-    q.put(KVStore(directory).size_limit)
+    q.put(DiskStore(directory).size_limit)
 
 
 def test_processes_creating_a_store_at_once_all_record_the_default_limit(tmp_path):
@@ -378,13 +378,13 @@ def test_processes_creating_a_store_at_once_all_record_the_default_limit(tmp_pat
         for p in procs:
             p.join(60)
         assert got == [store_mod.DEFAULT_SIZE_LIMIT] * 5
-        assert KVStore(d).size_limit == store_mod.DEFAULT_SIZE_LIMIT
+        assert DiskStore(d).size_limit == store_mod.DEFAULT_SIZE_LIMIT
 
 
 def test_an_empty_directory_path_is_refused(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ValueError, match="non-empty path"):
-        KVStore("")
+        DiskStore("")
     assert not any(tmp_path.iterdir())
 
 
@@ -424,7 +424,7 @@ def test_gc_verify_repairs_lost_files_and_old_unreferenced_files(store, tmp_path
 def _writer_paused_before_commit(directory: str, file_written, may_commit) -> None:
     """put() one entry, stopping after diskcache has written the blob file and before it
     commits the row pointing at it."""
-    s = KVStore(directory)
+    s = DiskStore(directory)
     disk = s._blobs.disk
     store_file = disk.store
 
@@ -442,7 +442,7 @@ def _writer_paused_before_commit(directory: str, file_written, may_commit) -> No
 def test_gc_verify_keeps_the_file_of_a_write_in_progress(tmp_path):
     """gc --verify in one process must not delete the blob file another process has written
     and is about to commit (diskcache's check(fix=True) did: the entry was then lost)."""
-    KVStore(tmp_path).close()
+    DiskStore(tmp_path).close()
     ctx = mp.get_context("spawn")
     file_written, may_commit = ctx.Event(), ctx.Event()
     p = ctx.Process(target=_writer_paused_before_commit, args=(str(tmp_path), file_written, may_commit))
@@ -450,7 +450,7 @@ def test_gc_verify_keeps_the_file_of_a_write_in_progress(tmp_path):
     try:
         assert file_written.wait(60)
         (path,) = blob_files(tmp_path)
-        with KVStore(tmp_path) as s:
+        with DiskStore(tmp_path) as s:
             assert s.stats()["entries"] == 0  # no row yet
             s.gc(verify=True)
             assert path.exists()
@@ -459,8 +459,8 @@ def test_gc_verify_keeps_the_file_of_a_write_in_progress(tmp_path):
         p.join(60)
     assert p.exitcode == 0
     e = make_entry(T=16, text="written during gc")
-    with KVStore(tmp_path) as s:
-        assert_same(e, s.get(KVStore.make_key(FP_A, e.token_ids), FP_A))
+    with DiskStore(tmp_path) as s:
+        assert_same(e, s.get(make_key(FP_A, e.token_ids), FP_A))
         assert s.stats()["corrupt"] == 0
 
 
@@ -469,9 +469,9 @@ def test_lru_eviction_keeps_recently_used(tmp_path):
     big = dict(T=64, L=2, H=2, D=64)  # 128 KiB of K/V per entry
     entries = {n: make_entry(seed=i, text=f"chunk {n}", **big) for i, n in enumerate("ABCD")}
     blob = entries["A"].nbytes
-    base = KVStore(tmp_path / "probe").stats()["bytes"]  # empty SQLite file
+    base = DiskStore(tmp_path / "probe").stats()["bytes"]  # empty SQLite file
     # Room for three entries, not four.
-    s = KVStore(tmp_path / "s", size_limit=base + 3 * blob + blob // 2)
+    s = DiskStore(tmp_path / "s", size_limit=base + 3 * blob + blob // 2)
     keys = {n: put(s, entries[n]) for n in "ABC"}
     assert all(k in s for k in keys.values()) and s.stats()["evictions"] == 0
     assert s.get(keys["A"], FP_A) is not None  # A is now more recent than B and C
@@ -487,8 +487,8 @@ def test_lru_eviction_keeps_recently_used(tmp_path):
 
 def test_entry_larger_than_limit_is_not_kept(tmp_path, caplog):
     # The entry alone is under the limit, with the store's own SQLite file it is over.
-    base = KVStore(tmp_path / "probe").stats()["bytes"]
-    s = KVStore(tmp_path / "s", size_limit=base + 1024)
+    base = DiskStore(tmp_path / "probe").stats()["bytes"]
+    s = DiskStore(tmp_path / "s", size_limit=base + 1024)
     e = make_entry(T=16, D=16)
     assert 1024 < (e.keys.numel() + e.values.numel()) * 4 < base
     with caplog.at_level(logging.WARNING, logger="kvrag.store"):
@@ -534,7 +534,7 @@ def test_stats_fields(store):
     put(store, make_entry(seed=2))
     assert store.get(k1, FP_A) is not None
     assert store.get(k1, FP_A) is not None
-    assert store.get(KVStore.make_key(FP_A, [9]), FP_A) is None
+    assert store.get(make_key(FP_A, [9]), FP_A) is None
     s = store.stats()
     assert s["entries"] == 2 and s["bytes"] > 2 * make_entry().nbytes
     assert s["size_limit"] == 16 * 2**30
@@ -568,8 +568,8 @@ def _check_versioned(e: ChunkEntry) -> None:
 
 
 def _writer(directory: str, wid: int) -> None:
-    s = KVStore(directory)
-    shared = KVStore.make_key(FP_A, SHARED_IDS)
+    s = DiskStore(directory)
+    shared = make_key(FP_A, SHARED_IDS)
     for i in range(N_WRITES):
         s.put(shared, _versioned_entry(wid, i))
         own = make_entry(text=f"own {wid} {i}", seed=100 * wid + i)
@@ -586,8 +586,8 @@ def test_two_processes_writing_at_once(tmp_path):
     procs = [ctx.Process(target=_writer, args=(str(tmp_path), w)) for w in (1, 2)]
     for p in procs:
         p.start()
-    s = KVStore(tmp_path)
-    shared = KVStore.make_key(FP_A, SHARED_IDS)
+    s = DiskStore(tmp_path)
+    shared = make_key(FP_A, SHARED_IDS)
     seen = 0
     while any(p.is_alive() for p in procs):  # read while they write
         got = s.get(shared, FP_A)
@@ -613,7 +613,7 @@ def test_two_processes_writing_at_once(tmp_path):
     for w in (1, 2):
         for i in range(N_WRITES):
             own = make_entry(text=f"own {w} {i}", seed=100 * w + i)
-            assert_same(own, s.get(KVStore.make_key(FP_A, own.token_ids), FP_A))
+            assert_same(own, s.get(make_key(FP_A, own.token_ids), FP_A))
     assert len(blob_files(tmp_path)) == 1 + 2 * N_WRITES  # replaced versions were cleaned up
     assert s.gc(verify=True)["corrupt"] == 0
     s.close()
@@ -648,29 +648,29 @@ def test_put_rejects_empty_and_inconsistent_entries(store):
 def test_unusable_directory_gives_clear_error(tmp_path):
     blocker = tmp_path / "file.txt"
     blocker.write_text("not a directory")
-    with pytest.raises(OSError, match="KVStore directory") as ei:
-        KVStore(blocker / "store")
+    with pytest.raises(OSError, match="DiskStore directory") as ei:
+        DiskStore(blocker / "store")
     assert str(blocker / "store") in str(ei.value)
-    with pytest.raises(OSError, match="KVStore directory"):
-        KVStore(blocker)  # a file where the directory should be
+    with pytest.raises(OSError, match="DiskStore directory"):
+        DiskStore(blocker)  # a file where the directory should be
 
 
 def test_bad_size_limit(tmp_path):
     with pytest.raises(ValueError, match="size_limit"):
-        KVStore(tmp_path, size_limit=0)
+        DiskStore(tmp_path, size_limit=0)
 
 
 def test_size_limit_is_recorded_in_the_store(tmp_path):
     d = tmp_path / "s"
-    with KVStore(d) as s:
+    with DiskStore(d) as s:
         assert s.size_limit == 16 * 2**30  # a new store without a limit
-    with KVStore(d, size_limit=40 * 2**30) as s:
+    with DiskStore(d, size_limit=40 * 2**30) as s:
         assert s.size_limit == 40 * 2**30
     # Opened again without a limit (another process, `kvrag cache gc/stats`): the recorded
     # 40 GiB, not a smaller default that would evict a store configured larger.
-    with KVStore(d) as s:
+    with DiskStore(d) as s:
         assert s.size_limit == s.stats()["size_limit"] == 40 * 2**30
-    with KVStore(d, size_limit=2**20) as s:
+    with DiskStore(d, size_limit=2**20) as s:
         pass
-    with KVStore(d) as s:
+    with DiskStore(d) as s:
         assert s.size_limit == 2**20

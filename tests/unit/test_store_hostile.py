@@ -21,7 +21,7 @@ from store_helpers import FP_A, blob_files, make_entry, put  # noqa: E402
 import kvrag.store.blob as blob_mod  # noqa: E402
 from kvrag.cli import main as cli_main  # noqa: E402
 from kvrag.errors import StoreError  # noqa: E402
-from kvrag.store import KVStore  # noqa: E402
+from kvrag.store import DiskStore  # noqa: E402
 
 
 class _Plant:
@@ -57,7 +57,7 @@ def _replace_blob(directory: Path, key: str, data: bytes) -> None:
 
 @pytest.fixture
 def store(tmp_path):
-    s = KVStore(tmp_path / "store")
+    s = DiskStore(tmp_path / "store")
     yield s
     s.close()
 
@@ -96,7 +96,7 @@ def test_a_pickled_key_in_the_text_index_is_skipped_and_never_unpickled(store, t
     )
     assert store.texts(FP_A) == {key: "listed"}
     store.gc(verify=True)
-    assert KVStore(store.directory).texts(FP_A) == {key: "listed"}  # reopening re-indexes the blobs
+    assert DiskStore(store.directory).texts(FP_A) == {key: "listed"}  # reopening re-indexes the blobs
     assert not marker.exists()
 
 
@@ -130,13 +130,13 @@ def test_a_blob_replaced_by_a_symlink_is_a_miss_and_its_target_survives(store, t
 
 def test_crafted_settings_are_removed_not_obeyed(tmp_path):
     d = tmp_path / "store"
-    KVStore(d).close()
+    DiskStore(d).close()
     db = d / "blobs" / "cache.db"
     # diskcache would setattr the Disk's directory and run PRAGMA temp_store_directory.
     _sql(db, "INSERT INTO Settings VALUES ('disk__directory', ?)", (str(tmp_path / "elsewhere"),))
     _sql(db, "INSERT INTO Settings VALUES ('sqlite_temp_store_directory', ?)", (str(tmp_path),))
     _sql(db, "UPDATE Settings SET value = 'lots' WHERE key = 'size_limit'")
-    with KVStore(d) as s:
+    with DiskStore(d) as s:
         key = put(s, make_entry())
         assert s.get(key, FP_A) is not None
         assert s.size_limit > 0
@@ -153,7 +153,7 @@ def test_a_database_file_that_is_a_symlink_is_refused(tmp_path):
     (d / "blobs").mkdir(parents=True)
     (d / "blobs" / "cache.db").symlink_to(elsewhere)
     with pytest.raises(StoreError, match="symbolic link"):
-        KVStore(d)
+        DiskStore(d)
     assert elsewhere.read_bytes() == before
 
 
@@ -162,7 +162,7 @@ def test_a_lock_file_that_is_a_symlink_is_refused_and_its_target_not_created(tmp
     d.mkdir()
     (d / ".kvstore.lock").symlink_to(tmp_path / "created_elsewhere")
     with pytest.raises(StoreError, match="lock file"):
-        KVStore(d)
+        DiskStore(d)
     assert not (tmp_path / "created_elsewhere").exists()
 
 
@@ -274,7 +274,7 @@ def held_lock(store):
 def test_a_locked_store_is_reported_as_locked_and_reads_go_on(store, tmp_path):
     key = put(store, make_entry(text="before the lock"))
     store.close()
-    s = KVStore(store.directory, timeout=0.2)
+    s = DiskStore(store.directory, timeout=0.2)
     con = sqlite3.connect(str(store.directory / "blobs" / "cache.db"), isolation_level=None)
     con.execute("BEGIN EXCLUSIVE")
     try:
@@ -283,7 +283,7 @@ def test_a_locked_store_is_reported_as_locked_and_reads_go_on(store, tmp_path):
             put(s, make_entry(seed=1))
         assert "is damaged" not in str(e.value) and "delete" not in str(e.value)
         with pytest.raises(StoreError, match="locked") as e:
-            KVStore(store.directory, timeout=0.2)
+            DiskStore(store.directory, timeout=0.2)
         assert "is damaged" not in str(e.value) and "delete" not in str(e.value)
     finally:
         con.execute("ROLLBACK")
@@ -304,7 +304,7 @@ def tiny_disk(tmp_path):
 
 
 def test_a_full_disk_is_reported_as_full_and_reads_still_hit(tiny_disk):
-    s = KVStore(tiny_disk / "store")
+    s = DiskStore(tiny_disk / "store")
     first = put(s, make_entry(T=64, text="first"))
     with pytest.raises(StoreError, match="disk is full") as e:
         for i in range(1, 40):  # ~16 KiB per entry and ~0.5 MiB of SQLite files: 2 MiB fills
@@ -409,7 +409,7 @@ def test_a_tensor_of_a_million_dimensions_is_corrupt(store):
 
 # ---- processes: killed writers, readers against an evicting writer ------------------------
 def _endless_writer(directory: str, seed: int, size_limit) -> None:
-    s = KVStore(directory, size_limit=size_limit)
+    s = DiskStore(directory, size_limit=size_limit)
     i = 0
     while True:  # until killed
         put(s, make_entry(T=32, D=32, seed=seed + i, text=f"chunk {seed + i}"))
@@ -437,15 +437,15 @@ def test_writers_killed_mid_write_leave_only_whole_entries_and_no_dead_files(tmp
 
     ctx = mp.get_context("spawn")
     d = tmp_path / "store"
-    KVStore(d).close()
+    DiskStore(d).close()
     p = ctx.Process(target=_endless_writer, args=(str(d), 0, None))
     p.start()
-    with KVStore(d) as s:
+    with DiskStore(d) as s:
         _wait_for(lambda: len(s._blobs) >= 11)
     os.kill(p.pid, signal.SIGKILL)  # wherever it is: mid-file, mid-transaction, between the two caches
     p.join(30)
     assert p.exitcode == -signal.SIGKILL
-    with KVStore(d) as s:
+    with DiskStore(d) as s:
         report = s.gc(verify=True)
         assert report["corrupt"] == 0
         texts = s.texts(FP_A)
@@ -466,9 +466,9 @@ def test_readers_against_an_evicting_writer_get_whole_entries_or_misses(tmp_path
 
     d = tmp_path / "store"
     per_entry = len(blob_mod.serialize(e := _entry_of("chunk 0"), e.token_ids))
-    with KVStore(d) as s:
+    with DiskStore(d) as s:
         sqlite_bytes = s._blobs.volume()
-    with KVStore(d, size_limit=sqlite_bytes + 6 * per_entry) as s:  # room for a handful of entries
+    with DiskStore(d, size_limit=sqlite_bytes + 6 * per_entry) as s:  # room for a handful of entries
         p = mp.get_context("spawn").Process(target=_endless_writer, args=(str(d), 0, None))
         p.start()
         try:
@@ -494,10 +494,10 @@ def test_a_put_never_writes_through_a_symlinked_directory(tmp_path):
     outside = tmp_path / "outside"
     outside.mkdir()
     d = tmp_path / "store"
-    KVStore(d).close()
+    DiskStore(d).close()
     for i in range(256):  # every first-level directory a new value file may land in
         (d / "blobs" / f"{i:02x}").symlink_to(outside, target_is_directory=True)
-    with KVStore(d) as s:
+    with DiskStore(d) as s:
         with pytest.raises(OSError, match="not a directory of the store"):
             put(s, make_entry())
         assert len(s._blobs) == 0

@@ -271,7 +271,7 @@ def test_document_larger_than_the_context(tmp_path, embed, llm, caplog):
 def test_unwritable_store_is_a_clear_error_and_nothing_is_lost(tmp_path, embed, handle, llm, monkeypatch):
     blocker = tmp_path / "not-a-dir"
     blocker.write_text("x")
-    with pytest.raises(OSError, match="cannot create KVStore directory"):
+    with pytest.raises(OSError, match="cannot create DiskStore directory"):
         KVRagLLM(KVRag(handle, cache_dir=blocker / "kv"))
     # The store fails while ingesting: ingestion still completes, the failures are surfaced
     # with their texts, queries still answer, and a retry after the fix caches everything.

@@ -5,7 +5,7 @@ property of *any* text, so the training prompts here are built from whatever rea
 hand, with targets that need no labels:
 
 * **passage pools** -- lists of passages, no questions: the chunks a user ingested
-  (``KVStore.texts``), text files a user points at (cut into passages of ~N tokens at
+  (``DiskStore.texts``), text files a user points at (cut into passages of ~N tokens at
   paragraph, then sentence boundaries), and prose every machine holds: the Python standard
   library's documentation (``pydoc_data.topics``), ``/usr/share/doc/*`` READMEs, copyright
   files and changelogs, and manual pages (``man -P cat``, only where ``man`` exists);
@@ -141,7 +141,7 @@ def file_passages(paths: Iterable[str | os.PathLike], max_tokens: int = 200, **k
 
 
 def store_passages(store) -> list[str]:
-    """The chunk texts a user ingested (``KVStore.texts(None)``: every model's), each one
+    """The chunk texts a user ingested (``DiskStore.texts(None)``: every model's), each one
     passage as the user chunked it, in key order."""
     texts = store.texts(None)
     return [texts[k] for k in sorted(texts) if texts[k].strip()]

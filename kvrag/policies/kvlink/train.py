@@ -48,6 +48,7 @@ import torch.nn.functional as F
 from kvrag import qa_data
 from kvrag.arch import Arch
 from kvrag.model import ModelHandle
+from kvrag.model.digests import sha256_file
 from kvrag.policies.kvlink.adapter import (
     FORMAT_VERSION,
     META_FILE,
@@ -57,7 +58,6 @@ from kvrag.policies.kvlink.adapter import (
     default_adapter_dirs,
     load_adapter,
     save_adapter,
-    sha256_file,
 )
 from kvrag.policies.kvlink.policy import mean_embedding
 

@@ -292,7 +292,7 @@ def test_document_larger_than_the_context_is_rejected_clearly(tmp_path, embed, l
 def test_unwritable_store_is_a_clear_error_and_nothing_is_lost(tmp_path, embed, handle, llm, monkeypatch):
     blocker = tmp_path / "file"
     blocker.write_text("x")
-    with pytest.raises(OSError, match="cannot create KVStore directory"):
+    with pytest.raises(OSError, match="cannot create DiskStore directory"):
         ChatKVRag(model=None, rag=KVRag(handle, cache_dir=blocker / "kv"))
     real_put = llm.rag.store.put
     monkeypatch.setattr(

@@ -40,7 +40,7 @@ Eviction is Redis's own (``maxmemory-policy allkeys-lru``): a meta or any one pa
 makes the entry a miss, and its index entry is dropped when a read finds it gone.
 
 Redis unreachable: reads are misses and listing returns what was seen last, with one
-warning per outage (``kvrag.store.shared`` logger); writes raise ``SharedStoreDown`` (the
+warning per outage (``kvrag.store.redis_store`` logger); writes raise ``SharedStoreDown`` (the
 tiered store catches it: the near tiers hold the entry). After a failure the store skips
 Redis for ``retry_s`` instead of paying a connect timeout on every chunk read, then tries
 again: redis-py opens a new connection for the next command, so it reconnects by itself.
@@ -74,7 +74,7 @@ from kvrag.store.blob import (
     verified_header,
 )
 
-log = logging.getLogger("kvrag.store.shared")
+log = logging.getLogger("kvrag.store.redis_store")
 
 PART_SIZE = 4 * 2**20
 # A writer that dies between its parts and its meta leaves parts nobody points at: they expire.
@@ -134,7 +134,7 @@ def connect(url: str, *, socket_timeout: float = 2.0):
         from redis.exceptions import RedisClusterException
     except ImportError as e:  # pragma: no cover - redis is a core dependency
         raise StoreError("a shared store needs redis-py: pip install 'redis[hiredis]'") from e
-    opts = {"socket_timeout": socket_timeout, "socket_connect_timeout": socket_timeout}
+    opts: dict[str, Any] = {"socket_timeout": socket_timeout, "socket_connect_timeout": socket_timeout}
     if os.environ.get(PASSWORD_ENV):
         opts["password"] = os.environ[PASSWORD_ENV]  # a password in the URL wins (redis-py)
     try:

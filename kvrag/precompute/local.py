@@ -3,7 +3,7 @@
 Ingestion hooks (a LlamaIndex transform, a LangChain vector-store hook, a retriever hook) hand
 chunk texts to :meth:`Precomputer.submit`, which validates them, queues them and returns at
 once; worker thread(s) tokenize, skip what is already stored, pack the rest ``batch_tokens``
-at a time and call :meth:`kvrag.engine.KVRag.precompute` (``kvrag.ingest``: it stores the
+at a time and call :meth:`kvrag.engine.KVRag.precompute` (``kvrag.precompute.ingest``: it stores the
 K/V and registers the text with the segmenter, so the very next query finds it).
 
 Guarantees:
@@ -11,7 +11,7 @@ Guarantees:
 * **dedup**: a text already queued or in flight is not queued twice (the caller gets the same
   future); in the worker, two texts with the same store key are computed once, and a key
   already in the store is not recomputed (but re-listed in the store's text index if a writer
-  killed mid-put left it out, so other processes find it: ``KVStore.ensure_indexed``).
+  killed mid-put left it out, so other processes find it: ``DiskStore.ensure_indexed``).
 * **back-pressure**: at most ``max_queued`` texts wait; ``submit`` then blocks (or raises
   :class:`QueueFullError` with ``block=False`` / after ``timeout``).
 * **no silent loss**: every failure is logged, counted (``progress().failed``) and kept
@@ -44,7 +44,7 @@ from collections import deque
 from collections.abc import Iterable
 from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Literal, overload
 
 from kvrag.checks import check_texts_iterable, validate_chunk_text
 from kvrag.errors import ChunkError, KVRagError
@@ -135,7 +135,7 @@ class _Job:
         # caller waiting, the chunk is still computed (bookkeeping uses ``finished``).
         self.future: Future = Future()
         self.finished = False
-        self.ids: list[int] | None = None
+        self.ids: list[int] = []  # set by Precomputer._prepare, with the key
         self.key: str | None = None
         self.waiters: list[_Job] = []  # other texts with the same key, finished with this one
 
@@ -265,8 +265,16 @@ class Precomputer:
     _of_rag: "weakref.WeakKeyDictionary[Any, weakref.WeakSet]" = weakref.WeakKeyDictionary()
     _of_rag_lock = threading.Lock()  # not _shared_lock: for_rag holds that while it constructs one
 
+    @overload
     @classmethod
-    def for_rag(cls, rag, *, create: bool = True, **kwargs) -> "Precomputer | None":
+    def for_rag(cls, rag, *, create: Literal[True] = True, **kwargs) -> Precomputer: ...
+
+    @overload
+    @classmethod
+    def for_rag(cls, rag, *, create: bool, **kwargs) -> Precomputer | None: ...
+
+    @classmethod
+    def for_rag(cls, rag, *, create: bool = True, **kwargs) -> Precomputer | None:
         """The process-wide default precomputer of ``rag`` (created on first use with
         ``kwargs``), so an LLM adapter and the ingestion hooks share one queue and one worker
         instead of competing for the CPU. A shut-down one is replaced. ``create=False``:
@@ -316,6 +324,7 @@ class Precomputer:
                 ready.acquire(timeout=60)
             import torch
 
+            assert prev_threads is not None  # read above whenever ``ready`` is made
             torch.set_num_threads(prev_threads)  # ... now restore the default for everyone else
         # Daemon threads die with the interpreter; drain (or report) the queue before that.
         self._atexit_ref = _register_exit(self)
@@ -373,7 +382,7 @@ class Precomputer:
     def _exit(self) -> None:
         """Run by the exit hook: finish (or, with ``drain_on_exit=False``, drop with a warning)
         what is queued, and wait for every pack in flight, so nothing dies with the daemon
-        workers (a worker killed inside ``KVStore.put`` would also leave a half-written entry)."""
+        workers (a worker killed inside ``DiskStore.put`` would also leave a half-written entry)."""
         self._atexit_ref = None  # this hook is running: nothing to unregister any more
         if not self.drain_on_exit:
             left = self.shutdown(cancel_pending=True, wait=False)
@@ -608,6 +617,7 @@ class Precomputer:
     def _run(self, ready: threading.Semaphore | None) -> None:
         if ready is not None:
             try:
+                assert self.num_threads is not None  # ``ready`` is only made with a thread count
                 _set_worker_threads(self.num_threads)
             except Exception:
                 log.exception("kvrag precompute: could not set the worker's torch thread count")
