@@ -176,11 +176,11 @@ def rank_keys(scores: torch.Tensor, scale: float | None = None) -> torch.Tensor:
     m = x.shape[-1]
     finite = torch.isfinite(x)
     if scale is None:
-        scale = torch.where(finite, x.abs(), 0.0).amax(-1, keepdim=True)
+        ref = torch.where(finite, x.abs(), 0.0).amax(-1, keepdim=True)
     else:
-        scale = torch.full((1,), abs(float(scale)), dtype=x.dtype, device=x.device)
-    _, exp = torch.frexp(scale)  # scale = f * 2**exp, 0.5 <= f < 1 (exp 0 for 0)
-    step = torch.ldexp(torch.ones_like(scale), exp.to(x.dtype) + TIE_GRID_LOG2)
+        ref = torch.full((1,), abs(float(scale)), dtype=x.dtype, device=x.device)
+    _, exp = torch.frexp(ref)  # ref = f * 2**exp, 0.5 <= f < 1 (exp 0 for 0)
+    step = torch.ldexp(torch.ones_like(ref), exp.to(x.dtype) + TIE_GRID_LOG2)
     grid = torch.round(torch.where(finite, x, 0.0) / step)  # exact: a power-of-two step, |grid| <= 2**18
     grid = torch.where(finite, grid, torch.where(x > 0, _TIE_GRID + 1.0, -_TIE_GRID - 1.0))
     grid = torch.where(torch.isnan(x), -_TIE_GRID - 2.0, grid).long()
