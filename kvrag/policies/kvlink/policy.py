@@ -96,7 +96,7 @@ class KVLink(Policy):
         super().__init__(**params)
         self._mean_cache: tuple | None = None
         p = self.params
-        # Links + recompute (issue 31, item 4): the link tokens are computed tokens like the
+        # Links + recompute: the link tokens are computed tokens like the
         # question, so cacheblend's selection -- which keeps every non-cached row and ranks
         # only cached ones -- composes with them unchanged.
         self._blend = (

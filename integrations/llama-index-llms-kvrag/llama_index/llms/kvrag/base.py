@@ -45,6 +45,7 @@ from llama_index.core.llms.llm import LLM
 from llama_index.core.postprocessor.types import BaseNodePostprocessor
 from llama_index.core.schema import BaseNode, Document, MetadataMode, NodeWithScore, QueryBundle, TransformComponent
 
+from kvrag.defaults import DEFAULT_POLICY
 from kvrag.engine import Generation, KVRag
 from kvrag.frameworks import (
     SHARED_FIELDS,
@@ -188,7 +189,7 @@ class KVRagLLM(WrapsKVRag, LLM):
     Per-call overrides: ``llm.complete(prompt, policy="naive_reuse", max_new_tokens=32,
     policy_params={...})``."""
 
-    policy: str = Field(default="cacheblend", description="kvrag reuse policy (see `kvrag policies`).")
+    policy: str = Field(default=DEFAULT_POLICY, description="kvrag reuse policy (see `kvrag policies`).")
     policy_params: dict[str, Any] = Field(default_factory=dict, description="Hyper-parameters of the policy.")
     max_new_tokens: int = Field(default=256, gt=0, description="Tokens to generate at most.")
     temperature: float = Field(default=0.0, ge=0.0, description="0 = greedy decoding.")
