@@ -54,7 +54,7 @@ PY
             ${KVRAG_BENCH_ARGS:---scaling 8x512,16x512,32x512,64x512} \
             --out "$OUT/bench_${shape}_hot$hot" --report "$OUT/bench_${shape}_hot$hot.md" 2>&1 | grep -v "^  \[" | tail -12
     done
-    # The floor benchmark (issue 27): TTFT of each policy beside its floor (chunk reads + move to
+    # The floor benchmark: TTFT of each policy beside its floor (chunk reads + move to
     # the GPU + transformers' forward of the non-cached tokens over a prefix cache [+ recompute])
     # and op counts (kernel launches) per fused prefill / decode step vs the plain forward, at
     # 4k-32k tokens. Tiers: "auto" = GPU memory (the hot tier), "0" = host RAM (the store's

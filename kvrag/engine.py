@@ -11,16 +11,15 @@ Integrations (LlamaIndex, LangChain) and the CLI talk to this class only::
 from __future__ import annotations
 
 import logging
-import numbers
 import os
 import time
-from collections.abc import Generator, Iterable, Iterator, Sequence
+from collections.abc import Generator, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from kvrag.checks import check_int, check_seq
+from kvrag.checks import check_int, check_seq, check_token_ids
 from kvrag.defaults import (
     DEFAULT_CHUNK_ANCHOR,
     DEFAULT_COMPUTE_DTYPE,
@@ -121,7 +120,8 @@ class Stream:
 
     def generation(self) -> Generation:
         """What the stream produced, as ``generate`` returns it (complete once exhausted)."""
-        return Generation(self.text, self.token_ids, self.stats, self.prompt_ids, self.finish_reason)
+        # ``stats`` is None only for a stream closed before its end, whose generation is partial.
+        return Generation(self.text, self.token_ids, self.stats, self.prompt_ids, self.finish_reason)  # type: ignore[arg-type]
 
 
 class KVRag:
@@ -357,7 +357,7 @@ class KVRag:
         if layout is None:
             # Invariant: a prompt with no cached chunk takes the exact full-prefill path.
             ids = torch.cat([p.token_ids for p in pieces])
-            stepper = HFStepper(self.handle.model, cache=None, K=[], V=[], next_position=0)
+            stepper: HFStepper | FusedStepper = HFStepper(self.handle.model, cache=None, K=[], V=[], next_position=0)
             logits = stepper.step(ids.tolist(), last_only=True)[-1]
             n = int(ids.numel())
             stats = FusionStats(prompt_tokens=n, computed_tokens=n, kept_tokens=n, policy=pol.name)
@@ -423,7 +423,7 @@ class KVRag:
         prep_s = time.perf_counter() - t_call
         holder: Stream
 
-        def run() -> Iterator[str]:
+        def run() -> Generator[str, None, None]:
             # TTFT counts the call's work and this one's, not the wait for the first next().
             t0 = time.perf_counter() - prep_s
             logits, stepper, stats, prompt_ids = self._fuse(prep)
@@ -489,18 +489,18 @@ class KVRag:
         ]
         pre = self.prefill(prompt, policy, **policy_params)
         logits, stepper, stats = pre.logits, pre.stepper, pre.stats
-        rewindable = hasattr(stepper, "rewind")
+        rewindable = isinstance(stepper, HFStepper)
         outs = []
         for i, ids in enumerate(continuations):
             if i and not rewindable:
                 pre = self.prefill(prompt, policy, **policy_params)
                 logits, stepper, stats = pre.logits, pre.stepper, pre.stats
-            point = stepper.checkpoint() if rewindable else None
+            point = stepper.checkpoint() if isinstance(stepper, HFStepper) else None
             rows = [logits.unsqueeze(0)]
             if len(ids):
                 rows.append(stepper.step(list(ids)))
             outs.append(torch.cat(rows).float())
-            if rewindable:
+            if point is not None and isinstance(stepper, HFStepper):
                 stepper.rewind(point)
         return outs, stats
 
@@ -508,18 +508,5 @@ class KVRag:
         """Continuation ``i`` as a list of token ids of this model; ValueError naming the first
         bad id (a float would be truncated, a negative one would index from the end, one past
         the vocabulary raises IndexError deep in the model)."""
-        if isinstance(ids, torch.Tensor):
-            if ids.dim() != 1 or ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
-                raise ValueError(
-                    f"continuation {i} must be a 1-D sequence of int token ids, got a tensor "
-                    f"of shape {tuple(ids.shape)} dtype {ids.dtype}"
-                )
-            ids = ids.tolist()
-        ids = list(check_seq(f"continuation {i}", ids, "a sequence of int token ids"))
         vocab = self.handle.model.get_input_embeddings().num_embeddings
-        for t, x in enumerate(ids):
-            if isinstance(x, bool) or not isinstance(x, numbers.Integral) or not 0 <= x < vocab:
-                raise ValueError(
-                    f"continuation {i}: {x!r} at position {t} is not a token id of this model (an int in [0, {vocab}))"
-                )
-        return [int(x) for x in ids]
+        return check_token_ids(f"continuation {i}", ids, vocab)

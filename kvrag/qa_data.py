@@ -140,7 +140,7 @@ def _answers(it: dict, where: str) -> list[str]:
     if not isinstance(raw, list):
         raw = []
     raw = raw + [a for a in it.get("answer_aliases") or [] if isinstance(a, str)]  # MuSiQue
-    out = []
+    out: list[Any] = []
     for a in raw:
         if isinstance(a, dict):  # SQuAD: {"text": ..., "answer_start": ...}
             a = a.get("text")

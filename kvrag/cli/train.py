@@ -12,7 +12,7 @@ import argparse
 from kvrag.cli._options import MODEL_HELP
 
 
-class _DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
+class DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
     """Adds "(default: X)" to an option's help unless the help states its default itself or
     there is none to show (None, False, a required option)."""
 
@@ -38,7 +38,7 @@ def register(sub) -> None:
         "each document and the question/answer attend to everything before them; loss on "
         "the answer tokens. Writes link embeddings, LoRA weights and kvlink.json (command, "
         "steps, losses) to --out.",
-        formatter_class=_DefaultsHelp,
+        formatter_class=DefaultsHelp,
     )
     k.add_argument(
         "--data",

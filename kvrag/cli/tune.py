@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from kvrag.cli.train import _DefaultsHelp, add_training_options, config_from_args, print_losses
+from kvrag.cli.train import DefaultsHelp, add_training_options, config_from_args, print_losses
 
 EVAL_POLICIES = ("full_prefill", "naive_reuse", "cacheblend", "kvlink")
 
@@ -34,7 +34,7 @@ def register(sub) -> None:
         description="Train a KVLink adapter on a mixture of text sources with self-distilled targets "
         "(the base model's own full-prefill answers), resumably; the result is applied by "
         "default for that model. --eval measures it on data not trained on.",
-        formatter_class=_DefaultsHelp,
+        formatter_class=DefaultsHelp,
     )
     g = p.add_argument_group("sources")
     g.add_argument(

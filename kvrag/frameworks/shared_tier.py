@@ -17,7 +17,7 @@ def shared_settings(rag) -> dict[str, Any]:
     ChunkStore of the caller's, which cannot be rebuilt from settings)."""
     far = getattr(rag.store, "far", None)
     url = getattr(far, "url", None)
-    if not isinstance(url, str):
+    if far is None or not isinstance(url, str):
         return {"shared": None, "shared_prefix": None, "precompute_via": "local"}
     from kvrag.store.redis_store import public_url  # imports no redis
 

@@ -93,7 +93,7 @@ class ThreadStepper:
         self._it.close()
 
 
-async def arun_stream(stream: Iterator, foreground: Callable[[], AbstractContextManager]) -> None:
+async def arun_stream(stream: Generator, foreground: Callable[[], AbstractContextManager]) -> None:
     """Run a kvrag ``Stream`` to its end from async code (``acomplete`` / ``ainvoke``), one step
     per worker-thread hop, inside ``foreground()`` all along (a whole answer holds background
     precompute back, as the sync call does). ``asyncio.to_thread(rag.generate, ...)`` could
@@ -105,7 +105,7 @@ async def arun_stream(stream: Iterator, foreground: Callable[[], AbstractContext
             pass
 
 
-async def aiter_in_thread(it: Iterator) -> AsyncIterator:
+async def aiter_in_thread(it: Generator) -> AsyncIterator:
     """An async generator stepping a sync generator in a worker thread (one step per item).
     Cancelled mid-step, it raises CancelledError and ``it`` is closed once that step returns."""
     stepper = ThreadStepper(it)

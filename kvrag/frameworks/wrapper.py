@@ -4,7 +4,7 @@ totals -- and how they copy (sharing the KVRag) and refuse pickling."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvrag.frameworks.streaming import foreground
 from kvrag.frameworks.usage import UsageTotals
@@ -17,11 +17,13 @@ class WrapsKVRag:
     ``_precomputer`` (None until first used) and ``_last`` (the latest ``Generation``), and
     ``_precompute_options()`` (keyword arguments of ``Precomputer.for_rag``)."""
 
-    # Provided by the framework class that mixes this in.
-    rag: Any
-    _precomputer: Precomputer | None
-    _last: Any
-    _usage: UsageTotals
+    # Provided by the framework class that mixes this in. Declared for type checkers only: at
+    # run time an annotation here would become a pydantic field of the framework class.
+    if TYPE_CHECKING:
+        rag: Any
+        _precomputer: Precomputer | None
+        _last: Any
+        _usage: UsageTotals
 
     def _precompute_options(self) -> dict[str, Any]:
         return {}

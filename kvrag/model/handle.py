@@ -365,7 +365,7 @@ class ModelHandle:
     def _attention_summary(self) -> dict[str, Any]:
         """What kvrag's layer step honours per layer: RoPE type, sliding windows, NoPE layers."""
         arch = self.arch
-        windowed = {}
+        windowed: dict[int, list[int]] = {}
         for i, w in enumerate(arch.windows):
             if w:
                 windowed.setdefault(w, []).append(i)

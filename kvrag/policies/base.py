@@ -21,8 +21,9 @@ beside the chunk's K/V (A2ATS codes, SamKV's per-chunk query-independent results
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
@@ -136,7 +137,7 @@ class Policy:
     #: Set to a method ``decode_select(layer, q, state) -> LongTensor | None`` (q [H, 1, D];
     #: returns cache slots to attend to: [R] shared by all KV heads, or [Hkv, R] one row set
     #: per KV head) to get a decode loop that calls it at every layer.
-    decode_select = None
+    decode_select: Callable[..., Any] | None = None
 
 
 @dataclass

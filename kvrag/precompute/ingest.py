@@ -13,7 +13,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from kvrag.checks import check_int, check_texts_iterable, validate_chunk_text
+from kvrag.checks import check_int, check_texts_iterable, check_token_ids, validate_chunk_text
 from kvrag.chunk import compute_chunk_kv, pack
 from kvrag.errors import ChunkError
 from kvrag.query.align import spell_chunk
@@ -30,12 +30,7 @@ def resolve_anchor(handle, anchor: str | Sequence[int]) -> list[int]:
         if anchor == "none":
             return []
         raise ValueError(f"chunk_anchor must be 'auto', 'none' or a list of token ids, got {anchor!r}")
-    ids = list(anchor)
-    vocab = handle.config.vocab_size
-    bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
-    if bad:
-        raise ValueError(f"chunk_anchor holds {bad[:3]}: token ids must be ints in [0, {vocab})")
-    return ids
+    return check_token_ids("chunk_anchor", anchor, handle.config.vocab_size)
 
 
 def cache_fingerprint(model_fingerprint: str, anchor: Sequence[int]) -> str:
@@ -135,8 +130,8 @@ class Ingestor:
         for group in pack([len(ids[j]) for j in todo], batch_tokens):
             members = [todo[g] for g in group]
             kvs = compute_chunk_kv(self.arch, [ids[j] for j in members], self.anchor)
-            for j, (k, v) in zip(members, kvs):
-                self.put(keys[j], texts[j], ids[j], k, v)
+            for j, (k_j, v_j) in zip(members, kvs):
+                self.put(keys[j], texts[j], ids[j], k_j, v_j)
                 if bar:
                     bar.update(len(ids[j]))
         if bar:

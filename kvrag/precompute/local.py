@@ -46,7 +46,7 @@ from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass
 from typing import Any, Callable, Literal, overload
 
-from kvrag.checks import check_texts_iterable, validate_chunk_text
+from kvrag.checks import check_int, check_texts_iterable, validate_chunk_text
 from kvrag.errors import ChunkError, KVRagError
 
 __all__ = [
@@ -208,12 +208,9 @@ class Precomputer:
             ("batch_tokens", batch_tokens, 1),
             ("keep_failures", keep_failures, 0),
         ):
-            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-                raise ValueError(f"{pname} must be an int >= {lo}, got {v!r}")
-        if num_threads is not None and (
-            isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 1
-        ):
-            raise ValueError(f"num_threads must be None or an int >= 1, got {num_threads!r}")
+            check_int(pname, v, lo)
+        if num_threads is not None:
+            check_int("num_threads (None: torch's setting)", num_threads, 1)
         if not max_defer_s >= 0:
             raise ValueError(f"max_defer_s must be >= 0, got {max_defer_s!r}")
         for attr in ("precompute", "ingestor", "store"):

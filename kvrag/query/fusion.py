@@ -226,7 +226,8 @@ class FusionEngine:
         if ins.any():
             # Inserted tokens are never cached, so all of them are active, in prompt order:
             # their rows take the pieces' embeddings in one write.
-            emb = torch.cat([layout.pieces[si].embeds.to(device=dev, dtype=dt) for si, _, _ in layout.spans(INSERTED)])
+            embeds = [layout.pieces[si].embeds for si, _, _ in layout.spans(INSERTED)]
+            emb = torch.cat([e.to(device=dev, dtype=dt) for e in embeds if e is not None])
             hidden[ins.to(dev)] = emb
 
         # What depends only on the active set and on state.keep, rebuilt when either changes.

@@ -18,6 +18,7 @@ from typing import Any
 import safetensors.torch
 import torch
 
+from kvrag.checks import is_integer_dtype
 from kvrag.store.base import CACHE_FORMAT_VERSION, ChunkEntry
 
 EXTRA_PREFIX = "extras."
@@ -130,7 +131,7 @@ def validate_entry(entry: ChunkEntry) -> torch.Tensor:
     ids = entry.token_ids
     if ids.dim() != 1:
         raise ValueError(f"ChunkEntry.token_ids must be 1-D [T], got shape {tuple(ids.shape)}")
-    if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+    if not is_integer_dtype(ids.dtype):
         raise ValueError(f"ChunkEntry.token_ids must be integers, got {ids.dtype}")
     if ids.numel() == 0:
         raise ValueError("empty ChunkEntry: token_ids has T == 0 tokens")

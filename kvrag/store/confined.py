@@ -311,7 +311,7 @@ def _setting_ok(key: object, value: object) -> bool:
         return False
     if key == "eviction_policy":
         return value in diskcache.EVICTION_POLICY
-    if key.startswith("sqlite_"):
+    if isinstance(key, str) and key.startswith("sqlite_"):
         return type(value) in (int, str) and bool(_PRAGMA_VALUE.fullmatch(str(value)))
     return type(value) is int and value >= 0  # counts, sizes, limits, flags
 

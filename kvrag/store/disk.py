@@ -48,6 +48,7 @@ import diskcache
 import diskcache.core
 import torch
 
+from kvrag.checks import check_int
 from kvrag.errors import StoreError
 from kvrag.store.base import CACHE_FORMAT_VERSION, ChunkEntry, ChunkStore, make_key
 from kvrag.store.blob import (
@@ -143,10 +144,8 @@ class DiskStore(ChunkStore):
     and its blobs through ``kvrag.store.blob``'s checks, so a crafted one gives misses."""
 
     def __init__(self, directory, *, size_limit: int | None = None, timeout: float = 60.0):
-        if size_limit is not None and (
-            isinstance(size_limit, bool) or not isinstance(size_limit, int) or size_limit <= 0
-        ):
-            raise ValueError(f"size_limit must be a positive number of bytes, got {size_limit!r}")
+        if size_limit is not None:
+            size_limit = check_int("size_limit (bytes)", size_limit, 1)
         if not str(directory).strip():
             raise ValueError('DiskStore directory must be a non-empty path ("" would be the current directory)')
         self.directory = Path(directory).expanduser()

@@ -10,11 +10,15 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING, overload
 
 from kvrag.defaults import DEFAULT_SHARED_PREFIX
 from kvrag.paths import default_store_dir
 from kvrag.store.base import ChunkStore
 from kvrag.store.disk import DiskStore
+
+if TYPE_CHECKING:  # redis is imported only when a shared tier is opened
+    from kvrag.store.redis_store import RedisStore
 
 
 def check_cache_dir(cache_dir: str | os.PathLike | None) -> None:
@@ -22,6 +26,14 @@ def check_cache_dir(cache_dir: str | os.PathLike | None) -> None:
     would silently fill. (``KVRag`` calls this before its model load.)"""
     if cache_dir is not None and not str(cache_dir).strip():
         raise ValueError(f"cache_dir must be a non-empty path (None: the default store), got {cache_dir!r}")
+
+
+@overload
+def open_shared(shared: str, *, prefix: str | None = None) -> RedisStore: ...
+
+
+@overload
+def open_shared(shared: ChunkStore, *, prefix: str | None = None) -> ChunkStore: ...
 
 
 def open_shared(shared: str | ChunkStore, *, prefix: str | None = None) -> ChunkStore:

@@ -17,9 +17,9 @@ layout works on one server and on a Redis Cluster:
   that segmentation reads (``texts``); ``<prefix>{idx}:v``: a counter bumped on every change
   of it, so a replica re-reads the index only when it changed.
 
-(Layout 2. Layout 1, before hash tags, named them ``m:<key>``, ``p:<key>:...``, ``idx`` and
-``idxv``: a store of layout 1 is simply empty to this code -- misses, never errors -- and
-``clear`` removes its keys with the rest of the prefix.)
+Keys written under a layout without hash tags (``m:<key>``, ``p:<key>:...``, ``idx``,
+``idxv``) are not read: such a store is simply empty to this code -- misses, never errors --
+and ``clear`` removes its keys with the rest of the prefix.
 
 Why parts (4 MiB) rather than one value: measured on this project's 2-core box against a
 local Redis 8 with hiredis, a 12 MiB blob reads in ~30 ms as one value and ~16 ms as three

@@ -157,6 +157,7 @@ class A2ATS(Policy):
     def prepare(self, state) -> None:
         # Fail before any layer runs if there is no codebook.
         cb = self.codebooks(state.arch)
+        assert cb is not None  # required=True raises instead
         b = self.params.rope_offset if self.params.rope_offset is not None else cb.rope_offset
         state.scratch["a2ats"] = {"codebooks": cb, "rope_offset": b}
         stats = state.scratch.setdefault("policy_stats", {})

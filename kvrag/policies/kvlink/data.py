@@ -1,6 +1,6 @@
 """Training data for KVLink from real text, many sources (``kvrag tune``).
 
-The shipped adapter learned one synthetic template, not chunk reuse (issue 31). Reuse is a
+An adapter trained on one synthetic template learns that template, not chunk reuse. Reuse is a
 property of *any* text, so the training prompts here are built from whatever real prose is at
 hand, with targets that need no labels:
 

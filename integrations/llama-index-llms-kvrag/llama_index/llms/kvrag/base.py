@@ -32,6 +32,7 @@ from llama_index.core.bridge.pydantic import Field, PrivateAttr
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.llm import LLM
 
+from kvrag.defaults import DEFAULT_POLICY
 from kvrag.engine import Generation, KVRag
 from kvrag.frameworks import (
     SHARED_FIELDS,
@@ -173,7 +174,7 @@ class KVRagLLM(WrapsKVRag, LLM):
     Per-call overrides: ``llm.complete(prompt, policy="naive_reuse", max_new_tokens=32,
     policy_params={...})``."""
 
-    policy: str = Field(default="cacheblend", description="kvrag reuse policy (see `kvrag policies`).")
+    policy: str = Field(default=DEFAULT_POLICY, description="kvrag reuse policy (see `kvrag policies`).")
     policy_params: dict[str, Any] = Field(default_factory=dict, description="Hyper-parameters of the policy.")
     max_new_tokens: int = Field(default=256, gt=0, description="Tokens to generate at most.")
     temperature: float = Field(default=0.0, ge=0.0, description="0 = greedy decoding.")
