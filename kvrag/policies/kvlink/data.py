@@ -39,6 +39,7 @@ import subprocess
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from kvrag.policies.kvlink.adapter import KVLinkError
 
@@ -358,7 +359,7 @@ class Mixture:
     def describe(self) -> dict:
         """What ``kvlink.json`` records: per source its passage or item count and a sha256 of
         its content (in order), the weights and the task settings."""
-        out = {}
+        out: dict[str, dict[str, Any]] = {}
         for name in self.names:
             h = hashlib.sha256()
             if name in self.pools:
