@@ -78,10 +78,11 @@ class Prefill:
 
 
 @dataclass
-class _Prepared:
-    """A request checked and segmented by ``KVRag._prepare``, ready for ``_fuse``: layout is
-    None when the prompt takes the exact full-prefill path. t0/t_ready: perf_counter at the
-    start and end of the preparation."""
+class Prepared:
+    """A request checked and segmented by ``KVRag.prepare``, ready for ``KVRag.fuse``: the
+    policy, the prompt's pieces (``token_ids`` [n_i] each) and the ``layout`` the fused prefill
+    runs on (None when the prompt takes the exact full-prefill path). t0/t_ready: perf_counter
+    at the start and end of the preparation (chunk reads included)."""
 
     policy: Policy
     pieces: list[Piece]
@@ -286,7 +287,7 @@ class KVRag:
         """The prompt as plain pieces and cached chunks (``kvrag.query.lookup.ChunkLookup.pieces``)."""
         return self.lookup.pieces(prompt, use_cache)
 
-    def _note_no_reuse(self, prep: "_Prepared") -> None:
+    def _note_no_reuse(self, prep: "Prepared") -> None:
         """Say why a reuse policy got a prompt with no cached chunk, while chunks are cached
         or being computed: the speed-up is lost silently otherwise (chunks still queued for
         background precompute, a framework that rewrites the chunk texts, a store another
@@ -325,7 +326,7 @@ class KVRag:
         self._warned.add(cause)
         log.log(level, msg, *args)
 
-    def _prepare(self, text: str, pol: Policy, t0: float) -> "_Prepared":
+    def _prepare(self, text: str, pol: Policy, t0: float) -> "Prepared":
         """Everything of a prefill that can reject the request: the policy against this model,
         tokenization and the context limit, segmentation and chunk reads, the policy's inserted
         tokens (KVLink's link tokens count toward the context too) and its check of the
@@ -348,9 +349,9 @@ class KVRag:
                     f"tokens {pol.name} inserts exceeds the model context ({self.handle.max_context})"
                 )
             pol.check_layout(layout, self.arch)
-        return _Prepared(pol, pieces, seg_stats, layout, t0, time.perf_counter(), known, pending)
+        return Prepared(pol, pieces, seg_stats, layout, t0, time.perf_counter(), known, pending)
 
-    def _fuse(self, prep: "_Prepared"):
+    def _fuse(self, prep: "Prepared"):
         """The prefill itself, after ``_prepare``: (logits [V], stepper, stats, prompt ids)."""
         pol, pieces, seg_stats, layout = prep.policy, prep.pieces, prep.seg_stats, prep.layout
         t_fuse = time.perf_counter()
@@ -387,13 +388,24 @@ class KVRag:
         stats.prefill_s = time.perf_counter() - t_fuse
         return logits, stepper, stats, prompt_ids
 
-    def prefill(self, prompt: str | Sequence[dict], policy: str | Policy | None = None, **policy_params) -> Prefill:
-        """Fused prefill of a prompt under ``policy`` (the KVRag's own when None)."""
+    def prepare(self, prompt: str | Sequence[dict], policy: str | Policy | None = None, **policy_params) -> Prepared:
+        """The first half of ``prefill``: render, check, segment and read the cached chunks of a
+        prompt under ``policy`` (the KVRag's own when None), and lay them out; no model forward.
+        Bad input raises here. ``fuse`` runs the prefill on the result; measuring the two apart
+        (e.g. counting the fused prefill's ops without the chunk reads) is what this is for."""
         t0 = time.perf_counter()
         pol = get_policy(policy if policy is not None else self.policy, **policy_params)
-        prep = self._prepare(self.render(prompt), pol, t0)
-        logits, stepper, stats, prompt_ids = self._fuse(prep)
-        return Prefill(logits, stepper, stats, prompt_ids, t0)
+        return self._prepare(self.render(prompt), pol, t0)
+
+    def fuse(self, prepared: Prepared) -> Prefill:
+        """The second half of ``prefill``: the fused (or full) prefill of a ``prepare``d request."""
+        logits, stepper, stats, prompt_ids = self._fuse(prepared)
+        return Prefill(logits, stepper, stats, prompt_ids, prepared.t0)
+
+    def prefill(self, prompt: str | Sequence[dict], policy: str | Policy | None = None, **policy_params) -> Prefill:
+        """Fused prefill of a prompt under ``policy`` (the KVRag's own when None):
+        ``fuse(prepare(prompt, policy, **policy_params))``."""
+        return self.fuse(self.prepare(prompt, policy, **policy_params))
 
     def stream(
         self,

@@ -167,18 +167,14 @@ def query_ops(rag, prompt, policy, **policy_params) -> dict:
     ``plain_forward`` of the same non-cached count over the same cached count, plus the
     layout's ``tokens``/``cached``/``chunks``. Raises ValueError when no chunk of ``prompt``
     is cached (there is no fused prefill to count)."""
-    import time
-
-    from kvrag.policies import get_policy
     from kvrag.query.state import CACHED
 
-    pol = get_policy(policy, **policy_params)
-    prep = rag._prepare(rag.render(prompt), pol, time.perf_counter())
+    prep = rag.prepare(prompt, policy, **policy_params)
     if prep.layout is None:
         raise ValueError("query_ops: no chunk of the prompt is cached (nothing fused to count)")
     layout = prep.layout
-    prefill, _ = count_ops(rag.fusion.prefill, layout, pol)
-    _, stepper, _, _ = rag._fuse(prep)
+    prefill, _ = count_ops(rag.fusion.prefill, layout, prep.policy)
+    stepper = rag.fuse(prep).stepper
     decode, _ = count_ops(stepper.step, [1])
     n_cached = int(layout.cached.sum())
     plain = plain_forward_ops(rag.handle.model, n_cached, layout.n - n_cached)
