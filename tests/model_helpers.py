@@ -1,0 +1,16 @@
+"""Helpers of the ModelHandle tests (unit and real-model): a handle's logits, what changed its fingerprint."""
+
+import torch
+
+from kvrag.model import ModelHandle
+
+
+def model_logits(handle: ModelHandle, ids: list[int]) -> torch.Tensor:
+    """The model's logits [len(ids), V] for one sequence of token ids."""
+    with torch.no_grad():
+        return handle.model(torch.tensor([ids], device=handle.device)).logits[0]
+
+
+def differing_parts(a: ModelHandle, b: ModelHandle) -> set:
+    """The names of the fingerprint parts (weights, tokenizer, dtype, ...) in which a and b differ."""
+    return {k for k in a.fingerprint_parts if a.fingerprint_parts[k] != b.fingerprint_parts[k]}
