@@ -141,6 +141,9 @@ FORBIDDEN = {
         "kvrag.frameworks",
     ),
     "kvrag.precompute.worker": ("kvrag.engine", "kvrag.precompute.local", "kvrag.query", "kvrag.policies"),
+    # The benchmark's driver runs the scenarios, which measure through Measure: never the reverse.
+    "kvrag.bench.scenarios": ("kvrag.bench.runner",),
+    "kvrag.bench.measure": ("kvrag.bench.runner", "kvrag.bench.scenarios"),
     # The shared defaults are read by the CLI before torch loads: they import nothing of kvrag.
     "kvrag.defaults": ("kvrag",),
     "kvrag.paths": ("kvrag",),
