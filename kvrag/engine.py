@@ -30,7 +30,7 @@ from kvrag.defaults import (
 from kvrag.model import ModelHandle
 from kvrag.paths import default_store_dir
 from kvrag.policies import Policy, get_policy
-from kvrag.policies.kvlink.adapter import adapt_model
+from kvrag.policies.kvlink.adapter import KVLinkAdapter, adapt_model
 from kvrag.precompute import pending_in_prompt
 from kvrag.precompute.ingest import STORAGE_DTYPES, Ingestor, cache_fingerprint, resolve_anchor
 from kvrag.query.align import prompt_prefix
@@ -143,7 +143,7 @@ class KVRag:
     weight, fingerprint or other policy), one with LoRA weights only when ``policy`` is
     ``"kvlink"`` (a KVRag built for KVLink runs the KVLink model; one built for another
     policy keeps the base model, and its per-call ``kvlink`` runs untrained). ``"links"``:
-    links-only adapters only. None: no adapter.
+    links-only adapters only. A loaded ``KVLinkAdapter``: that adapter. None: no adapter.
     chunk_anchor: token ids every chunk is precomputed behind (and which are then dropped):
     ``"auto"`` = the model's attention-sink token (``ModelHandle.anchor_ids``: BOS, or the
     chat template's first token), ``"none"`` = chunks read alone from position 0, or a list
@@ -175,7 +175,7 @@ class KVRag:
         ingest_policies: Sequence[str | Policy] = (),
         query_tokens: int | None = None,
         refresh_s: float = 2.0,
-        kvlink_adapter: str | os.PathLike | None = "default",
+        kvlink_adapter: str | os.PathLike | KVLinkAdapter | None = "default",
         chunk_anchor: str | Sequence[int] = DEFAULT_CHUNK_ANCHOR,
         hot_cache: int | str = "auto",
         shared: "str | ChunkStore | None" = None,

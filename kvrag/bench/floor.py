@@ -23,10 +23,12 @@ from __future__ import annotations
 
 import statistics
 import time
+from typing import Any
 
 import torch
 
 from kvrag.bench.ops import plain_forward, prefilled_cache, query_ops
+from kvrag.query.state import CACHED, FusionStats, Piece
 
 REFERENCE = "full_prefill"
 
@@ -76,19 +78,14 @@ def floor_parts(rag, prompt, repeats: int) -> dict:
     token counts: {read_s, move_s, forward_s, prompt_tokens, cached_tokens}. ``prompt_tokens``
     is the tokenizer's count (a policy's inserted tokens come on top: ``measure_floor`` times
     the forward for each policy's own non-cached count)."""
-    from kvrag.query.state import CACHED
-
     dev, dt = rag.arch.device, rag.arch.dtype
     text = rag.render(prompt)
     reads, moves = [], []
+    pieces: list[Piece] = []
     for _ in range(repeats):
-        pieces = None
-
-        def read():
-            nonlocal pieces
-            pieces, _ = rag.pieces(text)
-
-        reads.append(_timed(read, dev))
+        read: list[list[Piece]] = []
+        reads.append(_timed(lambda: read.append(rag.pieces(text)[0]), dev))
+        pieces = read[0]
         entries = [p.entry for p in pieces if p.kind == CACHED]
         moves.append(
             _timed(
@@ -133,7 +130,7 @@ def measure_floor(rag_for, prompt, runs, repeats: int, dataset: str, device: str
     base = rag_for(runs[0])
     parts = floor_parts(base, prompt, repeats)
     ttfts: dict[str, list[float]] = {r.label: [] for r in runs}
-    stats: dict[str, object] = {}
+    stats: dict[str, FusionStats] = {}
     errors: dict[str, str] = {}
     for rnd in range(repeats + 1):
         for run in runs:
@@ -143,7 +140,7 @@ def measure_floor(rag_for, prompt, runs, repeats: int, dataset: str, device: str
             if cold:
                 policy_class(run.policy).forget()
             try:
-                out = {}
+                out: dict[str, Any] = {}
                 t = _timed(lambda: out.setdefault("r", rag.prefill(prompt, run.policy, **run.params)), device)
             except Exception as e:  # noqa: BLE001 - a failing policy is a result
                 errors[run.label] = f"{type(e).__name__}: {e}"

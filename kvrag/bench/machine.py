@@ -33,6 +33,7 @@ def machine_info(devices: Sequence[str]) -> dict:
         mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     except (ValueError, OSError, AttributeError):
         pass
+    cores: int | None
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:

@@ -60,7 +60,7 @@ class PeakMemory:
         if self.cuda:
             torch.cuda.synchronize()
             self.peak = max(self.peak, torch.cuda.max_memory_allocated())
-        else:
+        elif self._thread is not None:  # None: __exit__ without __enter__, nothing was sampled
             self._stop.set()
             self._thread.join()
             self.peak = max(self.peak, rss_bytes())
@@ -77,7 +77,7 @@ class PeakMemory:
 def dir_bytes(path: str | os.PathLike) -> int:
     """Bytes of all files under ``path`` (blobs + index)."""
     total = 0
-    for root, _, files in os.walk(path):
+    for root, _, files in os.walk(os.fspath(path)):
         for f in files:
             try:
                 total += os.path.getsize(os.path.join(root, f))

@@ -95,6 +95,8 @@ def evaluate_targets(result: dict) -> list[dict]:
     device = "cpu" if "cpu" in devices else devices[0]
     out = []
     data = [d for d in qa_datasets(summary, device) if d != "synthetic"]
+    scen6: str | None
+    ds6: str | None
     if data:
         scen6, ds6 = "qa", data[0]
     else:
@@ -595,7 +597,7 @@ def render_markdown(result: dict, files: dict, report_path: Path, assets: Path) 
         L.append(f"- **scenario failed**: {err}")
 
     L.append("## Targets\n")
-    rows = [
+    target_rows = [
         [
             t["where"],
             f"`{t['policy']}`",
@@ -609,7 +611,7 @@ def render_markdown(result: dict, files: dict, report_path: Path, assets: Path) 
         ]
         for t in result["targets"]
     ]
-    L.append(_table(["where", "policy", "metric", "target", "measured", "prompt tokens", "status"], rows))
+    L.append(_table(["where", "policy", "metric", "target", "measured", "prompt tokens", "status"], target_rows))
     L.append(
         "\nSpeed-ups are the median over examples of full_prefill's TTFT divided by the policy's, both "
         'measured on the same prompt in the same run. "LL gap" is |mean gold log-likelihood per token − '
@@ -633,7 +635,7 @@ def render_markdown(result: dict, files: dict, report_path: Path, assets: Path) 
                     "the case reuse loses):\n"
                 )
                 L.append(bt + "\n")
-                fp = [
+                single_hop = [
                     r
                     for r in records
                     if r["device"] == device
@@ -643,10 +645,10 @@ def render_markdown(result: dict, files: dict, report_path: Path, assets: Path) 
                     and r["qtype"] == "single_hop"
                     and not r.get("error")
                 ]
-                if fp:
-                    ok = sum(r.get("gold_acc") == 1.0 or r["gold_em"] == 1.0 for r in fp)
+                if single_hop:
+                    ok = sum(r.get("gold_acc") == 1.0 or r["gold_em"] == 1.0 for r in single_hop)
                     L.append(
-                        f"`full_prefill` answers **{ok}/{len(fp)}** of these single-hop items "
+                        f"`full_prefill` answers **{ok}/{len(single_hop)}** of these single-hop items "
                         "(gold answer contained in its answer).\n"
                     )
                 chk = result.get("single_hop_check") or {}
@@ -710,7 +712,7 @@ def render_markdown(result: dict, files: dict, report_path: Path, assets: Path) 
             f"\nKV on disk per 1k tokens (measured on {fp['tokens']} tokens of passages; bound = "
             f"2 × {fp['layers']} layers × {fp['kv_heads']} KV heads × {fp['head_dim']} dims × bytes × 1000):\n"
         )
-        rows = [
+        footprint_rows = [
             [
                 dt,
                 f"{fp[dt]['bytes_per_1k'] / 2**20:.2f} MiB",
@@ -730,7 +732,7 @@ def render_markdown(result: dict, files: dict, report_path: Path, assets: Path) 
                     "bound / 1k tok",
                     "measured / bound",
                 ],
-                rows,
+                footprint_rows,
             )
             + "\n"
         )

@@ -13,17 +13,22 @@ from kvrag.bench.config import REFERENCE
 
 log = logging.getLogger("kvrag.bench")
 
-log = logging.getLogger("kvrag.bench")
+
+def _numbers(xs: Sequence[float | None]) -> list[float]:
+    """The values of ``xs`` that are numbers: None (not measured) and NaN left out."""
+    return [x for x in xs if x is not None and not (isinstance(x, float) and math.isnan(x))]
 
 
-def median_of(xs: Sequence[float]) -> float | None:
-    xs = [x for x in xs if x is not None and not (isinstance(x, float) and math.isnan(x))]
-    return statistics.median(xs) if xs else None
+def median_of(xs: Sequence[float | None]) -> float | None:
+    """The median of the measured values of ``xs``; None when there is none."""
+    vals = _numbers(xs)
+    return statistics.median(vals) if vals else None
 
 
-def mean_of(xs: Sequence[float]) -> float | None:
-    xs = [x for x in xs if x is not None and not (isinstance(x, float) and math.isnan(x))]
-    return sum(xs) / len(xs) if xs else None
+def mean_of(xs: Sequence[float | None]) -> float | None:
+    """The mean of the measured values of ``xs``; None when there is none."""
+    vals = _numbers(xs)
+    return sum(vals) / len(vals) if vals else None
 
 
 SUMMARY_FIELDS = [
@@ -135,9 +140,8 @@ def summarize(records: list[dict]) -> list[dict]:
             for r in ok
             if r.get("gold_ll") is not None and r["example_id"] in {x["example_id"] for x in refs}
         ]
-        row["gold_ll_rel_gap"] = (
-            M.relative_gap(mean_of(mine), mean_of([r["gold_ll"] for r in refs])) if mine and refs else None
-        )
+        mine_ll, ref_ll = mean_of(mine), mean_of([r["gold_ll"] for r in refs])
+        row["gold_ll_rel_gap"] = M.relative_gap(mine_ll, ref_ll) if mine_ll is not None and ref_ll is not None else None
         # QA score kept, on the examples both ran: ratio to full_prefill's mean and the loss in
         # points (x100), for gold F1 and for gold accuracy (answer contained).
         for metric in ("gold_f1", "gold_acc"):
@@ -150,8 +154,11 @@ def summarize(records: list[dict]) -> list[dict]:
                 (r[metric], ref[r["example_id"]]) for r in ok if r.get(metric) is not None and r["example_id"] in ref
             ]
             mine_mean, ref_mean = mean_of([a for a, _ in both]), mean_of([b for _, b in both])
-            row[f"{metric}_ratio"] = mine_mean / ref_mean if both and ref_mean else None
-            row[f"{metric}_loss_pts"] = 100 * (ref_mean - mine_mean) if both else None
+            # Both means exist when some example ran on each (``both`` not empty).
+            row[f"{metric}_ratio"] = mine_mean / ref_mean if mine_mean is not None and ref_mean else None
+            row[f"{metric}_loss_pts"] = (
+                100 * (ref_mean - mine_mean) if mine_mean is not None and ref_mean is not None else None
+            )
         rows.append(row)
     return rows
 

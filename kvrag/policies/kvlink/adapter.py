@@ -263,13 +263,15 @@ def save_adapter(out_dir: Path, links: torch.Tensor, peft_model, meta: dict) -> 
     os.replace(tmp, out_dir / META_FILE)
 
 
-def adapt_model(handle: ModelHandle, kvlink_adapter: str | os.PathLike, policy_name: str) -> ModelHandle:
+def adapt_model(
+    handle: ModelHandle, kvlink_adapter: str | os.PathLike | KVLinkAdapter, policy_name: str
+) -> ModelHandle:
     """``KVRag(kvlink_adapter=...)`` -> the model a KVRag runs. ``"default"``: the adapter found
     for this model (``find_adapter``) when it applies without surprise -- a links-only adapter
     always (it changes no weight, fingerprint or other policy), one with LoRA weights only for
-    a KVRag whose policy is ``"kvlink"``; ``"links"``: links-only adapters only; ``"auto"`` or
-    a directory: that adapter, whatever it holds. A LoRA adapter may change every K/V: the
-    adapted model is a copy with its own fingerprint."""
+    a KVRag whose policy is ``"kvlink"``; ``"links"``: links-only adapters only; ``"auto"``, a
+    directory or a loaded ``KVLinkAdapter``: that adapter, whatever it holds. A LoRA adapter may
+    change every K/V: the adapted model is a copy with its own fingerprint."""
     if isinstance(kvlink_adapter, str) and kvlink_adapter in ("default", "links"):
         found = default_adapter(handle, allow_lora=kvlink_adapter == "default" and policy_name == "kvlink")
         return handle if found is None else apply_adapter(handle, found)
