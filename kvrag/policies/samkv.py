@@ -48,7 +48,7 @@ from dataclasses import dataclass
 import torch
 
 from kvrag.checks import check_int, check_real, check_seq
-from kvrag.policies.base import Policy, RecomputeParams, order_by_score, param, top_indices
+from kvrag.policies.base import Policy, RecomputeParams, order_by_score, param, rank_keys, top_indices
 from kvrag.policies.registry import register
 from kvrag.query.state import CACHED
 
@@ -220,7 +220,8 @@ def tie_scale(scores: list[torch.Tensor]) -> float:
     blocks (``scores[i]`` [M_i]). One document's own scores are not it: two blocks whose
     z-scores average to 0 over the layers are rounding noise around 0, a tie to break by
     position, not a ranking to read from that noise."""
-    return max((float(s.abs().max()) for s in scores if s.numel()), default=0.0)
+    flat = torch.cat([s.reshape(-1) for s in scores]) if scores else torch.zeros(0)
+    return float(flat.abs().max()) if flat.numel() else 0.0  # one reduction, whatever the document count
 
 
 def pool_order(scores: list[torch.Tensor], cands: list[list[int]]) -> list[tuple[int, int]]:
@@ -350,7 +351,12 @@ def select_blocks(
     # Index tables built on the host, one entry per document token (its document, middle block
     # -- n_blk for none --, anchor document -- n_docs for a middle token), per middle block
     # (document, length) and per document (middle blocks, anchor tokens).
-    cols, col_doc, col_blk, col_anc, blk_doc, blk_len = [], [], [], [], [], []
+    cols: list[int] = []
+    col_doc: list[int] = []
+    col_blk: list[int] = []
+    col_anc: list[int] = []
+    blk_doc: list[int] = []
+    blk_len: list[int] = []
     for i, doc in enumerate(docs):
         cols.extend(range(doc.start, doc.end))
         col_doc.extend([i] * (doc.end - doc.start))
@@ -393,7 +399,17 @@ def select_blocks(
     scores = list(score_h.split(ms))
     # Each document's candidates: its k best blocks, ties to the earlier block.
     scale = tie_scale(scores)
-    cands = [top_indices(scores[i], min(mi, math.ceil(p_h[i] * mi - 1e-9)), scale).tolist() for i, mi in enumerate(ms)]
+    # The keys of all documents' blocks at once (a fixed scale makes a block's grid value its own,
+    # and a document's blocks keep their order within the whole): top_indices per document, in a
+    # number of ops that does not grow with the documents.
+    keys = rank_keys(score_h, scale).tolist()
+    cands: list[list[int]] = []
+    off = 0
+    for i, mi in enumerate(ms):
+        k = max(0, min(mi, math.ceil(p_h[i] * mi - 1e-9)))
+        row = keys[off : off + mi]
+        cands.append(sorted(sorted(range(mi), key=row.__getitem__, reverse=True)[:k]))
+        off += mi
     kept: list[list[int]] = [[] for _ in docs]
     used = 0
     for i, b in pool_order(scores, cands):
@@ -402,7 +418,7 @@ def select_blocks(
                 break
             kept[i].append(b)
             used += 1
-        else:
+        elif budget_tokens is not None:  # always, when budget_blocks is None (exactly one is given)
             s0, e0 = docs[i].middle[b]
             if used + (e0 - s0) <= budget_tokens:
                 kept[i].append(b)
@@ -591,9 +607,11 @@ class SamKV(Policy):
         own_rows = [r for r in range(n) if not cached[r] or r in query]
         head = [r for r in own_rows if r not in query]
         q_rows = [r for r in own_rows if r in query]
-        loc_rows, loc_doc, doc_of = [], [], [-1] * n
+        loc_rows: list[int] = []
+        loc_doc: list[int] = []
+        doc_of_host = [-1] * n  # each row's document, -1 for rows outside every document
         for j, d in enumerate(docs):
-            doc_of[d.start : d.end] = [j] * (d.end - d.start)
+            doc_of_host[d.start : d.end] = [j] * (d.end - d.start)
         for t, j in enumerate(todo):
             d = docs[j]
             lo = max(d.start, d.end - self.params.local_blocks * d.block_size)
@@ -601,7 +619,7 @@ class SamKV(Policy):
             loc_doc.extend([t] * (d.end - lo))
         n_own = len(head) + len(q_rows)
         rows_cpu = torch.tensor(head + q_rows + loc_rows)
-        rows, doc_of = rows_cpu.to(dev), torch.tensor(doc_of, device=dev)
+        rows, doc_of = rows_cpu.to(dev), torch.tensor(doc_of_host, device=dev)
         # Own rows see the compressed cache and the own rows before them; local rows their own
         # document's keys before them (their original context, RoPE being relative).
         see_own = (forced.to(dev) | (doc_of < 0))[None, :]
