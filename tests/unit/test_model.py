@@ -17,6 +17,7 @@ from kvrag.errors import KVRagError, ModelLoadError
 from kvrag.model import ModelHandle
 from kvrag.testing import TINY_MODEL_TYPES, smollm2_tokenizer, tiny_llama
 
+
 # ---- fingerprints on tiny models ------------------------------------------------------------
 def test_fingerprint_is_deterministic_and_tracks_weights():
     a, b = tiny_llama(seed=0), tiny_llama(seed=0)
