@@ -75,14 +75,18 @@ class ProphetKVParams(RecomputeParams):
             raise ValueError("tie_tolerance must be > 0 (it is the grid ties are read on)")
 
 
-def ranked_top(scores: torch.Tensor, k: int, grid: float) -> torch.Tensor:
-    """Indices of the ``k`` best ``scores`` [M], best first. Scores are read on a grid of step
-    ``grid`` and equal grid values rank by index (earlier first): a stable sort, so the
-    choice among near-ties is the same on every device and summation order."""
+def ranked_top(scores: torch.Tensor, k: int, grid: float, exclude: torch.Tensor | None = None) -> torch.Tensor:
+    """Indices of the ``k`` best finite ``scores`` [M], best first, never one where ``exclude``
+    (bool [M]) is set. Scores are read on a grid of step ``grid`` and equal grid values rank
+    by index (earlier first): a stable sort, so the choice among near-ties is the same on every
+    device and summation order."""
     k = max(0, min(int(k), scores.numel()))
     if k == 0:
         return torch.empty(0, dtype=torch.long, device=scores.device)
     snapped = torch.div(scores.float(), grid, rounding_mode="floor")
+    if exclude is not None:
+        # After the division: a floor division of -inf is NaN, which sorts first.
+        snapped = snapped.masked_fill(exclude, float("-inf"))
     return torch.sort(snapped, descending=True, stable=True).indices[:k]
 
 
@@ -162,10 +166,9 @@ class ProphetKV(Policy):
         del state.scratch["prophetkv.logits"]
         # Stage 2. Only cached tokens compete for the budget (the engine computes the others).
         plain = (state.layout.kind[:qs] != CACHED).to(score.device)
-        fused = score.masked_fill(plain, float("-inf"))
         # Fused mass as a share of the question's attention: H x Q per layer ('mean' sums them).
         H, nq = q.shape[0], state.layout.n - qs
         layers = len(logits) if p.fusion == "mean" else 1
         # Rows are token indices here (every token is active in stage 1); the engine needs no
         # order, so the selection is returned as ranked.
-        return ranked_top(fused, budget, p.tie_tolerance * H * nq * layers)
+        return ranked_top(score, budget, p.tie_tolerance * H * nq * layers, exclude=plain)
