@@ -156,7 +156,8 @@ class ModelHandle:
 
     Attributes: ``model``, ``tokenizer``, ``fingerprint`` (sha256 hex), ``fingerprint_parts``
     (what went into it), ``device``, ``dtype`` (compute dtype), ``max_context``
-    (``config.max_position_embeddings``), ``source`` (path loaded from, or None) and
+    (``config.max_position_embeddings``), ``source`` (path loaded from, ``org/name@<commit>`` for a
+    Hugging Face repo id, or None) and
     ``load_info`` (``{"weights_dir": ..., "converted": bool}``: whether this load ran a
     GGUF conversion or read a cached one)."""
 

@@ -28,7 +28,7 @@ def lay_out_repo(cache: Path, repo_id: str, commit: str, files: dict[str, bytes]
     snapshot directory."""
     repo = cache / f"models--{repo_id.replace('/', '--')}"
     snapshot = repo / "snapshots" / commit
-    snapshot.mkdir(parents=True)
+    snapshot.mkdir(parents=True, exist_ok=True)
     (repo / "blobs").mkdir(exist_ok=True)
     for name, data in files.items():
         blob = repo / "blobs" / hashlib.sha256(data).hexdigest()
@@ -140,6 +140,58 @@ def test_incomplete_snapshot_offline_names_the_missing_weights(hf_cache, model_d
     lay_out_repo(hf_cache, REPO, COMMIT_A, files)
     with pytest.raises(ModelLoadError, match=r"is incomplete in \(model.safetensors missing\)"):
         ModelHandle.load(REPO, cache_dir=tmp_path / "home")
+
+
+def fake_hub(monkeypatch, cache: Path, remote: dict[str, bytes], fetched: list):
+    """Stand in for the Hub behind ``snapshot_download`` (unit tests have no network): online
+    calls copy the files of ``remote`` that ``allow_patterns`` selects into ``cache`` as a real
+    download does, and record them in ``fetched``; cache-only calls go to huggingface_hub."""
+    from huggingface_hub.utils import filter_repo_objects
+
+    real = huggingface_hub.snapshot_download
+
+    def snapshot_download(repo_id, *, revision=None, allow_patterns=None, local_files_only=False, **kw):
+        if local_files_only:
+            return real(repo_id, revision=revision, allow_patterns=allow_patterns, local_files_only=True, **kw)
+        chosen = list(filter_repo_objects(remote, allow_patterns=allow_patterns))
+        fetched.extend(chosen)
+        return str(lay_out_repo(cache, repo_id, COMMIT_A, {n: remote[n] for n in chosen}))
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+
+
+def test_online_download_fetches_only_what_loading_needs(hf_cache, model_dir, tmp_path, monkeypatch):
+    marker = tmp_path / "unpickled"
+    remote = dict(dir_files(model_dir))
+    remote["pytorch_model.bin"] = pickle.dumps(_Tripwire(marker))  # the same weights, pickled
+    remote["consolidated.safetensors"] = remote["model.safetensors"]  # the same weights, another layout
+    remote["README.md"] = b"# tiny"
+    fetched: list = []
+    fake_hub(monkeypatch, hf_cache, remote, fetched)
+
+    h = ModelHandle.load(REPO, cache_dir=tmp_path / "home")
+    assert h.source == f"{REPO}@{COMMIT_A}"
+    assert "model.safetensors" in fetched and "config.json" in fetched and "tokenizer.json" in fetched
+    assert not {"pytorch_model.bin", "consolidated.safetensors", "README.md"} & set(fetched)
+    assert h.fingerprint == ModelHandle.load(model_dir, cache_dir=tmp_path / "home").fingerprint
+    assert not marker.exists()
+
+    fetched.clear()  # cached now: the next load does not ask the Hub
+    assert ModelHandle.load(REPO, cache_dir=tmp_path / "home").fingerprint == h.fingerprint
+    assert fetched == []
+
+
+def test_online_repo_without_safetensors_is_refused(hf_cache, model_dir, tmp_path, monkeypatch):
+    marker = tmp_path / "unpickled"
+    remote = {k: v for k, v in dir_files(model_dir).items() if not k.endswith(".safetensors")}
+    remote["pytorch_model.bin"] = pickle.dumps(_Tripwire(marker))
+    fetched: list = []
+    fake_hub(monkeypatch, hf_cache, remote, fetched)
+    with pytest.raises(ModelLoadError, match=r"lacks model.safetensors.*never pickled pytorch_model.bin"):
+        ModelHandle.load(REPO, cache_dir=tmp_path / "home")
+    assert "pytorch_model.bin" not in fetched and not marker.exists()
 
 
 class _Tripwire:
