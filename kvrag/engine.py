@@ -10,6 +10,7 @@ Integrations (LlamaIndex, LangChain) and the CLI talk to this class only::
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import numbers
 import os
@@ -23,6 +24,7 @@ import torch
 from kvrag.arch import Arch
 from kvrag.checks import check_int, check_seq
 from kvrag.ingest import STORAGE_DTYPES, Ingestor, cache_fingerprint, resolve_anchor
+from kvrag.limits import entry_bytes_bound
 from kvrag.model import ModelHandle, default_home
 from kvrag.policies import Policy, get_policy
 from kvrag.policies.kvlink.adapter import adapt_model
@@ -224,6 +226,9 @@ class KVRag:
             from kvrag.store.tiered import TieredStore
 
             self.store = TieredStore(self.store, far)
+            if hasattr(far, "limit_entry_bytes"):  # fetch nothing larger than this model writes
+                itemsize = STORAGE_DTYPES[storage_dtype].itemsize
+                far.limit_entry_bytes(entry_bytes_bound(self.arch, self.handle.max_context, itemsize))
             if precompute_via == "queue":
                 from kvrag.remote import RedisQueue
 
@@ -351,6 +356,29 @@ class KVRag:
             pol.check_layout(layout, self.arch)
         return _Prepared(pol, pieces, seg_stats, layout, t0, time.perf_counter(), known, pending)
 
+    def _fit_context(self, sampling: Sampling, prep: "_Prepared") -> Sampling:
+        """``sampling`` with ``max_new_tokens`` clamped (with a warning) so that the prompt and
+        the answer fit in the model's context: positions past it were never trained, and
+        decoding there degenerates silently. ValueError if the prompt leaves no room."""
+        n = prep.layout.n if prep.layout is not None else sum(int(p.token_ids.numel()) for p in prep.pieces)
+        room = self.handle.max_context - n
+        if room < 1 and sampling.max_new_tokens:
+            raise ValueError(
+                f"prompt of {n} tokens leaves no room to generate in the model context "
+                f"({self.handle.max_context} tokens); shorten the prompt"
+            )
+        if sampling.max_new_tokens <= room:
+            return sampling
+        log.warning(
+            "max_new_tokens=%d does not fit after a %d-token prompt in the model context (%d tokens); "
+            "generating at most %d",
+            sampling.max_new_tokens,
+            n,
+            self.handle.max_context,
+            room,
+        )
+        return dataclasses.replace(sampling, max_new_tokens=room)
+
     def _fuse(self, prep: "_Prepared"):
         """The prefill itself, after ``_prepare``: (logits [V], stepper, stats, prompt ids)."""
         pol, pieces, seg_stats, layout = prep.policy, prep.pieces, prep.seg_stats, prep.layout
@@ -421,6 +449,7 @@ class KVRag:
         t_call = time.perf_counter()
         pol = get_policy(policy if policy is not None else self.policy, **policy_params)
         prep = self._prepare(self.render(prompt), pol, t_call)
+        sampling = self._fit_context(sampling, prep)
         prep_s = time.perf_counter() - t_call
         holder: Stream
 

@@ -43,3 +43,15 @@ def max_chunk_chars(tokenizer, max_tokens: int) -> int | None:
     """Characters beyond which a text certainly exceeds ``max_tokens`` tokens (None: unknown)."""
     per = max_token_chars(tokenizer)
     return per * max_tokens if per else None
+
+
+def check_chunk_chars(text: str, max_chars: int | None, max_tokens: int) -> None:
+    """ChunkError, before any tokenization, for a text longer than ``max_chars`` characters
+    (it cannot fit in ``max_tokens`` tokens)."""
+    if max_chars is not None and len(text) > max_chars:
+        from kvrag.errors import ChunkError
+
+        raise ChunkError(
+            f"chunk of {len(text)} characters cannot fit in the model context ({max_tokens} tokens: at most "
+            f"{max_chars} characters with this tokenizer); split the document into smaller chunks"
+        )
