@@ -162,9 +162,10 @@ def test_wrong_typed_index_key_breaks_no_query(redis_url, prefix, handle, tmp_pa
         stats = b.store.stats()
     assert out.token_ids == a.generate(prompt, policy="full_prefill", max_new_tokens=4).token_ids
     assert "corrupt" in stats["shared"]
-    # The foreign value was replaced: re-ingestion lists the chunks again for every replica.
-    a.precompute(DOCS)
-    assert set(_store(redis_url, prefix).texts(a.fingerprint)) == {a.chunk_key(d) for d in DOCS}
+    # The foreign value was replaced: a new chunk is listed, and re-ingestion lists the old
+    # ones again, for every replica.
+    a.precompute(CORPUS[3:4] + DOCS)
+    assert set(_store(redis_url, prefix).texts(a.fingerprint)) == {a.chunk_key(d) for d in CORPUS[:4]}
 
 
 def test_index_over_its_bounds_keeps_the_last_listing(redis_url, prefix, caplog):

@@ -41,7 +41,11 @@ makes the entry a miss, and its index entry is dropped when a read finds it gone
 
 Redis unreachable: reads are misses and listing returns what was seen last, with one
 warning per outage (``kvrag.store.shared`` logger); writes raise ``SharedStoreDown`` (the
-tiered store catches it: the near tiers hold the entry). After a failure the store skips
+tiered store catches it: the near tiers hold the entry). An error reply (OOM, READONLY,
+WRONGTYPE, NOGROUP, ...) is handled the same way -- a read is a miss, a write raises
+``SharedStoreRefused`` (a ``SharedStoreDown``) -- with one warning per cause. Every read is
+bounded before it is made (see ``_read`` and ``texts``): Redis is data, and the worst a
+crafted value may do is a miss. After a failure the store skips
 Redis for ``retry_s`` instead of paying a connect timeout on every chunk read, then tries
 again: redis-py opens a new connection for the next command, so it reconnects by itself.
 """
