@@ -93,6 +93,8 @@ MAX_PART_BYTES = 2**29
 # millions of parts costs one small batch before its first missing part ends the read.
 _PART_BATCH = 1024
 _BATCH_BYTES = 2**26
+# Parts deleted with an entry found evicted or corrupt (a 4 MiB-part entry of 16 GiB has 4,096).
+_REMOVED_PARTS = 4 * _PART_BATCH
 # The index is read only while it stays under these (entries, bytes); a larger one keeps the
 # listing last read (a crafted index must not cost every replica its memory).
 MAX_INDEX_ENTRIES = 200_000
@@ -336,6 +338,7 @@ class RedisStore(ChunkStore):
         }
         self._index_version: bytes | None = None
         self._index: dict[str, tuple[str, str]] = {}  # key -> (text, fingerprint), last read
+        self._index_refused: tuple | None = None  # (version, entries) of an index over a bound
 
     def __repr__(self) -> str:
         return f"RedisStore({redact(self.url)!r}, prefix={self.prefix!r})"
@@ -616,11 +619,16 @@ class RedisStore(ChunkStore):
                 raise
             if version == self._index_version and n == len(self._index):
                 return
+            if (version, n) == self._index_refused:
+                return  # still the index found over a bound: not read again until it changes
             if n > self.max_index_entries:
+                self._index_refused = (version, n)
                 self._refused(StoreError(f"INDEXTOOBIG the text index lists {n} entries (> {self.max_index_entries})"))
                 return
             index = self._read_index()
-            if index is not None:
+            if index is None:
+                self._index_refused = (version, n)
+            else:
                 self._index, self._index_version = index, version
 
         self._call(run)
@@ -817,7 +825,9 @@ class RedisStore(ChunkStore):
     def _remove(self, key: str, meta: dict[str, Any] | None) -> None:
         """Delete ``key``'s meta (only the version ``meta`` read: a good entry another replica
         has just written survives; None: only while it is still not kvrag's), its parts and
-        its index entry."""
+        its index entry: the first ``_REMOVED_PARTS`` of its declared parts at most -- an entry
+        kvrag writes has far fewer, and a crafted meta that declares 400,000 parts must not
+        cost 400,000 DELs."""
         import redis
 
         name = self._meta(key)
@@ -841,7 +851,7 @@ class RedisStore(ChunkStore):
                 return
         self._list(key, None)
         if meta is not None:
-            self._delete_parts(key, meta)
+            self._delete_parts(key, meta, _REMOVED_PARTS)
 
     def _drop_corrupt(self, key: str, meta: dict[str, Any] | None, problem: str) -> None:
         """Log, count and delete an entry that failed verification (see ``_remove``)."""
@@ -893,10 +903,12 @@ class RedisStore(ChunkStore):
                     raise
                 self._repair_index()
 
-    def _delete_parts(self, key: str, meta: dict[str, Any]) -> None:
-        names = [self._part(key, meta["ver"], i) for i in range(meta["parts"])]
-        for i in range(0, len(names), _PART_BATCH):
-            self.client.delete(*names[i : i + _PART_BATCH])
+    def _delete_parts(self, key: str, meta: dict[str, Any], limit: int | None = None) -> None:
+        """Delete the parts of ``meta``'s version (the first ``limit`` only, if given), a
+        batch of names at a time."""
+        n = meta["parts"] if limit is None else min(limit, meta["parts"])
+        for start in range(0, n, _PART_BATCH):
+            self.client.delete(*(self._part(key, meta["ver"], i) for i in range(start, min(start + _PART_BATCH, n))))
 
     def _hmget(self, name: str) -> list:
         """A meta hash's fields (``_META_FIELDS``), or [] when the key holds something else."""
