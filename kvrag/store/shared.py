@@ -431,7 +431,12 @@ class RedisStore(ChunkStore):
             return
         now = time.monotonic()
         if now >= self._room_read_at:
-            self._maxmemory = int(self.client.info("memory").get("maxmemory") or 0)
+            import redis
+
+            try:
+                self._maxmemory = int(self.client.info("memory").get("maxmemory") or 0)
+            except (redis.ResponseError, ValueError, TypeError):  # INFO refused (ACL): not checked
+                self._maxmemory = 0
             self._room_read_at = now + 60.0
         if self._maxmemory and size > self._maxmemory // 4:
             e = StoreError(
