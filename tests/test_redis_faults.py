@@ -398,3 +398,15 @@ def test_a_single_entry_round_trip_still_holds(redis_url, prefix):
     store.put(key, e)
     assert store.ensure_indexed(key) and same(store.get(key, FP), e)
     assert torch.equal(store.get(key, FP).keys, e.keys)
+
+
+def test_cache_stats_shared_reports_wrong_typed_keys_without_a_traceback(redis_url, prefix):
+    from kvrag.cli.cache import shared_stats
+    from kvrag.remote import streams_key
+
+    c = redis.Redis.from_url(redis_url)
+    c.set(prefix + "{idx}", "x")
+    c.set(streams_key(prefix), "x")
+    out = shared_stats(redis_url, prefix)
+    assert out["listed"] is None and "WRONGTYPE" in out["queues_error"]
+    assert out.get("reachable", True)  # the server answered: not reported as down

@@ -663,7 +663,15 @@ class RedisStore(ChunkStore):
         lookups = c["hits"] + c["misses"]
 
         def run():
-            listed = self.client.hlen(self._idx)
+            import redis
+
+            try:
+                listed = self.client.hlen(self._idx)
+            except redis.ResponseError as e:  # an index of another type: the rest is still reported
+                if _routing_error(e):
+                    raise
+                self._refused(e)
+                listed = None
             if not self.cluster:
                 mem = self.client.info("memory")
                 return {
