@@ -84,8 +84,9 @@ class Ingestor:
         SmolLM) the ids of the text alone; for SentencePiece ones that mark the first word
         of a text (Llama 2, Mistral) the ids without that mark. A prompt reuses the chunk only
         where its own tokenization holds exactly these ids (``kvrag.query.lookup``)."""
+        if isinstance(text, str):  # before the checks that copy it (its UTF-8 encoding)
+            check_chunk_chars(text, self.max_chars, self.handle.max_context)
         validate_chunk_text(text)
-        check_chunk_chars(text, self.max_chars, self.handle.max_context)
         ids = spell_chunk(self.handle, text, self.newline_ids)
         if len(ids) > self.handle.max_context:
             raise ChunkError(

@@ -184,6 +184,11 @@ def test_index_over_its_bounds_keeps_the_last_listing(redis_url, prefix, caplog)
     c.delete(store._idx)
     c.hset(store._idx, mapping={f"big{i}": '{"text": "' + "y" * 4000 + '", "fingerprint": "f"}' for i in range(40)})
     c.incr(store._idxv)
+    assert store.texts(FP) == {key: e.text}  # refused on Redis's estimate, unread
+    # 20 rows of 4 KB: under twice the bound by estimate, over it counted exactly while read.
+    c.delete(store._idx)
+    c.hset(store._idx, mapping={f"big{i}": '{"text": "' + "y" * 4000 + '", "fingerprint": "f"}' for i in range(20)})
+    c.incr(store._idxv)
     assert store.texts(FP) == {key: e.text}
 
 

@@ -630,7 +630,7 @@ class RedisStore(ChunkStore):
                 self._index_refused = (version, n)
                 self._refused(StoreError(f"INDEXTOOBIG the text index lists {n} entries (> {self.max_index_entries})"))
                 return
-            index = self._read_index()
+            index = None if self._index_estimate_over() else self._read_index()
             if index is None:
                 self._index_refused = (version, n)
             else:
@@ -638,6 +638,24 @@ class RedisStore(ChunkStore):
 
         self._call(run)
         return {k: t for k, (t, fp) in self._index.items() if fingerprint is None or fp == fingerprint}
+
+    def _index_estimate_over(self) -> bool:
+        """Whether Redis's own estimate of the index's memory (``MEMORY USAGE``, from a few
+        sampled rows: O(1)) is over twice ``max_index_bytes``: refused without reading a row.
+        Below that, ``_read_index`` counts the bytes exactly. A server without the command
+        (or refusing it) gives no estimate."""
+        import redis
+
+        try:
+            estimate = self.client.memory_usage(self._idx, samples=5)
+        except redis.ResponseError as e:
+            if _routing_error(e):
+                raise
+            return False
+        if estimate is not None and estimate > 2 * self.max_index_bytes:
+            self._refused(StoreError(f"INDEXTOOBIG the text index takes about {estimate} bytes in Redis"))
+            return True
+        return False
 
     def _read_index(self) -> dict[str, tuple[str, str]] | None:
         """The index, read a batch at a time (HSCAN); None once it passes ``max_index_bytes``."""
