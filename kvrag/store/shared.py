@@ -589,11 +589,11 @@ class RedisStore(ChunkStore):
             self._drop_corrupt(key, found[1], found[2])
             return False
         meta = found[1]
-        listing = _listing_from_head(self._head(key, meta))
+        head, listed = self._head(key, meta)
+        listing = _listing_from_head(head)
         if listing is None:
             self._drop_corrupt(key, meta, "its blob's header is unreadable")
             return False
-        listed = self.client.hget(self._idx, key)
         if listed != listing.encode("utf-8"):
             self._list(key, listing)
             log.warning(
@@ -832,26 +832,33 @@ class RedisStore(ChunkStore):
                 raise
             return f"a part is not a string ({error_cause(e)})"
 
-    def _head(self, key: str, meta: dict[str, Any]) -> bytes:
-        """The blob's first bytes, through the end of its header (bounded by its size and the
-        largest header a blob may have), read across parts if the header spans several."""
+    def _head(self, key: str, meta: dict[str, Any]) -> tuple[bytes, bytes | None]:
+        """(the blob's first bytes, through the end of its header -- bounded by its size and
+        the largest header a blob may have, read across parts if it spans several --, the
+        index row of ``key``), in one round trip when the header fits in ``_HEAD_BYTES``."""
         want = min(meta["size"], _HEAD_BYTES)
-        head = self._range(key, meta, want)
+        p = self.client.pipeline(transaction=False)
+        self._queue_range(p, key, meta, want)
+        p.hget(self._idx, key)
+        *parts, listed = p.execute(raise_on_error=False)
+        if isinstance(listed, Exception):  # the index: not this entry's problem (see ``texts``)
+            raise listed
+        head = b"" if any(not isinstance(x, bytes) for x in parts) else b"".join(parts)
         if len(head) >= 8:
             n = 8 + int.from_bytes(head[:8], "little")
             if want < n <= min(meta["size"], MAX_HEADER_BYTES + 8):
-                head = self._range(key, meta, n)
-        return head
+                p = self.client.pipeline(transaction=False)
+                self._queue_range(p, key, meta, n)
+                got = self._execute_parts(p)
+                head = b"" if isinstance(got, str) else b"".join(got)
+        return head, listed
 
-    def _range(self, key: str, meta: dict[str, Any], n: int) -> bytes:
-        """The blob's first ``n`` bytes (fewer if a part is gone)."""
-        p = self.client.pipeline(transaction=False)
+    def _queue_range(self, p, key: str, meta: dict[str, Any], n: int) -> None:
+        """Queue on pipeline ``p`` the reads of the blob's first ``n`` bytes, part by part."""
         i = 0
         while i * meta["part_size"] < n:
             p.getrange(self._part(key, meta["ver"], i), 0, min(meta["part_size"], n - i * meta["part_size"]) - 1)
             i += 1
-        got = self._execute_parts(p)
-        return b"" if isinstance(got, str) else b"".join(got)
 
     def _remove(self, key: str, meta: dict[str, Any] | None) -> None:
         """Delete ``key``'s meta (only the version ``meta`` read: a good entry another replica
