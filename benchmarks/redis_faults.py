@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 import redis
 from test_shared_store import FP, entry
 
-from kvrag.store.shared import RedisStore
+from kvrag.store.redis_store import RedisStore
 
 
 def peak():
@@ -93,7 +93,7 @@ try:
         )
     elif case.startswith("job"):
         from kvrag.engine import KVRag
-        from kvrag.remote import Worker
+        from kvrag.precompute.worker import Worker
         from kvrag.testing import tiny_llama
 
         d = tempfile.mkdtemp()

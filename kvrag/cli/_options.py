@@ -14,8 +14,8 @@ MODEL_HELP = "HF model dir, .gguf or a model name: smollm2, gemma3-270m (default
 
 
 class _StoreIsNotHome(argparse.Action):
-    """``--cache-dir`` on a command that needs the kvrag home: it used to mean the home there,
-    and a store directory passed by habit would have become a second home silently."""
+    """``--cache-dir`` on a command that needs the kvrag home: refused, because a store directory
+    passed by habit would silently become a second home."""
 
     def __call__(self, parser, namespace, values, option_string=None):
         parser.error(

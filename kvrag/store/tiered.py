@@ -4,7 +4,7 @@ Write-through: ``put`` stores in the near tier, then the far one. Read-through: 
 is read from the far tier and promoted to the near one (in a background thread, so the query
 that found it does not wait for the disk write). Listing is the union of both, so a replica
 finds what other replicas stored. The far tier being unreachable never fails a read or a
-write here: the near tier serves or holds the entry (``kvrag.store.shared`` warns once per
+write here: the near tier serves or holds the entry (``kvrag.store.redis_store`` warns once per
 outage).
 
 Chunks stored while the far tier was unreachable are remembered (their keys, in memory, at
@@ -30,7 +30,7 @@ log = logging.getLogger("kvrag.store.tiered")
 
 
 class TieredStore(ChunkStore):
-    """``near`` (durable, local: a ``KVStore``) in front of ``far`` (shared: a ``RedisStore``).
+    """``near`` (durable, local: a ``DiskStore``) in front of ``far`` (shared: a ``RedisStore``).
 
     max_unsynced: how many chunks stored only locally (far tier unreachable) are remembered
     to be pushed up later; beyond it the oldest are forgotten (they stay local)."""
@@ -228,7 +228,7 @@ class TieredStore(ChunkStore):
 
 
 def push_missing(near: ChunkStore, far: ChunkStore, listed: dict[str, tuple[str, str]]) -> dict[str, int]:
-    """Copy each entry of ``listed`` (key -> (text, fingerprint), as ``KVStore.listed()``) that
+    """Copy each entry of ``listed`` (key -> (text, fingerprint), as ``DiskStore.listed()``) that
     ``far`` lacks from ``near`` to ``far``, read verified: to seed a shared tier from a local
     store, or after an outage that outlived the process that remembered what to push
     (``kvrag cache push``). Counts of pushed, already present and unreadable (a miss in

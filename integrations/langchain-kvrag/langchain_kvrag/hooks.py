@@ -2,8 +2,9 @@
 
 * :func:`precompute_on_add` / :class:`KVPrecomputeHook` — after a vector store's
   ``add_texts``, ``add_documents`` (and their async variants) or ``update_documents``, every
-  stored text is handed to the precomputer, once (whichever of them calls which). The store object is patched in place (its class is untouched),
-  so it stays what it was (``isinstance(store, Chroma)``), and ``detach`` undoes it.
+  stored text is handed to the precomputer, once (whichever of them calls which). The store
+  object is patched in place (its class is untouched), so it stays what it was
+  (``isinstance(store, Chroma)``), and ``detach`` undoes it.
 * :class:`KVWarmingRetriever` — wraps any retriever; every retrieved document whose KV is not
   cached yet (ingested before kvrag, or evicted) is scheduled, after the current query, so the
   next query that retrieves it hits the cache.
