@@ -957,7 +957,7 @@ class RedisStore(ChunkStore):
         except redis.ResponseError as e:
             if _routing_error(e):
                 raise
-            return {}
+            return []
 
 
 _META_FIELDS = ("ver", "tag", "size", "part_size", "parts")
