@@ -492,3 +492,25 @@ def test_cli_serves_a_model_dir_with_an_api_key_from_the_environment(handle, tmp
 
 
 _PIPES = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE}
+
+
+@pytest.mark.real
+def test_real_smollm2_greedy_answers_through_the_server_equal_generate(tmp_path):
+    rag = KVRag(cache_dir=tmp_path / "kv")  # the default SmolLM2-135M-Instruct
+    rag.precompute(DOCS)
+    questions = ["Where does the red fox live?", "How tall is Mount Kelvar?"]
+    with Scheduler(rag, max_concurrency=2) as sch, running(create_app(rag, sch)) as url:
+        c = client(url)
+        for policy in ("cacheblend", "full_prefill"):
+            for q in questions:
+                want = rag.generate(messages(q), max_new_tokens=16, policy=policy)
+                got = c.chat.completions.create(
+                    model="smollm2",
+                    messages=messages(q),
+                    max_tokens=16,
+                    temperature=0,
+                    extra_body={"kvrag": {"policy": policy}},
+                )
+                assert got.choices[0].message.content == want.text
+                assert got.usage.prompt_tokens_details.cached_tokens == want.stats.cached_tokens
+                assert (want.stats.cached_tokens > 0) == (policy != "full_prefill")
