@@ -137,6 +137,20 @@ FORBIDDEN = {
 }
 
 
+def test_only_the_cli_imports_the_server():
+    """``kvrag.serve`` (the HTTP server, on FastAPI) sits beside the CLI, above the facade: the
+    library never reaches it, so ``import kvrag`` stays free of any web framework."""
+    graph = _graph()
+    bad = sorted(
+        (m, n)
+        for m, deps in graph.items()
+        if not (m.startswith("kvrag.serve") or m.startswith("kvrag.cli"))
+        for n in deps
+        if n == "kvrag.serve" or n.startswith("kvrag.serve.")
+    )
+    assert not bad, f"modules below the server import it: {bad}"
+
+
 @pytest.mark.parametrize("layer", sorted(FORBIDDEN))
 def test_data_flows_one_way(layer):
     graph = _graph()
