@@ -514,3 +514,37 @@ def test_real_smollm2_greedy_answers_through_the_server_equal_generate(tmp_path)
                 assert got.choices[0].message.content == want.text
                 assert got.usage.prompt_tokens_details.cached_tokens == want.stats.cached_tokens
                 assert (want.stats.cached_tokens > 0) == (policy != "full_prefill")
+
+
+def test_oversized_bodies_and_chunks_are_refused_unread(rag):
+    with Scheduler(rag) as sch, running(create_app(rag, sch, max_body_bytes=4096, max_prompt_chars=1000)) as url:
+        r = httpx.post(url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "z" * 5000}]})
+        assert r.status_code == 413 and "over the limit" in r.json()["error"]["message"]
+        data = httpx.post(url + "/v1/chunks", json={"texts": ["q" * 1001, DOCS[0]]}).json()["data"]
+        assert data[0]["status"] == "rejected" and "too long" in data[0]["error"]
+        assert data[1]["status"] == "stored"
+
+
+def test_hooks_server_mode_checks_its_arguments_and_names_an_unreachable_server(rag):
+    from kvrag.serve.client import ServerChunks, ServerChunksError, hook_service
+
+    with pytest.raises(TypeError, match="not both"):
+        hook_service("KVPrecompute", rag, server="http://127.0.0.1:1")
+    with pytest.raises(TypeError, match="api_key= goes with server="):
+        hook_service("KVPrecompute", rag, api_key="k")
+    with pytest.raises(ValueError, match="http"):
+        ServerChunks("127.0.0.1:8000")
+    from redis_helpers import free_port
+
+    dead = ServerChunks(f"http://127.0.0.1:{free_port()}/v1", timeout=5)
+    with pytest.raises(ServerChunksError, match="cannot reach the kvrag server"):
+        dead.submit_many(DOCS)
+    with Scheduler(rag) as sch, running(create_app(rag, sch, api_key="k")) as url:
+        with pytest.raises(ServerChunksError, match="401"):
+            ServerChunks(url, api_key="wrong").submit_many(DOCS)
+        c = ServerChunks(url + "/v1/", api_key="k")
+        assert c.submit_many(DOCS + ["  "]) == [rag.chunk_key(d) for d in DOCS] + [None]
+        assert c.counts["stored"] == 3 and c.counts["rejected"] == 1
+        with pytest.raises(ServerChunksError, match="rejected"):
+            c.submit_many(["  "], skip_invalid=False)
+        assert c.wait_until_idle(timeout=30)

@@ -49,6 +49,9 @@ _KEY = re.compile(r"[0-9a-f]{64}")
 #: of CPU per request. No tokenizer kvrag supports averages more than a few characters per
 #: token, so this never refuses a prompt that fits.
 CHARS_PER_TOKEN_LIMIT = 32
+#: Largest request body read (bytes, from Content-Length): a 1M-character prompt is ~1 MB, a
+#: full /v1/chunks batch of long passages a few MB.
+MAX_BODY_BYTES = 32 << 20
 
 
 def create_app(
@@ -59,6 +62,7 @@ def create_app(
     api_key: str | None = None,
     precomputer=None,
     max_prompt_chars: int | None = None,
+    max_body_bytes: int = MAX_BODY_BYTES,
 ) -> FastAPI:
     """The app serving ``rag`` through ``scheduler`` (started and closed by the caller).
 
@@ -67,7 +71,8 @@ def create_app(
     ``Authorization: Bearer <key>`` (``/health`` and ``/metrics`` stay open, for probes and
     scrapers). precomputer: the ``Precomputer`` ``POST /v1/chunks`` feeds (default: the
     KVRag's shared one, the one its in-process hooks use). max_prompt_chars: longest prompt
-    read (default ``CHARS_PER_TOKEN_LIMIT`` x the model's context)."""
+    read (default ``CHARS_PER_TOKEN_LIMIT`` x the model's context). max_body_bytes: largest
+    request body (by its Content-Length; 413 past it)."""
     from kvrag.policies import get_policy
     from kvrag.serve.scheduler import GenerationRequest, SchedulerClosedError, SchedulerFullError
 
@@ -95,6 +100,7 @@ def create_app(
         log.exception("kvrag serve: unexpected error on %s", request.url.path)
         return _api_error_response(APIError(500, f"internal error: {type(e).__name__}: {e}", type="server_error"))
 
+    app.add_middleware(_BodyLimit, limit=max_body_bytes)
     app.add_middleware(_CountResponses, metrics=metrics)
 
     async def authorized(request: Request) -> None:
@@ -307,7 +313,8 @@ def create_app(
     @app.post("/v1/chunks", dependencies=auth)
     async def add_chunks(body: ChunksRequest):
         metrics.chunks_submitted.inc(len(body.texts))
-        return {"object": "list", "data": await asyncio.to_thread(_submit_chunks, rag, chunk_precomputer(), body.texts)}
+        data = await asyncio.to_thread(_submit_chunks, rag, chunk_precomputer(), body.texts, limit_chars)
+        return {"object": "list", "data": data}
 
     @app.get("/v1/chunks/{key}", dependencies=auth)
     async def chunk_status(key: str):
@@ -329,7 +336,7 @@ def create_app(
     return app
 
 
-def _submit_chunks(rag, pc, texts: list[str]) -> list[dict]:
+def _submit_chunks(rag, pc, texts: list[str], limit_chars: int) -> list[dict]:
     """Each text's key and what happened to it: "stored" (cached already), "queued" (the
     background precomputer computes it), "rejected" (never cacheable: empty, ...), "dropped"
     (the precompute queue stayed full: send it again later)."""
@@ -339,6 +346,9 @@ def _submit_chunks(rag, pc, texts: list[str]) -> list[dict]:
     out = []
     for i, text in enumerate(texts):
         item: dict[str, Any] = {"index": i}
+        if len(text) > limit_chars:  # refused unread, as a prompt of that size is
+            out.append({**item, "key": None, "status": "rejected", "error": f"{len(text):,} characters: too long"})
+            continue
         try:
             item["key"] = rag.chunk_key(text)
         except (ChunkError, ValueError) as e:
@@ -406,6 +416,22 @@ def _validation_error(e: RequestValidationError) -> APIError:
     param = ".".join(loc) or None
     more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
     return APIError(400, f"{param or 'body'}: {first.get('msg')}{more}", param=param)
+
+
+class _BodyLimit:
+    """ASGI middleware: a request whose Content-Length is over ``limit`` gets a 413 (OpenAI's
+    error shape) before its body is read."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            length = dict(scope.get("headers") or []).get(b"content-length", b"0")
+            if length.isdigit() and int(length) > self.limit:
+                e = APIError(413, f"request body of {int(length):,} bytes is over the limit ({self.limit:,})")
+                return await _api_error_response(e)(scope, receive, send)
+        return await self.app(scope, receive, send)
 
 
 class _CountResponses:
