@@ -30,6 +30,7 @@ from kvrag.checks import check_int
 from kvrag.engine import KVRag
 from kvrag.errors import KVRagError
 from kvrag.policies import Policy, get_policy
+from kvrag.query.batch import DecodeCache, decode_step
 from kvrag.query.decode import Sampling, TextStream, sample
 from kvrag.query.prompt import render_prompt
 from kvrag.query.state import FusionStats
@@ -199,7 +200,7 @@ class _Running:
     """A request between its prefill and its end: the decoder state the worker steps."""
 
     job: _Job
-    stepper: object
+    stepper: object  # the prefill's own decoder; None once ``cache`` took its K/V over
     stats: FusionStats
     text: TextStream
     gen: torch.Generator | None
@@ -207,6 +208,8 @@ class _Running:
     out: str = ""
     t_first: float | None = None
     t_prefill: float = 0.0
+    cache: DecodeCache | None = None  # set: the request decodes in the shared batched step
+    done: bool = False
 
 
 class Scheduler:
@@ -374,15 +377,20 @@ class Scheduler:
         if s.max_new_tokens == 0:
             self._end(r, "length")
             return
-        self._take(r, logits)
-
-    def _take(self, r: _Running, logits: torch.Tensor) -> None:
-        """Sample the next token from logits [V], stream its text, and end the request on EOS,
-        a stop string or its token budget (the rules of ``KVRag.stream``)."""
-        tok = sample(logits.cpu(), r.job.sampling, r.gen)
-        self._accept(r, tok)
+        try:
+            self._accept(r, sample(logits.cpu(), s, r.gen))
+            if not r.done:
+                # Rows for the tokens still to come, so a short answer never regrows its cache.
+                r.cache = DecodeCache.from_stepper(self.rag.arch, stepper, spare=min(s.max_new_tokens, 512))
+                if r.cache is not None:
+                    r.stepper = None  # the prefill's tensors go; the cache holds a copy
+        except Exception as e:
+            log.debug("request failed after its prefill", exc_info=True)
+            self._end(r, "error", e)
 
     def _accept(self, r: _Running, tok: int) -> None:
+        """Take the request's next token: stream its text, and end the request on EOS, a stop
+        string or its token budget (the rules of ``KVRag.stream``)."""
         if r.t_first is None:
             r.t_first = time.perf_counter()
             r.stats.ttft_s = r.t_first - r.t_prefill
@@ -397,19 +405,53 @@ class Scheduler:
             self._end(r, "length")
 
     def _decode_round(self) -> None:
-        """One decode step for every running request (one token each)."""
+        """One decode step for every running request (one token each): the batched step for
+        those whose cache it holds, then each own-decode request's stepper."""
         for r in list(self._running):
             if r.job.ticket.cancelled:
                 self._end(r, "cancelled")
-                continue
+        batch = [r for r in self._running if r.cache is not None]
+        if batch:
+            self._batched(batch)
+        for r in [r for r in self._running if r.cache is None]:
             try:
                 logits = r.stepper.step([r.tokens[-1]])[-1]
-                self._take(r, logits)
+                self._accept(r, sample(logits.cpu(), r.job.sampling, r.gen))
             except Exception as e:
                 log.debug("request failed at a decode step", exc_info=True)
                 self._end(r, "error", e)
 
+    def _batched(self, batch: list[_Running]) -> None:
+        """One ``decode_step`` over ``batch``; if it raises, each request is retried alone so
+        the failure ends only the request(s) it belongs to (the step left every cache as it
+        was)."""
+        try:
+            logits = decode_step(self.rag.arch, [r.cache for r in batch], [r.tokens[-1] for r in batch])
+        except Exception as e:
+            if len(batch) == 1:
+                log.debug("request failed at a decode step", exc_info=True)
+                self._end(batch[0], "error", e)
+            else:
+                for r in batch:
+                    self._batched([r])
+            return
+        # One host read for the batch: greedy rows take the device's argmax; sampled rows are
+        # drawn on the host with their own generator, as ``KVRag.stream`` draws them.
+        toks = logits.argmax(-1).tolist()
+        sampled = [i for i, r in enumerate(batch) if r.job.sampling.temperature > 0]
+        if sampled:
+            rows = logits[sampled].cpu()
+            for j, i in enumerate(sampled):
+                toks[i] = sample(rows[j], batch[i].job.sampling, batch[i].gen)
+        for r, tok in zip(batch, toks):
+            try:
+                self._accept(r, tok)
+            except Exception as e:  # detokenising this request's text
+                self._end(r, "error", e)
+
     def _end(self, r: _Running, reason: str, error: BaseException | None = None) -> None:
+        if r.done:
+            return
         if reason in ("stop", "length"):
             tail = r.text.flush() if not r.text.stopped else ""
             if tail:
@@ -423,7 +465,8 @@ class Scheduler:
             if r in self._running:
                 self._running.remove(r)
             self._service_s = 0.8 * self._service_s + 0.2 * (now - r.t_prefill)
-        r.stepper = None  # the request's cache goes now, not when the ticket is dropped
+        r.done = True
+        r.stepper = r.cache = None  # the request's cache goes now, not when the ticket is dropped
         ttft = r.t_first - r.job.t_submit if r.t_first is not None else None
         fin = Finished(
             r.out,
