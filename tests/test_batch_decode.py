@@ -18,6 +18,7 @@ POLICIES = [
     ("full_prefill", {}),
     ("cacheblend", {}),
     ("epic", {}),
+    ("a3", {"evict_budget": 40}),  # a cache thinned per layer and head (the longest prompt)
     ("a3", {}),
     ("naive_reuse", {}),
     ("kvlink", {}),
@@ -78,6 +79,7 @@ def test_batched_step_equals_each_request_alone(tmp_path, family):
         caches.append(cache)
         tokens.append(int(ref.logits.argmax()))
     assert len({c.pos for c in caches}) > 3  # lengths differ
+    assert caches[3].n[0] < caches[3].pos  # A3 evicted
     if any(w is not None for w in rag.arch.windows):
         assert max(c.pos for c in caches) > 4 * max(w for w in rag.arch.windows if w)  # the window binds
     for _ in range(6):

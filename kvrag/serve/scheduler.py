@@ -1,16 +1,40 @@
 """The request scheduler behind ``kvrag serve``: many requests, one model, one thread.
 
-``Scheduler.submit`` checks a ``GenerationRequest`` in the caller's thread (options, policy
-and its parameters, the prompt's length against the model's context) and queues it; one worker
-thread owns the model. Between decode steps it admits waiting requests (at most
-``max_concurrency`` run at once): each prompt is prefilled through ``KVRag``'s own query path
-(``_prepare``/``_fuse``: segmentation, chunk lookup, fusion under the request's policy), its
-first token sampled, and the request then takes one decode step per round with the others.
+``Scheduler.submit`` checks a ``GenerationRequest`` in the caller's thread (decoding options,
+the policy and its parameters against the model, the prompt's tokens against the model's
+context) and queues it; it never waits for the model. One worker thread owns the model and
+runs rounds:
 
-A ``Ticket`` is the caller's handle: iterate it (or ``async for``) for text deltas, ``result()``
-for the ``Finished`` record, ``cancel()`` to stop at the next step. A request that fails after
-admission (a store fault, an exception in its prefill or decode) ends alone with
-``finish_reason="error"``; the others go on.
+1. **Admission** (continuous batching): while fewer than ``max_concurrency`` requests run,
+   waiting ones are admitted in arrival order. Each prompt is prefilled through the library's
+   own query path, ``KVRag.prefill`` (segmentation, chunk lookup, fusion under the request's
+   policy: nothing of it is re-implemented here), and its first token is sampled at once (its
+   TTFT). Prefills run between decode steps, before the next one.
+2. **One decode step** for every running request. Its cache is taken out of the prefill's
+   stepper into a ``kvrag.query.batch.DecodeCache``, and ``decode_step`` runs the token-wise
+   work of every layer (norms, q/k/v/o projections, MLP, final norm, LM head: nearly all the
+   weight reads) once for all of them, and attention per request over its own cache (caches
+   of different lengths, never padded). One host read of the batch's sampled tokens per step.
+
+Which requests decode in the batched step: every policy whose decode step is the model's own
+— ``full_prefill``, ``naive_reuse``, ``cacheblend``, ``epic``, ``a3`` (evicting or not),
+``kvlink``, ``samkv`` — also on sliding-window models, whose thinned caches (SamKV, A3's
+eviction) are windowed by key position as ``FusedStepper`` windows them. A policy that selects
+cache rows per decode step (``policy.decode_select``: ``a2ats``' top-k reads) keeps its own
+stepper and decodes unbatched, one token per round in the same loop.
+
+Sampling is per request (temperature, top-p, a ``torch.Generator`` seeded per request, as
+``KVRag.stream`` samples), with EOS and stop strings (``TextStream``) and ``max_new_tokens``:
+a request's greedy tokens are those of ``KVRag.generate`` for the same prompt and policy, up
+to float rounding of the batched rows (``tests/test_serve_scheduler.py``).
+
+A ``Ticket`` is the caller's handle: iterate it (or ``async for``) for text deltas,
+``result()`` for the ``Finished`` record, ``cancel()`` to stop at the next step and free the
+slot. A request that fails after admission (a store fault, an exception in its prefill or its
+part of a decode step) ends alone with ``finish_reason="error"``: a failed batched step
+changed no cache, and is retried one request at a time to find whose it was. Past
+``max_queue`` waiting requests ``submit`` raises ``SchedulerFullError`` with a retry-after
+estimate.
 """
 
 from __future__ import annotations
@@ -135,7 +159,7 @@ class Ticket:
                 while i >= len(self._deltas) and self._finished is None:
                     self._cond.wait()
                 chunk = self._deltas[i:]
-                fin = self._finished if i + len(chunk) >= len(self._deltas) else None
+                fin = self._finished  # set after the last delta was pushed: chunk has them all
             for d in chunk:
                 yield d
             i += len(chunk)
@@ -336,11 +360,14 @@ class Scheduler:
             self._end_unstarted(job, "cancelled")
 
     def _end_unstarted(self, job: _Job, reason: str, error: BaseException | None = None) -> None:
+        """End a request that holds no slot (still waiting, or its prefill failed)."""
         job.ticket._finish(Finished("", [], reason, 0, 0, 0, None, None, error))
 
     # ---- the worker -----------------------------------------------------------------------
     def _loop(self) -> None:
-        with torch.inference_mode():
+        # no_grad (not inference_mode): tensors this thread creates (hot-cache entries) stay
+        # usable by a KVRag.generate in another thread.
+        with torch.no_grad():
             while True:
                 with self._lock:
                     while not self._closed and not self._waiting and not self._running:
@@ -350,21 +377,34 @@ class Scheduler:
                     admit = []
                     while self._waiting and len(self._running) + len(admit) < self.max_concurrency:
                         admit.append(self._waiting.popleft())
-                for job in admit:
-                    self._admit(job)
-                self._decode_round()
+                try:
+                    # Prefills first (each request's first token, its TTFT, comes from its
+                    # prefill), then one decode step for all that run.
+                    for job in admit:
+                        self._admit(job)
+                    self._decode_round()
+                except Exception as e:  # a fault of the scheduler itself: fail what it held, go on
+                    log.exception("kvrag scheduler: unexpected error; the running requests end with it")
+                    for job in admit:
+                        self._end_unstarted(job, "error", e)
+                    for r in list(self._running):
+                        self._end(r, "error", e)
             for r in list(self._running):
                 self._end(r, "cancelled")
 
     def _admit(self, job: _Job) -> None:
-        """Prefill a request through the library's query path and sample its first token."""
+        """Prefill a request through the library's query path (``KVRag.prefill``: chunk
+        lookup and fusion under its policy), sample its first token, and take its cache into
+        the batched step (unless its policy decodes on its own)."""
+        if job.ticket.done:
+            return
         if job.ticket.cancelled:
             self._end_unstarted(job, "cancelled")
             return
         t0 = time.perf_counter()
         try:
-            prep = self.rag._prepare(job.text, job.policy, t0)
-            logits, stepper, stats, _prompt_ids = self.rag._fuse(prep)
+            pre = self.rag.prefill(job.text, job.policy)
+            logits, stepper, stats = pre.logits, pre.stepper, pre.stats
         except Exception as e:  # this request's own fault (a store, its prompt): it ends alone
             log.debug("request failed at its prefill", exc_info=True)
             self._end_unstarted(job, "error", e)
