@@ -154,3 +154,27 @@ def test_a_failed_step_leaves_every_cache_as_it_was(tmp_path):
     assert [(c.pos, list(c.n)) for c in caches] == state
     got = decode_step(rag.arch, caches[:2], [1, 2])
     torch.testing.assert_close(got, decode_step(rag.arch, clean, [1, 2]), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("model_type,overrides", [("llama", {}), ("mistral", {"sliding_window": 8})])
+def test_the_batch_reads_the_weights_once(tmp_path, model_type, overrides):
+    """The step's cost in ops (what a GPU pays in kernel launches; counted, not timed): eight
+    requests run the weight matmuls of one (the same count as one request), each request adds
+    only its attention (at most 4 ops per layer: two row writes, the attention, a slice), and
+    nothing waits for the device. On a sliding-window model an unthinned cache's window is a
+    slice of its rows, without a mask."""
+    from kvrag.bench.ops import count_ops
+
+    h = tiny_llama(seed=0, model_type=model_type, **overrides)
+    rag = KVRag(h, cache_dir=tmp_path / "kv")
+    rag.precompute(DOCS)
+    prompts = [prompt_for(DOCS[: i % 4 + 1], QUESTIONS[i % 4]) for i in range(8)]
+    counts = {}
+    for b in (1, 8):
+        caches = [DecodeCache.from_stepper(rag.arch, rag.prefill(p).stepper) for p in prompts[:b]]
+        counts[b], _ = count_ops(decode_step, rag.arch, caches, [5] * b)
+    one, eight = counts[1], counts[8]
+    matmuls = ("mm", "addmm", "bmm", "linear")
+    assert sum(eight.by_op[m] for m in matmuls) == sum(one.by_op[m] for m in matmuls) > 0
+    assert eight.total - one.total <= 7 * 4 * rag.arch.n_layers, eight.top(12)
+    assert eight.syncs == one.syncs == 0

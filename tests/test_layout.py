@@ -202,20 +202,6 @@ def test_import_kvrag_does_not_load_torch():
     assert out.returncode == 0, out.stderr
 
 
-def test_only_the_cli_reaches_the_server_package():
-    """``kvrag.serve`` sits on top of the library: no library module imports it (so ``import
-    kvrag`` and a ``KVRag`` never load a server), only the CLI and the package itself."""
-    graph = _graph()
-    bad = sorted(
-        (m, n)
-        for m, deps in graph.items()
-        if not m.startswith(("kvrag.serve", "kvrag.cli"))
-        for n in deps
-        if n == "kvrag.serve" or n.startswith("kvrag.serve.")
-    )
-    assert not bad, f"library modules import the server package: {bad}"
-
-
 def test_the_scheduler_loads_no_web_framework():
     code = (
         "import sys, kvrag, kvrag.engine\n"

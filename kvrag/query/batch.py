@@ -31,9 +31,14 @@ MIN_SPARE_ROWS = 64
 
 class DecodeCache:
     """One request's decode state: per-layer K/V [Hkv, M, D] (keys rotated) in buffers with
-    spare rows, the position of the next token, and for the layers with a sliding window the
-    key positions [Hkv, M] (a thinned cache's slots are not its positions, so windows apply by
-    position, as ``FusedStepper`` does)."""
+    spare rows, and the position of the next token.
+
+    ``key_positions``: layer -> [Hkv, M], the positions of a sliding-window layer's rows. Rows
+    holding the consecutive positions before the next token (any unthinned cache, and the
+    rows transformers keeps on its windowed layers) need none: the window is then the last
+    rows, read as a slice without a mask. A thinned cache's rows (SamKV, A3's eviction) are
+    not consecutive, so the window applies by position, with a mask, as ``FusedStepper``
+    applies it."""
 
     def __init__(
         self,
@@ -63,6 +68,8 @@ class DecodeCache:
             self._v.append(vb)
         for layer, p in key_positions.items():
             n = self.n[layer]
+            if torch.equal(p, torch.arange(self.pos - n, self.pos, device=p.device).expand_as(p)):
+                continue  # consecutive positions: the window is a suffix of the rows (``write``)
             pb = torch.empty((p.shape[0], n + spare), dtype=torch.long, device=self._k[layer].device)
             pb[:, :n] = p
             self._kpos[layer] = pb
@@ -74,21 +81,15 @@ class DecodeCache:
         or None when the request must keep its own stepper: a policy that selects rows per
         decode step (``policy.decode_select``: A2ATS' top-k reads) decodes unbatched.
 
-        An ``HFStepper``'s cache holds its rows in position order; the layers transformers
-        windows by slot (a full prefill of a sliding-window model) keep only the last rows,
-        so their key positions are the ``M`` positions before the next token."""
+        An ``HFStepper``'s cache holds its rows in position order, up to the next token (the
+        layers transformers windows, after a full prefill of a sliding-window model, keep only
+        the last of them)."""
         if isinstance(stepper, HFStepper):
             K, V = [], []
             for layer in stepper.cache.layers:
                 K.append(layer.keys[0])
                 V.append(layer.values[0])
-            kpos = {}
-            for layer, w in enumerate(arch.windows):
-                if w is not None:
-                    m = K[layer].shape[1]
-                    p = torch.arange(stepper.pos - m, stepper.pos, device=K[layer].device)
-                    kpos[layer] = p.expand(K[layer].shape[0], -1)
-            return cls(arch, K, V, stepper.pos, kpos, spare)
+            return cls(arch, K, V, stepper.pos, {}, spare)
         if isinstance(stepper, FusedStepper) and stepper.policy.decode_select is None and not stepper._bufs:
             return cls(arch, stepper.K, stepper.V, stepper.pos, dict(stepper.kpos), spare)
         return None
@@ -118,15 +119,19 @@ class DecodeCache:
         n = self.n[layer]
         self._k[layer][:, n : n + 1] = k
         self._v[layer][:, n : n + 1] = v
+        w = self.arch.windows[layer]
+        if w is None:
+            return self._k[layer][:, : n + 1], self._v[layer][:, : n + 1], None
+        if layer not in self._kpos:  # consecutive positions: the window is the last w rows
+            lo = max(0, n + 1 - w)
+            return self._k[layer][:, lo : n + 1], self._v[layer][:, lo : n + 1], None
+        pb = self._kpos[layer]
+        pb[:, n] = self.pos
         mask = None
-        if layer in self._kpos:
-            pb = self._kpos[layer]
-            pb[:, n] = self.pos
-            w = self.arch.windows[layer]
-            if self.pos - self._kmin[layer] >= w:  # some key is out of the query's window
-                inside = (self.pos - pb[:, : n + 1]) < w  # [Hkv, M+1]
-                group = self.arch.n_heads // self.arch.n_kv_heads
-                mask = inside.repeat_interleave(group, dim=0).unsqueeze(1)
+        if self.pos - self._kmin[layer] >= w:  # some key is out of the query's window
+            inside = (self.pos - pb[:, : n + 1]) < w  # [Hkv, M+1]
+            group = self.arch.n_heads // self.arch.n_kv_heads
+            mask = inside.repeat_interleave(group, dim=0).unsqueeze(1)
         return self._k[layer][:, : n + 1], self._v[layer][:, : n + 1], mask
 
     def commit(self) -> None:
@@ -134,11 +139,6 @@ class DecodeCache:
         for layer in range(len(self.n)):
             self.n[layer] += 1
         self.pos += 1
-
-    def views(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The filled K/V at ``layer``, [Hkv, M, D] each."""
-        n = self.n[layer]
-        return self._k[layer][:, :n], self._v[layer][:, :n]
 
 
 @torch.no_grad()
