@@ -132,6 +132,8 @@ FORBIDDEN = {
         "kvrag.frameworks",
     ),
     "kvrag.precompute": ("kvrag.engine", "kvrag.frameworks"),
+    # The serving scheduler sits on the facade; the HTTP layer and the CLI sit on it.
+    "kvrag.serve.scheduler": ("kvrag.cli", "kvrag.frameworks", "kvrag.bench"),
     # The Redis queue works through a KVRag's ingestor and store it is handed, never above them.
     "kvrag.remote": ("kvrag.engine", "kvrag.precompute", "kvrag.query", "kvrag.policies", "kvrag.frameworks"),
 }
@@ -211,4 +213,16 @@ def test_import_kvrag_does_not_load_torch():
     name that needs it."""
     code = "import sys, kvrag; assert 'torch' not in sys.modules, 'torch loaded'; print(kvrag.__version__)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+
+
+def test_the_scheduler_loads_no_web_framework():
+    code = (
+        "import sys, kvrag, kvrag.engine\n"
+        "assert not any(m.startswith('kvrag.serve') for m in sys.modules), 'kvrag.serve loaded'\n"
+        "import kvrag.serve.scheduler\n"
+        "web = sorted(m for m in ('fastapi', 'starlette', 'uvicorn', 'aiohttp', 'flask') if m in sys.modules)\n"
+        "assert not web, web\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180)
     assert out.returncode == 0, out.stderr

@@ -1,16 +1,40 @@
 """The request scheduler behind ``kvrag serve``: many requests, one model, one thread.
 
-``Scheduler.submit`` checks a ``GenerationRequest`` in the caller's thread (options, policy
-and its parameters, the prompt's length against the model's context) and queues it; one worker
-thread owns the model. Between decode steps it admits waiting requests (at most
-``max_concurrency`` run at once): each prompt is prefilled through ``KVRag``'s own query path
-(``_prepare``/``_fuse``: segmentation, chunk lookup, fusion under the request's policy), its
-first token sampled, and the request then takes one decode step per round with the others.
+``Scheduler.submit`` checks a ``GenerationRequest`` in the caller's thread (decoding options,
+the policy and its parameters against the model, the prompt's tokens against the model's
+context) and queues it; it never waits for the model. One worker thread owns the model and
+runs rounds:
 
-A ``Ticket`` is the caller's handle: iterate it (or ``async for``) for text deltas, ``result()``
-for the ``Finished`` record, ``cancel()`` to stop at the next step. A request that fails after
-admission (a store fault, an exception in its prefill or decode) ends alone with
-``finish_reason="error"``; the others go on.
+1. **Admission** (continuous batching): while fewer than ``max_concurrency`` requests run,
+   waiting ones are admitted in arrival order. Each prompt is prefilled through the library's
+   own query path, ``KVRag.prefill`` (segmentation, chunk lookup, fusion under the request's
+   policy: nothing of it is re-implemented here), and its first token is sampled at once (its
+   TTFT). Prefills run between decode steps, before the next one.
+2. **One decode step** for every running request. Its cache is taken out of the prefill's
+   stepper into a ``kvrag.query.batch.DecodeCache``, and ``decode_step`` runs the token-wise
+   work of every layer (norms, q/k/v/o projections, MLP, final norm, LM head: nearly all the
+   weight reads) once for all of them, and attention per request over its own cache (caches
+   of different lengths, never padded). One host read of the batch's sampled tokens per step.
+
+Which requests decode in the batched step: every policy whose decode step is the model's own
+— ``full_prefill``, ``naive_reuse``, ``cacheblend``, ``epic``, ``a3`` (evicting or not),
+``kvlink``, ``samkv`` — also on sliding-window models, whose thinned caches (SamKV, A3's
+eviction) are windowed by key position as ``FusedStepper`` windows them. A policy that selects
+cache rows per decode step (``policy.decode_select``: ``a2ats``' top-k reads) keeps its own
+stepper and decodes unbatched, one token per round in the same loop.
+
+Sampling is per request (temperature, top-p, a ``torch.Generator`` seeded per request, as
+``KVRag.stream`` samples), with EOS and stop strings (``TextStream``) and ``max_new_tokens``:
+a request's greedy tokens are those of ``KVRag.generate`` for the same prompt and policy, up
+to float rounding of the batched rows (``tests/test_serve_scheduler.py``).
+
+A ``Ticket`` is the caller's handle: iterate it (or ``async for``) for text deltas,
+``result()`` for the ``Finished`` record, ``cancel()`` to stop at the next step and free the
+slot. A request that fails after admission (a store fault, an exception in its prefill or its
+part of a decode step) ends alone with ``finish_reason="error"``: a failed batched step
+changed no cache, and is retried one request at a time to find whose it was. Past
+``max_queue`` waiting requests ``submit`` raises ``SchedulerFullError`` with a retry-after
+estimate.
 """
 
 from __future__ import annotations
@@ -30,6 +54,7 @@ from kvrag.checks import check_int
 from kvrag.engine import KVRag
 from kvrag.errors import KVRagError
 from kvrag.policies import Policy, get_policy
+from kvrag.query.batch import DecodeCache, decode_step
 from kvrag.query.decode import Sampling, TextStream, sample
 from kvrag.query.prompt import render_prompt
 from kvrag.query.state import FusionStats
@@ -134,7 +159,7 @@ class Ticket:
                 while i >= len(self._deltas) and self._finished is None:
                     self._cond.wait()
                 chunk = self._deltas[i:]
-                fin = self._finished if i + len(chunk) >= len(self._deltas) else None
+                fin = self._finished  # set after the last delta was pushed: chunk has them all
             for d in chunk:
                 yield d
             i += len(chunk)
@@ -199,7 +224,7 @@ class _Running:
     """A request between its prefill and its end: the decoder state the worker steps."""
 
     job: _Job
-    stepper: object
+    stepper: object  # the prefill's own decoder; None once ``cache`` took its K/V over
     stats: FusionStats
     text: TextStream
     gen: torch.Generator | None
@@ -207,6 +232,8 @@ class _Running:
     out: str = ""
     t_first: float | None = None
     t_prefill: float = 0.0
+    cache: DecodeCache | None = None  # set: the request decodes in the shared batched step
+    done: bool = False
 
 
 class Scheduler:
@@ -333,11 +360,14 @@ class Scheduler:
             self._end_unstarted(job, "cancelled")
 
     def _end_unstarted(self, job: _Job, reason: str, error: BaseException | None = None) -> None:
+        """End a request that holds no slot (still waiting, or its prefill failed)."""
         job.ticket._finish(Finished("", [], reason, 0, 0, 0, None, None, error))
 
     # ---- the worker -----------------------------------------------------------------------
     def _loop(self) -> None:
-        with torch.inference_mode():
+        # no_grad (not inference_mode): tensors this thread creates (hot-cache entries) stay
+        # usable by a KVRag.generate in another thread.
+        with torch.no_grad():
             while True:
                 with self._lock:
                     while not self._closed and not self._waiting and not self._running:
@@ -347,21 +377,34 @@ class Scheduler:
                     admit = []
                     while self._waiting and len(self._running) + len(admit) < self.max_concurrency:
                         admit.append(self._waiting.popleft())
-                for job in admit:
-                    self._admit(job)
-                self._decode_round()
+                try:
+                    # Prefills first (each request's first token, its TTFT, comes from its
+                    # prefill), then one decode step for all that run.
+                    for job in admit:
+                        self._admit(job)
+                    self._decode_round()
+                except Exception as e:  # a fault of the scheduler itself: fail what it held, go on
+                    log.exception("kvrag scheduler: unexpected error; the running requests end with it")
+                    for job in admit:
+                        self._end_unstarted(job, "error", e)
+                    for r in list(self._running):
+                        self._end(r, "error", e)
             for r in list(self._running):
                 self._end(r, "cancelled")
 
     def _admit(self, job: _Job) -> None:
-        """Prefill a request through the library's query path and sample its first token."""
+        """Prefill a request through the library's query path (``KVRag.prefill``: chunk
+        lookup and fusion under its policy), sample its first token, and take its cache into
+        the batched step (unless its policy decodes on its own)."""
+        if job.ticket.done:
+            return
         if job.ticket.cancelled:
             self._end_unstarted(job, "cancelled")
             return
         t0 = time.perf_counter()
         try:
-            prep = self.rag._prepare(job.text, job.policy, t0)
-            logits, stepper, stats, _prompt_ids = self.rag._fuse(prep)
+            pre = self.rag.prefill(job.text, job.policy)
+            logits, stepper, stats = pre.logits, pre.stepper, pre.stats
         except Exception as e:  # this request's own fault (a store, its prompt): it ends alone
             log.debug("request failed at its prefill", exc_info=True)
             self._end_unstarted(job, "error", e)
@@ -374,15 +417,20 @@ class Scheduler:
         if s.max_new_tokens == 0:
             self._end(r, "length")
             return
-        self._take(r, logits)
-
-    def _take(self, r: _Running, logits: torch.Tensor) -> None:
-        """Sample the next token from logits [V], stream its text, and end the request on EOS,
-        a stop string or its token budget (the rules of ``KVRag.stream``)."""
-        tok = sample(logits.cpu(), r.job.sampling, r.gen)
-        self._accept(r, tok)
+        try:
+            self._accept(r, sample(logits.cpu(), s, r.gen))
+            if not r.done:
+                # Rows for the tokens still to come, so a short answer never regrows its cache.
+                r.cache = DecodeCache.from_stepper(self.rag.arch, stepper, spare=min(s.max_new_tokens, 512))
+                if r.cache is not None:
+                    r.stepper = None  # the prefill's tensors go; the cache holds a copy
+        except Exception as e:
+            log.debug("request failed after its prefill", exc_info=True)
+            self._end(r, "error", e)
 
     def _accept(self, r: _Running, tok: int) -> None:
+        """Take the request's next token: stream its text, and end the request on EOS, a stop
+        string or its token budget (the rules of ``KVRag.stream``)."""
         if r.t_first is None:
             r.t_first = time.perf_counter()
             r.stats.ttft_s = r.t_first - r.t_prefill
@@ -397,19 +445,53 @@ class Scheduler:
             self._end(r, "length")
 
     def _decode_round(self) -> None:
-        """One decode step for every running request (one token each)."""
+        """One decode step for every running request (one token each): the batched step for
+        those whose cache it holds, then each own-decode request's stepper."""
         for r in list(self._running):
             if r.job.ticket.cancelled:
                 self._end(r, "cancelled")
-                continue
+        batch = [r for r in self._running if r.cache is not None]
+        if batch:
+            self._batched(batch)
+        for r in [r for r in self._running if r.cache is None]:
             try:
                 logits = r.stepper.step([r.tokens[-1]])[-1]
-                self._take(r, logits)
+                self._accept(r, sample(logits.cpu(), r.job.sampling, r.gen))
             except Exception as e:
                 log.debug("request failed at a decode step", exc_info=True)
                 self._end(r, "error", e)
 
+    def _batched(self, batch: list[_Running]) -> None:
+        """One ``decode_step`` over ``batch``; if it raises, each request is retried alone so
+        the failure ends only the request(s) it belongs to (the step left every cache as it
+        was)."""
+        try:
+            logits = decode_step(self.rag.arch, [r.cache for r in batch], [r.tokens[-1] for r in batch])
+        except Exception as e:
+            if len(batch) == 1:
+                log.debug("request failed at a decode step", exc_info=True)
+                self._end(batch[0], "error", e)
+            else:
+                for r in batch:
+                    self._batched([r])
+            return
+        # One host read for the batch: greedy rows take the device's argmax; sampled rows are
+        # drawn on the host with their own generator, as ``KVRag.stream`` draws them.
+        toks = logits.argmax(-1).tolist()
+        sampled = [i for i, r in enumerate(batch) if r.job.sampling.temperature > 0]
+        if sampled:
+            rows = logits[sampled].cpu()
+            for j, i in enumerate(sampled):
+                toks[i] = sample(rows[j], batch[i].job.sampling, batch[i].gen)
+        for r, tok in zip(batch, toks):
+            try:
+                self._accept(r, tok)
+            except Exception as e:  # detokenising this request's text
+                self._end(r, "error", e)
+
     def _end(self, r: _Running, reason: str, error: BaseException | None = None) -> None:
+        if r.done:
+            return
         if reason in ("stop", "length"):
             tail = r.text.flush() if not r.text.stopped else ""
             if tail:
@@ -423,7 +505,8 @@ class Scheduler:
             if r in self._running:
                 self._running.remove(r)
             self._service_s = 0.8 * self._service_s + 0.2 * (now - r.t_prefill)
-        r.stepper = None  # the request's cache goes now, not when the ticket is dropped
+        r.done = True
+        r.stepper = r.cache = None  # the request's cache goes now, not when the ticket is dropped
         ttft = r.t_first - r.job.t_submit if r.t_first is not None else None
         fin = Finished(
             r.out,
