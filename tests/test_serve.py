@@ -345,6 +345,18 @@ def test_a_disconnected_stream_frees_its_slot(rag, monkeypatch):
         assert ok.choices[0].finish_reason in ("stop", "length")
 
 
+def test_a_non_streaming_client_that_gives_up_cancels_its_request(rag, monkeypatch):
+    tickets = []
+    with Scheduler(rag, max_concurrency=1, max_queue=2) as sch, running(create_app(rag, sch)) as url:
+        submit = sch.submit
+        monkeypatch.setattr(sch, "submit", lambda req: tickets.append(submit(req)) or tickets[-1])
+        body = {"messages": messages(), "max_tokens": 3000, "temperature": 0}
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(url + "/v1/chat/completions", json=body, timeout=httpx.Timeout(60, read=1.0))
+        fin = tickets[0].result(timeout=30)
+        assert fin.finish_reason == "cancelled" and fin.completion_tokens < 3000
+
+
 def test_a_failing_request_fails_alone(rag, monkeypatch):
     want = rag.generate(messages(), max_new_tokens=4).text
     (boom,) = rag.precompute(["A chunk whose reads fail in this test: BOOM."])
