@@ -387,6 +387,9 @@ def test_a_failing_request_fails_alone(rag, monkeypatch):
         assert isinstance(out["bad_stream"], openai.APIError) and "simulated store fault" in str(out["bad_stream"])
         assert out["good"].choices[0].message.content == want
         assert sch.running == 0
+        metrics = httpx.get(url + "/metrics").text
+        assert 'kvrag_finished_requests_total{finish_reason="error"} 2.0' in metrics
+        assert 'kvrag_finished_requests_total{finish_reason="length"} 1.0' in metrics
 
 
 # ---- chunks over HTTP, metrics, replicas ---------------------------------------------------

@@ -268,6 +268,8 @@ def create_app(
                 ticket.cancel()
 
     def _failed(e: Exception) -> APIError:
+        """The answer to a request that failed after admission (counted as finished "error")."""
+        metrics.finished.labels("error").inc()
         if isinstance(e, APIError):
             return e
         if isinstance(e, (ValueError, KVRagError)):
