@@ -389,8 +389,9 @@ def run(a) -> int:
         if not cells and not want_robust:
             continue
         if time.monotonic() > deadline:
+            record(out, {"phase": "cut", "server": name, "clients": None, "reason": "--time-limit reached"})
             print(f"time limit reached: {name} not run", flush=True)
-            break
+            continue
         try:
             server = makers[name]()
             print(f"starting {name} ...", flush=True)
@@ -407,7 +408,8 @@ def run(a) -> int:
             asyncio.run(load_cell(server.url, model, prompts, 1, len(prompts), a, deadline))
             for n in cells:
                 if time.monotonic() > deadline:
-                    break
+                    record(out, {"phase": "cut", "server": name, "clients": n, "reason": "--time-limit reached"})
+                    continue
                 rec = asyncio.run(load_cell(server.url, model, prompts, n, a.requests_per_client, a, deadline))
                 record(out, {"phase": "load", "server": name, "clients": n, **rec})
                 print(
@@ -415,7 +417,9 @@ def run(a) -> int:
                     f"{rec['tokens_per_s'] or 0:.1f} tok/s, {rec['ok']}/{rec['requests']} ok",
                     flush=True,
                 )
-            if want_robust and time.monotonic() < deadline:
+            if want_robust and time.monotonic() > deadline:
+                record(out, {"phase": "cut", "server": name, "clients": None, "reason": "--time-limit reached"})
+            elif want_robust:
                 rec = asyncio.run(robustness(server, model, prompts[0], a.robustness, a, deadline))
                 record(out, {"phase": "robustness", "server": name, **rec})
                 print(
@@ -504,6 +508,11 @@ def write_report(out: Path) -> None:
         lines += [f"- {names[k]}: **{v:.2f}**" for k, v in targets.items()]
     for r in report["unavailable"]:
         lines += ["", f"Not run: **{r['server']}**: {r['reason']}"]
+    ran = {(r["server"], r.get("clients")) for r in recs if r["phase"] in ("load", "robustness")}
+    cut = [r for r in recs if r["phase"] == "cut" and (r["server"], r["clients"]) not in ran]
+    if cut:
+        what = ", ".join(f"{r['server']} x{r['clients']}" if r["clients"] else f"{r['server']}" for r in cut)
+        lines += ["", f"Cut by `--time-limit` (rerun with `--resume` and more time): {what}."]
     rb = report["robustness"]
     if rb:
         lines += [
