@@ -277,6 +277,21 @@ def test_queue_full_answers_with_a_retry_estimate(rag):
         assert sched.submit(GenerationRequest(_prompt(3), max_new_tokens=2)).result(timeout=120).completion_tokens == 2
 
 
+def test_max_queue_counts_only_requests_beyond_the_slots(rag):
+    """max_queue=0: served while a slot is free, refused at once while none is."""
+    with Scheduler(rag, max_concurrency=2, max_queue=0) as sched:
+        a = sched.submit(GenerationRequest(_prompt(0), max_new_tokens=4000))
+        b = sched.submit(GenerationRequest(_prompt(1), max_new_tokens=4000))
+        _wait_for(lambda: sched.running == 2)
+        with pytest.raises(SchedulerFullError):
+            sched.submit(GenerationRequest(_prompt(2), max_new_tokens=2))
+        a.cancel()
+        _wait_for(lambda: sched.running == 1)
+        c = sched.submit(GenerationRequest(_prompt(2), max_new_tokens=2))
+        assert c.result(timeout=120).completion_tokens == 2
+        b.cancel()
+
+
 def test_bad_requests_fail_at_submit_and_a_closed_scheduler_takes_none(rag):
     sched = Scheduler(rag)
     with pytest.raises(SchedulerClosedError):

@@ -24,8 +24,7 @@ import torch
 from kvrag.arch import Arch
 from kvrag.query.decode import FusedStepper, HFStepper
 
-#: Spare rows a cache is given beyond its prefill when taken over (more are added, doubling,
-#: as the request outgrows them).
+#: The fewest spare rows a cache grows by when a request outgrows the rows it was given.
 MIN_SPARE_ROWS = 64
 
 
@@ -95,12 +94,13 @@ class DecodeCache:
         return None
 
     def _reserve(self, layer: int) -> None:
-        """At least one spare row at ``layer``: a full buffer is replaced by one twice its
-        rows (the filled rows copied once; a ``torch.cat`` per token would copy every step)."""
+        """At least one spare row at ``layer``: a full buffer is replaced by one a quarter
+        larger (the filled rows copied once per growth, not per token as a ``torch.cat``
+        would; not doubled, since a served cache's spare rows are memory other requests need)."""
         n = self.n[layer]
         if self._k[layer].shape[1] > n:
             return
-        cap = max(2 * n, n + MIN_SPARE_ROWS)
+        cap = n + max(MIN_SPARE_ROWS, n // 4)
 
         def grown(old: torch.Tensor) -> torch.Tensor:
             new = old.new_empty((old.shape[0], cap, *old.shape[2:]))

@@ -249,6 +249,7 @@ class Scheduler:
         self._lock = threading.Condition()
         self._waiting: collections.deque[_Job] = collections.deque()
         self._running: list[_Running] = []
+        self._admitting = 0  # taken from the queue by the worker, prefilling, not yet running
         self._thread: threading.Thread | None = None
         self._closed = False
         # submit tokenizes in callers' threads; a fast tokenizer is not safe to share with the
@@ -318,7 +319,10 @@ class Scheduler:
         with self._lock:
             if self._closed or self._thread is None:
                 raise SchedulerClosedError("the scheduler is not running (start() it; close() ends it)")
-            if len(self._waiting) >= self.max_queue:
+            # A request a free slot takes at the next round does not wait: max_queue counts
+            # those beyond the slots (so max_queue=0 serves while a slot is free, then refuses).
+            free = self.max_concurrency - len(self._running) - self._admitting
+            if len(self._waiting) >= self.max_queue + max(0, free):
                 raise SchedulerFullError(
                     f"{len(self._waiting)} requests already wait (max_queue={self.max_queue})",
                     self._retry_after(),
@@ -377,16 +381,21 @@ class Scheduler:
                     admit = []
                     while self._waiting and len(self._running) + len(admit) < self.max_concurrency:
                         admit.append(self._waiting.popleft())
+                    self._admitting = len(admit)
                 try:
                     # Prefills first (each request's first token, its TTFT, comes from its
                     # prefill), then one decode step for all that run.
                     for job in admit:
                         self._admit(job)
+                        with self._lock:
+                            self._admitting -= 1
                     self._decode_round()
                 except Exception as e:  # a fault of the scheduler itself: fail what it held, go on
                     log.exception("kvrag scheduler: unexpected error; the running requests end with it")
+                    with self._lock:
+                        self._admitting = 0
                     for job in admit:
-                        self._end_unstarted(job, "error", e)
+                        self._end_unstarted(job, "error", e)  # (no-op for those already ended)
                     for r in list(self._running):
                         self._end(r, "error", e)
             for r in list(self._running):
