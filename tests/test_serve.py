@@ -8,6 +8,7 @@ prompt and policy; cache hits are read from OpenAI's own usage field
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import subprocess
@@ -475,19 +476,28 @@ def test_cli_refuses_bad_options_before_loading_a_model():
         assert out.returncode == 2 and words in out.stderr, out.stderr
 
 
-def test_cli_serves_a_model_dir_with_an_api_key_from_the_environment(handle, tmp_path):
-    model = tmp_path / "model"
-    handle.model.save_pretrained(model)
-    handle.tokenizer.save_pretrained(model)
+@pytest.fixture(scope="module")
+def model_dir(handle, tmp_path_factory):
+    """The tiny model saved once: every server process loads the same files (same fingerprint)."""
+    d = tmp_path_factory.mktemp("tiny-model")
+    handle.model.save_pretrained(d)
+    handle.tokenizer.save_pretrained(d)
+    return str(d)
+
+
+@contextlib.contextmanager
+def serve_process(*args: str, env_extra: dict | None = None, timeout: float = 120):
+    """``python -m kvrag serve ARGS --port P`` on 127.0.0.1; yields its URL once /health
+    answers, terminates it on exit."""
     from redis_helpers import free_port
 
     port = free_port()
-    env = dict(os.environ, PYTHONPATH=ROOT, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", KVRAG_API_KEY="k1")
-    cmd = [sys.executable, "-m", "kvrag", "serve", "--model", str(model), "--cache-dir", str(tmp_path / "kv")]
-    p = subprocess.Popen([*cmd, "--port", str(port), "--log-level", "warning"], env=env, text=True, **_PIPES)
+    env = dict(os.environ, PYTHONPATH=ROOT, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", **(env_extra or {}))
+    cmd = [sys.executable, "-m", "kvrag", "serve", *args, "--port", str(port), "--log-level", "warning"]
+    p = subprocess.Popen(cmd, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + timeout
         while True:
             assert p.poll() is None and time.monotonic() < deadline, p.communicate(timeout=5)
             try:
@@ -495,18 +505,38 @@ def test_cli_serves_a_model_dir_with_an_api_key_from_the_environment(handle, tmp
                     break
             except httpx.HTTPError:
                 time.sleep(0.2)
+        yield url
+    finally:
+        p.terminate()
+        try:
+            p.wait(30)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(30)
+
+
+def test_cli_serves_a_model_dir_with_an_api_key_from_the_environment(model_dir, tmp_path):
+    args = ["--model", model_dir, "--cache-dir", str(tmp_path / "kv")]
+    with serve_process(*args, env_extra={"KVRAG_API_KEY": "k1"}) as url:
         keys = _ingest(url, DOCS, headers={"Authorization": "Bearer k1"})
         assert len(keys) == 3
         got = client(url, api_key="k1").chat.completions.create(model="model", messages=messages(), max_tokens=2)
-        assert got.model == "model" and got.usage.prompt_tokens_details.cached_tokens > 0
+        assert got.model == os.path.basename(model_dir) and got.usage.prompt_tokens_details.cached_tokens > 0
         with pytest.raises(openai.AuthenticationError):
             client(url, api_key="k2").chat.completions.create(model="model", messages=messages(), max_tokens=2)
-    finally:
-        p.terminate()
-        p.wait(30)
 
 
-_PIPES = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE}
+def test_two_server_processes_on_one_redis_prefix_share_chunks(model_dir, tmp_path, redis_url, prefix):  # noqa: F811
+    common = ["--model", model_dir, "--shared", redis_url, "--shared-prefix", prefix]
+    with (
+        serve_process(*common, "--cache-dir", str(tmp_path / "a")) as url_a,
+        serve_process(*common, "--cache-dir", str(tmp_path / "b")) as url_b,
+    ):
+        keys = _ingest(url_a, DOCS)  # through server A only
+        assert all(httpx.get(f"{url_b}/v1/chunks/{k}").json()["stored"] for k in keys)
+        got = client(url_b).chat.completions.create(model="m", messages=messages(), max_tokens=3, temperature=0)
+        assert got.usage.prompt_tokens_details.cached_tokens > 0
+        assert got.model_extra["kvrag"]["chunks_hit"] == 3
 
 
 @pytest.mark.real
