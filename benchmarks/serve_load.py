@@ -117,17 +117,18 @@ def kvrag_server(out: Path, a, policy: str) -> Server:
 
 
 def llamacpp_server(out: Path, gguf: str | None, a) -> Server:
-    try:
-        import llama_cpp.server  # noqa: F401
-    except ImportError as e:
+    python = a.llama_cpp_python
+    probe = subprocess.run([python, "-c", "import llama_cpp.server"], capture_output=True, text=True)
+    if probe.returncode != 0:
         raise RuntimeError(
-            f"llama-cpp-python[server] is not installed ({e}); PyPI has only its source distribution "
-            "(a CMake build of llama.cpp): `pip install 'llama-cpp-python[server]'` builds it"
-        ) from None
+            f"llama-cpp-python[server] is not importable by {python} ({probe.stderr.strip()[-200:]}); PyPI has "
+            "only its source distribution (a CMake build of llama.cpp): `pip install 'llama-cpp-python[server]'` "
+            "builds it (in any venv: pass its python as --llama-cpp-python)"
+        )
     if gguf is None:
         raise RuntimeError(f"model {a.model!r} is not a GGUF: llama.cpp needs one")
     port = free_port()
-    cmd = [sys.executable, "-m", "llama_cpp.server", "--model", gguf, "--host", "127.0.0.1", "--port", str(port)]
+    cmd = [python, "-m", "llama_cpp.server", "--model", gguf, "--host", "127.0.0.1", "--port", str(port)]
     cmd += ["--n_ctx", "8192", "--model_alias", "bench"]
     return Server("llama.cpp", cmd, port, out / "server-llamacpp.log", ready_path="/v1/models")
 
@@ -569,6 +570,12 @@ def main(argv=None) -> int:
         "--servers",
         default="kvrag,kvrag-full_prefill,llama.cpp,transformers",
         help="which servers (default all four; one that cannot start is recorded as not run)",
+    )
+    p.add_argument(
+        "--llama-cpp-python",
+        default=sys.executable,
+        metavar="PYTHON",
+        help="the interpreter that has llama-cpp-python[server] (default this one)",
     )
     p.add_argument("--robustness", type=int, help="hostile requests in the robustness phase (default 1000; quick 20)")
     p.add_argument("--time-limit", type=float, default=3600, help="seconds for the whole run (default 3600)")
