@@ -113,6 +113,14 @@ def test_openai_stream_with_usage_gives_generates_text(server, rag):
     assert "".join(parts) == want.text
     assert finish == want.finish_reason
     assert usage.prompt_tokens_details.cached_tokens == want.stats.cached_tokens > 0
+    # /v1/completions streams text_completion chunks, without usage unless asked.
+    chunks = list(
+        client(url).completions.create(
+            model="tiny", prompt=rag.render(messages()), max_tokens=10, temperature=0, stream=True
+        )
+    )
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == want.text
+    assert all(c.usage is None for c in chunks) and chunks[-1].choices[0].finish_reason == want.finish_reason
 
 
 def test_async_client_concurrent_streams_each_get_their_tokens_alone(server, rag):
