@@ -473,6 +473,7 @@ def test_cli_refuses_bad_options_before_loading_a_model():
         (["--param", "cacheblend.recompute_ratio=0.2", "--policy", "epic"], "cacheblend"),
         (["--policy", "nope"], "unknown policy"),
         (["--max-concurrency", "0"], "--max-concurrency"),
+        (["--precompute-via", "queue"], "needs --shared"),
     ]:
         out = subprocess.run(
             [sys.executable, "-m", "kvrag", "serve", "--model", "/nonexistent", *args],
