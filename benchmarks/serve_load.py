@@ -129,7 +129,9 @@ def llamacpp_server(out: Path, gguf: str | None, a) -> Server:
         raise RuntimeError(f"model {a.model!r} is not a GGUF: llama.cpp needs one")
     port = free_port()
     cmd = [python, "-m", "llama_cpp.server", "--model", gguf, "--host", "127.0.0.1", "--port", str(port)]
-    cmd += ["--n_ctx", "8192", "--model_alias", "bench"]
+    # interrupt_requests False: its default aborts the running stream when a new request
+    # arrives; a server under N concurrent clients must queue them instead.
+    cmd += ["--n_ctx", "8192", "--model_alias", "bench", "--interrupt_requests", "False"]
     return Server("llama.cpp", cmd, port, out / "server-llamacpp.log", ready_path="/v1/models")
 
 
