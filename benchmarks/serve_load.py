@@ -113,6 +113,8 @@ def kvrag_server(out: Path, a, policy: str) -> Server:
     cmd = [sys.executable, "-m", "kvrag", "serve", "--model", a.model, "--cache-dir", str(out / "store")]
     cmd += ["--policy", policy, "--port", str(port), "--max-concurrency", str(max(a.client_counts))]
     cmd += ["--max-queue", str(4 * max(a.client_counts)), "--log-level", "warning", "--device", a.device]
+    if a.threads:
+        cmd += ["--threads", str(a.threads)]
     return Server(f"kvrag-{policy}" if policy == "full_prefill" else "kvrag", cmd, port, out / f"server-{policy}.log")
 
 
@@ -348,6 +350,8 @@ def run(a) -> int:
 
     from kvrag.engine import KVRag
 
+    if a.threads:
+        torch.set_num_threads(a.threads)
     print(f"loading {a.model} in process ...", flush=True)
     rag = KVRag(a.model, cache_dir=out / "store", policy=a.policy, device=a.device)
     prompts, passages = build_prompts(rag, a)
@@ -560,6 +564,7 @@ def main(argv=None) -> int:
     p.add_argument("--model", default="smollm2", help="kvrag model name, .gguf or HF dir (default smollm2)")
     p.add_argument("--policy", default="cacheblend", help="the reuse server's policy (default cacheblend)")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--threads", type=int, help="torch threads in process and in the kvrag servers (default: torch's)")
     p.add_argument(
         "--clients", help=f"comma-separated client counts (default {FULL['clients']}; quick {QUICK['clients']})"
     )

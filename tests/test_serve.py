@@ -474,6 +474,7 @@ def test_cli_refuses_bad_options_before_loading_a_model():
         (["--policy", "nope"], "unknown policy"),
         (["--max-concurrency", "0"], "--max-concurrency"),
         (["--precompute-via", "queue"], "needs --shared"),
+        (["--threads", "0"], "--threads"),
     ]:
         out = subprocess.run(
             [sys.executable, "-m", "kvrag", "serve", "--model", "/nonexistent", *args],

@@ -50,6 +50,13 @@ def register(sub) -> None:
     )
     p.add_argument("--device", default="cpu", help="torch device (cpu, cuda, cuda:1, ...)")
     p.add_argument("--dtype", default="float32", help="compute dtype (float32, bfloat16, float16)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch CPU threads (default: torch's, one per core); on a CPU shared with other work, "
+        "fewer threads than cores avoids OpenMP threads spinning against each other",
+    )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: any free port)")
     p.add_argument(
@@ -80,6 +87,8 @@ def run(args) -> int:
         raise KVRagError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
     if args.max_queue < 0:
         raise KVRagError(f"--max-queue must be >= 0, got {args.max_queue}")
+    if args.threads is not None and args.threads < 1:
+        raise KVRagError(f"--threads must be >= 1, got {args.threads}")
     if not 0 <= args.port <= 65535:
         raise KVRagError(f"--port must be in [0, 65535], got {args.port}")
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
@@ -90,7 +99,11 @@ def run(args) -> int:
     if args.precompute_via == "queue" and not args.shared:
         raise KVRagError("--precompute-via queue needs --shared redis://... (where the workers store the chunks)")
 
+    import torch
     import uvicorn
+
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
 
     from kvrag.engine import KVRag
     from kvrag.precompute import Precomputer
