@@ -86,8 +86,11 @@ class DecodeCache:
         if isinstance(stepper, HFStepper):
             K, V = [], []
             for layer in stepper.cache.layers:
-                K.append(layer.keys[0])
-                V.append(layer.values[0])
+                keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
+                if keys is None or values is None:  # a layer kind with no K/V rows (linear attention)
+                    return None
+                K.append(keys[0])
+                V.append(values[0])
             return cls(arch, K, V, stepper.pos, {}, spare)
         if isinstance(stepper, FusedStepper) and stepper.policy.decode_select is None and not stepper._bufs:
             return cls(arch, stepper.K, stepper.V, stepper.pos, dict(stepper.kpos), spare)

@@ -66,7 +66,7 @@ class ServerChunks:
         keys: list[str | None] = []
         for i in range(0, len(texts), BATCH):
             for item in self._post(texts[i : i + BATCH]):
-                status = item.get("status")
+                status = str(item.get("status"))
                 with self._lock:
                     self.counts[status] = self.counts.get(status, 0) + 1
                 if status == "rejected" and not skip_invalid:

@@ -55,7 +55,7 @@ from kvrag.engine import KVRag
 from kvrag.errors import KVRagError
 from kvrag.policies import Policy, get_policy
 from kvrag.query.batch import DecodeCache, decode_step
-from kvrag.query.decode import Sampling, TextStream, sample
+from kvrag.query.decode import FusedStepper, HFStepper, Sampling, TextStream, sample
 from kvrag.query.prompt import render_prompt
 from kvrag.query.state import FusionStats
 
@@ -199,7 +199,9 @@ class Ticket:
         with self._cond:
             if not self._cond.wait_for(lambda: self._finished is not None, timeout):
                 raise TimeoutError(f"the request did not finish within {timeout} s")
-            return self._finished
+            finished = self._finished
+            assert finished is not None  # the wait above returned on it
+            return finished
 
     def cancel(self) -> None:
         """Stop the request: a waiting one leaves the queue now, a running one at its next
@@ -224,7 +226,7 @@ class _Running:
     """A request between its prefill and its end: the decoder state the worker steps."""
 
     job: _Job
-    stepper: object  # the prefill's own decoder; None once ``cache`` took its K/V over
+    stepper: HFStepper | FusedStepper | None  # the prefill's own decoder; None once ``cache`` took its K/V over
     stats: FusionStats
     text: TextStream
     gen: torch.Generator | None
@@ -378,7 +380,7 @@ class Scheduler:
                         self._lock.wait()
                     if self._closed:
                         break
-                    admit = []
+                    admit: list[_Job] = []
                     while self._waiting and len(self._running) + len(admit) < self.max_concurrency:
                         admit.append(self._waiting.popleft())
                     self._admitting = len(admit)
@@ -464,6 +466,7 @@ class Scheduler:
             self._batched(batch)
         for r in [r for r in self._running if r.cache is None]:
             try:
+                assert r.stepper is not None  # a request without a batched cache keeps its stepper
                 logits = r.stepper.step([r.tokens[-1]])[-1]
                 self._accept(r, sample(logits.cpu(), r.job.sampling, r.gen))
             except Exception as e:
@@ -475,7 +478,8 @@ class Scheduler:
         the failure ends only the request(s) it belongs to (the step left every cache as it
         was)."""
         try:
-            logits = decode_step(self.rag.arch, [r.cache for r in batch], [r.tokens[-1] for r in batch])
+            caches = [r.cache for r in batch if r.cache is not None]  # every one: batch holds cached requests
+            logits = decode_step(self.rag.arch, caches, [r.tokens[-1] for r in batch])
         except Exception as e:
             if len(batch) == 1:
                 log.debug("request failed at a decode step", exc_info=True)
