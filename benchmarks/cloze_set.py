@@ -1,6 +1,6 @@
 """A held-out QA set from real text that needs no labels: cloze questions ("which sentence
 comes right after ...? Quote it.") over the held-out split (10% by passage hash) of a machine
-prose source, for benchmarks/run_heldout.sh (issue 31). The questions and answers come from
+prose source, for benchmarks/run_heldout.sh. The questions and answers come from
 the passages themselves (kvrag.policies.kvlink.data.cloze_items), so any corpus works.
 
     python benchmarks/cloze_set.py OUT.json [--source pydoc|usr-share-doc|man] [--n 100] [--docs 8]

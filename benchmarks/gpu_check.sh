@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# kvrag on a CUDA GPU: the device invariants (tests/test_device.py with KVRAG_TEST_DEVICE=cuda)
+# kvrag on a CUDA GPU: the device invariants (tests/unit/test_device.py with KVRAG_TEST_DEVICE=cuda)
 # and TTFT of every policy against full_prefill on random-weight Llama models of two sizes
 # (SmolLM2-135M's shape and a Llama-3.2-1B-like shape; random weights: the TTFT columns are
 # meaningful, the quality columns are not), and the floor benchmark (`kvrag bench --floor`).
@@ -18,7 +18,7 @@ mkdir -p "$OUT"
 export KVRAG_HOME="$OUT/home" PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 
 "$PY" -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, 'cuda', torch.cuda.is_available() and torch.cuda.get_device_name(0))"
-KVRAG_TEST_DEVICE="$DEVICE" "$PY" -m pytest -q -p no:cacheprovider tests/test_device.py 2>&1 | tee "$OUT/test_device.log"
+KVRAG_TEST_DEVICE="$DEVICE" "$PY" -m pytest -q -p no:cacheprovider tests/unit/test_device.py 2>&1 | tee "$OUT/test_device.log"
 
 for shape in ${SHAPES//,/ }; do
     model="$OUT/model_$shape"
@@ -54,7 +54,7 @@ PY
             ${KVRAG_BENCH_ARGS:---scaling 8x512,16x512,32x512,64x512} \
             --out "$OUT/bench_${shape}_hot$hot" --report "$OUT/bench_${shape}_hot$hot.md" 2>&1 | grep -v "^  \[" | tail -12
     done
-    # The floor benchmark (issue 27): TTFT of each policy beside its floor (chunk reads + move to
+    # The floor benchmark: TTFT of each policy beside its floor (chunk reads + move to
     # the GPU + transformers' forward of the non-cached tokens over a prefix cache [+ recompute])
     # and op counts (kernel launches) per fused prefill / decode step vs the plain forward, at
     # 4k-32k tokens. Tiers: "auto" = GPU memory (the hot tier), "0" = host RAM (the store's

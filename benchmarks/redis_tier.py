@@ -103,7 +103,7 @@ def ttft(rag, prompt: str, reps: int, before=None) -> tuple[float, dict]:
 def throughput(url: str, prefix: str, model: str | None, texts: list[str], workers: int, tmp: str) -> dict:
     """Queue ``texts`` from a producer replica, run ``workers`` worker processes until idle."""
     from kvrag.engine import KVRag
-    from kvrag.store.shared import RedisStore
+    from kvrag.store.redis_store import RedisStore
 
     producer = KVRag(
         model,
@@ -168,7 +168,7 @@ def main() -> int:
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from kvrag.engine import KVRag
-    from kvrag.store.shared import RedisStore
+    from kvrag.store.redis_store import RedisStore
 
     tmp = tempfile.mkdtemp(prefix="kvrag-bench-redis-")
     proc, url = (None, args.redis) if args.redis else start_redis(tmp)

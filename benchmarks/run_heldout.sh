@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 31's held-out QA measurement: every reuse policy, and kvlink with an adapter, on the
+# The held-out QA measurement: every reuse policy, and kvlink with an adapter, on the
 # 100 MuSiQue items of ../shared/data (a source the adapter being judged was NOT trained on:
 # train it without --musique / --qa on that file), 7 passages each (~3.9k prompt tokens),
 # gold-answer containment, gold log-likelihood and KL to full_prefill, one timed run each.

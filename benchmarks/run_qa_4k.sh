@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 3's QA and speed targets on the same prompts: "at recompute ratio 15%, a3 and cacheblend
+# The QA and speed targets on the same prompts: "at recompute ratio 15%, a3 and cacheblend
 # keep >= 90% of full_prefill's QA score while >= 4x faster at ~4k context tokens". 30 synthetic
 # single-hop items of 8 passages x 500 tokens (~4.1k prompt tokens; the fact in one passage),
 # cacheblend and a3 at their defaults against full_prefill, one timed run each; the report judges

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -87,7 +88,9 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 class Arch:
     """Handles on the modules of a decoder-only causal LM of a supported family."""
 
-    model: torch.nn.Module
+    # A transformers causal LM (``PreTrainedModel``): its submodules are built from the config,
+    # so attribute reads are typed ``Any`` rather than torch's ``Tensor | Module``.
+    model: Any
 
     def __post_init__(self) -> None:
         cfg = self.model.config
@@ -267,7 +270,7 @@ class Arch:
     def rotate(
         self,
         x: torch.Tensor,
-        positions: torch.Tensor,
+        positions: torch.Tensor | None,
         cos_sin=None,
         out: torch.Tensor | None = None,
         layer: int | None = None,
@@ -283,7 +286,11 @@ class Arch:
         picks the layer's table and is required."""
         if layer is not None and not self.rope_layers[layer]:
             return x if out is None else out.copy_(x)
-        cos, sin = cos_sin if cos_sin is not None else self.cos_sin(positions)
+        if cos_sin is None:
+            if positions is None:
+                raise ValueError("rotate: pass the positions or their (cos, sin) tables")
+            cos_sin = self.cos_sin(positions)
+        cos, sin = cos_sin
         if cos.dim() == 3:  # one table per RoPE kind: [P, T, D]
             if layer is None:
                 raise ValueError("rotate: this model has one RoPE table per layer type; pass layer=")
@@ -317,7 +324,7 @@ class Arch:
             self.rotate(x, None, (cos, sin), out=out)
         else:  # Gemma 3: local and global layers rotate with their own base
             for kind in range(len(self.rope_kinds)):
-                idx = [l for l in range(self.n_layers) if self.rope_index[l] == kind]
+                idx = [i for i in range(self.n_layers) if self.rope_index[i] == kind]
                 if idx:
                     sel = torch.tensor(idx, device=x.device)
                     out.index_copy_(
@@ -368,7 +375,7 @@ class Arch:
         out = self.rotate_layers(x, cos_sin)
         if self.rope_gain == 1.0:
             return out
-        rope = torch.tensor([l for l, r in enumerate(self.rope_layers) if r], dtype=torch.long, device=x.device)
+        rope = torch.tensor([i for i, r in enumerate(self.rope_layers) if r], dtype=torch.long, device=x.device)
         return out.index_copy_(0, rope, self._ungain(out[rope], 1))
 
     def _ungain(self, x: torch.Tensor, power: int) -> torch.Tensor:
@@ -458,12 +465,32 @@ class Arch:
         attention work of a partial (recompute) layer. ``plan``: the same groups, from
         ``attention_plan(key_limits)`` (made once for the layers that share the rows: the
         fusion engine), instead of ``key_limits``."""
+        return self.finish_layer(layer, hidden, self.attention(q, keys, values, mask, causal, key_limits, plan))
+
+    def attention(
+        self,
+        q: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        mask: torch.Tensor | None,
+        causal: bool = False,
+        key_limits: torch.Tensor | None = None,
+        plan: list[tuple[int, int, int]] | None = None,
+    ) -> torch.Tensor:
+        """The attention part of ``attend`` (same arguments): q [H, A, D] against keys/values
+        [Hkv, N, D] -> the heads' outputs [A, H*D], before the output projection. Batched
+        decoding runs it per request (each over its own cache) and ``finish_layer`` once for
+        all of them."""
         if plan is not None:
-            attn = self._sdpa_planned(q, keys, values, mask, plan)
-        elif key_limits is not None:
-            attn = self._sdpa_grouped(q, keys, values, mask, key_limits)
-        else:
-            attn = self._sdpa(q, keys, values, mask, causal)
+            return self._sdpa_planned(q, keys, values, mask, plan)
+        if key_limits is not None:
+            return self._sdpa_grouped(q, keys, values, mask, key_limits)
+        return self._sdpa(q, keys, values, mask, causal)
+
+    def finish_layer(self, layer: int, hidden: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """The token-wise rest of a layer: hidden [A, E] (residual input) and the attention
+        output attn [A, H*D] -> new hidden [A, E] (output projection, norms, residuals, MLP;
+        rows are independent, so tokens of different requests share the weight reads)."""
         block = self.layers[layer]
         out = block.self_attn.o_proj(attn)
         if self.norm_style == "pre":  # Llama: post_attention_layernorm is the MLP's input norm
@@ -552,10 +579,10 @@ class Arch:
         n_groups = max(1, min(self.ATTN_GROUPS, a // self.MIN_GROUP_ROWS))
         if n_groups == 1:
             return None
-        bounds = torch.linspace(0, a, n_groups + 1).round().long()
+        edges = torch.linspace(0, a, n_groups + 1).round().long()
         # One host read for all groups (each int() of a CUDA tensor would be a sync).
-        limits = key_limits[(bounds[1:] - 1).clamp_min(0).to(key_limits.device)].tolist()
-        bounds = bounds.tolist()
+        limits = key_limits[(edges[1:] - 1).clamp_min(0).to(key_limits.device)].tolist()
+        bounds = edges.tolist()
         return [(lo, hi, max(1, int(lim))) for lo, hi, lim in zip(bounds[:-1], bounds[1:], limits) if hi > lo]
 
     def _sdpa_grouped(self, q, keys, values, mask, key_limits) -> torch.Tensor:

@@ -33,6 +33,31 @@ def check_int(name: str, x, lo: int | None = 0) -> int:
     return int(x)
 
 
+def is_integer_dtype(dtype: Any) -> bool:
+    """Whether a torch dtype holds integers: not a float, complex or bool dtype (read from the
+    dtype itself, so this module needs no torch import)."""
+    return not (dtype.is_floating_point or dtype.is_complex or str(dtype) == "torch.bool")
+
+
+def check_token_ids(name: str, ids: Any, vocab: int) -> list[int]:
+    """``ids`` (a sequence of ints, or a 1-D integer tensor) as a list of token ids in
+    ``[0, vocab)``; else ValueError naming ``name`` and the first bad id. A float would be
+    truncated, a negative id would index from the end, and one past the vocabulary raises
+    IndexError deep inside the model."""
+    if hasattr(ids, "dtype") and hasattr(ids, "dim"):  # a tensor
+        if ids.dim() != 1 or not is_integer_dtype(ids.dtype):
+            raise ValueError(
+                f"{name} must be a 1-D sequence of int token ids, got a tensor of shape {tuple(ids.shape)} "
+                f"dtype {ids.dtype}"
+            )
+        ids = ids.tolist()
+    ids = list(check_seq(name, ids, "a sequence of int token ids"))
+    for t, x in enumerate(ids):
+        if isinstance(x, bool) or not isinstance(x, numbers.Integral) or not 0 <= int(x) < vocab:
+            raise ValueError(f"{name}: {x!r} at position {t} is not a token id of this model (an int in [0, {vocab}))")
+    return [int(x) for x in ids]
+
+
 def check_seq(name: str, x, what: str):
     """``x`` if it is a sequence (iterable, not a string); else ValueError saying ``name`` must
     be ``what``. Its entries are the caller's to check."""

@@ -18,7 +18,8 @@ from kvrag.arch import Arch
 def pack(lengths: Sequence[int], budget: int) -> Iterator[list[int]]:
     """Group chunk indices into packs of at most ``budget`` tokens (a chunk longer than the
     budget gets a pack of its own)."""
-    group, total = [], 0
+    group: list[int] = []
+    total = 0
     for i, n in enumerate(lengths):
         if group and total + n > budget:
             yield group

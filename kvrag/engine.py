@@ -10,23 +10,31 @@ Integrations (LlamaIndex, LangChain) and the CLI talk to this class only::
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-import numbers
 import os
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Generator, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from kvrag.arch import Arch
-from kvrag.checks import check_int, check_seq
-from kvrag.ingest import STORAGE_DTYPES, Ingestor, cache_fingerprint, resolve_anchor
-from kvrag.model import ModelHandle, default_home
+from kvrag.checks import check_int, check_seq, check_token_ids
+from kvrag.defaults import (
+    DEFAULT_CHUNK_ANCHOR,
+    DEFAULT_COMPUTE_DTYPE,
+    DEFAULT_MAX_NEW_TOKENS,
+    DEFAULT_POLICY,
+    DEFAULT_STORAGE_DTYPE,
+)
+from kvrag.limits import entry_bytes_bound
+from kvrag.model import ModelHandle
+from kvrag.paths import default_store_dir
 from kvrag.policies import Policy, get_policy
 from kvrag.policies.kvlink.adapter import adapt_model
 from kvrag.precompute import pending_in_prompt
+from kvrag.precompute.ingest import STORAGE_DTYPES, Ingestor, cache_fingerprint, resolve_anchor
 from kvrag.query.align import prompt_prefix
 from kvrag.query.decode import FusedStepper, HFStepper, Sampling, TextStream, eos_ids, generate_tokens
 from kvrag.query.fusion import FusionEngine, FusionResult
@@ -34,7 +42,8 @@ from kvrag.query.lookup import ChunkLookup
 from kvrag.query.prompt import render_prompt
 from kvrag.query.segment import Segmenter
 from kvrag.query.state import CACHED, INSERTED, FusionStats, Layout, Piece
-from kvrag.store import ChunkStore, KVStore
+from kvrag.store import ChunkStore, open_shared, open_store
+from kvrag.store.factory import check_cache_dir
 from kvrag.store.hot import HotCache, resolve_budget
 
 log = logging.getLogger("kvrag")
@@ -92,7 +101,7 @@ class _Prepared:
 class Stream:
     """Iterator of text deltas; ``.stats``/``.text``/``.token_ids`` are complete once exhausted."""
 
-    def __init__(self, gen: Iterator[str]):
+    def __init__(self, gen: Generator[str, None, None]):
         self._gen = gen
         self.text = ""
         self.token_ids: list[int] = []
@@ -113,7 +122,8 @@ class Stream:
 
     def generation(self) -> Generation:
         """What the stream produced, as ``generate`` returns it (complete once exhausted)."""
-        return Generation(self.text, self.token_ids, self.stats, self.prompt_ids, self.finish_reason)
+        # ``stats`` is None only for a stream closed before its end, whose generation is partial.
+        return Generation(self.text, self.token_ids, self.stats, self.prompt_ids, self.finish_reason)  # type: ignore[arg-type]
 
 
 class KVRag:
@@ -145,12 +155,12 @@ class KVRag:
     reads every chunk from disk. ``FusionStats.chunks_hot`` counts the chunks it served.
     shared: a tier that several replicas share, behind the local store: a Redis URL
     (``redis://[:password@]host:6379/0``, ``rediss://`` for TLS; keys under ``kvrag:``) or a
-    ``ChunkStore`` such as ``kvrag.store.shared.RedisStore(url, prefix=...)``. Writes go to
+    ``ChunkStore`` such as ``kvrag.store.redis_store.RedisStore(url, prefix=...)``. Writes go to
     the local store then the shared one; a local miss is read from the shared tier and copied
     to the local store (``kvrag.store.tiered``, docs/deploy.md). None (default): local only,
     no server. precompute_via: ``"local"`` computes chunks in this process; ``"queue"`` (needs
     ``shared`` on Redis) hands them to ``kvrag worker`` processes through a Redis stream
-    (``self.queue``, ``kvrag.remote``): ``precompute`` and the ingestion hooks then return
+    (``self.queue``, ``kvrag.precompute.redis_queue``): ``precompute`` and the ingestion hooks then return
     once the chunks are queued."""
 
     def __init__(
@@ -158,16 +168,16 @@ class KVRag:
         model: ModelHandle | str | None = None,
         *,
         cache_dir: str | os.PathLike | None = None,
-        policy: str | Policy = "cacheblend",
-        storage_dtype: str = "float16",
+        policy: str | Policy = DEFAULT_POLICY,
+        storage_dtype: str = DEFAULT_STORAGE_DTYPE,
         size_limit: int | None = None,
-        dtype: str = "float32",
+        dtype: str = DEFAULT_COMPUTE_DTYPE,
         device: str = "cpu",
         ingest_policies: Sequence[str | Policy] = (),
         query_tokens: int | None = None,
         refresh_s: float = 2.0,
         kvlink_adapter: str | os.PathLike | None = "default",
-        chunk_anchor: str | Sequence[int] = "auto",
+        chunk_anchor: str | Sequence[int] = DEFAULT_CHUNK_ANCHOR,
         hot_cache: int | str = "auto",
         shared: "str | ChunkStore | None" = None,
         precompute_via: str = "local",
@@ -176,9 +186,7 @@ class KVRag:
         # Bad options fail before a model load, and before the store is opened: opening it
         # records ``size_limit`` in a store other processes may share.
         pol = get_policy(policy, **policy_params)
-        if cache_dir is not None and not str(cache_dir).strip():
-            # Path("") is the working directory: a store would silently fill it.
-            raise ValueError(f"cache_dir must be a non-empty path (None: the default store), got {cache_dir!r}")
+        check_cache_dir(cache_dir)
         if storage_dtype not in STORAGE_DTYPES:
             raise ValueError(f"storage_dtype must be one of {sorted(STORAGE_DTYPES)}, got {storage_dtype!r}")
         if hot_cache != "auto":
@@ -191,20 +199,17 @@ class KVRag:
             raise ValueError(
                 "precompute_via='queue' needs a shared store (shared='redis://...') where the workers store the chunks"
             )
-        far = None
-        if shared is not None:
-            # Imported here: a single-process kvrag never imports redis. Built before the model
-            # load, so a malformed URL fails at once (no connection is made yet).
-            from kvrag.store.shared import RedisStore
-
-            far = shared if isinstance(shared, ChunkStore) else RedisStore(shared)
+        # Built before the model load, so a malformed URL fails at once (no connection is made
+        # yet); a single-process kvrag never imports redis.
+        far = None if shared is None else open_shared(shared)
         if isinstance(ingest_policies, (str, Policy)):
             ingest_policies = [ingest_policies]
         ingest = [get_policy(p) for p in ingest_policies]
         self.handle = model if isinstance(model, ModelHandle) else ModelHandle.load(model, dtype=dtype, device=device)
         if kvlink_adapter is not None:
             self.handle = adapt_model(self.handle, kvlink_adapter, pol.name)
-        self.arch = Arch(self.handle.model)
+        # One Arch per model: the handle builds it, every component shares it.
+        self.arch = self.handle.arch
         pol.check_model(self.arch)  # e.g. a2ats without a codebook: now, not at the first hit
         # The default policy's per-chunk extras (A2ATS codes) are computed at precompute time,
         # with its own configuration (codebook=...): an ingest policy of the same name is it.
@@ -217,17 +222,16 @@ class KVRag:
         # fingerprint, so a store shared by differently configured instances never mixes them.
         self.fingerprint = cache_fingerprint(self.handle.fingerprint, self.anchor)
         #: The local store's directory (also with a shared tier in front of which it sits).
-        self.cache_dir = Path(cache_dir) if cache_dir is not None else default_home() / "store"
-        self.store: ChunkStore = KVStore(self.cache_dir, size_limit=size_limit)
+        self.cache_dir = Path(cache_dir) if cache_dir is not None else default_store_dir()
+        self.store: ChunkStore = open_store(self.cache_dir, shared=far, size_limit=size_limit)
+        if far is not None and hasattr(far, "limit_entry_bytes"):  # fetch nothing larger than this model writes
+            itemsize = STORAGE_DTYPES[storage_dtype].itemsize
+            far.limit_entry_bytes(entry_bytes_bound(self.arch, self.handle.max_context, itemsize))
         self.queue = None
-        if far is not None:
-            from kvrag.store.tiered import TieredStore
+        if far is not None and precompute_via == "queue":
+            from kvrag.precompute.redis_queue import RedisQueue
 
-            self.store = TieredStore(self.store, far)
-            if precompute_via == "queue":
-                from kvrag.remote import RedisQueue
-
-                self.queue = RedisQueue(far, self.fingerprint)
+            self.queue = RedisQueue(far, self.fingerprint)
         self.hot = HotCache(resolve_budget(hot_cache, self.handle.device), self.handle.device, self.handle.dtype)
         self.policy = pol
         self.ingest_policies = ingest
@@ -351,6 +355,29 @@ class KVRag:
             pol.check_layout(layout, self.arch)
         return _Prepared(pol, pieces, seg_stats, layout, t0, time.perf_counter(), known, pending)
 
+    def _fit_context(self, sampling: Sampling, prep: "_Prepared") -> Sampling:
+        """``sampling`` with ``max_new_tokens`` clamped (with a warning) so that the prompt and
+        the answer fit in the model's context: positions past it were never trained, and
+        decoding there degenerates silently. ValueError if the prompt leaves no room."""
+        n = prep.layout.n if prep.layout is not None else sum(int(p.token_ids.numel()) for p in prep.pieces)
+        room = self.handle.max_context - n
+        if room < 1 and sampling.max_new_tokens:
+            raise ValueError(
+                f"prompt of {n} tokens leaves no room to generate in the model context "
+                f"({self.handle.max_context} tokens); shorten the prompt"
+            )
+        if sampling.max_new_tokens <= room:
+            return sampling
+        log.warning(
+            "max_new_tokens=%d does not fit after a %d-token prompt in the model context (%d tokens); "
+            "generating at most %d",
+            sampling.max_new_tokens,
+            n,
+            self.handle.max_context,
+            room,
+        )
+        return dataclasses.replace(sampling, max_new_tokens=room)
+
     def _fuse(self, prep: "_Prepared"):
         """The prefill itself, after ``_prepare``: (logits [V], stepper, stats, prompt ids)."""
         pol, pieces, seg_stats, layout = prep.policy, prep.pieces, prep.seg_stats, prep.layout
@@ -358,7 +385,7 @@ class KVRag:
         if layout is None:
             # Invariant: a prompt with no cached chunk takes the exact full-prefill path.
             ids = torch.cat([p.token_ids for p in pieces])
-            stepper = HFStepper(self.handle.model, cache=None, K=[], V=[], next_position=0)
+            stepper: HFStepper | FusedStepper = HFStepper(self.handle.model, cache=None, K=[], V=[], next_position=0)
             logits = stepper.step(ids.tolist(), last_only=True)[-1]
             n = int(ids.numel())
             stats = FusionStats(prompt_tokens=n, computed_tokens=n, kept_tokens=n, policy=pol.name)
@@ -401,7 +428,7 @@ class KVRag:
         prompt: str | Sequence[dict],
         *,
         policy: str | Policy | None = None,
-        max_new_tokens: int = 128,
+        max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
         temperature: float = 0.0,
         top_p: float = 1.0,
         top_k: int = 0,
@@ -421,10 +448,11 @@ class KVRag:
         t_call = time.perf_counter()
         pol = get_policy(policy if policy is not None else self.policy, **policy_params)
         prep = self._prepare(self.render(prompt), pol, t_call)
+        sampling = self._fit_context(sampling, prep)
         prep_s = time.perf_counter() - t_call
         holder: Stream
 
-        def run() -> Iterator[str]:
+        def run() -> Generator[str, None, None]:
             # TTFT counts the call's work and this one's, not the wait for the first next().
             t0 = time.perf_counter() - prep_s
             logits, stepper, stats, prompt_ids = self._fuse(prep)
@@ -490,18 +518,18 @@ class KVRag:
         ]
         pre = self.prefill(prompt, policy, **policy_params)
         logits, stepper, stats = pre.logits, pre.stepper, pre.stats
-        rewindable = hasattr(stepper, "rewind")
+        rewindable = isinstance(stepper, HFStepper)
         outs = []
         for i, ids in enumerate(continuations):
             if i and not rewindable:
                 pre = self.prefill(prompt, policy, **policy_params)
                 logits, stepper, stats = pre.logits, pre.stepper, pre.stats
-            point = stepper.checkpoint() if rewindable else None
+            point = stepper.checkpoint() if isinstance(stepper, HFStepper) else None
             rows = [logits.unsqueeze(0)]
             if len(ids):
                 rows.append(stepper.step(list(ids)))
             outs.append(torch.cat(rows).float())
-            if rewindable:
+            if point is not None and isinstance(stepper, HFStepper):
                 stepper.rewind(point)
         return outs, stats
 
@@ -509,18 +537,5 @@ class KVRag:
         """Continuation ``i`` as a list of token ids of this model; ValueError naming the first
         bad id (a float would be truncated, a negative one would index from the end, one past
         the vocabulary raises IndexError deep in the model)."""
-        if isinstance(ids, torch.Tensor):
-            if ids.dim() != 1 or ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
-                raise ValueError(
-                    f"continuation {i} must be a 1-D sequence of int token ids, got a tensor "
-                    f"of shape {tuple(ids.shape)} dtype {ids.dtype}"
-                )
-            ids = ids.tolist()
-        ids = list(check_seq(f"continuation {i}", ids, "a sequence of int token ids"))
         vocab = self.handle.model.get_input_embeddings().num_embeddings
-        for t, x in enumerate(ids):
-            if isinstance(x, bool) or not isinstance(x, numbers.Integral) or not 0 <= x < vocab:
-                raise ValueError(
-                    f"continuation {i}: {x!r} at position {t} is not a token id of this model (an int in [0, {vocab}))"
-                )
-        return [int(x) for x in ids]
+        return check_token_ids(f"continuation {i}", ids, vocab)

@@ -24,6 +24,7 @@ names the file, the example and the field.
 from __future__ import annotations
 
 import json
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,7 +47,7 @@ class QARecord:
     type: str = ""
 
 
-def read_items(path: str | Path) -> list[Any]:
+def read_items(path: str | os.PathLike) -> list[Any]:
     """The raw examples of a QA file (JSON list, ``{"data": [...]}`` or JSON lines), SQuAD's
     nesting flattened. FileNotFoundError if there is no such file; ValueError otherwise."""
     p = Path(path).expanduser()
@@ -112,7 +113,7 @@ def parse_items(items: list[Any], source: str) -> list[QARecord]:
     return [_record(it, f"{source}: example {i}", f"{Path(source).stem}-{i}") for i, it in enumerate(items)]
 
 
-def load_records(path: str | Path, limit: int | None = None) -> list[QARecord]:
+def load_records(path: str | os.PathLike, limit: int | None = None) -> list[QARecord]:
     """The first ``limit`` (all if None) examples of a QA file, parsed."""
     items = read_items(path)
     return parse_items(items[:limit] if limit is not None else items, str(path))
@@ -140,7 +141,7 @@ def _answers(it: dict, where: str) -> list[str]:
     if not isinstance(raw, list):
         raw = []
     raw = raw + [a for a in it.get("answer_aliases") or [] if isinstance(a, str)]  # MuSiQue
-    out = []
+    out: list[Any] = []
     for a in raw:
         if isinstance(a, dict):  # SQuAD: {"text": ..., "answer_start": ...}
             a = a.get("text")

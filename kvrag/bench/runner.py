@@ -22,309 +22,27 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import math
 import os
-import platform
-import re
-import statistics
 import tempfile
-import threading
 import time
 import traceback
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from kvrag import qa_data
 from kvrag.bench import metrics as M
 from kvrag.bench import synthetic
+from kvrag.bench.config import REFERENCE, STOP, BenchConfig, Run
+from kvrag.bench.examples import Example, examples_from_items, load_examples
+from kvrag.bench.journal import JOURNAL_FORMAT, NOT_IN_JOURNAL_IDENTITY, journal_path, jsonable
+from kvrag.bench.machine import git_commit, machine_info
+from kvrag.bench.memory import PeakMemory, dir_bytes
+from kvrag.bench.summary import median_of, summarize, throughput
 from kvrag.policies import get_policy, policy_class, policy_names
 
 log = logging.getLogger("kvrag.bench")
 
-REFERENCE = "full_prefill"
-STOP = ("\n",)
-
-
-# ---- configuration -----------------------------------------------------------------------
-@dataclass
-class BenchConfig:
-    """Everything a run needs; ``kvrag bench`` fills it from the command line."""
-
-    out: Path
-    data: str | None = None
-    synthetic: int = 0  # synthetic QA items (0 = none)
-    policies: list[str] = field(default_factory=list)  # [] = every registered policy
-    params: dict[str, dict] = field(default_factory=dict)  # policy -> hyper-parameters
-    limit: int | None = None
-    passages: int | None = None
-    passage_words: int | None = None  # truncate passages (quick mode)
-    repeats: int = 3
-    max_new_tokens: int = 32
-    kl_positions: int = 16
-    scaling: list[tuple[int, int]] = field(default_factory=list)  # (chunks, tokens per chunk)
-    floor: list[tuple[int, int]] = field(default_factory=list)  # floor benchmark points, as scaling
-    sweep_policies: list[str] = field(default_factory=list)
-    sweep_ratios: list[float] = field(default_factory=list)
-    sweep_limit: int = 0
-    sweep_data: str = "synthetic"  # "synthetic" or "data"
-    synthetic_passages: int = 6
-    synthetic_passage_tokens: int = 200
-    synthetic_types: list[str] = field(default_factory=lambda: list(synthetic.QUESTION_TYPES))
-    check_items: int = 0  # single-hop items of the full_prefill answerability check
-    devices: list[str] = field(default_factory=lambda: ["cpu"])
-    model: str | None = None
-    dtype: str = "float32"
-    storage_dtype: str = "float16"
-    chunk_anchor: str = "auto"  # KVRag(chunk_anchor=...): "auto" or "none"
-    # KVLink adapter of the trained ``kvlink`` runs: "default" (the adapter found for the model,
-    # if any: what ``KVRag(policy="kvlink")`` runs), "links" (links-only adapters only), "auto"
-    # (the adapter found; an error if none), a directory, or "none". A LoRA adapter changes the
-    # model, so its runs get a KVRag of their own.
-    kvlink_adapter: str | None = "default"
-    hot_cache: int | str = 0  # KVRag(hot_cache=...): 0 = every run reads the disk (cold)
-    seed: int = 0
-    footprint: bool = True
-    warmup: bool = True
-    cache_dir: str | None = None
-    report: Path | None = None
-    command: str = ""
-    quick: bool = False
-    # Keep the QA examples an interrupted run with this configuration finished (its journal in
-    # ``out``) instead of running them again.
-    resume: bool = False
-
-    def __post_init__(self) -> None:
-        self.out = Path(self.out)
-        # Counts that slice the data: a negative one would slice from the end, 0 would run
-        # nothing. None (the default) means all.
-        for name in ("limit", "passages", "passage_words"):
-            v = getattr(self, name)
-            if v is not None and v < 1:
-                raise ValueError(f"{name} must be >= 1 (or unset: all), got {v}")
-        if self.synthetic < 0:
-            raise ValueError(f"synthetic must be >= 0, got {self.synthetic}")
-        if self.sweep_limit < 0:
-            raise ValueError(f"sweep_limit must be >= 0 (0 = no sweep), got {self.sweep_limit}")
-        # The synthetic generator's own limits (the synthetic set and the single-hop check).
-        if self.synthetic_passages < synthetic.MIN_PASSAGES:
-            raise ValueError(
-                f"synthetic_passages must be >= {synthetic.MIN_PASSAGES} (facts + distractors), "
-                f"got {self.synthetic_passages}"
-            )
-        if self.synthetic_passage_tokens < synthetic.MIN_PASSAGE_TOKENS:
-            raise ValueError(
-                f"synthetic_passage_tokens must be >= {synthetic.MIN_PASSAGE_TOKENS}, "
-                f"got {self.synthetic_passage_tokens}"
-            )
-        if self.repeats < 1:
-            raise ValueError(f"repeats must be >= 1, got {self.repeats}")
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.kl_positions < 1:
-            raise ValueError(f"kl_positions must be >= 1, got {self.kl_positions}")
-        for r in self.sweep_ratios:
-            if not 0.0 <= r <= 1.0:
-                raise ValueError(f"sweep ratios must be in [0, 1], got {r}")
-        for n, t in [*self.scaling, *self.floor]:
-            if n < 1 or t < 32:
-                raise ValueError(f"scaling point {n}x{t}: need >= 1 chunk of >= 32 tokens")
-        bad = [t for t in self.synthetic_types if t not in synthetic.QUESTION_TYPES]
-        if bad or not self.synthetic_types:
-            raise ValueError(
-                f"synthetic types must be some of {', '.join(synthetic.QUESTION_TYPES)}, got {self.synthetic_types!r}"
-            )
-        if self.check_items < 0:
-            raise ValueError(f"check_items must be >= 0, got {self.check_items}")
-        if self.sweep_data not in ("synthetic", "data"):
-            raise ValueError(f"sweep_data must be 'synthetic' or 'data', got {self.sweep_data!r}")
-
-
-@dataclass
-class Example:
-    """One QA example: passages in prompt order (each precomputed as one chunk)."""
-
-    id: str
-    question: str
-    answers: list[str]
-    passages: list[str]
-    qtype: str = ""
-
-
-def examples_from_items(
-    items: Sequence[Any],
-    *,
-    source: str,
-    limit: int | None = None,
-    passages: int | None = None,
-    passage_words: int | None = None,
-) -> list[Example]:
-    """Validate QA examples (any format :mod:`kvrag.qa_data` reads) and turn them into
-    ``Example`` s: each passage is ``title\ntext`` (or the text alone), empty passages dropped."""
-    if not isinstance(items, list):
-        raise ValueError(f"{source}: expected a JSON list of examples, got {type(items).__name__}")
-    out = []
-    for i, rec in enumerate(qa_data.parse_items(items[: limit if limit is not None else None], source)):
-        texts = [
-            f"{title.strip()}\n{text.strip()}" if title.strip() else text.strip()
-            for title, text in rec.passages[: passages if passages else None]
-        ]
-        if passage_words:
-            texts = [" ".join(t.split(" ")[:passage_words]) for t in texts]
-        texts = [t for t in texts if t.strip()]
-        if not texts:
-            raise ValueError(f"{source}: example {i}: every passage is empty")
-        out.append(Example(rec.id, rec.question, rec.answers, texts, rec.type))
-    return out
-
-
-def load_examples(path: str, **kw) -> list[Example]:
-    """Examples from a QA file (``musique_dev.json``'s format, or another :mod:`kvrag.qa_data` reads)."""
-    return examples_from_items(qa_data.read_items(path), source=str(path), **kw)
-
-
-# ---- measurement helpers -------------------------------------------------------------------
-def _rss_bytes() -> int:
-    try:
-        import psutil
-
-        return int(psutil.Process().memory_info().rss)
-    except ImportError:
-        pass
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError):
-        import resource
-
-        return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
-
-
-class PeakMemory:
-    """Peak memory during a ``with`` block: process RSS sampled by a thread (CPU; torch ops
-    release the GIL so sampling runs during them), or ``torch.cuda.max_memory_allocated``."""
-
-    def __init__(self, device: str, interval_s: float = 0.005):
-        self.cuda = device.startswith("cuda")
-        self.interval = interval_s
-        self.peak = self.base = 0
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def _sample(self) -> None:
-        while not self._stop.wait(self.interval):
-            self.peak = max(self.peak, _rss_bytes())
-
-    def __enter__(self) -> "PeakMemory":
-        if self.cuda:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            self.base = self.peak = torch.cuda.memory_allocated()
-        else:
-            self.base = self.peak = _rss_bytes()
-            self._thread = threading.Thread(target=self._sample, daemon=True)
-            self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self.cuda:
-            torch.cuda.synchronize()
-            self.peak = max(self.peak, torch.cuda.max_memory_allocated())
-        else:
-            self._stop.set()
-            self._thread.join()
-            self.peak = max(self.peak, _rss_bytes())
-
-    @property
-    def peak_mb(self) -> float:
-        return self.peak / 2**20
-
-    @property
-    def delta_mb(self) -> float:
-        return (self.peak - self.base) / 2**20
-
-
-def dir_bytes(path: str | os.PathLike) -> int:
-    """Bytes of all files under ``path`` (blobs + index)."""
-    total = 0
-    for root, _, files in os.walk(path):
-        for f in files:
-            try:
-                total += os.path.getsize(os.path.join(root, f))
-            except OSError:
-                pass
-    return total
-
-
-def machine_info(devices: Sequence[str]) -> dict:
-    """What the numbers were measured on."""
-    import transformers
-
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    mem = None
-    try:
-        mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    except (ValueError, OSError, AttributeError):
-        pass
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:
-        cores = os.cpu_count()
-    info = {
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "cpu": cpu,
-        "cores": cores,
-        "torch_threads": torch.get_num_threads(),
-        "memory_gib": round(mem, 1) if mem else None,
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "devices": list(devices),
-    }
-    if any(d.startswith("cuda") for d in devices) and torch.cuda.is_available():
-        info["gpu"] = torch.cuda.get_device_name(0)
-    return info
-
-
-def _git_commit() -> str | None:
-    head = Path(__file__).resolve().parents[2] / ".git"
-    try:
-        ref = (head / "HEAD").read_text().strip()
-        if ref.startswith("ref: "):
-            return (head / ref[5:]).read_text().strip()
-        return ref
-    except OSError:
-        return None
-
-
-def _median(xs: Sequence[float]) -> float | None:
-    xs = [x for x in xs if x is not None and not (isinstance(x, float) and math.isnan(x))]
-    return statistics.median(xs) if xs else None
-
-
-def _mean(xs: Sequence[float]) -> float | None:
-    xs = [x for x in xs if x is not None and not (isinstance(x, float) and math.isnan(x))]
-    return sum(xs) / len(xs) if xs else None
-
-
-def label_of(policy: str, params: dict) -> str:
-    """Display name of a policy run: ``cacheblend`` or ``cacheblend@0.3`` for a swept ratio."""
-    if set(params) == {"recompute_ratio"}:
-        return f"{policy}@{params['recompute_ratio']:g}"
-    if params:
-        return policy + "(" + ",".join(f"{k}={v}" for k, v in sorted(params.items())) + ")"
-    return policy
+log = logging.getLogger("kvrag.bench")
 
 
 def _rotate(xs: list, k: int) -> list:
@@ -332,31 +50,6 @@ def _rotate(xs: list, k: int) -> list:
         return xs
     k %= len(xs)
     return xs[k:] + xs[:k]
-
-
-# ---- the runner ----------------------------------------------------------------------------
-@dataclass
-class Run:
-    """One policy configuration to benchmark."""
-
-    policy: str
-    params: dict = field(default_factory=dict)
-
-    @property
-    def label(self) -> str:
-        return label_of(self.policy, self.params)
-
-
-#: The QA scenario's journal: one JSON line per finished example, after a header naming the
-#: configuration, so an interrupted run (hours on a CPU) continues with ``resume`` instead of
-#: starting over. Options that only say where results go, or how many examples, may differ.
-JOURNAL_FORMAT = 1
-_NOT_IN_JOURNAL_IDENTITY = ("out", "report", "command", "limit", "cache_dir", "resume")
-
-
-def journal_path(out: str | os.PathLike, device: str, dataset: str) -> Path:
-    """Where the QA journal of ``dataset`` on ``device`` lives in the output directory."""
-    return Path(out) / re.sub(r"[^\w.-]", "_", f"qa_journal.{device}.{dataset}.jsonl")
 
 
 class Bench:
@@ -582,7 +275,7 @@ class Bench:
         for run in runs:
             rec, xs = recs[run.label], ttfts[run.label]
             rec["ttft_runs"] = xs
-            rec["ttft_s"] = _median(xs)
+            rec["ttft_s"] = median_of(xs)
             rec["ttft_min"] = min(xs) if xs else None
             rec["ttft_max"] = max(xs) if xs else None
         ref = recs.get(REFERENCE)
@@ -642,7 +335,7 @@ class Bench:
 
     # -- the QA journal --
     def _journal_identity(self, dataset: str) -> dict:
-        cfg = {k: v for k, v in dataclasses.asdict(self.cfg).items() if k not in _NOT_IN_JOURNAL_IDENTITY}
+        cfg = {k: v for k, v in dataclasses.asdict(self.cfg).items() if k not in NOT_IN_JOURNAL_IDENTITY}
         ident = {
             "format": JOURNAL_FORMAT,
             "device": self.device,
@@ -650,7 +343,7 @@ class Bench:
             "model": self.model_info.get("fingerprint"),
             "kvlink_adapter": self.model_info.get("kvlink_adapter"),
             "runs": [r.label for r in self.runs],
-            "config": _jsonable(cfg),
+            "config": jsonable(cfg),
         }
         return json.loads(json.dumps(ident, default=str))  # as it reads back: tuples are lists
 
@@ -926,9 +619,9 @@ class Bench:
         meta = {
             "machine": machine_info(cfg.devices),
             "command": cfg.command,
-            "git_commit": _git_commit(),
+            "git_commit": git_commit(),
             "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-            "config": _jsonable(dataclasses.asdict(cfg)),
+            "config": jsonable(dataclasses.asdict(cfg)),
         }
         for device in cfg.devices:
             self.device = device
@@ -993,174 +686,3 @@ class Bench:
             "summary": summarize(self.records),
             "throughput": throughput(self.records, self.precompute_log),
         }
-
-
-def _jsonable(x):
-    if isinstance(x, dict):
-        return {k: _jsonable(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_jsonable(v) for v in x]
-    if isinstance(x, Path):
-        return str(x)
-    return x
-
-
-# ---- summary -------------------------------------------------------------------------------
-SUMMARY_FIELDS = [
-    "device",
-    "scenario",
-    "dataset",
-    "label",
-    "policy",
-    "recompute_ratio_param",
-    "n",
-    "errors",
-    "prompt_tokens",
-    "ttft_s",
-    "ttft_spread",
-    "speedup",
-    "tpot_s",
-    "gold_f1",
-    "gold_em",
-    "gold_acc",
-    "fidelity_f1",
-    "fidelity_em",
-    "gold_nll",
-    "gold_nll_delta",
-    "gold_ll_rel_gap",
-    "top1_agreement",
-    "kl",
-    "cached_tokens",
-    "recomputed_tokens",
-    "computed_tokens",
-    "kept_tokens",
-    "kept_fraction",
-    "kv_read_fraction",
-    "recompute_fraction",
-    "bytes_loaded",
-    "peak_mem_mb",
-    "peak_mem_delta_mb",
-    "gold_f1_ratio",
-    "gold_f1_loss_pts",
-    "gold_acc_ratio",
-    "gold_acc_loss_pts",
-    "gold_acc_hits",
-]
-
-
-def summarize(records: list[dict]) -> list[dict]:
-    """One row per (device, scenario, dataset, label): medians of TTFT and of the per-example
-    TTFT ratio, means of the quality metrics and counters over the examples that ran."""
-    groups: dict[tuple, list[dict]] = {}
-    for r in records:
-        groups.setdefault((r["device"], r["scenario"], r["dataset"], r["label"]), []).append(r)
-    rows = []
-    for (device, scenario, dataset, label), rs in groups.items():
-        ok = [r for r in rs if not r.get("error")]
-        spreads = [
-            (r["ttft_max"] - r["ttft_min"]) / r["ttft_s"]
-            for r in ok
-            if r.get("ttft_s") and r.get("ttft_max") is not None
-        ]
-        row = {
-            "device": device,
-            "scenario": scenario,
-            "dataset": dataset,
-            "label": label,
-            "policy": rs[0]["policy"],
-            "recompute_ratio_param": rs[0].get("recompute_ratio_param"),
-            "n": len(rs),
-            "errors": len(rs) - len(ok),
-            "ttft_s": _median([r.get("ttft_s") for r in ok]),
-            "speedup": _median([r.get("speedup") for r in ok]),
-            "ttft_spread": _median(spreads),
-        }
-        for k in (
-            "prompt_tokens",
-            "tpot_s",
-            "gold_f1",
-            "gold_em",
-            "gold_acc",
-            "fidelity_f1",
-            "fidelity_em",
-            "gold_nll",
-            "gold_nll_delta",
-            "top1_agreement",
-            "kl",
-            "cached_tokens",
-            "recomputed_tokens",
-            "computed_tokens",
-            "kept_tokens",
-            "kept_fraction",
-            "kv_read_fraction",
-            "recompute_fraction",
-            "bytes_loaded",
-        ):
-            row[k] = _mean([r.get(k) for r in ok])
-        # Answered items as a count: on a few dozen items a ratio of accuracies hides how few
-        # answers it rests on.
-        accs = [r["gold_acc"] for r in ok if r.get("gold_acc") is not None]
-        row["gold_acc_hits"] = sum(accs) if accs else None
-        row["peak_mem_mb"] = max((r.get("peak_mem_mb") or 0.0 for r in ok), default=None)
-        row["peak_mem_delta_mb"] = max((r.get("peak_mem_delta_mb") or 0.0 for r in ok), default=None)
-        # Relative gap of the *mean* gold log-likelihood to full_prefill's mean on the same examples.
-        ids = {r["example_id"] for r in ok if r.get("gold_ll") is not None}
-        refs = [
-            r
-            for r in groups.get((device, scenario, dataset, REFERENCE), [])
-            if r["example_id"] in ids and r.get("gold_ll") is not None
-        ]
-        mine = [
-            r["gold_ll"]
-            for r in ok
-            if r.get("gold_ll") is not None and r["example_id"] in {x["example_id"] for x in refs}
-        ]
-        row["gold_ll_rel_gap"] = (
-            M.relative_gap(_mean(mine), _mean([r["gold_ll"] for r in refs])) if mine and refs else None
-        )
-        # QA score kept, on the examples both ran: ratio to full_prefill's mean and the loss in
-        # points (x100), for gold F1 and for gold accuracy (answer contained).
-        for metric in ("gold_f1", "gold_acc"):
-            ref = {
-                r["example_id"]: r[metric]
-                for r in groups.get((device, scenario, dataset, REFERENCE), [])
-                if r.get(metric) is not None and not r.get("error")
-            }
-            both = [
-                (r[metric], ref[r["example_id"]]) for r in ok if r.get(metric) is not None and r["example_id"] in ref
-            ]
-            mine_mean, ref_mean = _mean([a for a, _ in both]), _mean([b for _, b in both])
-            row[f"{metric}_ratio"] = mine_mean / ref_mean if both and ref_mean else None
-            row[f"{metric}_loss_pts"] = 100 * (ref_mean - mine_mean) if both else None
-        rows.append(row)
-    return rows
-
-
-def throughput(records: list[dict], precompute_log: list[dict]) -> dict:
-    """Precompute tokens/s vs plain prefill tokens/s (full_prefill's TTFT on the QA prompts)."""
-    out = {}
-    devices = {p["device"] for p in precompute_log} | {r["device"] for r in records}
-    for d in sorted(devices):
-        pre = [p for p in precompute_log if p["device"] == d]
-        tok, sec = sum(p["tokens"] for p in pre), sum(p["seconds"] for p in pre)
-        fps = [
-            r
-            for r in records
-            if r["device"] == d
-            and r["policy"] == REFERENCE
-            and r["scenario"] == "qa"
-            and r.get("ttft_s")
-            and r.get("prompt_tokens")
-        ]
-        ptok, psec = sum(r["prompt_tokens"] for r in fps), sum(r["ttft_s"] for r in fps)
-        out[d] = {
-            "precompute_tokens": tok,
-            "precompute_s": sec,
-            "precompute_tok_per_s": tok / sec if sec else None,
-            "prefill_tokens": ptok,
-            "prefill_s": psec,
-            "prefill_tok_per_s": ptok / psec if psec else None,
-        }
-        if out[d]["precompute_tok_per_s"] and out[d]["prefill_tok_per_s"]:
-            out[d]["ratio"] = out[d]["precompute_tok_per_s"] / out[d]["prefill_tok_per_s"]
-    return out

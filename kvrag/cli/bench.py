@@ -10,6 +10,7 @@ import re
 import shlex
 
 from kvrag.cli._options import MODEL_HELP
+from kvrag.defaults import DEFAULT_COMPUTE_DTYPE, DEFAULT_STORAGE_DTYPE
 from kvrag.errors import KVRagError
 
 # Defaults of a full run, and of --quick (a smoke test: seconds per policy, tiny prompts).
@@ -160,10 +161,10 @@ def register(sub) -> None:
     g = p.add_argument_group("model and output")
     g.add_argument("--model", help=MODEL_HELP)
     g.add_argument("--device", default="auto", help="comma-separated devices; 'auto' = cpu, plus cuda if present")
-    g.add_argument("--dtype", default="float32", help="compute dtype (default float32)")
+    g.add_argument("--dtype", default=DEFAULT_COMPUTE_DTYPE, help=f"compute dtype (default {DEFAULT_COMPUTE_DTYPE})")
     g.add_argument(
         "--storage-dtype",
-        default="float16",
+        default=DEFAULT_STORAGE_DTYPE,
         choices=("float32", "float16", "bfloat16"),
         help="dtype the chunks' K/V are stored in (default float16)",
     )
@@ -308,7 +309,7 @@ def command_line(args) -> str:
 def config_from_args(args):
     import torch
 
-    from kvrag.bench.runner import BenchConfig
+    from kvrag.bench.config import BenchConfig
 
     floor_only = not args.data and args.synthetic == 0
     if floor_only and not args.floor:

@@ -6,7 +6,9 @@ import json
 import sys
 from pathlib import Path
 
+from kvrag.defaults import DEFAULT_SHARED_PREFIX
 from kvrag.errors import StoreError
+from kvrag.paths import default_store_dir
 
 # The store records its size limit in SQLite, whose INTEGER is a signed 64-bit number.
 MAX_SIZE = 2**63 - 1
@@ -32,13 +34,6 @@ def human(n: int) -> str:
     import humanfriendly
 
     return humanfriendly.format_size(n, binary=True)
-
-
-def default_cache_dir() -> Path:
-    """Where ``KVRag`` puts its store when no ``cache_dir`` is given."""
-    from kvrag.model import default_home
-
-    return default_home() / "store"
 
 
 def register(sub) -> None:
@@ -70,7 +65,11 @@ def register(sub) -> None:
         "chunks, memory, "
         "and each precompute queue's length, pending jobs and progress",
     )
-    s.add_argument("--prefix", default="kvrag:", help="key prefix of the shared store (default kvrag:)")
+    s.add_argument(
+        "--prefix",
+        default=DEFAULT_SHARED_PREFIX,
+        help=f"key prefix of the shared store (default {DEFAULT_SHARED_PREFIX})",
+    )
     s.set_defaults(func=run_stats)
     g = cmds.add_parser("gc", help="evict to the size limit, repair the text index; --verify checks every blob")
     common(g)
@@ -100,7 +99,11 @@ def register(sub) -> None:
         metavar="URL",
         help="the shared Redis tier (redis://host:6379/0, redis+cluster://host:6379)",
     )
-    u.add_argument("--prefix", default="kvrag:", help="key prefix of the shared store (default kvrag:)")
+    u.add_argument(
+        "--prefix",
+        default=DEFAULT_SHARED_PREFIX,
+        help=f"key prefix of the shared store (default {DEFAULT_SHARED_PREFIX})",
+    )
     u.set_defaults(func=run_push)
     c = cmds.add_parser("clear", help="delete every entry (all models)")
     common(c)
@@ -134,12 +137,12 @@ def find_stores(root: Path, depth: int = 3) -> list[Path]:
     return found
 
 
-def open_store(cache_dir: str | None, size_limit: int | None = None, option: str = "--cache-dir"):
-    """The existing KVStore in ``cache_dir`` (None: the default one); a StoreError naming the
+def open_existing_store(cache_dir: str | None, size_limit: int | None = None, option: str = "--cache-dir"):
+    """The existing DiskStore in ``cache_dir`` (None: the default one); a StoreError naming the
     problem, never a new empty store, if there is none. ``option``: the flag that named it."""
-    from kvrag.store import KVStore
+    from kvrag.store import open_store
 
-    directory = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
+    directory = Path(cache_dir).expanduser() if cache_dir else default_store_dir()
     if not directory.exists():
         hint = ""
         if not cache_dir:
@@ -147,17 +150,16 @@ def open_store(cache_dir: str | None, size_limit: int | None = None, option: str
             hint = (
                 f"; KV stores under this directory: {', '.join(here)} (pass one, e.g. kvrag cache stats {here[0]})"
                 if here
-                else f"; pass the store's directory with {option} (the cache_dir of your KVRag; kvrag demo and bench use a "
-                f"temporary store unless given --cache-dir)"
+                else f"; pass the store's directory with {option} (the cache_dir of your KVRag; kvrag demo and "
+                f"bench use a temporary store unless given --cache-dir)"
             )
         raise StoreError(f"no KV store at {directory} (the directory does not exist){hint}")
     if not directory.is_dir():
         raise StoreError(f"{directory} is not a directory")
     if not (directory / "blobs").is_dir():
         raise StoreError(f"{directory} is not a kvrag KV store (no blobs/ inside)")
-    kwargs = {} if size_limit is None else {"size_limit": size_limit}
     try:
-        return KVStore(directory, **kwargs)
+        return open_store(directory, size_limit=size_limit)
     except OSError as e:
         raise StoreError(f"cannot open the KV store at {directory}: {e}") from e
 
@@ -173,7 +175,7 @@ def run_stats(args) -> int:
     rec, lines = {}, []
     store_dir = _store_dir(args)
     if args.shared is None or store_dir is not None:
-        with open_store(store_dir) as store:
+        with open_existing_store(store_dir) as store:
             st = store.stats()
         rec = {k: st[k] for k in ("directory", "entries", "bytes", "size_limit")}
         lines = [
@@ -194,7 +196,9 @@ def run_stats(args) -> int:
             f"  memory    {human(sh['used_memory'] or 0)} used, maxmemory "
             f"{human(sh['maxmemory']) if sh['maxmemory'] else 'unlimited'}, policy {sh['maxmemory_policy']}",
         ]
-        for q in sh["queues"]:
+        if "queues_error" in sh:
+            lines.append(f"  queues    not readable: {sh['queues_error']}")
+        for q in sh.get("queues", []):
             lines.append(
                 f"  queue     {q['stream']}: {q['queued']} not done ({q['pending']} in a worker), "
                 f"{q['done']} done, {q['failed']} failed, {q['consumers']} worker(s) seen"
@@ -205,29 +209,37 @@ def run_stats(args) -> int:
 
 def shared_stats(url: str, prefix: str) -> dict:
     """The shared tier's listing and memory, and every precompute queue under ``prefix``."""
-    from kvrag.remote import RedisQueue, streams_key
-    from kvrag.store.shared import RedisStore
+    from kvrag.precompute.redis_queue import RedisQueue, streams_key
+    from kvrag.store import open_shared
 
-    store = RedisStore(url, prefix=prefix)
+    store = open_shared(url, prefix=prefix)
     try:
         st = store.stats()
         keep = ("url", "prefix", "listed", "used_memory", "maxmemory", "maxmemory_policy", "reachable")
         out = {k: st[k] for k in keep if k in st}
         if out.get("reachable") is False:
             return out
-        fps = sorted(f.decode() for f in store.client.smembers(streams_key(prefix)))
-        out["queues"] = [RedisQueue(store, fp).progress() for fp in fps]
+        import redis
+
+        from kvrag.store.redis_store import error_cause
+
+        try:
+            fps = sorted(f.decode() for f in store.client.smembers(streams_key(prefix)))
+            out["queues"] = [RedisQueue(store, fp).progress() for fp in fps]
+        except redis.RedisError as e:  # an error reply (a queue key of another type, ...): said, not raised
+            out["queues_error"] = f"{error_cause(e)}: {e}"
         return out
     finally:
         store.close()
 
 
 def run_push(args) -> int:
-    from kvrag.store.shared import RedisStore, SharedStoreDown, redact
+    from kvrag.store import open_shared
+    from kvrag.store.redis_store import SharedStoreDown, redact
     from kvrag.store.tiered import push_missing
 
-    with open_store(_store_dir(args)) as store:
-        far = RedisStore(args.shared, prefix=args.prefix)
+    with open_existing_store(_store_dir(args)) as store:
+        far = open_shared(args.shared, prefix=args.prefix)
         try:
             listed = store.listed()
             try:
@@ -256,7 +268,7 @@ def run_gc(args) -> int:
         limit = parse_size(args.size_limit) if args.size_limit else None
     except ValueError as e:
         raise StoreError(str(e)) from None
-    with open_store(_store_dir(args), limit) as store:
+    with open_existing_store(_store_dir(args), limit) as store:
         try:
             res = store.gc(verify=args.verify)
         except OSError as e:
@@ -280,7 +292,7 @@ def run_gc(args) -> int:
 
 
 def run_clear(args) -> int:
-    with open_store(_store_dir(args)) as store:
+    with open_existing_store(_store_dir(args)) as store:
         n = store.stats()["entries"]
         if not args.yes:
             if not sys.stdin.isatty():

@@ -12,10 +12,11 @@ import sys
 import time
 
 from kvrag.cli._options import MODEL_HELP, add_home_option
+from kvrag.defaults import DEFAULT_COMPUTE_DTYPE
 
 #: The calibrator's defaults (``kvrag.policies.a2ats.calibrate`` / ``.codebook``), written out:
 #: importing those modules imports torch, and building the parser must not (``kvrag --version``,
-#: ``--help``). tests/test_cli_first_hour.py checks that they agree.
+#: ``--help``). tests/unit/test_cli_first_hour.py checks that they agree.
 DEFAULTS = dict(tokens=8192, codes=512, iters=8, seq_len=512, uuid_fraction=0.2, rope_offset=2048)
 
 
@@ -37,7 +38,7 @@ def register(subparsers) -> None:
             "random uuids as in the paper; in-domain text (--store, --text) is better."
         ),
     )
-    a.add_argument("--model", metavar="PATH", default=None, help=MODEL_HELP)
+    a.add_argument("--model", metavar="MODEL", default=None, help=MODEL_HELP)
     a.add_argument(
         "--tokens",
         type=int,
@@ -92,7 +93,7 @@ def register(subparsers) -> None:
     a.add_argument(
         "--out", metavar="FILE", default=None, help="output file (default $KVRAG_HOME/a2ats/<fingerprint>.safetensors)"
     )
-    a.add_argument("--dtype", default="float32", help="compute dtype (default float32)")
+    a.add_argument("--dtype", default=DEFAULT_COMPUTE_DTYPE, help=f"compute dtype (default {DEFAULT_COMPUTE_DTYPE})")
     a.add_argument("--device", default="cpu", help="torch device (default cpu)")
     add_home_option(a)
     a.add_argument("--json", action="store_true", help="print one JSON object instead of text")
@@ -128,9 +129,9 @@ def _a2ats(args: argparse.Namespace) -> int:
         check_dir(books.codebook_dir(), "the codebook directory ($KVRAG_HOME/a2ats)")
     texts = cal.read_texts(args.text) if args.text else None
     if args.store is not None:
-        from kvrag.cli.cache import open_store
+        from kvrag.cli.cache import open_existing_store
 
-        with open_store(args.store, option="--store") as store:
+        with open_existing_store(args.store, option="--store") as store:
             texts = (texts or []) + cal.store_texts(store)
     t0 = time.perf_counter()
     handle = ModelHandle.load(args.model, dtype=args.dtype, device=args.device, cache_dir=args.home)

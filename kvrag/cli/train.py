@@ -12,7 +12,7 @@ import argparse
 from kvrag.cli._options import MODEL_HELP
 
 
-class _DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
+class DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
     """Adds "(default: X)" to an option's help unless the help states its default itself or
     there is none to show (None, False, a required option)."""
 
@@ -38,7 +38,7 @@ def register(sub) -> None:
         "each document and the question/answer attend to everything before them; loss on "
         "the answer tokens. Writes link embeddings, LoRA weights and kvlink.json (command, "
         "steps, losses) to --out.",
-        formatter_class=_DefaultsHelp,
+        formatter_class=DefaultsHelp,
     )
     k.add_argument(
         "--data",
@@ -177,8 +177,9 @@ def print_losses(res) -> None:
 def run_kvlink(args) -> int:
     import torch
 
-    from kvrag.model import ModelHandle, default_home
+    from kvrag.model import ModelHandle
     from kvrag.outpaths import check_dir
+    from kvrag.paths import default_home
     from kvrag.policies.kvlink.adapter import META_FILE, KVLinkError
     from kvrag.policies.kvlink.train import command_line, load_qa, train_kvlink
 

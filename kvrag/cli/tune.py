@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from kvrag.cli.train import _DefaultsHelp, add_training_options, config_from_args, print_losses
+from kvrag.cli.train import DefaultsHelp, add_training_options, config_from_args, print_losses
 
 EVAL_POLICIES = ("full_prefill", "naive_reuse", "cacheblend", "kvlink")
 
@@ -34,7 +34,7 @@ def register(sub) -> None:
         description="Train a KVLink adapter on a mixture of text sources with self-distilled targets "
         "(the base model's own full-prefill answers), resumably; the result is applied by "
         "default for that model. --eval measures it on data not trained on.",
-        formatter_class=_DefaultsHelp,
+        formatter_class=DefaultsHelp,
     )
     g = p.add_argument_group("sources")
     g.add_argument(
@@ -174,8 +174,8 @@ def check_args(args) -> None:
 def build_data(args, handle):
     """(pools, qa, held-out pools) of the sources named on the command line, and their file
     digests: the train split of every source, the eval split kept for ``--eval``."""
+    from kvrag.model.digests import sha256_file
     from kvrag.policies.kvlink import data as D
-    from kvrag.policies.kvlink.adapter import sha256_file
 
     n = args.passage_tokens
     raw: dict[str, list[str]] = {}
@@ -186,9 +186,9 @@ def build_data(args, handle):
             if Path(t).is_file():
                 files[str(t)] = sha256_file(Path(t))
     if args.store:
-        from kvrag.store import KVStore
+        from kvrag.store import DiskStore
 
-        raw["store"] = D.store_passages(KVStore(args.store))
+        raw["store"] = D.store_passages(DiskStore(args.store))
     readers = {"pydoc": D.pydoc_passages, "usr-share-doc": D.usr_share_doc_passages, "man": D.man_passages}
     for name in _machine_sources(args.sources):
         raw[name] = readers[name](n)
@@ -215,8 +215,9 @@ def build_data(args, handle):
 def run(args) -> int:
     import torch
 
-    from kvrag.model import ModelHandle, default_home
+    from kvrag.model import ModelHandle
     from kvrag.outpaths import check_dir
+    from kvrag.paths import default_home
     from kvrag.policies.kvlink import data as D
     from kvrag.policies.kvlink.adapter import META_FILE, KVLinkError, default_adapter_dirs
     from kvrag.policies.kvlink.train import command_line, train_kvlink
@@ -321,8 +322,9 @@ def eval_sets(args, held: dict[str, list[str]], out: Path) -> list[tuple[str, Pa
 def evaluate(args, out: Path, held: dict[str, list[str]]) -> dict:
     """Bench the adapter in ``out`` against full_prefill, naive_reuse and cacheblend on every
     held-out set; writes ``out/eval/<set>/`` (the benchmark's files) and ``out/eval.json``."""
+    from kvrag.bench.config import BenchConfig
     from kvrag.bench.report import write_outputs, write_report
-    from kvrag.bench.runner import Bench, BenchConfig
+    from kvrag.bench.runner import Bench
     from kvrag.policies.kvlink.adapter import META_FILE, KVLinkError
 
     if not (out / META_FILE).is_file():

@@ -1,4 +1,4 @@
-"""``kvrag worker --redis URL``: compute the chunks that replicas queued (``kvrag.remote``).
+"""``kvrag worker --redis URL``: compute the chunks that replicas queued (``kvrag.precompute.redis_queue``).
 
 Run any number of them, on any machine that has the model: they share the queue through a
 Redis consumer group, and a job a worker was on when it died is taken over by another once
@@ -13,6 +13,7 @@ import signal
 import threading
 
 from kvrag.cli._options import MODEL_HELP
+from kvrag.defaults import DEFAULT_SHARED_PREFIX, DEFAULT_STORAGE_DTYPE
 
 
 def register(sub) -> None:
@@ -29,10 +30,18 @@ def register(sub) -> None:
         help="the shared store, e.g. redis://host:6379/0 (rediss:// for TLS, redis+cluster://host:6379 "
         "for a Redis Cluster; the password in the URL or in $KVRAG_REDIS_PASSWORD)",
     )
-    p.add_argument("--prefix", default="kvrag:", help="key prefix of the shared store (default kvrag:)")
+    p.add_argument(
+        "--prefix",
+        default=DEFAULT_SHARED_PREFIX,
+        help=f"key prefix of the shared store (default {DEFAULT_SHARED_PREFIX})",
+    )
     p.add_argument("--model", default=None, help=f"{MODEL_HELP}; the replicas' model: jobs are per model fingerprint")
     p.add_argument("--cache-dir", default=None, help="the worker's local store (default: $KVRAG_HOME/store)")
-    p.add_argument("--storage-dtype", default="float16", help="dtype of stored K/V, as the replicas' (float16)")
+    p.add_argument(
+        "--storage-dtype",
+        default=DEFAULT_STORAGE_DTYPE,
+        help=f"dtype of stored K/V, as the replicas' ({DEFAULT_STORAGE_DTYPE})",
+    )
     p.add_argument(
         "--ingest-policies",
         default="",
@@ -52,8 +61,8 @@ def register(sub) -> None:
 
 def run(args) -> int:
     from kvrag.engine import KVRag
-    from kvrag.remote import Worker
-    from kvrag.store.shared import RedisStore
+    from kvrag.precompute.worker import Worker
+    from kvrag.store import open_shared
 
     if args.batch < 1 or args.claim_idle <= 0:
         raise ValueError("--batch must be >= 1 and --claim-idle > 0")
@@ -64,7 +73,7 @@ def run(args) -> int:
         cache_dir=args.cache_dir,
         storage_dtype=args.storage_dtype,
         ingest_policies=policies,
-        shared=RedisStore(args.redis, prefix=args.prefix),
+        shared=open_shared(args.redis, prefix=args.prefix),
     )
     worker = Worker(rag, name=args.name, batch=args.batch, claim_idle_s=args.claim_idle)
     stop = threading.Event()

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from kvrag.checks import check_int
-from kvrag.policies.base import Policy, RecomputeParams, param, top_indices
+from kvrag.policies.base import Policy, RecomputeParams, param, top_indices, top_k_indices
 from kvrag.policies.registry import register
 
 HEAD_REDUCE = ("concat", "sum", "mean", "max")
@@ -268,7 +268,7 @@ class A3(Policy):
             votes = votes.view(arch.n_kv_heads, group, n).sum(dim=1)  # [Hkv, N]
             votes = smooth(votes, p.evict_pool_kernel)
             votes = votes.masked_fill(~cand[None, :], float("-inf"))
-            top = torch.topk(votes, n_free, dim=-1).indices  # [Hkv, n_free]
+            top = top_k_indices(votes, n_free)  # [Hkv, n_free]
             idx = torch.cat([prot_idx.expand(arch.n_kv_heads, -1), top], dim=1)
             kv_index.append(idx.sort(dim=-1).values)
         state.kv_index = kv_index

@@ -21,8 +21,9 @@ beside the chunk's K/V (A2ATS codes, SamKV's per-chunk query-independent results
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
@@ -136,7 +137,7 @@ class Policy:
     #: Set to a method ``decode_select(layer, q, state) -> LongTensor | None`` (q [H, 1, D];
     #: returns cache slots to attend to: [R] shared by all KV heads, or [Hkv, R] one row set
     #: per KV head) to get a decode loop that calls it at every layer.
-    decode_select = None
+    decode_select: Callable[..., Any] | None = None
 
 
 @dataclass
@@ -149,9 +150,60 @@ class RecomputeParams:
         self.recompute_ratio = check_real("recompute_ratio", self.recompute_ratio, 0.0, 1.0)
 
 
-def top_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """Indices of the ``k`` largest ``scores`` [M], sorted ascending (positions order)."""
+# Ties within a tolerance, broken by position. Scores that are equal in exact arithmetic
+# (two blocks' z-scores averaged over heads, a token's deviation in two documents) come out of
+# float rounding a few ulps apart, and which way depends on the order of the operations: the
+# batched and the per-document code, the CPU vendor's kernels, the GPU. A selection that
+# compared them raw would hang on that rounding. So every ranking first rounds each score to a
+# grid of 2**TIE_GRID_LOG2 times the largest |score| being ranked (that scale rounded down to a
+# power of two, so two implementations whose scales differ by rounding share the grid: 4 to 8
+# float32 ulps of the largest score, far above the rounding noise of these sums, far below any
+# difference a policy means), then orders equal grid values by position, the earlier first.
+# Rounding, not a position-ordered epsilon added to the scores: it never changes how many are
+# chosen (exact limits: ratio 1 keeps all, 0 none), never lifts a masked -inf score, and does
+# not grow with the number of tokens as an epsilon times the position would.
+TIE_GRID_LOG2 = -18
+_TIE_GRID = 2 ** (-TIE_GRID_LOG2)  # grid values lie in [-_TIE_GRID, _TIE_GRID]
+
+
+def rank_keys(scores: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    """Integer keys [..., M] (int64) of ``scores`` [..., M], ranked along the last dim: a larger
+    key ranks first, scores equal on the tie grid rank by position (earlier first), and no two
+    keys of a row are equal, so ``torch.topk`` / ``argsort`` of them are deterministic on every
+    device. -inf (masked) ranks last, NaN below it. ``scale``: the magnitude the grid is
+    relative to, where the row alone does not show it (scores that are all rounding noise
+    around 0 must tie, not be ranked by that noise); default the row's largest finite |score|."""
+    x = scores.float()
+    m = x.shape[-1]
+    finite = torch.isfinite(x)
+    if scale is None:
+        ref = torch.where(finite, x.abs(), 0.0).amax(-1, keepdim=True)
+    else:
+        ref = torch.full((1,), abs(float(scale)), dtype=x.dtype, device=x.device)
+    _, exp = torch.frexp(ref)  # ref = f * 2**exp, 0.5 <= f < 1 (exp 0 for 0)
+    step = torch.ldexp(torch.ones_like(ref), exp.to(x.dtype) + TIE_GRID_LOG2)
+    grid = torch.round(torch.where(finite, x, 0.0) / step)  # exact: a power-of-two step, |grid| <= 2**18
+    grid = torch.where(finite, grid, torch.where(x > 0, _TIE_GRID + 1.0, -_TIE_GRID - 1.0))
+    grid = torch.where(torch.isnan(x), -_TIE_GRID - 2.0, grid).long()
+    pos = torch.arange(m, device=x.device)
+    return grid * m + (m - 1 - pos)
+
+
+def top_k_indices(scores: torch.Tensor, k: int, scale: float | None = None) -> torch.Tensor:
+    """Indices [..., k] of the ``k`` largest ``scores`` [..., M] along the last dim, largest
+    first, ties within the tie grid going to the earlier position (``scale``: see rank_keys)."""
+    return torch.topk(rank_keys(scores, scale), k, dim=-1).indices
+
+
+def order_by_score(scores: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    """Every index [M] of ``scores`` [M], largest first, ties within the tie grid by position."""
+    return torch.argsort(rank_keys(scores, scale), descending=True)
+
+
+def top_indices(scores: torch.Tensor, k: int, scale: float | None = None) -> torch.Tensor:
+    """Indices of the ``k`` largest ``scores`` [M] (ties within the tie grid: the earlier
+    position), sorted ascending (positions order)."""
     k = max(0, min(int(k), scores.numel()))
     if k == 0:
         return torch.empty(0, dtype=torch.long, device=scores.device)
-    return torch.topk(scores.float(), k).indices.sort().values
+    return top_k_indices(scores, k, scale).sort().values

@@ -5,11 +5,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from kvrag.defaults import DEFAULT_POLICY
 from kvrag.policies.base import Policy
 
 _REGISTRY: dict[str, type[Policy]] = {}
-#: The policy KVRag and the framework adapters run when none is named.
-DEFAULT_POLICY = "cacheblend"
 
 
 def register(cls: type[Policy]) -> type[Policy]:

@@ -48,7 +48,7 @@ from dataclasses import dataclass
 import torch
 
 from kvrag.checks import check_int, check_real, check_seq
-from kvrag.policies.base import Policy, RecomputeParams, param, top_indices
+from kvrag.policies.base import Policy, RecomputeParams, order_by_score, param, top_indices
 from kvrag.policies.registry import register
 from kvrag.query.state import CACHED
 
@@ -215,6 +215,25 @@ def _normalize(
     return torch.where(std > 0, dev / std, 0.0)
 
 
+def tie_scale(scores: list[torch.Tensor]) -> float:
+    """The magnitude block scores tie relative to: the largest |score| of every document's
+    blocks (``scores[i]`` [M_i]). One document's own scores are not it: two blocks whose
+    z-scores average to 0 over the layers are rounding noise around 0, a tie to break by
+    position, not a ranking to read from that noise."""
+    return max((float(s.abs().max()) for s in scores if s.numel()), default=0.0)
+
+
+def pool_order(scores: list[torch.Tensor], cands: list[list[int]]) -> list[tuple[int, int]]:
+    """The cross-context filter's order: every document's candidate blocks (``cands[i]``,
+    ascending) pooled and ranked by normalized score (``scores[i]`` [M_i]), best first; ties
+    (relative to ``tie_scale(scores)``) go to the earlier document, then the earlier block."""
+    pool = [(i, b) for i, c in enumerate(cands) for b in c]
+    if not pool:
+        return []
+    vals = torch.stack([scores[i][b] for i, b in pool])
+    return [pool[j] for j in order_by_score(vals, tie_scale(scores)).tolist()]
+
+
 @dataclass
 class Selection:
     """Result of the block selection: per document P_i (eq. 3), per-layer P_i^(n) [S], the
@@ -367,23 +386,17 @@ def select_blocks(
     p_layers = anchor_proportion(s_max.double(), s_min.double(), s_anc.double(), m).float().T  # [Dd, S]
     p = p_layers.mean(1) if adaptive_p else (m > 0).float()
     score = _normalize(blk, blk_doc_t, m, s_max, s_min, normalize).mean(0)  # [B]
-    host = torch.cat([score, p]).tolist()  # the one read back
-    score_h, p_h = host[:n_blk], host[n_blk:]
+    score_h, p_h = torch.cat([score, p]).cpu().split([n_blk, n_docs])  # the one read back
+    p_h = p_h.tolist()
 
     ms = [len(doc.middle) for doc in docs]
-    scores = list(score.cpu().split(ms))
-    cands, off = [], 0
-    for i, mi in enumerate(ms):
-        k = min(mi, math.ceil(p_h[i] * mi - 1e-9))
-        order = sorted(range(mi), key=lambda b: -score_h[off + b])  # stable: ties keep the earlier block
-        cands.append(sorted(order[:k]))
-        off += mi
-    # Cross-context filter: pool every document's candidates by normalized score.
-    starts = [sum(ms[:i]) for i in range(len(ms))]
-    pool = sorted(((score_h[starts[i] + b], i, b) for i in range(len(docs)) for b in cands[i]), reverse=True)
+    scores = list(score_h.split(ms))
+    # Each document's candidates: its k best blocks, ties to the earlier block.
+    scale = tie_scale(scores)
+    cands = [top_indices(scores[i], min(mi, math.ceil(p_h[i] * mi - 1e-9)), scale).tolist() for i, mi in enumerate(ms)]
     kept: list[list[int]] = [[] for _ in docs]
     used = 0
-    for _, i, b in pool:
+    for i, b in pool_order(scores, cands):
         if budget_blocks is not None:
             if used >= budget_blocks:
                 break

@@ -22,13 +22,19 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from kvrag.arch import Arch
+from kvrag.defaults import DEFAULT_MAX_NEW_TOKENS
+
+# The temperatures sampling can use: logits (shifted by their maximum) divided by one of these
+# stay finite in float32; below it, 5e-324 say, the division overflows (or rounds to 0/0).
+MIN_TEMPERATURE = 1e-6
+MAX_TEMPERATURE = 1e6
 
 
 @dataclass
 class Sampling:
-    """Decoding options. temperature 0 = greedy."""
+    """Decoding options. temperature 0 = greedy, else in [MIN_TEMPERATURE, MAX_TEMPERATURE]."""
 
-    max_new_tokens: int = 128
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
@@ -46,6 +52,11 @@ class Sampling:
             raise ValueError(f"max_new_tokens must be an integer >= 0, got {self.max_new_tokens!r}")
         if not is_real(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if self.temperature and not MIN_TEMPERATURE <= self.temperature <= MAX_TEMPERATURE:
+            raise ValueError(
+                f"temperature must be 0 (greedy) or in [{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}], got "
+                f"{self.temperature!r} (sampling cannot divide logits by it without overflow; use 0 for greedy)"
+            )
         if not is_real(self.top_p) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
         if not is_int(self.top_k) or self.top_k < 0:
@@ -69,7 +80,8 @@ def sample(logits: torch.Tensor, s: Sampling, gen: torch.Generator | None) -> in
     """Pick the next token from logits [V]."""
     if s.temperature == 0:
         return int(torch.argmax(logits))
-    logits = logits.float() / s.temperature
+    logits = logits.float()
+    logits = (logits - logits.max()) / s.temperature  # shifted first: the same softmax, no overflow
     if s.top_k:
         kth = torch.topk(logits, min(s.top_k, logits.numel())).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -91,7 +103,8 @@ def cache_kwargs(model, cache) -> dict:
     """The forward keyword that takes a KV cache, under the name the installed transformers
     uses: ``cache`` from 5.24 (``past_key_values`` deprecated there, removed in 5.40), else
     ``past_key_values`` (looked up once per model class: this runs at every decode step)."""
-    return {_cache_kwarg(type(model)): cache}
+    # Classes are hashable; typeshed types lru_cache's argument as Hashable, which type[Any] is not.
+    return {_cache_kwarg(type(model)): cache}  # type: ignore[arg-type]
 
 
 def output_cache(out):
@@ -198,7 +211,7 @@ class FusedStepper:
         bufs = self._bufs.get(layer)
         if bufs is None or bufs[0].shape[1] == n:
             cap = max(2 * n, n + 64)
-            grown = []
+            grown: list[torch.Tensor | None] = []
             for t in (self.K[layer], self.V[layer], self.kpos.get(layer)):
                 if t is None:
                     grown.append(None)
@@ -222,10 +235,13 @@ class FusedStepper:
         kp = self.kpos[layer]  # [Hkv, M]
         if idx is not None:
             kp = kp.gather(1, idx) if idx.dim() == 2 else kp[:, idx]
-        inside = (self.pos - kp) < self.arch.windows[layer]
+        window = self.arch.windows[layer]
+        if window is None:  # a layer without a window: every row is inside
+            return None
+        inside = (self.pos - kp) < window
         if bool(inside.all()):
             return None
-        group = self.arch.n_heads // self.arch.n_kv_heads
+        group = int(self.arch.n_heads) // int(self.arch.n_kv_heads)
         return inside.repeat_interleave(group, dim=0).unsqueeze(1)
 
     @torch.no_grad()
@@ -299,7 +315,7 @@ class TextStream:
 
 
 def eos_ids(model, tokenizer) -> set[int]:
-    ids = set()
+    ids: set[int] = set()
     gc = getattr(model, "generation_config", None)
     for src in (getattr(gc, "eos_token_id", None), tokenizer.eos_token_id):
         if src is None:

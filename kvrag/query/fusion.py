@@ -77,7 +77,13 @@ class _Rows:
 
     def __init__(self, arch: Arch, positions: torch.Tensor, positions_sorted: bool) -> None:
         self.arch, self.positions, self.sorted = arch, positions, positions_sorted
-        self._active = self._keep = None
+        self._active: torch.Tensor | None = None
+        self._keep: torch.Tensor | None = None
+        self._pos_q: torch.Tensor
+        self._keys: _Keys
+        self._cs: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._causal: tuple[torch.Tensor, list[tuple[int, int, int]] | None] | None = None
+        self._additive: torch.Tensor | None = None
 
     def _see(self, active: torch.Tensor) -> None:
         if active is not self._active:
@@ -220,7 +226,8 @@ class FusionEngine:
         if ins.any():
             # Inserted tokens are never cached, so all of them are active, in prompt order:
             # their rows take the pieces' embeddings in one write.
-            emb = torch.cat([layout.pieces[si].embeds.to(device=dev, dtype=dt) for si, _, _ in layout.spans(INSERTED)])
+            embeds = [layout.pieces[si].embeds for si, _, _ in layout.spans(INSERTED)]
+            emb = torch.cat([e.to(device=dev, dtype=dt) for e in embeds if e is not None])
             hidden[ins.to(dev)] = emb
 
         # What depends only on the active set and on state.keep, rebuilt when either changes.

@@ -28,7 +28,7 @@ log = logging.getLogger("kvrag")
 class ChunkLookup:
     """Finds, reads and aligns the cached chunks of prompts for one model and store.
 
-    ``segmenter`` is shared with ingestion (``kvrag.ingest.Ingestor``), which registers what it
+    ``segmenter`` is shared with ingestion (``kvrag.precompute.ingest.Ingestor``), which registers what it
     stores, so the very next query finds it; chunks another process stored are found by
     re-reading the store's text index at most every ``refresh_s`` seconds."""
 

@@ -244,12 +244,12 @@ class Segmenter:
         if old is not None:
             self._remove(key)
         self._key_text[key] = text
-        keys = self._text_keys.get(text)
-        if keys is None:
+        known = self._text_keys.get(text)
+        if known is None:
             self._text_keys[text] = {key: None}
             self._text_became_live(text)
         else:
-            keys[key] = None  # appended last: this key now wins for the text
+            known[key] = None  # appended last: this key now wins for the text
 
     def _remove(self, key: str) -> None:
         self._added_at.pop(key, None)

@@ -1,11 +1,23 @@
 """The KV store: chunk entries keyed by model fingerprint + token ids.
 
 ``base`` (``ChunkEntry``, ``make_key``, the ``ChunkStore`` interface), ``blob`` (the verified
-bytes of an entry), ``disk`` (``KVStore``: diskcache on local disk, the default), ``hot``
-(``HotCache``: served entries kept on the compute device)."""
+bytes of an entry), ``disk`` (``DiskStore``: diskcache on local disk, the default), ``hot``
+(``HotCache``: served entries kept on the compute device), ``redis_store`` (``RedisStore``: the
+tier several replicas share), ``tiered`` (``TieredStore``: a near tier in front of a far one),
+``factory`` (``open_store``/``open_shared``: where every store is built)."""
 
 from kvrag.store.base import CACHE_FORMAT_VERSION, ChunkEntry, ChunkStore, make_key
-from kvrag.store.disk import KVStore
+from kvrag.store.disk import DiskStore
+from kvrag.store.factory import open_shared, open_store
 from kvrag.store.hot import HotCache
 
-__all__ = ["CACHE_FORMAT_VERSION", "ChunkEntry", "ChunkStore", "HotCache", "KVStore", "make_key"]
+__all__ = [
+    "CACHE_FORMAT_VERSION",
+    "ChunkEntry",
+    "ChunkStore",
+    "DiskStore",
+    "HotCache",
+    "make_key",
+    "open_shared",
+    "open_store",
+]

@@ -1,7 +1,7 @@
 """What every tier of the KV store shares: the ``ChunkEntry`` it holds, the key it is found
 by, and the ``ChunkStore`` interface the query and ingestion paths talk to.
 
-Tiers: ``kvrag.store.disk.KVStore`` (diskcache on local disk, the default and the durable
+Tiers: ``kvrag.store.disk.DiskStore`` (diskcache on local disk, the default and the durable
 tier) and ``kvrag.store.hot.HotCache`` (served entries kept on the compute device). A shared
 tier (several replicas) implements ``ChunkStore`` and plugs in beside them; the blob format
 every persistent tier writes and verifies is ``kvrag.store.blob``.
@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from kvrag.checks import is_integer_dtype
 
 # Bumped whenever the blob layout or the meaning of the stored tensors changes. The model
 # fingerprint includes it (kvrag/model.py), so a new version never even looks up old keys.
@@ -58,7 +60,7 @@ class ChunkEntry:
         k, v, ids = self.keys, self.values, self.token_ids
         if not isinstance(self.text, str):
             return f"text is a {type(self.text).__name__}, not a str"
-        if ids.dim() != 1 or ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+        if ids.dim() != 1 or not is_integer_dtype(ids.dtype):
             return f"token_ids have shape {tuple(ids.shape)} dtype {ids.dtype}, expected [T] integers"
         want = (layout[0], layout[1], ids.numel(), layout[2])
         if tuple(k.shape) != want or tuple(v.shape) != want:
@@ -79,7 +81,7 @@ def make_key(fingerprint: str, token_ids) -> str:
     if not isinstance(fingerprint, str) or not fingerprint:
         raise ValueError("make_key needs a non-empty fingerprint string")
     ids = torch.as_tensor(token_ids)
-    if ids.dim() != 1 or ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+    if ids.dim() != 1 or not is_integer_dtype(ids.dtype):
         raise ValueError(f"token_ids must be a 1-D sequence of ints, got shape {tuple(ids.shape)} dtype {ids.dtype}")
     h = hashlib.sha256()
     fp = fingerprint.encode("utf-8")
@@ -114,6 +116,11 @@ class ChunkStore(abc.ABC):
     def ensure_indexed(self, key: str) -> bool:
         """True if ``key`` holds a whole entry, listed in the text index (re-listed if a writer
         died between the two); False if there is none."""
+
+    def ensure_stored(self, key: str, fingerprint: str) -> bool:
+        """``ensure_indexed`` for ingestion, which knows the entry's ``fingerprint``: a store
+        of several tiers also restores a tier that lost the entry from one that has it."""
+        return self.ensure_indexed(key)
 
     @abc.abstractmethod
     def texts(self, fingerprint: str | None) -> dict[str, str]:

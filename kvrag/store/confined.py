@@ -98,7 +98,7 @@ class ConfinedDisk(diskcache.Disk):
             raise TypeError(f"kvrag's caches store bytes or str only, got {type(value).__name__}")
         self._local.written = None
         size, mode, filename, db_value = super().store(value, read, key=key)
-        self._local.written = filename  # for KVStore to remove if the row is never committed
+        self._local.written = filename  # for DiskStore to remove if the row is never committed
         return size, mode, filename, db_value
 
     def last_written(self) -> str | None:
@@ -166,7 +166,7 @@ class ConfinedDisk(diskcache.Disk):
             except UnicodeDecodeError as e:
                 raise OSError(errno.EILSEQ, f"{filename!r} is not UTF-8 text: {e}") from None
         log.warning(
-            "KVStore: refused a row of %s with mode %r and a %s value (kvrag never writes "
+            "DiskStore: refused a row of %s with mode %r and a %s value (kvrag never writes "
             "pickled or other values): treated as missing",
             self._root,
             mode,
@@ -263,7 +263,7 @@ class ConfinedDisk(diskcache.Disk):
         try:
             parts = _parts(file_path)
         except OSError as e:
-            log.warning("KVStore: not removing %s: %s", file_path, e.strerror)
+            log.warning("DiskStore: not removing %s: %s", file_path, e.strerror)
             return
         with contextlib.suppress(OSError):
             if not _AT:
@@ -301,7 +301,7 @@ def check_db_files(directory: Path) -> None:
             continue
         if stat.S_ISLNK(st.st_mode) or not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)):
             raise StoreError(
-                f"{path} is a symbolic link or a special file, not part of a KVStore: "
+                f"{path} is a symbolic link or a special file, not part of a DiskStore: "
                 "a store directory must hold its own files"
             )
 
@@ -311,7 +311,7 @@ def _setting_ok(key: object, value: object) -> bool:
         return False
     if key == "eviction_policy":
         return value in diskcache.EVICTION_POLICY
-    if key.startswith("sqlite_"):
+    if isinstance(key, str) and key.startswith("sqlite_"):
         return type(value) in (int, str) and bool(_PRAGMA_VALUE.fullmatch(str(value)))
     return type(value) is int and value >= 0  # counts, sizes, limits, flags
 
@@ -334,7 +334,7 @@ def sanitize_settings(db: Path, timeout: float) -> None:
             rows = []
         bad = [key for key, value in rows if not _setting_ok(key, value)]
         for key in bad:
-            log.warning("KVStore: %s holds a setting diskcache would obey but never writes (%r); removed", db, key)
+            log.warning("DiskStore: %s holds a setting diskcache would obey but never writes (%r); removed", db, key)
             con.execute("DELETE FROM Settings WHERE key = ?", (key,))
         con.execute("COMMIT")
     finally:

@@ -1,13 +1,13 @@
-"""``KVStore``: the on-disk store of per-chunk KV caches.
+"""``DiskStore``: the on-disk store of per-chunk KV caches.
 
 Layout under ``directory``::
 
     blobs/   a ``diskcache.Cache`` (SQLite index + one file per value)
-             key   = KVStore.make_key(fingerprint, token_ids)  (sha256 hex)
+             key   = make_key(fingerprint, token_ids)  (sha256 hex)
              value = safetensors bytes of one ``ChunkEntry`` (see below)
              tag   = checksum of those bytes, "crc32:<8 hex>" (verified on every load;
                      sha256-hex tags of older stores are still verified as sha256)
-             eviction: least-recently-used, enforced by KVStore itself to ``size_limit``
+             eviction: least-recently-used, enforced by DiskStore itself to ``size_limit``
     index/   a second ``diskcache.Cache`` without eviction: the text index
              key   = the same key
              value = JSON string {"text", "fingerprint", "n_tokens"}
@@ -48,6 +48,7 @@ import diskcache
 import diskcache.core
 import torch
 
+from kvrag.checks import check_int
 from kvrag.errors import StoreError
 from kvrag.store.base import CACHE_FORMAT_VERSION, ChunkEntry, ChunkStore, make_key
 from kvrag.store.blob import (
@@ -66,7 +67,7 @@ from kvrag.store.blob import (
 )
 from kvrag.store.confined import ConfinedDisk, check_db_files, sanitize_settings
 
-__all__ = ["CACHE_FORMAT_VERSION", "ChunkEntry", "KVStore"]
+__all__ = ["CACHE_FORMAT_VERSION", "ChunkEntry", "DiskStore"]
 
 
 log = logging.getLogger(__name__)
@@ -119,21 +120,21 @@ class _DirLock:
             import msvcrt
 
             self._f.seek(0)
-            msvcrt.locking(self._f.fileno(), msvcrt.LK_LOCK, 1)
+            msvcrt.locking(self._f.fileno(), msvcrt.LK_LOCK, 1)  # type: ignore[attr-defined]  # Windows-only module
         return self
 
     def __exit__(self, *exc) -> None:
         self._f.close()  # closing the file releases the lock
 
 
-class KVStore(ChunkStore):
+class DiskStore(ChunkStore):
     """Per-chunk KV caches on disk, safe to share between threads and processes.
 
     size_limit: bytes for the blob cache (SQLite file + blob files), kept by evicting the
     least recently used entries after each ``put``. It is recorded in the store: ``None``
     uses the recorded limit (``DEFAULT_SIZE_LIMIT`` for a new store), so a maintenance job
     or a second process never applies a smaller default to a store configured larger.
-    Hit/miss/corrupt counters are per process (per ``KVStore`` object).
+    Hit/miss/corrupt counters are per process (per ``DiskStore`` object).
 
     timeout: seconds a write waits for another process holding the store's database lock
     before it fails with a ``StoreError`` that says so.
@@ -143,22 +144,20 @@ class KVStore(ChunkStore):
     and its blobs through ``kvrag.store.blob``'s checks, so a crafted one gives misses."""
 
     def __init__(self, directory, *, size_limit: int | None = None, timeout: float = 60.0):
-        if size_limit is not None and (
-            isinstance(size_limit, bool) or not isinstance(size_limit, int) or size_limit <= 0
-        ):
-            raise ValueError(f"size_limit must be a positive number of bytes, got {size_limit!r}")
+        if size_limit is not None:
+            size_limit = check_int("size_limit (bytes)", size_limit, 1)
         if not str(directory).strip():
-            raise ValueError('KVStore directory must be a non-empty path ("" would be the current directory)')
+            raise ValueError('DiskStore directory must be a non-empty path ("" would be the current directory)')
         self.directory = Path(directory).expanduser()
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise type(e)(
-                e.errno, f"cannot create KVStore directory {self.directory}: {e.strerror}", str(self.directory)
+                e.errno, f"cannot create DiskStore directory {self.directory}: {e.strerror}", str(self.directory)
             ) from e
         if not os.access(self.directory, os.W_OK | os.X_OK):
             raise PermissionError(
-                errno.EACCES, f"KVStore directory {self.directory} is not writable", str(self.directory)
+                errno.EACCES, f"DiskStore directory {self.directory} is not writable", str(self.directory)
             )
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
             raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
@@ -174,7 +173,7 @@ class KVStore(ChunkStore):
                 # fall back to its own 1 GB default.
                 blob_settings["size_limit"] = size_limit or DEFAULT_SIZE_LIMIT
             # cull_limit=0: diskcache's own culling drops up to `cull_limit` LRU items at once
-            # (the new one included when the cache is small); KVStore evicts one at a time.
+            # (the new one included when the cache is small); DiskStore evicts one at a time.
             # disk_min_file_size=0: every blob lives in its own file, written then renamed in.
             # sqlite_mmap_size=0: SQLite reads its file, not a memory map of it, so a damaged or
             # truncated database is an error, not a SIGBUS that kills the process.
@@ -195,12 +194,12 @@ class KVStore(ChunkStore):
                 if (err := self._environment_error(e, "open")) is not None:
                     raise err from e
                 raise StoreError(
-                    f"the KVStore database {blob_db} is damaged ({e}); its chunks cannot be found "
+                    f"the DiskStore database {blob_db} is damaged ({e}); its chunks cannot be found "
                     f"without it: delete the directory {self.directory} (they are recomputed)"
                 ) from e
             except (OSError, sqlite3.Error) as e:
                 raise self._environment_error(e, "open") or OSError(
-                    f"cannot open the KVStore in {self.directory}: {e}"
+                    f"cannot open the DiskStore in {self.directory}: {e}"
                 ) from e
             self._index = self._open_index(common)
         self.size_limit = int(self._blobs.size_limit)
@@ -227,13 +226,20 @@ class KVStore(ChunkStore):
         text = str(e).lower()
         if isinstance(e, diskcache.Timeout) or "database is locked" in text or "database is busy" in text:
             return StoreError(
-                f"cannot {doing} the KVStore in {self.directory}: another process has held its database "
+                f"cannot {doing} the DiskStore in {self.directory}: another process has held its database "
                 f"locked for over {self.timeout:g} s ({e or 'timeout'}); the store is not damaged: retry "
-                "once that process is done, or raise KVStore(timeout=...)"
+                "once that process is done, or raise DiskStore(timeout=...)"
+            )
+        if isinstance(e, PermissionError) or getattr(e, "errno", None) in (errno.EACCES, errno.EPERM, errno.EROFS):
+            where = getattr(e, "filename", None)
+            return StoreError(
+                f"cannot {doing} the KVStore in {self.directory}: permission denied"
+                f"{f' on {where}' if where else ''} ({getattr(e, 'strerror', None) or e}); make the whole directory "
+                f"writable by this user (e.g. chown -R / chmod -R u+rwX {self.directory}) or pass a writable cache_dir"
             )
         if getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or "disk is full" in text:
             return StoreError(
-                f"cannot {doing} the KVStore in {self.directory}: the disk is full ({e}); the store is "
+                f"cannot {doing} the DiskStore in {self.directory}: the disk is full ({e}); the store is "
                 "not damaged and its entries are still served: free space (or lower size_limit) and retry"
             )
         return None
@@ -249,7 +255,7 @@ class KVStore(ChunkStore):
                 raise err from e
             aside = path.with_name(f"index.damaged-{int(time.time())}-{os.getpid()}")
             log.warning(
-                "KVStore: text index %s is damaged (%s); moved to %s and rebuilt from the blobs",
+                "DiskStore: text index %s is damaged (%s); moved to %s and rebuilt from the blobs",
                 path / diskcache.core.DBNAME,
                 e,
                 aside,
@@ -258,7 +264,7 @@ class KVStore(ChunkStore):
             index = self._open_cache("index", eviction_policy="none", **settings)
         except (OSError, sqlite3.Error) as e:
             raise self._environment_error(e, "open") or OSError(
-                f"cannot open the KVStore in {self.directory}: {e}"
+                f"cannot open the DiskStore in {self.directory}: {e}"
             ) from e
         self._index = index
         for key in self._keys(self._blobs):
@@ -266,7 +272,6 @@ class KVStore(ChunkStore):
         return index
 
     # ---- keys ----------------------------------------------------------------------
-    make_key = staticmethod(make_key)  # KVStore.make_key(fingerprint, token_ids), as before the split
 
     # ---- write ---------------------------------------------------------------------
     def put(self, key: str, entry: ChunkEntry) -> None:
@@ -294,7 +299,7 @@ class KVStore(ChunkStore):
             raise
         if self._enforce_limit() and key not in self._blobs:
             log.warning(
-                "KVStore: entry %s (%d bytes) was evicted as soon as stored: the size limit %d "
+                "DiskStore: entry %s (%d bytes) was evicted as soon as stored: the size limit %d "
                 "bytes leaves no room for it (the store takes %d bytes, SQLite files included); "
                 "raise size_limit",
                 key,
@@ -349,13 +354,13 @@ class KVStore(ChunkStore):
         except sqlite3.OperationalError as e:
             # A read also records the access (LRU order): on a full disk or a locked-out
             # database that write fails. The entry is sound; this query computes the chunk.
-            log.warning("KVStore: cannot read entry %s (%s); treated as a miss", key, e)
+            log.warning("DiskStore: cannot read entry %s (%s); treated as a miss", key, e)
             return self._miss()
         except sqlite3.DatabaseError as e:
             # The SQLite file itself is damaged: this query computes the chunk; writes fail
             # with a StoreError that says how to reset the store.
             log.warning(
-                "KVStore: the store's database %s is damaged (%s); entry %s treated as a miss",
+                "DiskStore: the store's database %s is damaged (%s); entry %s treated as a miss",
                 self.directory / "blobs" / diskcache.core.DBNAME,
                 e,
                 key,
@@ -366,7 +371,7 @@ class KVStore(ChunkStore):
             verified = verified_header(buf, tag, fingerprint)
             if verified is None:
                 log.warning(
-                    "KVStore: entry %s has a format version newer than this kvrag's %d; "
+                    "DiskStore: entry %s has a format version newer than this kvrag's %d; "
                     "not used, left for the newer kvrag",
                     key,
                     CACHE_FORMAT_VERSION,
@@ -378,7 +383,10 @@ class KVStore(ChunkStore):
                 # The checksum holds, so this is a sound entry of another model asked for
                 # with the wrong fingerprint (a caller error): leave it for its owner.
                 log.warning(
-                    "KVStore: entry %s belongs to model %s, not %s; not used", key, meta.get("fingerprint"), fingerprint
+                    "DiskStore: entry %s belongs to model %s, not %s; not used",
+                    key,
+                    meta.get("fingerprint"),
+                    fingerprint,
                 )
                 with self._lock:
                     self._counts["wrong_model"] += 1
@@ -406,7 +414,7 @@ class KVStore(ChunkStore):
             return False
         if self._reindex(key):
             log.warning(
-                "KVStore: chunk %s was stored but not listed in the text index (a writer "
+                "DiskStore: chunk %s was stored but not listed in the text index (a writer "
                 "killed mid-write?); re-listed it",
                 key,
             )
@@ -422,7 +430,7 @@ class KVStore(ChunkStore):
             if (err := self._environment_error(e, "list")) is not None:
                 raise err from e
             raise StoreError(
-                f"cannot list the KVStore in {self.directory}: its database is damaged ({e}); "
+                f"cannot list the DiskStore in {self.directory}: its database is damaged ({e}); "
                 "reopen it (a damaged text index is rebuilt) or delete the directory"
             ) from e
 
@@ -437,7 +445,7 @@ class KVStore(ChunkStore):
         except sqlite3.DatabaseError as e:
             if (err := self._environment_error(e, "list")) is not None:
                 raise err from e
-            raise StoreError(f"cannot list the KVStore in {self.directory}: its database is damaged ({e})") from e
+            raise StoreError(f"cannot list the DiskStore in {self.directory}: its database is damaged ({e})") from e
 
     def _listed(self) -> dict[str, tuple[str, str]]:
         out = {}
@@ -448,7 +456,7 @@ class KVStore(ChunkStore):
             rec = index_record(raw)
             if rec is None:
                 log.warning(
-                    "KVStore: unusable text-index entry %s; skipped (gc() or a precompute of the "
+                    "DiskStore: unusable text-index entry %s; skipped (gc() or a precompute of the "
                     "chunk rebuilds it from the blob)",
                     key,
                 )
@@ -525,17 +533,18 @@ class KVStore(ChunkStore):
         self._blobs.close()
         self._index.close()
 
-    def __enter__(self) -> "KVStore":
+    def __enter__(self) -> "DiskStore":
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
 
     def __repr__(self) -> str:
-        return f"KVStore({str(self.directory)!r}, size_limit={self.size_limit})"
+        return f"DiskStore({str(self.directory)!r}, size_limit={self.size_limit})"
 
     # ---- internals -----------------------------------------------------------------
-    def _miss(self) -> None:
+    def _miss(self) -> ChunkEntry | None:
+        """Count a miss; returns what a miss reads as (None)."""
         with self._lock:
             self._counts["misses"] += 1
         return None
@@ -581,9 +590,9 @@ class KVStore(ChunkStore):
                     try:
                         buf = torch.empty(size, dtype=torch.uint8, pin_memory=True)
                     except RuntimeError as e:  # no CUDA, or page-locked memory exhausted
-                        log.debug("KVStore: no pinned buffer for %s (%s); mapping the file", key, e)
+                        log.debug("DiskStore: no pinned buffer for %s (%s); mapping the file", key, e)
                     else:
-                        view, got = memoryview(buf.numpy()), 0
+                        view, got = buf.numpy().data, 0
                         while got < size and (n := handle.readinto(view[got:])):  # releases the GIL
                             got += n
                         return buf[:got], tag, name
@@ -658,7 +667,7 @@ class KVStore(ChunkStore):
             finally:  # every connection of the store waits ``timeout`` otherwise (_open_cache)
                 con.execute(f"PRAGMA busy_timeout = {int(self.timeout * 1000)}")
         except sqlite3.Error as e:
-            log.debug("KVStore: access to row %s not recorded (%s)", rowid, e)
+            log.debug("DiskStore: access to row %s not recorded (%s)", rowid, e)
 
     def _current_tag(self, key: str) -> str | None:
         handle, tag, _ = self._fetch(key)
@@ -676,7 +685,9 @@ class KVStore(ChunkStore):
     def _drop_corrupt(self, key: str, name: str | None, problem: str) -> None:
         """Log, count and delete a blob that failed verification. Deletes only the version
         that was read (same file name), so a good entry another process just wrote survives."""
-        log.warning("KVStore: corrupt entry %s in %s: %s; deleted, it will be recomputed", key, self.directory, problem)
+        log.warning(
+            "DiskStore: corrupt entry %s in %s: %s; deleted, it will be recomputed", key, self.directory, problem
+        )
         with self._lock:
             self._counts["corrupt"] += 1
         with self._blobs.transact(retry=True):
@@ -710,7 +721,7 @@ class KVStore(ChunkStore):
                 if raw and isinstance(victim, str):
                     self._index.delete(victim, retry=True)
             evicted += 1
-            log.debug("KVStore: evicted %s (size limit %d)", victim, self.size_limit)
+            log.debug("DiskStore: evicted %s (size limit %d)", victim, self.size_limit)
         if evicted:
             with self._lock:
                 self._counts["evictions"] += evicted
@@ -720,7 +731,7 @@ class KVStore(ChunkStore):
         """Fully check one blob (for gc(verify=True)); True if it was corrupt and dropped."""
         found = self._read(key)
         if found is None:
-            return False
+            return self._drop_misfit(key)
         buf, tag, name = found
         try:
             verified = verified_header(buf, tag)
@@ -730,6 +741,29 @@ class KVStore(ChunkStore):
             self._drop_corrupt(key, name, str(e))
             return True
         return False
+
+    def _drop_misfit(self, key: str) -> bool:
+        """gc(verify=True) of a blob ``_read`` refused unread: if its file's length is not the
+        one its row records and its header declares (a file swapped or cut short), it is
+        dropped (True); absent, or held in SQLite, it is left (False)."""
+        handle, _, stored = self._fetch(key)
+        if handle is None:
+            return False
+        name = getattr(handle, "name", None)
+        with handle:
+            try:
+                size = os.fstat(handle.fileno()).st_size
+            except (AttributeError, io.UnsupportedOperation, OSError):
+                return False
+            try:
+                header, start = read_file_header(handle)
+                end = start + data_end(header)
+            except Corrupt:
+                end = None
+        if size == stored and size == end:
+            return False
+        self._drop_corrupt(key, name, f"file of {size} bytes, its row says {stored} and its header {end}")
+        return True
 
     def _check_files(self, cache: diskcache.Cache) -> int:
         """gc(verify=True)'s consistency check of one of the two caches: SQLite's integrity
@@ -743,7 +777,7 @@ class KVStore(ChunkStore):
         problems = 0
         for (message,) in cache._sql("PRAGMA integrity_check").fetchall():
             if message != "ok":
-                log.warning("KVStore: SQLite integrity check of %s: %s", cache.directory, message)
+                log.warning("DiskStore: SQLite integrity check of %s: %s", cache.directory, message)
                 problems += 1
         root = Path(cache.directory)
         select = "SELECT rowid, key, raw, filename FROM Cache WHERE filename IS NOT NULL"
@@ -760,7 +794,7 @@ class KVStore(ChunkStore):
                 cache._sql("DELETE FROM Cache WHERE rowid = ?", (rowid,))
                 if cache is self._blobs and raw and isinstance(db_key, str):  # ours (never unpickle one)
                     self._index.delete(db_key, retry=True)
-            log.warning("KVStore: entry %s in %s lost its file %s; deleted", db_key, cache.directory, filename)
+            log.warning("DiskStore: entry %s in %s lost its file %s; deleted", db_key, cache.directory, filename)
             problems += 1
         # Files without rows: list the files first, then the names the rows point at, so a
         # file committed in between is seen as referenced.
@@ -780,9 +814,9 @@ class KVStore(ChunkStore):
             except OSError:  # removed meanwhile (e.g. the old file of a replaced value)
                 continue
             if age < _ORPHAN_GRACE_S and not cache.disk.writer_is_dead(rel):
-                log.debug("KVStore: unreferenced file %s is %.0f s old: a write in progress, kept", path, age)
+                log.debug("DiskStore: unreferenced file %s is %.0f s old: a write in progress, kept", path, age)
                 continue
-            log.info("KVStore: removing %s, a file no entry points at (%.0f s old)", path, age)
+            log.info("DiskStore: removing %s, a file no entry points at (%.0f s old)", path, age)
             cache.disk.remove(rel)  # also removes its directories once empty
             problems += 1
         return problems

@@ -7,7 +7,7 @@ to load the cached KV vs 0.15 s for the full prefill). RAG traffic reuses the sa
 chunks, so a least-recently-used set of them is kept ready in memory (LMCache's CPU/GPU tier
 over its disk backend does the same).
 
-A store key names its content (model fingerprint + token ids, ``KVStore.make_key``), so a
+A store key names its content (model fingerprint + token ids, ``make_key``), so a
 copy here never goes stale: another process evicting or clearing the disk entry does not
 change what the key holds, and serving the copy gives the same answer as reading the disk.
 """
@@ -19,6 +19,7 @@ import threading
 import torch
 from cachetools import LRUCache
 
+from kvrag.checks import check_int
 from kvrag.store.base import ChunkEntry
 
 # "auto": a fifth of the GPU's memory (the model and the prefill's activations need the
@@ -33,9 +34,7 @@ def resolve_budget(budget: int | str, device: torch.device) -> int:
         if device.type == "cuda":
             return int(AUTO_GPU_SHARE * torch.cuda.get_device_properties(device).total_memory)
         return AUTO_CPU_BYTES
-    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
-        raise ValueError(f"hot_cache must be a number of bytes >= 0 or 'auto', got {budget!r}")
-    return budget
+    return check_int("hot_cache (bytes, or 'auto')", budget, 0)
 
 
 class HotCache:

@@ -4,7 +4,7 @@ Write-through: ``put`` stores in the near tier, then the far one. Read-through: 
 is read from the far tier and promoted to the near one (in a background thread, so the query
 that found it does not wait for the disk write). Listing is the union of both, so a replica
 finds what other replicas stored. The far tier being unreachable never fails a read or a
-write here: the near tier serves or holds the entry (``kvrag.store.shared`` warns once per
+write here: the near tier serves or holds the entry (``kvrag.store.redis_store`` warns once per
 outage).
 
 Chunks stored while the far tier was unreachable are remembered (their keys, in memory, at
@@ -30,7 +30,7 @@ log = logging.getLogger("kvrag.store.tiered")
 
 
 class TieredStore(ChunkStore):
-    """``near`` (durable, local: a ``KVStore``) in front of ``far`` (shared: a ``RedisStore``).
+    """``near`` (durable, local: a ``DiskStore``) in front of ``far`` (shared: a ``RedisStore``).
 
     max_unsynced: how many chunks stored only locally (far tier unreachable) are remembered
     to be pushed up later; beyond it the oldest are forgotten (they stay local)."""
@@ -55,6 +55,7 @@ class TieredStore(ChunkStore):
             "far_write_failures": 0,
             "pushed_after_outage": 0,
             "unsynced_dropped": 0,
+            "restored": 0,
         }
         outage = getattr(far, "outage", None)
         if outage is not None and hasattr(outage, "on_recover"):
@@ -175,6 +176,37 @@ class TieredStore(ChunkStore):
     def ensure_indexed(self, key: str) -> bool:
         return self.near.ensure_indexed(key) or self.far.ensure_indexed(key)
 
+    def ensure_stored(self, key: str, fingerprint: str) -> bool:
+        """True if either tier holds ``key``; an entry the near tier has and the far one lacks
+        (a flushed or evicted Redis, a value there cut short or foreign: deleted by its
+        check) is copied up, read verified, not recomputed -- so re-ingesting through any
+        replica that holds the chunks restores the shared tier for every replica."""
+        near = self.near.ensure_indexed(key)
+        far = self.far.ensure_indexed(key)
+        if near and not far:
+            return self._restore(key, fingerprint)
+        return near or far
+
+    def _restore(self, key: str, fingerprint: str) -> bool:
+        """Copy ``key`` up from the near tier; False if the near tier cannot read it back
+        (then it is computed again). The far tier down or refusing: remembered for the push-up."""
+        outage = getattr(self.far, "outage", None)
+        if outage is not None and outage.skip():
+            self._remember_unsynced(key, fingerprint)
+            return True
+        entry = self.near.get(key, fingerprint)
+        if entry is None:
+            return False
+        try:
+            self.far.put(key, entry)
+        except StoreError as e:
+            self._count("far_write_failures")
+            self._remember_unsynced(key, fingerprint)
+            log.debug("TieredStore: chunk %s not copied up: %s", key, e)
+            return True
+        self._count("restored")
+        return True
+
     def texts(self, fingerprint: str | None) -> dict[str, str]:
         return {**self.far.texts(fingerprint), **self.near.texts(fingerprint)}
 
@@ -196,7 +228,7 @@ class TieredStore(ChunkStore):
 
 
 def push_missing(near: ChunkStore, far: ChunkStore, listed: dict[str, tuple[str, str]]) -> dict[str, int]:
-    """Copy each entry of ``listed`` (key -> (text, fingerprint), as ``KVStore.listed()``) that
+    """Copy each entry of ``listed`` (key -> (text, fingerprint), as ``DiskStore.listed()``) that
     ``far`` lacks from ``near`` to ``far``, read verified: to seed a shared tier from a local
     store, or after an outage that outlived the process that remembered what to push
     (``kvrag cache push``). Counts of pushed, already present and unreadable (a miss in

@@ -23,6 +23,7 @@ from langchain_core.messages import (
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
 from pydantic import ConfigDict, Field, PrivateAttr, model_validator
 
+from kvrag.defaults import DEFAULT_POLICY
 from kvrag.engine import Generation, KVRag
 from kvrag.frameworks import (
     SHARED_FIELDS,
@@ -135,7 +136,7 @@ class ChatKVRag(WrapsKVRag, BaseChatModel):
     )
     shared_prefix: Optional[str] = Field(default=None, description="The shared tier's key prefix (filled in).")
     precompute_via: str = Field(default="local", description="'local' or 'queue' (filled in from the KVRag).")
-    policy: str = "cacheblend"
+    policy: str = DEFAULT_POLICY
     policy_params: dict[str, Any] = Field(default_factory=dict)
     max_new_tokens: int = Field(default=256, gt=0)
     temperature: float = Field(default=0.0, ge=0.0)

@@ -105,7 +105,7 @@ def read_texts(paths: Sequence[str | os.PathLike]) -> list[str]:
 
 
 def store_texts(store) -> list[str]:
-    """Calibration texts from a kvrag KV store (``KVStore``): the chunk texts ingested into it,
+    """Calibration texts from a kvrag KV store (``DiskStore``): the chunk texts ingested into it,
     by any model — the documents the deployment retrieves, i.e. in-domain text. An empty store
     is an error (CodebookError), not a codebook fitted on uuids alone."""
     texts = [t for _, t in sorted(store.texts(None).items()) if t.strip()]
@@ -197,9 +197,9 @@ def calibration_sequences(
 def collect_statistics(arch, sequences: Sequence[Sequence[int]], rope_offset: int = DEFAULT_ROPE_OFFSET, progress=None):
     """Run the model over ``sequences`` (each alone, positions from 0).
 
-    ``progress("tokens", n)`` is called after each sequence. Returns (h [L, Hkv, D, D] float64 — mean of ``q~^T q~`` over every token and every query
-    head of the group, with ``q~ = q_pre R_b`` (eq. 12) —, keys [L, Hkv, N, D] float32
-    pre-RoPE keys, N = total tokens)."""
+    ``progress("tokens", n)`` is called after each sequence. Returns (h [L, Hkv, D, D]
+    float64 — mean of ``q~^T q~`` over every token and every query head of the group, with
+    ``q~ = q_pre R_b`` (eq. 12) —, keys [L, Hkv, N, D] float32 pre-RoPE keys, N = total tokens)."""
     L, hkv, d, H = arch.n_layers, arch.n_kv_heads, arch.head_dim, arch.n_heads
     g = H // hkv
     hsum = torch.zeros(L, hkv, d, d, dtype=torch.float64)

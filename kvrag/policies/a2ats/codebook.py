@@ -175,12 +175,14 @@ class Codebooks:
         cb, ch, pr = self.codebook, self.chol, self.probe
         if cb.dim() != 4 or ch.dim() != 4 or pr.dim() != 4:
             raise CodebookError(
-                f"codebook tensors have the wrong rank: codebook {tuple(cb.shape)}, chol {tuple(ch.shape)}, probe {tuple(pr.shape)}"
+                f"codebook tensors have the wrong rank: codebook {tuple(cb.shape)}, chol {tuple(ch.shape)}, "
+                f"probe {tuple(pr.shape)}"
             )
-        l, hkv, c, d = cb.shape
-        if tuple(ch.shape) != (l, hkv, d, d) or tuple(pr.shape[:2]) != (l, hkv) or pr.shape[3] != d:
+        n_layers, hkv, c, d = cb.shape
+        if tuple(ch.shape) != (n_layers, hkv, d, d) or tuple(pr.shape[:2]) != (n_layers, hkv) or pr.shape[3] != d:
             raise CodebookError(
-                f"inconsistent codebook shapes: codebook {tuple(cb.shape)}, chol {tuple(ch.shape)}, probe {tuple(pr.shape)}"
+                f"inconsistent codebook shapes: codebook {tuple(cb.shape)}, chol {tuple(ch.shape)}, "
+                f"probe {tuple(pr.shape)}"
             )
         if not 1 <= c <= MAX_CODES:
             raise CodebookError(f"codebook has {c} codewords; codes are int16, so 1..{MAX_CODES} are supported")
@@ -329,7 +331,7 @@ def probe_matches(stored: torch.Tensor, probe: torch.Tensor, rtol: float = 0.05)
 
 def codebook_dir() -> Path:
     """Where fitted codebooks live: ``$KVRAG_HOME/a2ats`` (default ``~/.cache/kvrag/a2ats``)."""
-    from kvrag.model import default_home
+    from kvrag.paths import default_home
 
     return default_home() / "a2ats"
 

@@ -30,7 +30,7 @@ import torch
 
 from kvrag.checks import check_int, check_real
 from kvrag.policies.a2ats import codebook as books
-from kvrag.policies.base import Policy, param
+from kvrag.policies.base import Policy, param, top_k_indices
 from kvrag.policies.registry import register
 from kvrag.query.state import CACHED
 
@@ -157,6 +157,7 @@ class A2ATS(Policy):
     def prepare(self, state) -> None:
         # Fail before any layer runs if there is no codebook.
         cb = self.codebooks(state.arch)
+        assert cb is not None  # required=True raises instead
         b = self.params.rope_offset if self.params.rope_offset is not None else cb.rope_offset
         state.scratch["a2ats"] = {"codebooks": cb, "rope_offset": b}
         stats = state.scratch.setdefault("policy_stats", {})
@@ -323,7 +324,7 @@ class A2ATS(Policy):
         if vis is not None:
             score = score.masked_fill(~vis[:, lo:hi], float("-inf"))
             fixed = fixed[vis[:, fixed].any(0)]
-        top = torch.topk(score, k, dim=-1).indices + lo  # [Hkv, k]
+        top = top_k_indices(score, k) + lo  # [Hkv, k]
         if p.selection == "per_head":
             idx = torch.cat([fixed.expand(hkv, -1), top], dim=1).sort(dim=1).values
             rows_read = hkv * idx.shape[1]

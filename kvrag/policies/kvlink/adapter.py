@@ -28,7 +28,9 @@ from pathlib import Path
 import torch
 
 from kvrag.errors import KVRagError
-from kvrag.model import ModelHandle, _sha256_file, default_home
+from kvrag.model import ModelHandle
+from kvrag.model.digests import sha256_file
+from kvrag.paths import default_home
 from kvrag.policies.kvlink.policy import ADAPTER_ATTR
 
 log = logging.getLogger("kvrag.kvlink")
@@ -135,11 +137,6 @@ class KVLinkAdapter:
         return self.links[min(int(doc_index), self.max_docs - 1)]
 
 
-def sha256_file(path: str | os.PathLike) -> str:
-    """The sha256 of a file's bytes (``kvrag.model``'s streaming digest)."""
-    return _sha256_file(Path(path))
-
-
 def load_adapter(path: str | os.PathLike) -> KVLinkAdapter:
     """Read an adapter directory (see the module docstring); raises KVLinkError if incomplete."""
     from safetensors.torch import load_file
@@ -156,7 +153,8 @@ def load_adapter(path: str | os.PathLike) -> KVLinkAdapter:
         raise KVLinkError(f"{meta_path} is not valid JSON: {e}") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT_VERSION:
         raise KVLinkError(
-            f"{meta_path}: unsupported KVLink adapter format {meta.get('format') if isinstance(meta, dict) else meta!r} "
+            f"{meta_path}: unsupported KVLink adapter format "
+            f"{meta.get('format') if isinstance(meta, dict) else meta!r} "
             f"(this kvrag reads format {FORMAT_VERSION})"
         )
     if not (d / LINKS_FILE).is_file():

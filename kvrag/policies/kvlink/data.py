@@ -1,11 +1,11 @@
 """Training data for KVLink from real text, many sources (``kvrag tune``).
 
-The shipped adapter learned one synthetic template, not chunk reuse (issue 31). Reuse is a
+An adapter trained on one synthetic template learns that template, not chunk reuse. Reuse is a
 property of *any* text, so the training prompts here are built from whatever real prose is at
 hand, with targets that need no labels:
 
 * **passage pools** -- lists of passages, no questions: the chunks a user ingested
-  (``KVStore.texts``), text files a user points at (cut into passages of ~N tokens at
+  (``DiskStore.texts``), text files a user points at (cut into passages of ~N tokens at
   paragraph, then sentence boundaries), and prose every machine holds: the Python standard
   library's documentation (``pydoc_data.topics``), ``/usr/share/doc/*`` READMEs, copyright
   files and changelogs, and manual pages (``man -P cat``, only where ``man`` exists);
@@ -39,6 +39,7 @@ import subprocess
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from kvrag.policies.kvlink.adapter import KVLinkError
 
@@ -141,7 +142,7 @@ def file_passages(paths: Iterable[str | os.PathLike], max_tokens: int = 200, **k
 
 
 def store_passages(store) -> list[str]:
-    """The chunk texts a user ingested (``KVStore.texts(None)``: every model's), each one
+    """The chunk texts a user ingested (``DiskStore.texts(None)``: every model's), each one
     passage as the user chunked it, in key order."""
     texts = store.texts(None)
     return [texts[k] for k in sorted(texts) if texts[k].strip()]
@@ -358,7 +359,7 @@ class Mixture:
     def describe(self) -> dict:
         """What ``kvlink.json`` records: per source its passage or item count and a sha256 of
         its content (in order), the weights and the task settings."""
-        out = {}
+        out: dict[str, dict[str, Any]] = {}
         for name in self.names:
             h = hashlib.sha256()
             if name in self.pools:

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvrag.checks import check_int
 from kvrag.policies.base import Policy, param
 from kvrag.policies.cacheblend import CacheBlend, CacheBlendParams
 from kvrag.policies.registry import register
@@ -65,10 +66,8 @@ class KVLinkParams:
     def __post_init__(self) -> None:
         k = self.link_tokens
         if k is not None:
-            # bool is an int subclass: link_tokens=True is a typo, not "1".
-            if isinstance(k, bool) or not isinstance(k, int):
-                raise ValueError(f"link_tokens must be an int >= 0 or None, got {k!r}")
-            if not 0 <= k <= MAX_LINK_TOKENS:
+            k = check_int("link_tokens (None: the adapter's)", k, 0)
+            if k > MAX_LINK_TOKENS:
                 raise ValueError(f"link_tokens must be in [0, {MAX_LINK_TOKENS}], got {k}")
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
@@ -97,7 +96,7 @@ class KVLink(Policy):
         super().__init__(**params)
         self._mean_cache: tuple | None = None
         p = self.params
-        # Links + recompute (issue 31, item 4): the link tokens are computed tokens like the
+        # Links + recompute: the link tokens are computed tokens like the
         # question, so cacheblend's selection -- which keeps every non-cached row and ranks
         # only cached ones -- composes with them unchanged.
         self._blend = (

@@ -41,6 +41,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -48,6 +49,7 @@ import torch.nn.functional as F
 from kvrag import qa_data
 from kvrag.arch import Arch
 from kvrag.model import ModelHandle
+from kvrag.model.digests import sha256_file
 from kvrag.policies.kvlink.adapter import (
     FORMAT_VERSION,
     META_FILE,
@@ -57,7 +59,6 @@ from kvrag.policies.kvlink.adapter import (
     default_adapter_dirs,
     load_adapter,
     save_adapter,
-    sha256_file,
 )
 from kvrag.policies.kvlink.policy import mean_embedding
 
@@ -312,6 +313,7 @@ def forward_hidden(arch: Arch, sample: Sample, links: torch.Tensor | None) -> to
     hidden = arch.embed(ids)
     is_link = slot >= 0
     if bool(is_link.any()):
+        assert links is not None, "a sample with link slots needs the link table"
         flat = links.reshape(-1, links.shape[-1]).to(device=dev, dtype=hidden.dtype)
         hidden = torch.where(is_link[:, None], flat[slot.clamp(min=0)], hidden)
     private = sample.private.to(dev) if sample.private is not None else None
@@ -516,7 +518,8 @@ def train_kvlink(
             )
         lcfg = LoraConfig(
             r=cfg.lora_rank,
-            lora_alpha=cfg.lora_alpha or 2 * cfg.lora_rank,
+            # peft scales by lora_alpha / r and takes a float at run time; its annotation says int.
+            lora_alpha=cfg.lora_alpha or 2 * cfg.lora_rank,  # type: ignore[arg-type]
             target_modules=list(cfg.lora_targets),
             lora_dropout=0.0,
             bias="none",
@@ -529,10 +532,10 @@ def train_kvlink(
         model.requires_grad_(False)
     # peft injects its LoRA layers in place, so ``model`` itself is the adapted network.
     arch = Arch(model)
-    e = arch.hidden_size
+    hidden = arch.hidden_size
     init = mean_embedding(arch)
-    links = torch.nn.Parameter(init.expand(cfg.max_docs, cfg.link_tokens, e).clone().to(arch.device))
-    groups = []
+    links = torch.nn.Parameter(init.expand(cfg.max_docs, cfg.link_tokens, hidden).clone().to(arch.device))
+    groups: list[dict[str, Any]] = []
     lora_params = [p for p in model.parameters() if p.requires_grad]
     if lora_params:
         groups.append({"params": lora_params, "lr": cfg.lr})

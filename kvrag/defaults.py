@@ -1,0 +1,20 @@
+"""Defaults the library and the command line share, in one place.
+
+Torch-free and importing nothing of kvrag: the CLI builds its parsers (and ``--help``) from
+these before torch loads, and ``KVRag``, the policy registry and the framework adapters read
+the same values, so a default changes in one line."""
+
+from __future__ import annotations
+
+#: The reuse policy ``KVRag``, the LLM wrappers and ``kvrag`` commands run when none is named.
+DEFAULT_POLICY = "cacheblend"
+#: The dtype stored K/V are kept in (``KVRag(storage_dtype=...)``, ``--storage-dtype``).
+DEFAULT_STORAGE_DTYPE = "float16"
+#: The compute dtype a model is loaded in (``KVRag(dtype=...)``, ``--dtype``).
+DEFAULT_COMPUTE_DTYPE = "float32"
+#: The key prefix of a shared (Redis) store (``RedisStore(prefix=...)``, ``--prefix``).
+DEFAULT_SHARED_PREFIX = "kvrag:"
+#: What chunks are precomputed behind (``KVRag(chunk_anchor=...)``): the model's own first token.
+DEFAULT_CHUNK_ANCHOR = "auto"
+#: The answer length cap of ``KVRag.generate`` when none is given.
+DEFAULT_MAX_NEW_TOKENS = 128

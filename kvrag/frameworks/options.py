@@ -1,0 +1,122 @@
+"""Which policy an LLM wrapper runs and how per-call options merge into it (the same in every
+framework adapter)."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from kvrag.defaults import DEFAULT_POLICY
+from kvrag.policies import get_policy, policy_class
+
+log = logging.getLogger("kvrag.frameworks")
+
+GEN_KEYS = ("policy", "max_new_tokens", "temperature", "top_p", "top_k", "stop", "seed")
+
+
+def policy_param_names(policy) -> set[str]:
+    """The hyper-parameter names of ``policy`` (a name or a Policy); ValueError if unknown."""
+    return {f.name for f in dataclasses.fields(policy_class(policy).Params)}
+
+
+def resolve_policy(policy, policy_params: dict | None, flat: dict[str, Any], rag, owner: str):
+    """The (policy name, parameters) a wrapper runs by default.
+
+    No ``policy`` given and an existing KVRag ``rag``: that KVRag's own policy and parameters
+    (what ``rag.generate`` runs), so a wrapper of ``KVRag(policy="kvlink")`` runs kvlink, not a
+    silent cacheblend; ``policy_params`` then update them. ``flat``: the keyword arguments the
+    wrapper does not know itself, taken as policy parameters, as ``KVRag(policy=...,
+    recompute_ratio=...)`` takes them; any other name is a typo, reported here rather than
+    dropped (pydantic models would drop it silently)."""
+    own = getattr(rag, "policy", None)
+    inherited = (
+        {} if own is None else {f.name: _as_json(getattr(own.params, f.name)) for f in dataclasses.fields(own.params)}
+    )
+    params = {}
+    if policy is None and own is not None:
+        policy, params = own.name, dict(inherited)
+    elif policy is None:
+        policy = DEFAULT_POLICY
+    names = policy_param_names(policy)
+    # A wrapper rebuilt with another policy (LangChain's ``configurable_fields(policy=...)``
+    # passes all fields back) carries the parameters it inherited from the KVRag: those the
+    # new policy lacks are dropped, while parameters the user set stay checked.
+    params.update(
+        {k: v for k, v in (policy_params or {}).items() if k in names or k not in inherited or inherited[k] != v}
+    )
+    unknown = sorted(set(flat) - names)
+    if unknown:
+        raise ValueError(
+            f"{owner} got unknown option(s) {unknown}: neither an option of {owner} nor a "
+            f"parameter of policy {policy!r} (its parameters: {sorted(names) or 'none'})"
+        )
+    params.update(flat)
+    pol = get_policy(policy, **params)  # fail now, with the registry's message, on a bad value
+    arch = getattr(rag, "arch", None)
+    if arch is not None:
+        pol.check_model(arch)  # and on a policy the wrapped model cannot run (a2ats, no codebook)
+    return policy, {k: _as_json(v) for k, v in params.items()}
+
+
+def _as_json(value: Any) -> Any:
+    """A parameter value as JSON holds it (a tuple as a list): a wrapper serialized and loaded
+    again has the same settings, and compares equal to them."""
+    return list(value) if isinstance(value, tuple) else value
+
+
+def max_tokens_alias(kwargs: dict[str, Any], owner: str) -> None:
+    """In place: ``max_tokens`` (the name most LLM classes use) becomes ``max_new_tokens``."""
+    if kwargs.get("max_tokens") is None:
+        kwargs.pop("max_tokens", None)
+        return
+    mt = kwargs.pop("max_tokens")
+    if kwargs.get("max_new_tokens") not in (None, mt):
+        raise ValueError(f"{owner}: max_tokens={mt} and max_new_tokens={kwargs['max_new_tokens']} disagree; pass one")
+    kwargs["max_new_tokens"] = mt
+
+
+def call_options(
+    defaults: dict[str, Any], policy_params: dict[str, Any], kwargs: dict[str, Any], owner: str, log: logging.Logger
+) -> dict[str, Any]:
+    """Keyword arguments for ``KVRag.stream``: the wrapper's ``defaults`` (the ``GEN_KEYS``)
+    and ``policy_params``, overridden by a call's ``kwargs``. A call naming another policy
+    without ``policy_params`` drops the wrapper's (they belong to its own policy); policy
+    parameters may come flat; other keywords (frameworks forward their own) are ignored."""
+    opts = dict(defaults)
+    kwargs = dict(kwargs)
+    max_tokens_alias(kwargs, owner)
+    params = dict(policy_params)
+    flat = {}
+    for k, v in kwargs.items():
+        if k in GEN_KEYS:
+            opts[k] = v
+        elif k == "policy_params":
+            if v is not None and not isinstance(v, Mapping):
+                raise TypeError(f"{owner}: policy_params must be a dict of policy parameters, got {type(v).__name__}")
+            params = dict(v or {})
+        else:
+            flat[k] = v
+    if opts["policy"] != defaults["policy"] and "policy_params" not in kwargs:
+        params = {}
+    names = policy_param_names(opts["policy"]) if flat else set()
+    for k, v in flat.items():
+        if k in names:
+            params[k] = v
+        else:
+            log.debug("%s: ignoring unsupported option %r", owner, k)
+    opts["stop"] = stop_list(opts.get("stop"))
+    return {**opts, **params}
+
+
+def stop_list(stop) -> list:
+    """Stop strings as a list: None -> [], one string -> [it] (``list("Paris")`` would stop at
+    any of its letters), any other iterable -> its items (checked by ``Sampling``)."""
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        return [stop]
+    if isinstance(stop, (bytes, bytearray, Mapping)) or not isinstance(stop, Iterable):
+        raise TypeError(f"stop must be a string or a list of strings, got {type(stop).__name__}")
+    return list(stop)
