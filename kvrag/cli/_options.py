@@ -10,7 +10,10 @@ import argparse
 
 #: ``--model``'s help on every command that loads a model (the names are ``kvrag.model.MODEL_NAMES``,
 #: written out: importing ``kvrag.model`` imports torch, and building the parser must not).
-MODEL_HELP = "HF model dir, .gguf or a model name: smollm2, gemma3-270m (default: SmolLM2-135M-Instruct)"
+MODEL_HELP = (
+    "HF model dir, .gguf, a model name (smollm2, gemma3-270m) or a Hugging Face repo id org/name[@revision], "
+    "read from the HF cache or downloaded unless HF_HUB_OFFLINE=1 (default: SmolLM2-135M-Instruct)"
+)
 
 
 class _StoreIsNotHome(argparse.Action):

@@ -196,7 +196,9 @@ def run_stats(args) -> int:
             f"  memory    {human(sh['used_memory'] or 0)} used, maxmemory "
             f"{human(sh['maxmemory']) if sh['maxmemory'] else 'unlimited'}, policy {sh['maxmemory_policy']}",
         ]
-        for q in sh["queues"]:
+        if "queues_error" in sh:
+            lines.append(f"  queues    not readable: {sh['queues_error']}")
+        for q in sh.get("queues", []):
             lines.append(
                 f"  queue     {q['stream']}: {q['queued']} not done ({q['pending']} in a worker), "
                 f"{q['done']} done, {q['failed']} failed, {q['consumers']} worker(s) seen"
@@ -217,8 +219,15 @@ def shared_stats(url: str, prefix: str) -> dict:
         out = {k: st[k] for k in keep if k in st}
         if out.get("reachable") is False:
             return out
-        fps = sorted(f.decode() for f in store.client.smembers(streams_key(prefix)))
-        out["queues"] = [RedisQueue(store, fp).progress() for fp in fps]
+        import redis
+
+        from kvrag.store.redis_store import error_cause
+
+        try:
+            fps = sorted(f.decode() for f in store.client.smembers(streams_key(prefix)))
+            out["queues"] = [RedisQueue(store, fp).progress() for fp in fps]
+        except redis.RedisError as e:  # an error reply (a queue key of another type, ...): said, not raised
+            out["queues_error"] = f"{error_cause(e)}: {e}"
         return out
     finally:
         store.close()

@@ -38,7 +38,7 @@ def register(subparsers) -> None:
             "random uuids as in the paper; in-domain text (--store, --text) is better."
         ),
     )
-    a.add_argument("--model", metavar="PATH", default=None, help=MODEL_HELP)
+    a.add_argument("--model", metavar="MODEL", default=None, help=MODEL_HELP)
     a.add_argument(
         "--tokens",
         type=int,

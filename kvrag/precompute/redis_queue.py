@@ -86,13 +86,30 @@ class RedisQueue:
         self.client.sadd(self.streams_index, self.fingerprint)
         self.group_ready = True
 
+    def repair(self) -> list[str]:
+        """Delete this queue's keys that hold a type kvrag does not write there (a crafted or
+        clashing value would fail every command on them, for good); returns their names. The
+        jobs of a stream replaced this way were not kvrag's to begin with."""
+        expected = {self.stream: "stream", self.counts_key: "hash", self.failed_key: "hash", self.streams_index: "set"}
+        p = self.client.pipeline(transaction=False)
+        for name in expected:
+            p.type(name)
+        found = [t.decode() if isinstance(t, bytes) else str(t) for t in p.execute()]
+        bad = [n for (n, want), t in zip(expected.items(), found) if t not in (want, "none")]
+        for n in bad:
+            self.client.delete(n)
+            log.warning("kvrag queue: %s held a value kvrag does not write there; deleted it", n)
+        if bad:
+            self.group_ready = False
+        return bad
+
     # ---- producer ------------------------------------------------------------------
     def submit(self, texts: Iterable[str], ingestor) -> list[str]:
         """Queue the texts whose chunk is neither stored nor queued; returns every text's key.
         ``ingestor``: the replica's ``kvrag.precompute.ingest.Ingestor`` (tokenization, keys, listing).
         Raises ``kvrag.store.redis_store.SharedStoreDown`` if Redis cannot be reached: nothing
         is lost silently (the ``Precomputer`` keeps the texts as retryable failures)."""
-        from kvrag.store.redis_store import SharedStoreDown
+        from kvrag.store.redis_store import SharedStoreDown, SharedStoreRefused, error_cause
 
         check_texts_iterable(texts, "precompute")
         texts = list(texts)
@@ -122,6 +139,15 @@ class RedisQueue:
 
             if isinstance(e, (redis.ConnectionError, redis.TimeoutError, ClusterError, RedisClusterException)):
                 raise SharedStoreDown(f"cannot queue chunks on {self.store.outage.what}: {e}") from e
+            if isinstance(e, redis.RedisError):  # an error reply (OOM, READONLY, WRONGTYPE, ...)
+                if error_cause(e) == "WRONGTYPE":
+                    try:
+                        self.repair()
+                    except redis.RedisError:
+                        pass
+                raise SharedStoreRefused(
+                    f"cannot queue chunks on {self.store.outage.what}: {error_cause(e)}: {e}"
+                ) from e
             raise
         return keys
 

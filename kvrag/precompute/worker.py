@@ -10,8 +10,9 @@ import os
 import socket
 import threading
 
-from kvrag.errors import ChunkError
+from kvrag.errors import ChunkError, StoreError
 from kvrag.precompute.redis_queue import GROUP, RedisQueue
+from kvrag.store.redis_store import error_cause
 
 log = logging.getLogger(__name__)
 
@@ -22,10 +23,20 @@ class Worker:
 
     name: the consumer name (default host:pid). batch: jobs read at a time (computed in one
     packed pass). claim_idle_s: a job pending that long on a worker is taken over (longer
-    than a batch takes). block_s: how long one read waits for new jobs."""
+    than a batch takes). block_s: how long one read waits for new jobs. retry_s: the first
+    wait after Redis fails or answers an error, doubled on each failure in a row up to
+    ``max_retry_s``."""
 
     def __init__(
-        self, rag, *, name: str | None = None, batch: int = 8, claim_idle_s: float = 60.0, block_s: float = 1.0
+        self,
+        rag,
+        *,
+        name: str | None = None,
+        batch: int = 8,
+        claim_idle_s: float = 60.0,
+        block_s: float = 1.0,
+        retry_s: float = 2.0,
+        max_retry_s: float = 30.0,
     ) -> None:
         far = getattr(rag.store, "far", None)
         if far is None or not hasattr(far, "client"):
@@ -38,7 +49,11 @@ class Worker:
         self.batch = batch
         self.claim_idle_ms = int(claim_idle_s * 1000)
         self.block_ms = int(block_s * 1000)
+        self.retry_s = float(retry_s)
+        self.max_retry_s = float(max_retry_s)
         self.done = 0
+        self.errors = 0  # Redis failures and error replies waited out
+        self._causes: set[str] = set()
 
     @property
     def client(self):
@@ -67,6 +82,7 @@ class Worker:
         jobs, bad = [], []
         for mid, fields in msgs:
             try:
+                check_job_bytes(fields.get(b"text"), ing.max_chars, self.rag.handle.max_context)
                 key, text = fields[b"key"].decode("ascii"), fields[b"text"].decode("utf-8")
                 if ing.key(ing.chunk_ids(text)) != key:
                     raise ChunkError("the job's key is not its text's key (another model, or not kvrag's)")
@@ -83,7 +99,10 @@ class Worker:
             # it up instead of computing it again (``rag.precompute`` would skip it as stored).
             entry = near.get(key, self.rag.fingerprint)
             if entry is not None:
-                far.put(key, entry)
+                try:
+                    far.put(key, entry)
+                except StoreError as e:  # Redis refusing writes: left pending, retried
+                    log.error("kvrag worker %s: job %s not copied up (left pending): %s", self.name, key, e)
             else:
                 todo.append((mid, key, text))
         errors: dict[str, BaseException] = {}
@@ -139,14 +158,45 @@ class Worker:
         from redis.exceptions import ClusterError, RedisClusterException
 
         stop = stop or threading.Event()
+        wait = self.retry_s
         while not stop.is_set():
             try:
                 n = self.step()
-            except (redis.ConnectionError, redis.TimeoutError, ClusterError, RedisClusterException) as e:
-                log.warning("kvrag worker %s: Redis unreachable (%s); retrying in 2 s", self.name, e)
-                self.queue.group_ready = False
-                stop.wait(2.0)
+                idle = n == 0 and until_idle and self.queue.progress()["queued"] == 0
+            except (redis.RedisError, ClusterError, RedisClusterException, StoreError) as e:
+                # Unreachable, or an error reply (READONLY after a REPLICAOF, NOGROUP after the
+                # stream was evicted, OOM, WRONGTYPE on a key of the queue): wait it out, then
+                # start over from the consumer group, which is re-created if it is gone.
+                self._failed(e, wait)
+                stop.wait(wait)
+                wait = min(wait * 2, self.max_retry_s)
                 continue
-            if n == 0 and until_idle and self.queue.progress()["queued"] == 0:
+            wait = self.retry_s
+            if idle:
                 break
         return self.done
+
+    def _failed(self, e: BaseException, wait: float) -> None:
+        """Log a failure (a warning the first time for each cause), repair the queue's keys
+        after a WRONGTYPE, and make the next step re-create the consumer group."""
+        self.errors += 1
+        self.queue.group_ready = False
+        cause = error_cause(e)
+        level = logging.INFO if cause in self._causes else logging.WARNING
+        self._causes.add(cause)
+        log.log(level, "kvrag worker %s: Redis failed (%s: %s); retrying in %g s", self.name, cause, e, wait)
+        if cause == "WRONGTYPE":
+            try:
+                self.queue.repair()
+            except Exception as r:  # the next try repairs it
+                log.info("kvrag worker %s: could not repair the queue's keys yet: %s", self.name, r)
+
+
+def check_job_bytes(raw: object, max_chars: int | None, max_tokens: int) -> None:
+    """ChunkError for a job whose text is so long in bytes that it cannot fit in the model's
+    context (UTF-8: at least one byte a character), before it is decoded or tokenized: one
+    crafted 50 MB stream entry must cost a worker neither gigabytes nor its batch-mates."""
+    if isinstance(raw, bytes) and max_chars is not None and len(raw) > 4 * max_chars:
+        raise ChunkError(
+            f"job text of {len(raw)} bytes cannot fit in the model context ({max_tokens} tokens); refused unread"
+        )

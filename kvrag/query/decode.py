@@ -24,10 +24,15 @@ from transformers.cache_utils import DynamicLayer
 from kvrag.arch import Arch
 from kvrag.defaults import DEFAULT_MAX_NEW_TOKENS
 
+# The temperatures sampling can use: logits (shifted by their maximum) divided by one of these
+# stay finite in float32; below it, 5e-324 say, the division overflows (or rounds to 0/0).
+MIN_TEMPERATURE = 1e-6
+MAX_TEMPERATURE = 1e6
+
 
 @dataclass
 class Sampling:
-    """Decoding options. temperature 0 = greedy."""
+    """Decoding options. temperature 0 = greedy, else in [MIN_TEMPERATURE, MAX_TEMPERATURE]."""
 
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     temperature: float = 0.0
@@ -47,6 +52,11 @@ class Sampling:
             raise ValueError(f"max_new_tokens must be an integer >= 0, got {self.max_new_tokens!r}")
         if not is_real(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if self.temperature and not MIN_TEMPERATURE <= self.temperature <= MAX_TEMPERATURE:
+            raise ValueError(
+                f"temperature must be 0 (greedy) or in [{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}], got "
+                f"{self.temperature!r} (sampling cannot divide logits by it without overflow; use 0 for greedy)"
+            )
         if not is_real(self.top_p) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
         if not is_int(self.top_k) or self.top_k < 0:
@@ -70,7 +80,8 @@ def sample(logits: torch.Tensor, s: Sampling, gen: torch.Generator | None) -> in
     """Pick the next token from logits [V]."""
     if s.temperature == 0:
         return int(torch.argmax(logits))
-    logits = logits.float() / s.temperature
+    logits = logits.float()
+    logits = (logits - logits.max()) / s.temperature  # shifted first: the same softmax, no overflow
     if s.top_k:
         kth = torch.topk(logits, min(s.top_k, logits.numel())).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))

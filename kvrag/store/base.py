@@ -117,6 +117,11 @@ class ChunkStore(abc.ABC):
         """True if ``key`` holds a whole entry, listed in the text index (re-listed if a writer
         died between the two); False if there is none."""
 
+    def ensure_stored(self, key: str, fingerprint: str) -> bool:
+        """``ensure_indexed`` for ingestion, which knows the entry's ``fingerprint``: a store
+        of several tiers also restores a tier that lost the entry from one that has it."""
+        return self.ensure_indexed(key)
+
     @abc.abstractmethod
     def texts(self, fingerprint: str | None) -> dict[str, str]:
         """key -> chunk text of the listed entries written for ``fingerprint`` (None: all)."""

@@ -230,6 +230,13 @@ class DiskStore(ChunkStore):
                 f"locked for over {self.timeout:g} s ({e or 'timeout'}); the store is not damaged: retry "
                 "once that process is done, or raise DiskStore(timeout=...)"
             )
+        if isinstance(e, PermissionError) or getattr(e, "errno", None) in (errno.EACCES, errno.EPERM, errno.EROFS):
+            where = getattr(e, "filename", None)
+            return StoreError(
+                f"cannot {doing} the KVStore in {self.directory}: permission denied"
+                f"{f' on {where}' if where else ''} ({getattr(e, 'strerror', None) or e}); make the whole directory "
+                f"writable by this user (e.g. chown -R / chmod -R u+rwX {self.directory}) or pass a writable cache_dir"
+            )
         if getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or "disk is full" in text:
             return StoreError(
                 f"cannot {doing} the DiskStore in {self.directory}: the disk is full ({e}); the store is "
@@ -724,7 +731,7 @@ class DiskStore(ChunkStore):
         """Fully check one blob (for gc(verify=True)); True if it was corrupt and dropped."""
         found = self._read(key)
         if found is None:
-            return False
+            return self._drop_misfit(key)
         buf, tag, name = found
         try:
             verified = verified_header(buf, tag)
@@ -734,6 +741,29 @@ class DiskStore(ChunkStore):
             self._drop_corrupt(key, name, str(e))
             return True
         return False
+
+    def _drop_misfit(self, key: str) -> bool:
+        """gc(verify=True) of a blob ``_read`` refused unread: if its file's length is not the
+        one its row records and its header declares (a file swapped or cut short), it is
+        dropped (True); absent, or held in SQLite, it is left (False)."""
+        handle, _, stored = self._fetch(key)
+        if handle is None:
+            return False
+        name = getattr(handle, "name", None)
+        with handle:
+            try:
+                size = os.fstat(handle.fileno()).st_size
+            except (AttributeError, io.UnsupportedOperation, OSError):
+                return False
+            try:
+                header, start = read_file_header(handle)
+                end = start + data_end(header)
+            except Corrupt:
+                end = None
+        if size == stored and size == end:
+            return False
+        self._drop_corrupt(key, name, f"file of {size} bytes, its row says {stored} and its header {end}")
+        return True
 
     def _check_files(self, cache: diskcache.Cache) -> int:
         """gc(verify=True)'s consistency check of one of the two caches: SQLite's integrity

@@ -41,7 +41,11 @@ makes the entry a miss, and its index entry is dropped when a read finds it gone
 
 Redis unreachable: reads are misses and listing returns what was seen last, with one
 warning per outage (``kvrag.store.redis_store`` logger); writes raise ``SharedStoreDown`` (the
-tiered store catches it: the near tiers hold the entry). After a failure the store skips
+tiered store catches it: the near tiers hold the entry). An error reply (OOM, READONLY,
+WRONGTYPE, NOGROUP, ...) is handled the same way -- a read is a miss, a write raises
+``SharedStoreRefused`` (a ``SharedStoreDown``) -- with one warning per cause. Every read is
+bounded before it is made (see ``_read`` and ``texts``): Redis is data, and the worst a
+crafted value may do is a miss. After a failure the store skips
 Redis for ``retry_s`` instead of paying a connect timeout on every chunk read, then tries
 again: redis-py opens a new connection for the next command, so it reconnects by itself.
 """
@@ -62,6 +66,7 @@ import torch
 from kvrag.errors import StoreError
 from kvrag.store.base import ChunkEntry, ChunkStore, make_key
 from kvrag.store.blob import (
+    MAX_HEADER_BYTES,
     Corrupt,
     checksum,
     deserialize,
@@ -79,12 +84,44 @@ log = logging.getLogger("kvrag.store.redis_store")
 PART_SIZE = 4 * 2**20
 # A writer that dies between its parts and its meta leaves parts nobody points at: they expire.
 _PENDING_TTL_S = 600
-# A meta claiming more than this is not one kvrag wrote (and is not fetched).
+# A meta claiming more than this is not one kvrag wrote (and is not fetched); a KVRag lowers
+# it to the largest entry its model can produce (``limit_entry_bytes``).
 MAX_ENTRY_BYTES = 2**34
+# Redis's own limit on one string (proto-max-bulk-len): no part kvrag writes is larger.
+MAX_PART_BYTES = 2**29
+# Parts fetched per round trip: bounded in commands and in bytes, so a meta that declares
+# millions of parts costs one small batch before its first missing part ends the read.
+_PART_BATCH = 1024
+_BATCH_BYTES = 2**26
+# Parts deleted with an entry found evicted or corrupt (a 4 MiB-part entry of 16 GiB has 4,096).
+_REMOVED_PARTS = 4 * _PART_BATCH
+# The index is read only while it stays under these (entries, bytes); a larger one keeps the
+# listing last read (a crafted index must not cost every replica its memory).
+MAX_INDEX_ENTRIES = 200_000
+MAX_INDEX_BYTES = 2**26
+# The first bytes of a blob read to find its header (the rest up to its length if longer).
+_HEAD_BYTES = 2**16
 
 
 class SharedStoreDown(StoreError):
     """The shared store's server cannot be reached (or timed out)."""
+
+
+class SharedStoreRefused(SharedStoreDown):
+    """The shared store's server answered a command with an error (OOM, READONLY, WRONGTYPE,
+    ...): for the caller, like an outage -- the write did not happen."""
+
+
+def error_cause(e: BaseException) -> str:
+    """A short name of what a Redis error reply says (``OOM``, ``READONLY``, ``WRONGTYPE``,
+    ``NOGROUP``, ...), one per kind of trouble: warnings are said once per cause."""
+    import redis
+
+    name = type(e).__name__
+    if type(e) is not redis.ResponseError and isinstance(e, redis.ResponseError):
+        return name  # redis-py's own class for the reply (ReadOnlyError, OutOfMemoryError, ...)
+    word = str(e).split(" ", 1)[0]
+    return word if word.isupper() and word.isalpha() else name
 
 
 #: URL schemes of a Redis Cluster (redis-py's ``RedisCluster``), and the plain scheme each maps to.
@@ -245,7 +282,9 @@ class RedisStore(ChunkStore):
     ``parse_url``). prefix: the key prefix of this store's keys (no ``{`` or ``}``: they make
     the hash tags). part_size: bytes per stored part. socket_timeout: seconds per command
     (short: a dead server must cost a query little). retry_s: after a failure, seconds during
-    which the server is not tried. Counters are per process."""
+    which the server is not tried. max_entry_bytes: a meta declaring more is not fetched (a
+    KVRag lowers it to its model's largest entry); max_index_entries / max_index_bytes: the
+    text index is not read past these (the listing read last stays). Counters are per process."""
 
     def __init__(
         self,
@@ -256,6 +295,9 @@ class RedisStore(ChunkStore):
         socket_timeout: float = 2.0,
         retry_s: float = 2.0,
         client=None,
+        max_entry_bytes: int = MAX_ENTRY_BYTES,
+        max_index_entries: int = MAX_INDEX_ENTRIES,
+        max_index_bytes: int = MAX_INDEX_BYTES,
     ) -> None:
         if not isinstance(prefix, str) or not prefix or "{" in prefix or "}" in prefix:
             raise ValueError(
@@ -273,9 +315,30 @@ class RedisStore(ChunkStore):
             self._client = connect(url, socket_timeout=socket_timeout)  # connects lazily itself
         self.outage = Outage(f"shared KV store {redact(url)}", retry_s)
         self._lock = threading.Lock()
-        self._counts = {"hits": 0, "misses": 0, "corrupt": 0, "wrong_model": 0, "unreachable": 0}
+        for name, v in (
+            ("max_entry_bytes", max_entry_bytes),
+            ("max_index_entries", max_index_entries),
+            ("max_index_bytes", max_index_bytes),
+        ):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+        self.max_entry_bytes = max_entry_bytes
+        self.max_index_entries = max_index_entries
+        self.max_index_bytes = max_index_bytes
+        self._refusals: set[str] = set()
+        self._maxmemory = 0
+        self._room_read_at = 0.0  # causes of error replies already warned about
+        self._counts = {
+            "hits": 0,
+            "misses": 0,
+            "corrupt": 0,
+            "wrong_model": 0,
+            "unreachable": 0,
+            "error_replies": 0,
+        }
         self._index_version: bytes | None = None
         self._index: dict[str, tuple[str, str]] = {}  # key -> (text, fingerprint), last read
+        self._index_refused: tuple | None = None  # (version, entries) of an index over a bound
 
     def __repr__(self) -> str:
         return f"RedisStore({redact(self.url)!r}, prefix={self.prefix!r})"
@@ -334,8 +397,61 @@ class RedisStore(ChunkStore):
             with self._lock:
                 self._counts["unreachable"] += 1
             return default
+        except redis.RedisError as e:  # an error reply: the server is up, the command failed
+            self.outage.ok()
+            self._refused(e)
+            if write:
+                raise SharedStoreRefused(f"{self.outage.what} refused the write: {error_cause(e)}: {e}") from e
+            return default
         self.outage.ok()
         return out
+
+    def _refused(self, e: BaseException) -> None:
+        """Count an error reply and warn once per cause (OOM, READONLY, WRONGTYPE, ...)."""
+        cause = error_cause(e)
+        with self._lock:
+            self._counts["error_replies"] += 1
+            first = cause not in self._refusals
+            self._refusals.add(cause)
+        if first:
+            log.warning(
+                "%s answered an error (%s: %s): reads of it are misses, writes stay in the local "
+                "tiers and are pushed up later; said once per kind of error",
+                self.outage.what,
+                cause,
+                e,
+            )
+
+    def _check_room(self, size: int) -> None:
+        """Refuse (``SharedStoreRefused``) an entry larger than a quarter of the server's
+        ``maxmemory``: storing it would evict most of the rest, the text index and the
+        queue with it. The limit is read at most once a minute (one server; a cluster's
+        memory is per node and not checked)."""
+        if self.cluster:
+            return
+        now = time.monotonic()
+        if now >= self._room_read_at:
+            import redis
+
+            try:
+                self._maxmemory = int(self.client.info("memory").get("maxmemory") or 0)
+            except (redis.ResponseError, ValueError, TypeError):  # INFO refused (ACL): not checked
+                self._maxmemory = 0
+            self._room_read_at = now + 60.0
+        if self._maxmemory and size > self._maxmemory // 4:
+            e = StoreError(
+                f"TOOBIG an entry of {size} bytes is more than a quarter of the server's maxmemory "
+                f"({self._maxmemory} bytes); kept in the local tiers only"
+            )
+            self._refused(e)
+            raise SharedStoreRefused(str(e))
+
+    def limit_entry_bytes(self, n: int) -> None:
+        """Fetch no entry whose meta declares more than ``n`` bytes (the largest entry the
+        reading model can produce, with margin: ``kvrag.limits.entry_bytes_bound``)."""
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"entry byte limit must be an int >= 1, got {n!r}")
+        self.max_entry_bytes = min(n, MAX_ENTRY_BYTES)
 
     def _count(self, name: str) -> None:
         with self._lock:
@@ -364,6 +480,7 @@ class RedisStore(ChunkStore):
         def write():
             import redis
 
+            self._check_room(len(data))
             p = self.client.pipeline(transaction=False)
             for i, name in enumerate(parts):
                 p.set(name, view[i * self.part_size : (i + 1) * self.part_size], ex=_PENDING_TTL_S)
@@ -375,7 +492,9 @@ class RedisStore(ChunkStore):
                     try:
                         t.watch(self._meta(key))
                         try:
-                            old = _meta_fields(t.hgetall(self._meta(key)), self.part_size)
+                            old = _meta_fields(
+                                t.hmget(self._meta(key), _META_FIELDS), self.part_size, self.max_entry_bytes
+                            )
                         except redis.ResponseError as e:  # not a hash: not ours, replaced
                             if _routing_error(e):
                                 raise
@@ -409,9 +528,12 @@ class RedisStore(ChunkStore):
         if found is None:
             self._count("misses")
             return None
-        if found == "gone":
+        if found[0] == "gone":  # evicted: the rest of it is removed, it will be recomputed
             self._count("misses")
-            self._unlist(key)
+            self._call(lambda: self._remove(key, found[1]))
+            return None
+        if found[0] == "bad":
+            self._drop_corrupt(key, found[1], found[2])
             return None
         parts, meta = found
         try:
@@ -440,7 +562,7 @@ class RedisStore(ChunkStore):
 
     def delete(self, key: str) -> bool:
         def run():
-            old = _meta_fields(self._hgetall(self._meta(key)), self.part_size)
+            old = _meta_fields(self._hmget(self._meta(key)), self.part_size, self.max_entry_bytes)
             existed = self.client.delete(self._meta(key))
             self._list(key, None)
             if old is not None:
@@ -450,56 +572,108 @@ class RedisStore(ChunkStore):
         return self._call(run, write=True)
 
     def ensure_indexed(self, key: str) -> bool:
-        """True if ``key``'s meta and every part are present and it is listed (re-listed from
-        the blob's own header if not). Costs one round trip for a whole entry."""
+        """True if ``key``'s meta and every part are present, of the lengths the meta declares,
+        and it is listed as its blob's own header says (re-listed if not: a writer killed
+        between the two, or a crafted row). A cut-short, over-long or foreign value is deleted
+        (counted ``corrupt``) and an evicted one removed: False, so it is stored again."""
+        return bool(self._call(lambda: self._ensure_indexed(key), default=False))
 
-        def run():
-            meta = _meta_fields(self._hgetall(self._meta(key)), self.part_size)
-            if meta is None:
-                return False
-            p = self.client.pipeline(transaction=False)
-            for i in range(meta["parts"]):
-                p.exists(self._part(key, meta["ver"], i))
-            p.hexists(self._idx, key)
-            *present, listed = p.execute()
-            if not all(present):
-                return False
-            if not listed:
-                head = self.client.getrange(self._part(key, meta["ver"], 0), 0, min(meta["size"], 2**20) - 1)
-                rec = _listing_from_head(head)
-                if rec is None:
-                    return False
-                self._list(key, rec)
-                log.warning("RedisStore: chunk %s was stored but not listed; re-listed it", key)
-            return True
-
-        return bool(self._call(run, default=False))
+    def _ensure_indexed(self, key: str) -> bool:
+        found = self._present(key)
+        if found is None:
+            return False
+        if found[0] == "gone":
+            self._remove(key, found[1])
+            return False
+        if found[0] == "bad":
+            self._drop_corrupt(key, found[1], found[2])
+            return False
+        meta = found[1]
+        head, listed = self._head(key, meta)
+        listing = _listing_from_head(head)
+        if listing is None:
+            self._drop_corrupt(key, meta, "its blob's header is unreadable")
+            return False
+        if listed != listing.encode("utf-8"):
+            self._list(key, listing)
+            log.warning(
+                "RedisStore: chunk %s was stored but %s; re-listed it from its blob",
+                key,
+                "not listed" if listed is None else "listed with another text",
+            )
+        return True
 
     def texts(self, fingerprint: str | None) -> dict[str, str]:
         """key -> text of the listed entries of ``fingerprint`` (None: all). The index is
-        re-read only when its version counter moved; unreachable: what was read last."""
+        re-read only when its version counter moved, and only while it stays within
+        ``max_index_entries`` and ``max_index_bytes``; unreachable, refusing, or over a bound:
+        what was read last."""
 
         def run():
-            p = self.client.pipeline(transaction=False)
-            p.get(self._idxv)
-            p.hlen(self._idx)  # also keeps the index recently used under allkeys-lru
-            version, n = p.execute()
-            if version != self._index_version or n != len(self._index):
-                raw = self.client.hgetall(self._idx)
-                index = {}
-                for k, v in raw.items():
-                    # A blank text would match everywhere in a prompt, one not ours is unusable:
-                    # never listed.
-                    try:
-                        rec = index_record(v.decode("utf-8"))
-                        if rec is not None:
-                            index[k.decode("utf-8")] = rec
-                    except UnicodeDecodeError:
-                        continue
+            import redis
+
+            try:
+                p = self.client.pipeline(transaction=False)
+                p.get(self._idxv)
+                p.hlen(self._idx)  # also keeps the index recently used under allkeys-lru
+                version, n = p.execute()
+            except redis.ResponseError as e:  # an index key of another type: not ours, replaced
+                if _routing_error(e):
+                    raise
+                self._repair_index()
+                raise
+            if version == self._index_version and n == len(self._index):
+                return
+            if (version, n) == self._index_refused:
+                return  # still the index found over a bound: not read again until it changes
+            if n > self.max_index_entries:
+                self._index_refused = (version, n)
+                self._refused(StoreError(f"INDEXTOOBIG the text index lists {n} entries (> {self.max_index_entries})"))
+                return
+            index = None if self._index_estimate_over() else self._read_index()
+            if index is None:
+                self._index_refused = (version, n)
+            else:
                 self._index, self._index_version = index, version
 
         self._call(run)
         return {k: t for k, (t, fp) in self._index.items() if fingerprint is None or fp == fingerprint}
+
+    def _index_estimate_over(self) -> bool:
+        """Whether Redis's own estimate of the index's memory (``MEMORY USAGE``, from a few
+        sampled rows: O(1)) is over twice ``max_index_bytes``: refused without reading a row.
+        Below that, ``_read_index`` counts the bytes exactly. A server without the command
+        (or refusing it) gives no estimate."""
+        import redis
+
+        try:
+            estimate = self.client.memory_usage(self._idx, samples=5)
+        except redis.ResponseError as e:
+            if _routing_error(e):
+                raise
+            return False
+        if estimate is not None and estimate > 2 * self.max_index_bytes:
+            self._refused(StoreError(f"INDEXTOOBIG the text index takes about {estimate} bytes in Redis"))
+            return True
+        return False
+
+    def _read_index(self) -> dict[str, tuple[str, str]] | None:
+        """The index, read a batch at a time (HSCAN); None once it passes ``max_index_bytes``."""
+        index: dict[str, tuple[str, str]] = {}
+        size = 0
+        for k, v in self.client.hscan_iter(self._idx, count=1000):
+            size += len(k) + len(v)
+            if size > self.max_index_bytes:
+                self._refused(StoreError(f"INDEXTOOBIG the text index holds more than {self.max_index_bytes} bytes"))
+                return None
+            # A blank text would match everywhere in a prompt, one not ours is unusable: never listed.
+            try:
+                rec = index_record(v.decode("utf-8"))
+                if rec is not None:
+                    index[k.decode("utf-8")] = rec
+            except UnicodeDecodeError:
+                continue
+        return index
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
@@ -507,7 +681,15 @@ class RedisStore(ChunkStore):
         lookups = c["hits"] + c["misses"]
 
         def run():
-            listed = self.client.hlen(self._idx)
+            import redis
+
+            try:
+                listed = self.client.hlen(self._idx)
+            except redis.ResponseError as e:  # an index of another type: the rest is still reported
+                if _routing_error(e):
+                    raise
+                self._refused(e)
+                listed = None
             if not self.cluster:
                 mem = self.client.info("memory")
                 return {
@@ -564,102 +746,232 @@ class RedisStore(ChunkStore):
 
     # ---- internals -----------------------------------------------------------------
     def _read(self, key: str):
-        """(bytes, meta) of ``key``; None if there is no meta; "gone" if the meta is there
-        but a part is not (evicted) or the meta is not kvrag's."""
+        """(parts, meta) of ``key``, every part read bounded by the length its meta declares;
+        None if there is no meta; ("gone", meta) if a part is missing (evicted); ("bad", meta
+        or None, problem) if the meta or a part is not what kvrag writes (not a hash, a
+        declared size over ``max_entry_bytes``, sizes that disagree, a part cut short, too
+        long or not a string)."""
+        meta = self._meta_checked(key)
+        if meta is None or meta[0] != "ok":
+            return meta
+        meta = meta[1]
+        parts: list[bytes] = []
+        for batch in self._batches(meta):
+            p = self.client.pipeline(transaction=False)
+            for i in batch:
+                # One byte past the declared length: a part longer than declared shows as such.
+                p.getrange(self._part(key, meta["ver"], i), 0, _part_len(meta, i))
+            got = self._execute_parts(p)
+            if isinstance(got, str):
+                return "bad", meta, got
+            for i, x in zip(batch, got):
+                if not x:
+                    return "gone", meta
+                if len(x) != _part_len(meta, i):
+                    return "bad", meta, f"part {i} holds {len(x)}+ bytes where its meta declares {_part_len(meta, i)}"
+            parts.extend(got)
+        return parts, meta
+
+    def _present(self, key: str):
+        """``_read`` without fetching the bytes (each part's length only): None, ("gone",
+        meta), ("bad", meta or None, problem) or ("ok", meta)."""
+        meta = self._meta_checked(key)
+        if meta is None or meta[0] != "ok":
+            return meta
+        meta = meta[1]
+        for batch in self._batches(meta):
+            p = self.client.pipeline(transaction=False)
+            for i in batch:
+                p.strlen(self._part(key, meta["ver"], i))
+            got = self._execute_parts(p)
+            if isinstance(got, str):
+                return "bad", meta, got
+            for i, n in zip(batch, got):
+                if not n:
+                    return "gone", meta
+                if n != _part_len(meta, i):
+                    return "bad", meta, f"part {i} holds {n} bytes where its meta declares {_part_len(meta, i)}"
+        return "ok", meta
+
+    def _meta_checked(self, key: str):
+        """None (no meta), ("ok", meta) or ("bad", None, problem): a meta that is not a hash
+        of kvrag's fields, or whose size, part size and part count disagree or exceed the
+        bounds, is never followed."""
         import redis
 
         try:
-            raw = self.client.hgetall(self._meta(key))
+            raw = self.client.hmget(self._meta(key), _META_FIELDS)
         except redis.ResponseError as e:  # WRONGTYPE: someone else's value under our name
             if _routing_error(e):
                 raise
-            return "gone"
-        if not raw:
+            return "bad", None, "its meta is not a hash"
+        if all(v is None for v in raw):
             return None
-        meta = _meta_fields(raw, self.part_size)
+        meta = _meta_fields(raw, self.part_size, self.max_entry_bytes)
         if meta is None:
-            return "gone"
-        p = self.client.pipeline(transaction=False)
-        for i in range(meta["parts"]):
-            p.get(self._part(key, meta["ver"], i))
+            shown = {f: (v[:40] if isinstance(v, bytes) else v) for f, v in zip(_META_FIELDS, raw)}
+            return "bad", None, f"its meta {shown} is not one kvrag writes (limit {self.max_entry_bytes} bytes)"
+        return "ok", meta
+
+    @staticmethod
+    def _batches(meta: dict[str, Any]):
+        """Part numbers in batches bounded in count and bytes (one round trip each)."""
+        step = max(1, min(_PART_BATCH, _BATCH_BYTES // meta["part_size"]))
+        for start in range(0, meta["parts"], step):
+            yield range(start, min(start + step, meta["parts"]))
+
+    @staticmethod
+    def _execute_parts(p):
+        """The pipeline's replies, or a problem (str) if a part is not a string."""
+        import redis
+
         try:
-            parts = p.execute()
+            return p.execute()
         except redis.ResponseError as e:
             if _routing_error(e):
                 raise
-            return "gone"
-        if any(not isinstance(x, bytes) for x in parts) or sum(map(len, parts)) != meta["size"]:
-            return "gone"
-        return parts, meta
+            return f"a part is not a string ({error_cause(e)})"
 
-    def _unlist(self, key: str) -> None:
-        """Drop the index entry of an entry that is gone (evicted, or not kvrag's)."""
+    def _head(self, key: str, meta: dict[str, Any]) -> tuple[bytes, bytes | None]:
+        """(the blob's first bytes, through the end of its header -- bounded by its size and
+        the largest header a blob may have, read across parts if it spans several --, the
+        index row of ``key``), in one round trip when the header fits in ``_HEAD_BYTES``."""
+        want = min(meta["size"], _HEAD_BYTES)
+        p = self.client.pipeline(transaction=False)
+        self._queue_range(p, key, meta, want)
+        p.hget(self._idx, key)
+        *parts, listed = p.execute(raise_on_error=False)
+        if isinstance(listed, Exception):  # the index: not this entry's problem (see ``texts``)
+            raise listed
+        head = b"" if any(not isinstance(x, bytes) for x in parts) else b"".join(parts)
+        if len(head) >= 8:
+            n = 8 + int.from_bytes(head[:8], "little")
+            if want < n <= min(meta["size"], MAX_HEADER_BYTES + 8):
+                p = self.client.pipeline(transaction=False)
+                self._queue_range(p, key, meta, n)
+                got = self._execute_parts(p)
+                head = b"" if isinstance(got, str) else b"".join(got)
+        return head, listed
 
-        def run():
-            if self._read(key) in (None, "gone"):  # None: no meta any more
-                self._list(key, None)
+    def _queue_range(self, p, key: str, meta: dict[str, Any], n: int) -> None:
+        """Queue on pipeline ``p`` the reads of the blob's first ``n`` bytes, part by part."""
+        i = 0
+        while i * meta["part_size"] < n:
+            p.getrange(self._part(key, meta["ver"], i), 0, min(meta["part_size"], n - i * meta["part_size"]) - 1)
+            i += 1
 
-        self._call(run)
-
-    def _drop_corrupt(self, key: str, meta: dict[str, Any], problem: str) -> None:
-        """Log, count and delete an entry that failed verification: only the version read,
-        so a good entry another replica has just written survives."""
+    def _remove(self, key: str, meta: dict[str, Any] | None) -> None:
+        """Delete ``key``'s meta (only the version ``meta`` read: a good entry another replica
+        has just written survives; None: only while it is still not kvrag's), its parts and
+        its index entry: the first ``_REMOVED_PARTS`` of its declared parts at most -- an entry
+        kvrag writes has far fewer, and a crafted meta that declares 400,000 parts must not
+        cost 400,000 DELs."""
         import redis
 
+        name = self._meta(key)
+        with self.client.pipeline(transaction=True) as t:
+            try:
+                t.watch(name)
+                try:
+                    raw = t.hmget(name, _META_FIELDS)
+                    now = _meta_fields(raw, self.part_size, self.max_entry_bytes)
+                    same = now is None if meta is None else (now is not None and now["ver"] == meta["ver"])
+                except redis.ResponseError as e:
+                    if _routing_error(e):
+                        raise
+                    same = meta is None  # still not a hash
+                if not same:
+                    return
+                t.multi()
+                t.delete(name)
+                t.execute()
+            except redis.WatchError:
+                return
+        self._list(key, None)
+        if meta is not None:
+            self._delete_parts(key, meta, _REMOVED_PARTS)
+
+    def _drop_corrupt(self, key: str, meta: dict[str, Any] | None, problem: str) -> None:
+        """Log, count and delete an entry that failed verification (see ``_remove``)."""
         log.warning(
             "RedisStore: corrupt entry %s in %s: %s; deleted, it will be recomputed", key, redact(self.url), problem
         )
         self._count("corrupt")
         self._count("misses")
+        self._call(lambda: self._remove(key, meta))
 
-        def run():
-            with self.client.pipeline(transaction=True) as t:
-                try:
-                    t.watch(self._meta(key))
-                    if t.hget(self._meta(key), "ver") != meta["ver"].encode():
-                        return
-                    t.multi()
-                    t.delete(self._meta(key))
-                    t.execute()
-                except (redis.WatchError, redis.ResponseError) as e:
-                    if _routing_error(e):
-                        raise
-                    return
-            self._list(key, None)
-            self._delete_parts(key, meta)
-
-        self._call(run)
+    def _repair_index(self) -> None:
+        """Delete an index key that holds another type (or a version that is not a number):
+        it is kvrag's name, and while it holds a foreign value no chunk can be listed."""
+        p = self.client.pipeline(transaction=False)
+        p.type(self._idx)
+        p.type(self._idxv)
+        t_idx, t_ver = (x.decode() if isinstance(x, bytes) else str(x) for x in p.execute())
+        bad = [n for n, t, ok in ((self._idx, t_idx, "hash"), (self._idxv, t_ver, "string")) if t not in (ok, "none")]
+        if t_ver == "string":
+            try:
+                int(self.client.get(self._idxv) or 0)
+            except ValueError:
+                bad.append(self._idxv)
+        for n in bad:
+            self.client.delete(n)
+            log.warning("RedisStore: index key %s held a value kvrag does not write; deleted it", n)
+        if bad:
+            self._index_version = None
 
     def _list(self, key: str, listing: str | None) -> None:
         """Set (``listing``: its JSON) or drop (None) ``key``'s index entry and bump the index
-        version, in one transaction (both keys share the ``{idx}`` slot)."""
-        t = self.client.pipeline(transaction=True)
-        if listing is None:
-            t.hdel(self._idx, key)
-        else:
-            t.hset(self._idx, key, listing)
-        t.incr(self._idxv)
-        t.execute()
+        version, in one transaction (both keys share the ``{idx}`` slot). An index key of
+        another type is replaced and the write tried once more."""
+        import redis
 
-    def _delete_parts(self, key: str, meta: dict[str, Any]) -> None:
-        self.client.delete(*(self._part(key, meta["ver"], i) for i in range(meta["parts"])))
+        for attempt in (0, 1):
+            t = self.client.pipeline(transaction=True)
+            if listing is None:
+                t.hdel(self._idx, key)
+            else:
+                t.hset(self._idx, key, listing)
+            t.incr(self._idxv)
+            try:
+                t.execute()
+                return
+            except redis.ResponseError as e:
+                # Only a foreign value under an index name is repaired (OOM, READONLY: raised).
+                if attempt or _routing_error(e) or error_cause(e) not in ("WRONGTYPE", "ERR"):
+                    raise
+                self._repair_index()
 
-    def _hgetall(self, name: str) -> dict:
-        """A hash's fields, or {} when the key holds something else (not ours)."""
+    def _delete_parts(self, key: str, meta: dict[str, Any], limit: int | None = None) -> None:
+        """Delete the parts of ``meta``'s version (the first ``limit`` only, if given), a
+        batch of names at a time."""
+        n = meta["parts"] if limit is None else min(limit, meta["parts"])
+        for start in range(0, n, _PART_BATCH):
+            self.client.delete(*(self._part(key, meta["ver"], i) for i in range(start, min(start + _PART_BATCH, n))))
+
+    def _hmget(self, name: str) -> list:
+        """A meta hash's fields (``_META_FIELDS``), or [] when the key holds something else."""
         import redis
 
         try:
-            return self.client.hgetall(name)
+            return self.client.hmget(name, _META_FIELDS)
         except redis.ResponseError as e:
             if _routing_error(e):
                 raise
-            return {}
+            return []
 
 
-def _meta_fields(raw: dict, default_part: int) -> dict[str, Any] | None:
-    """The checked fields of a meta hash, or None if it is not one kvrag wrote."""
+_META_FIELDS = ("ver", "tag", "size", "part_size", "parts")
+
+
+def _meta_fields(raw, default_part: int, max_entry: int = MAX_ENTRY_BYTES) -> dict[str, Any] | None:
+    """The checked fields of a meta hash (``raw``: HGETALL's dict or HMGET's list of
+    ``_META_FIELDS``), or None if it is not one kvrag wrote: a field missing or not a number,
+    a size over ``max_entry``, a part size outside [1 KiB, 512 MiB], or a part count other
+    than the size in parts."""
+    if isinstance(raw, (list, tuple)):
+        raw = {f.encode(): v for f, v in zip(_META_FIELDS, raw) if v is not None}
     try:
-        meta = {k.decode("ascii"): v.decode("ascii") for k, v in raw.items()}
+        meta = {k.decode("ascii"): v.decode("ascii") for k, v in raw.items() if len(v) <= 64}
         out = {
             "ver": meta["ver"],
             "tag": meta["tag"],
@@ -671,12 +983,17 @@ def _meta_fields(raw: dict, default_part: int) -> dict[str, Any] | None:
         return None
     if (
         not out["ver"].isalnum()
-        or not 0 < out["size"] <= MAX_ENTRY_BYTES
-        or out["part_size"] < 1024
+        or not 0 < out["size"] <= max_entry
+        or not 1024 <= out["part_size"] <= MAX_PART_BYTES
         or out["parts"] != max(1, math.ceil(out["size"] / out["part_size"]))
     ):
         return None
     return out
+
+
+def _part_len(meta: dict[str, Any], i: int) -> int:
+    """The bytes part ``i`` of ``meta``'s blob holds."""
+    return min(meta["part_size"], meta["size"] - i * meta["part_size"])
 
 
 def _listing_from_head(head: bytes) -> str | None:

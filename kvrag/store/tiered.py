@@ -55,6 +55,7 @@ class TieredStore(ChunkStore):
             "far_write_failures": 0,
             "pushed_after_outage": 0,
             "unsynced_dropped": 0,
+            "restored": 0,
         }
         outage = getattr(far, "outage", None)
         if outage is not None and hasattr(outage, "on_recover"):
@@ -174,6 +175,37 @@ class TieredStore(ChunkStore):
 
     def ensure_indexed(self, key: str) -> bool:
         return self.near.ensure_indexed(key) or self.far.ensure_indexed(key)
+
+    def ensure_stored(self, key: str, fingerprint: str) -> bool:
+        """True if either tier holds ``key``; an entry the near tier has and the far one lacks
+        (a flushed or evicted Redis, a value there cut short or foreign: deleted by its
+        check) is copied up, read verified, not recomputed -- so re-ingesting through any
+        replica that holds the chunks restores the shared tier for every replica."""
+        near = self.near.ensure_indexed(key)
+        far = self.far.ensure_indexed(key)
+        if near and not far:
+            return self._restore(key, fingerprint)
+        return near or far
+
+    def _restore(self, key: str, fingerprint: str) -> bool:
+        """Copy ``key`` up from the near tier; False if the near tier cannot read it back
+        (then it is computed again). The far tier down or refusing: remembered for the push-up."""
+        outage = getattr(self.far, "outage", None)
+        if outage is not None and outage.skip():
+            self._remember_unsynced(key, fingerprint)
+            return True
+        entry = self.near.get(key, fingerprint)
+        if entry is None:
+            return False
+        try:
+            self.far.put(key, entry)
+        except StoreError as e:
+            self._count("far_write_failures")
+            self._remember_unsynced(key, fingerprint)
+            log.debug("TieredStore: chunk %s not copied up: %s", key, e)
+            return True
+        self._count("restored")
+        return True
 
     def texts(self, fingerprint: str | None) -> dict[str, str]:
         return {**self.far.texts(fingerprint), **self.near.texts(fingerprint)}

@@ -131,6 +131,8 @@ FORBIDDEN = {
         "kvrag.frameworks",
     ),
     "kvrag.precompute": ("kvrag.engine", "kvrag.frameworks"),
+    # The serving scheduler sits on the facade; the HTTP layer and the CLI sit on it.
+    "kvrag.serve.scheduler": ("kvrag.cli", "kvrag.frameworks", "kvrag.bench"),
     # The Redis queue works through a KVRag's ingestor and store it is handed, never above them.
     "kvrag.precompute.redis_queue": (
         "kvrag.engine",
@@ -148,6 +150,20 @@ FORBIDDEN = {
     "kvrag.defaults": ("kvrag",),
     "kvrag.paths": ("kvrag",),
 }
+
+
+def test_only_the_cli_imports_the_server():
+    """``kvrag.serve`` (the HTTP server, on FastAPI) sits beside the CLI, above the facade: the
+    library never reaches it, so ``import kvrag`` stays free of any web framework."""
+    graph = _graph()
+    bad = sorted(
+        (m, n)
+        for m, deps in graph.items()
+        if not (m.startswith("kvrag.serve") or m.startswith("kvrag.cli"))
+        for n in deps
+        if n == "kvrag.serve" or n.startswith("kvrag.serve.")
+    )
+    assert not bad, f"modules below the server import it: {bad}"
 
 
 @pytest.mark.parametrize("layer", sorted(FORBIDDEN))
@@ -210,4 +226,16 @@ def test_import_kvrag_does_not_load_torch():
     name that needs it."""
     code = "import sys, kvrag; assert 'torch' not in sys.modules, 'torch loaded'; print(kvrag.__version__)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+
+
+def test_the_scheduler_loads_no_web_framework():
+    code = (
+        "import sys, kvrag, kvrag.engine\n"
+        "assert not any(m.startswith('kvrag.serve') for m in sys.modules), 'kvrag.serve loaded'\n"
+        "import kvrag.serve.scheduler\n"
+        "web = sorted(m for m in ('fastapi', 'starlette', 'uvicorn', 'aiohttp', 'flask') if m in sys.modules)\n"
+        "assert not web, web\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180)
     assert out.returncode == 0, out.stderr

@@ -4,7 +4,8 @@
   ``add_texts``, ``add_documents`` (and their async variants) or ``update_documents``, every
   stored text is handed to the precomputer, once (whichever of them calls which). The store
   object is patched in place (its class is untouched), so it stays what it was
-  (``isinstance(store, Chroma)``), and ``detach`` undoes it.
+  (``isinstance(store, Chroma)``), and ``detach`` undoes it. ``server="http://..."``: the
+  texts go to a ``kvrag serve`` (``POST /v1/chunks``) instead of an in-process precomputer.
 * :class:`KVWarmingRetriever` — wraps any retriever; every retrieved document whose KV is not
   cached yet (ingested before kvrag, or evicted) is scheduled, after the current query, so the
   next query that retrieves it hits the cache.
@@ -31,6 +32,7 @@ from pydantic import ConfigDict, Field
 
 from kvrag.frameworks import hook_target, schedule_retrieved
 from kvrag.precompute import Precomputer
+from kvrag.serve.client import chunk_service, hook_service
 
 __all__ = ["KVPrecomputeHook", "precompute_on_add", "KVWarmingRetriever"]
 
@@ -79,7 +81,8 @@ class KVPrecomputeHook:
     """Schedules precompute of the texts a vector store stores.
 
     target: a :class:`langchain_kvrag.ChatKVRag` (its precomputer), a ``KVRag`` or a
-    ``Precomputer``. text_fn: page_content -> the text as the prompt will show it (default:
+    ``Precomputer``; or ``server="http://host:8000"`` (+ ``api_key``): a ``kvrag serve`` whose
+    ``/v1/chunks`` computes them. text_fn: page_content -> the text as the prompt will show it (default:
     unchanged). block: when the precompute queue is full, wait for room (back-pressure on
     ingestion) instead of dropping."""
 
@@ -90,20 +93,25 @@ class KVPrecomputeHook:
         llm: Any = None,
         rag: Any = None,
         precomputer: Any = None,
+        server: Optional[str] = None,
+        api_key: Optional[str] = None,
         text_fn: Optional[Callable[[str], str]] = None,
         block: bool = True,
     ):
-        target = hook_target("KVPrecomputeHook", target, llm=llm, rag=rag, precomputer=precomputer)
-        Precomputer.of(target)  # a wrong target fails here, not at the first add_documents
+        target = hook_service(
+            "KVPrecomputeHook", target, llm=llm, rag=rag, precomputer=precomputer, server=server, api_key=api_key
+        )
+        chunk_service(target)  # a wrong target fails here, not at the first add_documents
         self.target = target
         self.text_fn = text_fn
         self.block = block
 
     @property
-    def precomputer(self) -> Precomputer:
+    def precomputer(self) -> Any:
         # Resolved at each use: a ChatKVRag's or KVRag's precomputer that was shut down is
-        # replaced by a live one (an explicit Precomputer stays the caller's).
-        return Precomputer.of(self.target)
+        # replaced by a live one (an explicit Precomputer stays the caller's). With server=:
+        # the ServerChunks client posting to that kvrag serve.
+        return chunk_service(self.target)
 
     def _texts(self, texts: Sequence[str]) -> list[str]:
         return [self.text_fn(t) for t in texts] if self.text_fn is not None else list(texts)
@@ -216,6 +224,8 @@ def precompute_on_add(
     llm: Any = None,
     rag: Any = None,
     precomputer: Any = None,
+    server: Optional[str] = None,
+    api_key: Optional[str] = None,
     text_fn: Optional[Callable[[str], str]] = None,
     block: bool = True,
     backfill: bool = False,
@@ -224,10 +234,14 @@ def precompute_on_add(
     ``update_documents``) schedule the KV precompute of what they store; returns the store.
 
     ``store = precompute_on_add(Chroma(...), llm)`` with ``llm`` a :class:`ChatKVRag`.
+    ``precompute_on_add(store, server="http://host:8000", api_key=...)`` posts them to a ``kvrag
+    serve`` instead (the model answering through ``ChatOpenAI(base_url=...)``).
     ``backfill=True`` also schedules the documents the store already holds — for a store made
     by ``Chroma.from_documents(...)``, which adds its documents before any hook can be attached:
     ``precompute_on_add(Chroma.from_documents(docs, emb), llm, backfill=True)``."""
-    hook = KVPrecomputeHook(target, llm=llm, rag=rag, precomputer=precomputer, text_fn=text_fn, block=block)
+    hook = KVPrecomputeHook(
+        target, llm=llm, rag=rag, precomputer=precomputer, server=server, api_key=api_key, text_fn=text_fn, block=block
+    )
     return hook.attach(vectorstore, backfill=backfill)
 
 

@@ -28,6 +28,7 @@ from llama_index.core.schema import BaseNode, Document, MetadataMode, NodeWithSc
 
 from kvrag.frameworks import hook_target, schedule_retrieved
 from kvrag.precompute import Precomputer
+from kvrag.serve.client import chunk_service, hook_service
 
 __all__ = ["KVPrecompute", "KVCacheWarmer", "KVWarmingRetriever", "node_texts"]
 
@@ -75,7 +76,10 @@ class _Unpicklable:
 class KVPrecompute(_Unpicklable, TransformComponent):
     """IngestionPipeline transform: schedule the KV precompute of every node, pass nodes on.
 
-    ``KVPrecompute(llm)`` with a :class:`KVRagLLM` (or a ``KVRag`` / ``Precomputer``). Put it
+    ``KVPrecompute(llm)`` with a :class:`KVRagLLM` (or a ``KVRag`` / ``Precomputer``), or
+    ``KVPrecompute(server="http://host:8000", api_key=...)`` when the model answers from a
+    ``kvrag serve`` (through ``OpenAILike``): the nodes are posted to its ``/v1/chunks`` and
+    computed there in the background (``.precomputer.wait_until_idle()`` waits). Put it
     *after* the node parser and metadata extractors: it must see each node's final text and
     metadata, as the query engine will render them. Returns at once (the work happens in the
     background; ``llm.precomputer.wait_until_idle()`` waits for it). Nodes without text are
@@ -94,11 +98,21 @@ class KVPrecompute(_Unpicklable, TransformComponent):
     _warned: bool = PrivateAttr(default=False)
 
     def __init__(
-        self, target: Any = None, *, llm: Any = None, rag: Any = None, precomputer: Any = None, **data: Any
+        self,
+        target: Any = None,
+        *,
+        llm: Any = None,
+        rag: Any = None,
+        precomputer: Any = None,
+        server: Optional[str] = None,
+        api_key: Optional[str] = None,
+        **data: Any,
     ) -> None:
-        target = hook_target("KVPrecompute", target, llm=llm, rag=rag, precomputer=precomputer)
+        target = hook_service(
+            "KVPrecompute", target, llm=llm, rag=rag, precomputer=precomputer, server=server, api_key=api_key
+        )
         super().__init__(**data)
-        Precomputer.of(target)  # a wrong target fails here, not at the first node
+        chunk_service(target)  # a wrong target fails here, not at the first node
         self._target = target
 
     @classmethod
@@ -106,10 +120,11 @@ class KVPrecompute(_Unpicklable, TransformComponent):
         return "KVPrecompute"
 
     @property
-    def precomputer(self) -> Precomputer:
+    def precomputer(self) -> Any:
         # Resolved at each use: an LLM's or KVRag's precomputer that was shut down is replaced
-        # by a live one (an explicit Precomputer stays the caller's).
-        return Precomputer.of(self._target)
+        # by a live one (an explicit Precomputer stays the caller's). With server=: the
+        # ServerChunks client that posts the nodes to that kvrag serve.
+        return chunk_service(self._target)
 
     def _texts(self, nodes: Sequence[BaseNode]) -> list[str]:
         if not self._warned and any(isinstance(n, Document) for n in nodes):

@@ -1,0 +1,149 @@
+"""``kvrag serve``: an OpenAI-compatible HTTP server that reuses chunk caches (docs/serve.md).
+
+Registering imports neither torch nor the web stack: they load when the command runs.
+"""
+
+from __future__ import annotations
+
+import os
+
+from kvrag.cli._options import MODEL_HELP
+from kvrag.errors import KVRagError
+
+API_KEY_ENV = "KVRAG_API_KEY"
+
+
+def register(sub) -> None:
+    p = sub.add_parser(
+        "serve",
+        help="serve the model over an OpenAI-compatible HTTP API, reusing chunk caches",
+        description="Answer /v1/chat/completions and /v1/completions (OpenAI's wire format) with "
+        "kvrag: the retrieved chunks found in each prompt are served from their caches and fused "
+        "under the reuse policy. Chunks are ingested with POST /v1/chunks or by any process "
+        "sharing the store (docs/serve.md).",
+    )
+    p.add_argument("--model", default=None, help=MODEL_HELP)
+    p.add_argument("--served-model-name", default=None, help="the model id /v1/models lists (default: from --model)")
+    p.add_argument("--cache-dir", default=None, help="KV store directory (default: $KVRAG_HOME/store)")
+    p.add_argument(
+        "--shared",
+        default=None,
+        metavar="URL",
+        help="a shared Redis tier behind the local store, e.g. redis://host:6379/0: replicas with the same "
+        "URL and --shared-prefix share chunks (docs/deploy.md)",
+    )
+    p.add_argument("--shared-prefix", default="kvrag:", help="key prefix in the shared store (default kvrag:)")
+    p.add_argument(
+        "--precompute-via",
+        choices=("local", "queue"),
+        default="local",
+        help="queue: chunks posted to /v1/chunks go to `kvrag worker` processes through the shared Redis "
+        "(needs --shared); local (default): computed in this process, in the background",
+    )
+    p.add_argument("--policy", default="cacheblend", help="default reuse policy (requests may name another)")
+    p.add_argument(
+        "--param",
+        action="append",
+        default=[],
+        metavar="POLICY.KEY=VALUE",
+        help="a hyper-parameter of --policy, e.g. cacheblend.recompute_ratio=0.2 (repeatable; JSON values)",
+    )
+    p.add_argument("--device", default="cpu", help="torch device (cpu, cuda, cuda:1, ...)")
+    p.add_argument("--dtype", default="float32", help="compute dtype (float32, bfloat16, float16)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch CPU threads (default: torch's, one per core); on a CPU shared with other work, "
+        "fewer threads than cores avoids OpenMP threads spinning against each other",
+    )
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: any free port)")
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help=f"require Authorization: Bearer KEY on /v1 (default ${API_KEY_ENV} if set; none: open)",
+    )
+    p.add_argument("--max-concurrency", type=int, default=8, help="requests decoding at once (default 8)")
+    p.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond those; past it: 503 (default 64)")
+    p.add_argument("--log-level", default="info", help="uvicorn's log level (default info)")
+    p.set_defaults(func=run)
+
+
+def policy_params(policy: str, items: list[str]) -> dict:
+    """``--param POLICY.KEY=VALUE`` items (as ``kvrag bench`` takes them) for ``policy``."""
+    from kvrag.cli.bench import parse_params
+
+    params = parse_params(items)
+    other = sorted(set(params) - {policy})
+    if other:
+        raise KVRagError(f"--param names {', '.join(other)}, not --policy {policy}: a request picks its own policy")
+    return params.get(policy, {})
+
+
+def run(args) -> int:
+    # Every check before the model load.
+    if args.max_concurrency < 1:
+        raise KVRagError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
+    if args.max_queue < 0:
+        raise KVRagError(f"--max-queue must be >= 0, got {args.max_queue}")
+    if args.threads is not None and args.threads < 1:
+        raise KVRagError(f"--threads must be >= 1, got {args.threads}")
+    if not 0 <= args.port <= 65535:
+        raise KVRagError(f"--port must be in [0, 65535], got {args.port}")
+    api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
+    from kvrag.policies import get_policy
+
+    params = policy_params(args.policy, args.param)
+    get_policy(args.policy, **params)  # an unknown policy or parameter fails before the model load
+    if args.precompute_via == "queue" and not args.shared:
+        raise KVRagError("--precompute-via queue needs --shared redis://... (where the workers store the chunks)")
+
+    import torch
+    import uvicorn
+
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+
+    from kvrag.engine import KVRag
+    from kvrag.precompute import Precomputer
+    from kvrag.serve.app import create_app
+    from kvrag.serve.scheduler import Scheduler
+
+    shared = None
+    if args.shared:
+        from kvrag.store import open_shared
+
+        shared = open_shared(args.shared, prefix=args.shared_prefix)
+    rag = KVRag(
+        args.model,
+        cache_dir=args.cache_dir,
+        policy=args.policy,
+        shared=shared,
+        precompute_via=args.precompute_via,
+        device=args.device,
+        dtype=args.dtype,
+        **params,
+    )
+    name = args.served_model_name or _model_name(args.model)
+    with Scheduler(rag, max_concurrency=args.max_concurrency, max_queue=args.max_queue) as scheduler:
+        app = create_app(rag, scheduler, model_name=name, api_key=api_key)
+        print(
+            f"kvrag serve: {name} (policy {rag.policy.name}) on http://{args.host}:{args.port}/v1"
+            + ("" if api_key is None else " (API key required)"),
+            flush=True,
+        )
+        try:
+            uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+        finally:
+            pc = Precomputer.for_rag(rag, create=False)
+            if pc is not None:
+                pc.shutdown(wait=False)
+    return 0
+
+
+def _model_name(model: str | None) -> str:
+    if not model:
+        return "smollm2"
+    base = os.path.basename(os.path.normpath(model))
+    return base[: -len(".gguf")] if base.endswith(".gguf") else base

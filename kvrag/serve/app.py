@@ -1,0 +1,459 @@
+"""The HTTP face of ``kvrag serve``: a FastAPI app over one ``KVRag`` and its ``Scheduler``.
+
+The app only translates: a request in OpenAI's wire format becomes a
+:class:`kvrag.serve.scheduler.GenerationRequest`, the scheduler runs it through the library's
+own query path (``KVRag.render``, segmentation, chunk lookup, fusion under the request's
+policy, decoding), and the ticket's text deltas and ``Finished`` record become the response or
+its SSE chunks. Nothing here segments, looks up or fuses: a second implementation would drift.
+
+Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
+``POST /v1/chunks`` (texts -> keys, computed by the library's background precomputer, as the
+in-process ingestion hooks do), ``GET /v1/chunks/{key}``, ``GET /health``, ``GET /metrics``.
+Every error is answered in OpenAI's shape (``protocol.APIError``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import math
+import re
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from kvrag.errors import KVRagError
+from kvrag.serve.metrics import CONTENT_TYPE, ServeMetrics
+from kvrag.serve.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    ChunksRequest,
+    CompletionRequest,
+    new_id,
+    now,
+    usage,
+)
+
+log = logging.getLogger("kvrag.serve")
+
+_KEY = re.compile(r"[0-9a-f]{64}")
+#: Characters a prompt may hold per token of the model's context before it is refused
+#: unread: tokenizing a 1M-character prompt only to learn it is too long would cost seconds
+#: of CPU per request. No tokenizer kvrag supports averages more than a few characters per
+#: token, so this never refuses a prompt that fits.
+CHARS_PER_TOKEN_LIMIT = 32
+#: Largest request body read (bytes, from Content-Length): a 1M-character prompt is ~1 MB, a
+#: full /v1/chunks batch of long passages a few MB.
+MAX_BODY_BYTES = 32 << 20
+
+
+def create_app(
+    rag,
+    scheduler,
+    *,
+    model_name: str = "kvrag",
+    api_key: str | None = None,
+    precomputer=None,
+    max_prompt_chars: int | None = None,
+    max_body_bytes: int = MAX_BODY_BYTES,
+) -> FastAPI:
+    """The app serving ``rag`` through ``scheduler`` (started and closed by the caller).
+
+    model_name: the id ``/v1/models`` lists and responses carry (requests may name any
+    model: one server, one model). api_key: when set, every ``/v1`` endpoint wants
+    ``Authorization: Bearer <key>`` (``/health`` and ``/metrics`` stay open, for probes and
+    scrapers). precomputer: the ``Precomputer`` ``POST /v1/chunks`` feeds (default: the
+    KVRag's shared one, the one its in-process hooks use). max_prompt_chars: longest prompt
+    read (default ``CHARS_PER_TOKEN_LIMIT`` x the model's context). max_body_bytes: largest
+    request body (by its Content-Length; 413 past it)."""
+    from kvrag.policies import get_policy
+    from kvrag.serve.scheduler import GenerationRequest, SchedulerClosedError, SchedulerFullError
+
+    metrics = ServeMetrics(lambda: scheduler.queue_depth, lambda: scheduler.running)
+    limit_chars = max_prompt_chars or CHARS_PER_TOKEN_LIMIT * rag.handle.max_context
+    app = FastAPI(title="kvrag serve", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.rag, app.state.scheduler, app.state.metrics = rag, scheduler, metrics
+
+    # ---- errors, always in OpenAI's shape ---------------------------------------------
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, e: APIError):
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, e: RequestValidationError):
+        return _api_error_response(_validation_error(e))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException):
+        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+        return _api_error_response(APIError(e.status_code, str(e.detail), type=kind))
+
+    @app.exception_handler(Exception)
+    async def _server_error(request: Request, e: Exception):
+        log.exception("kvrag serve: unexpected error on %s", request.url.path)
+        return _api_error_response(APIError(500, f"internal error: {type(e).__name__}: {e}", type="server_error"))
+
+    app.add_middleware(_BodyLimit, limit=max_body_bytes)
+    app.add_middleware(_CountResponses, metrics=metrics)
+
+    async def authorized(request: Request) -> None:
+        if api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, given = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), api_key.encode()):
+            raise APIError(
+                401,
+                "missing or incorrect API key: send Authorization: Bearer <the server's --api-key>",
+                code="invalid_api_key",
+            )
+
+    auth = [Depends(authorized)]
+
+    # ---- requests -> the scheduler -------------------------------------------------------
+    def generation(body, prompt) -> Any:
+        bad = body.unsupported()
+        if bad is not None:
+            raise bad
+        chars = len(prompt) if isinstance(prompt, str) else sum(len(m["content"]) for m in prompt)
+        if chars > limit_chars:
+            raise APIError(
+                400,
+                f"prompt of {chars:,} characters is over this server's limit of {limit_chars:,} "
+                f"(the model reads at most {rag.handle.max_context:,} tokens)",
+                param="messages" if isinstance(prompt, list) else "prompt",
+                code="context_length_exceeded",
+            )
+        policy, params = body.policy()
+        if policy is not None or params:
+            try:
+                get_policy(policy, **params)  # names the known policies / the bad parameters
+            except (ValueError, TypeError, KVRagError) as e:
+                raise APIError(400, f"kvrag: {e}", param="kvrag.policy") from None
+        try:
+            return GenerationRequest(
+                prompt=prompt,
+                max_new_tokens=body.max_new_tokens(),
+                temperature=1.0 if body.temperature is None else body.temperature,
+                top_p=1.0 if body.top_p is None else body.top_p,
+                seed=body.seed,
+                stop=body.stops(),
+                policy=policy,
+                policy_params=params,
+            )
+        except (ValueError, TypeError) as e:
+            raise APIError(400, str(e)) from None
+
+    async def admit(req):
+        try:
+            # The scheduler checks and tokenizes the prompt in the caller's thread: off the loop.
+            return await asyncio.to_thread(scheduler.submit, req)
+        except SchedulerFullError as e:
+            metrics.rejected.labels("queue_full").inc()
+            retry = max(1, math.ceil(getattr(e, "retry_after_s", 1.0) or 1.0))
+            raise APIError(
+                503, f"server busy: {e}", type="server_busy", code="queue_full", headers={"Retry-After": str(retry)}
+            ) from None
+        except SchedulerClosedError as e:
+            raise APIError(503, f"server shutting down: {e}", type="server_busy") from None
+        except (ValueError, TypeError, KVRagError) as e:
+            metrics.rejected.labels("invalid").inc()
+            code = "context_length_exceeded" if "context" in str(e) else None
+            raise APIError(400, str(e), code=code) from None
+
+    async def respond(request: Request, body, prompt, chat: bool):
+        req = generation(body, prompt)
+        ticket = await admit(req)
+        rid = new_id("chatcmpl" if chat else "cmpl")
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(
+                _events(ticket, rid, chat, include_usage),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            )
+        watcher = asyncio.create_task(_cancel_on_disconnect(request, ticket))
+        t_first = None
+        try:
+            async for _ in ticket:
+                if t_first is None:
+                    t_first = time.perf_counter()
+            fin = ticket.result(timeout=30)
+        except BaseException as e:
+            ticket.cancel()
+            if isinstance(e, Exception):
+                raise _failed(e) from None
+            raise
+        finally:
+            watcher.cancel()
+        metrics.observe_finished(fin, _tpot(t_first, fin))
+        choice = {"index": 0, "finish_reason": fin.finish_reason, "logprobs": None}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": fin.text}
+        else:
+            choice["text"] = fin.text
+        return {
+            "id": rid,
+            "object": "chat.completion" if chat else "text_completion",
+            "created": now(),
+            "model": model_name,
+            "choices": [choice],
+            "usage": usage(fin.prompt_tokens, fin.completion_tokens, fin.cached_tokens),
+            "system_fingerprint": None,
+            "kvrag": _kvrag_info(fin),
+        }
+
+    async def _events(ticket, rid: str, chat: bool, include_usage: bool) -> AsyncIterator[str]:
+        created = now()
+        kind = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(delta: str | None, finish: str | None = None, role: bool = False) -> str:
+            if chat:
+                d = {"role": "assistant", "content": ""} if role else ({} if delta is None else {"content": delta})
+                choice = {"index": 0, "delta": d, "finish_reason": finish, "logprobs": None}
+            else:
+                choice = {"index": 0, "text": delta or "", "finish_reason": finish, "logprobs": None}
+            out = {"id": rid, "object": kind, "created": created, "model": model_name, "choices": [choice]}
+            if include_usage:
+                out["usage"] = None
+            return _sse(out)
+
+        done = False
+        t_first = None
+        try:
+            if chat:
+                yield chunk(None, role=True)
+            try:
+                async for delta in ticket:
+                    if t_first is None:
+                        t_first = time.perf_counter()
+                    yield chunk(delta)
+                fin = ticket.result(timeout=30)
+            except Exception as e:
+                # Admitted, then failed (a store fault, ...): the status line is sent already,
+                # so the error travels as an SSE event, as OpenAI's API sends mid-stream errors.
+                err = _failed(e)
+                yield _sse(err.body())
+                yield "data: [DONE]\n\n"
+                done = True
+                return
+            metrics.observe_finished(fin, _tpot(t_first, fin))
+            yield chunk(None, finish=fin.finish_reason)
+            if include_usage:
+                yield _sse(
+                    {
+                        "id": rid,
+                        "object": kind,
+                        "created": created,
+                        "model": model_name,
+                        "choices": [],
+                        "usage": usage(fin.prompt_tokens, fin.completion_tokens, fin.cached_tokens),
+                        "kvrag": _kvrag_info(fin),
+                    }
+                )
+            yield "data: [DONE]\n\n"
+            done = True
+        finally:
+            # A client that went away (Starlette cancels the response) frees its decode slot
+            # at the next step.
+            if not done:
+                metrics.finished.labels("cancelled").inc()
+                ticket.cancel()
+
+    def _failed(e: Exception) -> APIError:
+        """The answer to a request that failed after admission (counted as finished "error")."""
+        metrics.finished.labels("error").inc()
+        if isinstance(e, APIError):
+            return e
+        if isinstance(e, (ValueError, KVRagError)):
+            return APIError(400, str(e))
+        log.error("kvrag serve: a request failed: %s: %s", type(e).__name__, e)
+        return APIError(500, f"generation failed: {type(e).__name__}: {e}", type="server_error")
+
+    @app.post("/v1/chat/completions", dependencies=auth)
+    async def chat_completions(request: Request, body: ChatCompletionRequest):
+        messages = []
+        for i, m in enumerate(body.messages):
+            if m.role == "tool" or (m.model_extra or {}).get("tool_calls"):
+                raise APIError(400, "tool messages are not supported (kvrag serve has no tools)", param=f"messages.{i}")
+            # "developer" is OpenAI's newer name for the system role; chat templates know "system".
+            messages.append({"role": "system" if m.role == "developer" else m.role, "content": m.text()})
+        return await respond(request, body, messages, chat=True)
+
+    @app.post("/v1/completions", dependencies=auth)
+    async def completions(request: Request, body: CompletionRequest):
+        return await respond(request, body, body.prompt_text(), chat=False)
+
+    @app.get("/v1/models", dependencies=auth)
+    async def models():
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": model_name,
+                    "object": "model",
+                    "created": app.state.started,
+                    "owned_by": "kvrag",
+                    "max_model_len": rag.handle.max_context,
+                }
+            ],
+        }
+
+    # ---- chunks over HTTP -----------------------------------------------------------------
+    def chunk_precomputer():
+        from kvrag.precompute import Precomputer
+
+        return precomputer if precomputer is not None else Precomputer.for_rag(rag)
+
+    @app.post("/v1/chunks", dependencies=auth)
+    async def add_chunks(body: ChunksRequest):
+        metrics.chunks_submitted.inc(len(body.texts))
+        data = await asyncio.to_thread(_submit_chunks, rag, chunk_precomputer(), body.texts, limit_chars)
+        return {"object": "list", "data": data}
+
+    @app.get("/v1/chunks/{key}", dependencies=auth)
+    async def chunk_status(key: str):
+        if not _KEY.fullmatch(key):
+            raise APIError(400, f"not a chunk key (64 lowercase hex digits): {key[:80]!r}", param="key")
+        stored = await asyncio.to_thread(rag.store.__contains__, key)
+        return {"key": key, "stored": bool(stored)}
+
+    # ---- operations -------------------------------------------------------------------------
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "model": model_name, "queue_depth": scheduler.queue_depth, "running": scheduler.running}
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    app.state.started = now()
+    return app
+
+
+def _submit_chunks(rag, pc, texts: list[str], limit_chars: int) -> list[dict]:
+    """Each text's key and what happened to it: "stored" (cached already), "queued" (the
+    background precomputer computes it), "rejected" (never cacheable: empty, ...), "dropped"
+    (the precompute queue stayed full: send it again later)."""
+    from kvrag.errors import ChunkError
+    from kvrag.precompute import QueueFullError
+
+    out = []
+    for i, text in enumerate(texts):
+        item: dict[str, Any] = {"index": i}
+        if len(text) > limit_chars:  # refused unread, as a prompt of that size is
+            out.append({**item, "key": None, "status": "rejected", "error": f"{len(text):,} characters: too long"})
+            continue
+        try:
+            item["key"] = rag.chunk_key(text)
+        except (ChunkError, ValueError) as e:
+            out.append({**item, "key": None, "status": "rejected", "error": str(e)})
+            continue
+        if item["key"] in rag.store:
+            out.append({**item, "status": "stored"})
+            continue
+        try:
+            # Waiting a while for queue room is the back-pressure the in-process hooks apply too.
+            pc.submit(text, block=True, timeout=30)
+            item["status"] = "queued"
+        except ChunkError as e:
+            item.update(status="rejected", error=str(e))
+        except QueueFullError as e:
+            item.update(status="dropped", error=str(e))
+        out.append(item)
+    return out
+
+
+def _tpot(t_first: float | None, fin) -> float | None:
+    if t_first is None or fin.completion_tokens < 2:
+        return None
+    return (time.perf_counter() - t_first) / (fin.completion_tokens - 1)
+
+
+def _kvrag_info(fin) -> dict:
+    """kvrag's own account of the request (clients ignore fields they do not know)."""
+    s = fin.stats
+    info = {"ttft_s": fin.ttft_s, "cached_tokens": fin.cached_tokens}
+    if s is not None:
+        info.update(policy=s.policy, chunks_hit=s.chunks_hit, chunks_missed=s.chunks_missed)
+    return info
+
+
+def _sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+async def _cancel_on_disconnect(request: Request, ticket) -> None:
+    """Cancel ``ticket`` when the client of a non-streaming request goes away (its body is read
+    already, so the next ASGI message is the disconnect)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            ticket.cancel()
+            return
+
+
+def _api_error_response(e: APIError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+def _validation_error(e: RequestValidationError) -> APIError:
+    """pydantic's first complaint, as OpenAI words a bad request: what, and which field."""
+    errors = e.errors()
+    if not errors:
+        return APIError(400, "invalid request body")
+    first = errors[0]
+    loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+    if first.get("type") == "json_invalid":
+        return APIError(400, f"malformed JSON body: {first.get('msg')}")
+    if first.get("type") == "missing" and not loc:
+        return APIError(400, "missing request body (a JSON object)")
+    param = ".".join(loc) or None
+    more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+    return APIError(400, f"{param or 'body'}: {first.get('msg')}{more}", param=param)
+
+
+class _BodyLimit:
+    """ASGI middleware: a request whose Content-Length is over ``limit`` gets a 413 (OpenAI's
+    error shape) before its body is read."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            length = dict(scope.get("headers") or []).get(b"content-length", b"0")
+            if length.isdigit() and int(length) > self.limit:
+                e = APIError(413, f"request body of {int(length):,} bytes is over the limit ({self.limit:,})")
+                return await _api_error_response(e)(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+
+class _CountResponses:
+    """ASGI middleware: counts every HTTP response by route and status (``kvrag_requests``)."""
+
+    def __init__(self, app, metrics: ServeMetrics):
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope.get("path", "")
+        endpoint = "/v1/chunks/{key}" if path.startswith("/v1/chunks/") else path
+        known = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/chunks", "/v1/chunks/{key}")
+        if endpoint not in (*known, "/health", "/metrics"):
+            endpoint = "other"
+
+        async def counting_send(message):
+            if message["type"] == "http.response.start":
+                self.metrics.requests.labels(endpoint, str(message["status"])).inc()
+            await send(message)
+
+        await self.app(scope, receive, counting_send)

@@ -1,0 +1,95 @@
+"""Prometheus metrics of one ``kvrag serve`` app (``GET /metrics``), on ``prometheus-client``.
+
+Each app has its own ``CollectorRegistry``: two apps in one process (tests, replicas in one
+process) never mix their counts, and the process-wide default registry stays the host's.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from prometheus_client import CONTENT_TYPE_LATEST as CONTENT_TYPE  # noqa: F401  (re-exported for the app)
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+# TTFT of a RAG prompt runs from ~10 ms (cached chunks on a GPU) to seconds (full prefill of
+# thousands of tokens on a CPU).
+_TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+_TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+
+
+class ServeMetrics:
+    """What the server counts. ``queue_depth`` / ``running``: callables read at each scrape
+    (the scheduler's own counts, never a copy that can drift)."""
+
+    def __init__(self, queue_depth=None, running=None):
+        self._lock = threading.Lock()
+        self._prompt_total = self._cached_total = 0
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter(
+            "kvrag_requests", "HTTP requests answered, by endpoint and status code", ["endpoint", "status"], registry=r
+        )
+        self.ttft = Histogram(
+            "kvrag_time_to_first_token_seconds",
+            "From the request's admission to its first generated token",
+            buckets=_TTFT_BUCKETS,
+            registry=r,
+        )
+        self.tpot = Histogram(
+            "kvrag_time_per_output_token_seconds",
+            "Mean time per generated token after the first, per request",
+            buckets=_TPOT_BUCKETS,
+            registry=r,
+        )
+        self.prompt_tokens = Counter("kvrag_prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.cached_tokens = Counter(
+            "kvrag_cached_prompt_tokens", "Prompt tokens served from chunk caches (not prefilled)", registry=r
+        )
+        self.completion_tokens = Counter("kvrag_completion_tokens", "Generated tokens", registry=r)
+        share = Gauge(
+            "kvrag_cached_token_share", "Share of all prompt tokens so far served from chunk caches", registry=r
+        )
+        share.set_function(self._share)
+        self.chunk_hits = Counter("kvrag_chunk_hits", "Chunks found in a prompt and served from a cache", registry=r)
+        self.chunk_misses = Counter(
+            "kvrag_chunk_misses", "Chunks found in a prompt but not served (evicted, unreadable)", registry=r
+        )
+        self.chunk_hot = Counter("kvrag_chunk_hot_hits", "Chunk hits served from the in-memory hot tier", registry=r)
+        self.finished = Counter(
+            "kvrag_finished_requests", "Generations ended, by finish reason", ["finish_reason"], registry=r
+        )
+        self.rejected = Counter(
+            "kvrag_rejected_requests", "Requests refused before admission, by reason", ["reason"], registry=r
+        )
+        depth = Gauge("kvrag_queue_depth", "Requests admitted and waiting for a decode slot", registry=r)
+        depth.set_function(queue_depth or (lambda: 0))
+        run = Gauge("kvrag_running_requests", "Requests decoding now", registry=r)
+        run.set_function(running or (lambda: 0))
+        self.chunks_submitted = Counter("kvrag_chunks_submitted", "Chunk texts received on /v1/chunks", registry=r)
+
+    def _share(self) -> float:
+        with self._lock:
+            return self._cached_total / self._prompt_total if self._prompt_total else 0.0
+
+    def observe_finished(self, fin, tpot_s: float | None = None) -> None:
+        """Count one finished generation (a ``Finished``); ``tpot_s``: its mean time per token
+        after the first, as the client received them."""
+        with self._lock:
+            self._prompt_total += fin.prompt_tokens
+            self._cached_total += fin.cached_tokens
+        self.finished.labels(fin.finish_reason).inc()
+        self.prompt_tokens.inc(fin.prompt_tokens)
+        self.cached_tokens.inc(fin.cached_tokens)
+        self.completion_tokens.inc(fin.completion_tokens)
+        if fin.ttft_s is not None:
+            self.ttft.observe(fin.ttft_s)
+        stats = fin.stats
+        if stats is not None:
+            self.chunk_hits.inc(stats.chunks_hit)
+            self.chunk_misses.inc(stats.chunks_missed)
+            self.chunk_hot.inc(stats.chunks_hot)
+        if tpot_s is not None:
+            self.tpot.observe(tpot_s)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,204 @@
+"""The OpenAI wire format ``kvrag serve`` speaks: request and response models, the error shape.
+
+Requests are pydantic models whose fields are the ones kvrag implements, plus the fields every
+OpenAI client sends with harmless defaults (``n=1``, ``user``, ``logprobs=false``, zero
+penalties, ...): those are accepted only at their no-op value, and any other value -- or a field
+kvrag does not know -- is refused with a 400 naming it, never ignored (a client asking for
+``n=3`` or tools must learn it got neither). ``to_generation`` turns a checked request into the
+scheduler's :class:`kvrag.serve.scheduler.GenerationRequest`; nothing here imports torch or a
+web framework, only pydantic.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+#: What a request gets for ``max_tokens`` when it names none (OpenAI's default is "up to the
+#: context"; a RAG answer rarely needs more, and an unbounded default would let one request
+#: hold a decode slot for thousands of steps).
+DEFAULT_MAX_TOKENS = 256
+#: OpenAI's limit on stop sequences.
+MAX_STOP = 4
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class _Strict(BaseModel):
+    # Unknown fields are kept (extra="allow") so the server can name them in its 400 instead of
+    # pydantic's generic message; ``unsupported`` lists them.
+    model_config = ConfigDict(extra="allow")
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+    text: str
+
+
+class Message(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content)
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+
+
+#: Fields accepted only at these values (what clients send by default): name -> allowed values.
+#: ``None`` is always allowed (a client that serializes unset fields as null).
+_NOOP_VALUES: dict[str, tuple] = {
+    "n": (1,),
+    "presence_penalty": (0, 0.0),
+    "frequency_penalty": (0, 0.0),
+    "logprobs": (False, 0),
+    "top_logprobs": (0,),
+    "logit_bias": ({},),
+    "tools": ([],),
+    "functions": ([],),
+    "tool_choice": ("none",),
+    "function_call": ("none",),
+    "response_format": ({"type": "text"},),
+    "echo": (False,),
+    "best_of": (1,),
+    "suffix": ("",),
+}
+#: Fields any value of which changes nothing kvrag does (bookkeeping on OpenAI's side).
+_IGNORABLE = ("user", "metadata", "store", "service_tier", "parallel_tool_calls", "prompt_cache_key")
+
+
+class _GenerationRequest(_Strict):
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    #: kvrag's own options, sent by OpenAI clients as ``extra_body={"kvrag": {...}}``:
+    #: ``{"policy": "epic", "k_head": 8}`` (the policy's parameters beside its name).
+    kvrag: dict[str, Any] | None = None
+
+    def unsupported(self) -> APIError | None:
+        """The first field this server does not implement, as the 400 to answer, or None."""
+        for name, value in (self.model_extra or {}).items():
+            if name in _IGNORABLE or value is None:
+                continue
+            allowed = _NOOP_VALUES.get(name)
+            if allowed is None:
+                return APIError(400, f"unsupported field {name!r}: kvrag serve does not implement it", param=name)
+            if value not in allowed or (isinstance(value, bool) and not any(isinstance(a, bool) for a in allowed)):
+                shown = " or ".join(repr(a) for a in allowed)
+                return APIError(
+                    400,
+                    f"unsupported {name}={value!r}: kvrag serve implements only {name}={shown} (or leaving it out)",
+                    param=name,
+                )
+        if self.stream_options is not None and not self.stream:
+            return APIError(400, "stream_options is only allowed with stream=true", param="stream_options")
+        return None
+
+    def stops(self) -> tuple[str, ...]:
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if len(stop) > MAX_STOP:
+            raise APIError(400, f"stop: at most {MAX_STOP} sequences, got {len(stop)}", param="stop")
+        if any(not s for s in stop):
+            raise APIError(400, "stop: sequences must be non-empty strings", param="stop")
+        return tuple(stop)
+
+    def max_new_tokens(self) -> int:
+        if self.max_tokens is not None and self.max_completion_tokens is not None:
+            if self.max_tokens != self.max_completion_tokens:
+                raise APIError(
+                    400, "max_tokens and max_completion_tokens disagree: send one of them", param="max_tokens"
+                )
+        return self.max_completion_tokens or self.max_tokens or DEFAULT_MAX_TOKENS
+
+    def policy(self) -> tuple[str | None, dict]:
+        """(policy name or None for the server's own, its parameters) from ``kvrag``."""
+        opts = dict(self.kvrag or {})
+        name = opts.pop("policy", None)
+        if name is not None and not isinstance(name, str):
+            raise APIError(400, f"kvrag.policy must be a policy name (a string), got {name!r}", param="kvrag.policy")
+        if name is None and opts:
+            raise APIError(
+                400,
+                f"kvrag: parameters {sorted(opts)} without a policy: name it (kvrag.policy) beside its parameters",
+                param="kvrag",
+            )
+        return name, opts
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    messages: list[Message] = Field(min_length=1)
+
+
+class CompletionRequest(_GenerationRequest):
+    prompt: str | list[str]
+
+    def prompt_text(self) -> str:
+        if isinstance(self.prompt, list):
+            if len(self.prompt) != 1:
+                raise APIError(
+                    400, f"prompt: kvrag serve takes one prompt per request, got {len(self.prompt)}", param="prompt"
+                )
+            return self.prompt[0]
+        return self.prompt
+
+
+class ChunksRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    texts: list[str] = Field(min_length=1, max_length=4096)
+
+
+# ---- responses ------------------------------------------------------------------------------
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+    """OpenAI's ``usage``; ``prompt_tokens_details.cached_tokens``: prompt tokens whose K/V came
+    from chunk caches (FusionStats.cached_tokens), the field OpenAI uses for its prompt cache."""
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }

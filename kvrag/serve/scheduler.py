@@ -1,0 +1,535 @@
+"""The request scheduler behind ``kvrag serve``: many requests, one model, one thread.
+
+``Scheduler.submit`` checks a ``GenerationRequest`` in the caller's thread (decoding options,
+the policy and its parameters against the model, the prompt's tokens against the model's
+context) and queues it; it never waits for the model. One worker thread owns the model and
+runs rounds:
+
+1. **Admission** (continuous batching): while fewer than ``max_concurrency`` requests run,
+   waiting ones are admitted in arrival order. Each prompt is prefilled through the library's
+   own query path, ``KVRag.prefill`` (segmentation, chunk lookup, fusion under the request's
+   policy: nothing of it is re-implemented here), and its first token is sampled at once (its
+   TTFT). Prefills run between decode steps, before the next one.
+2. **One decode step** for every running request. Its cache is taken out of the prefill's
+   stepper into a ``kvrag.query.batch.DecodeCache``, and ``decode_step`` runs the token-wise
+   work of every layer (norms, q/k/v/o projections, MLP, final norm, LM head: nearly all the
+   weight reads) once for all of them, and attention per request over its own cache (caches
+   of different lengths, never padded). One host read of the batch's sampled tokens per step.
+
+Which requests decode in the batched step: every policy whose decode step is the model's own
+— ``full_prefill``, ``naive_reuse``, ``cacheblend``, ``epic``, ``a3`` (evicting or not),
+``kvlink``, ``samkv`` — also on sliding-window models, whose thinned caches (SamKV, A3's
+eviction) are windowed by key position as ``FusedStepper`` windows them. A policy that selects
+cache rows per decode step (``policy.decode_select``: ``a2ats``' top-k reads) keeps its own
+stepper and decodes unbatched, one token per round in the same loop.
+
+Sampling is per request (temperature, top-p, a ``torch.Generator`` seeded per request, as
+``KVRag.stream`` samples), with EOS and stop strings (``TextStream``) and ``max_new_tokens``:
+a request's greedy tokens are those of ``KVRag.generate`` for the same prompt and policy, up
+to float rounding of the batched rows (``tests/unit/test_serve_scheduler.py``).
+
+A ``Ticket`` is the caller's handle: iterate it (or ``async for``) for text deltas,
+``result()`` for the ``Finished`` record, ``cancel()`` to stop at the next step and free the
+slot. A request that fails after admission (a store fault, an exception in its prefill or its
+part of a decode step) ends alone with ``finish_reason="error"``: a failed batched step
+changed no cache, and is retried one request at a time to find whose it was. Past
+``max_queue`` waiting requests ``submit`` raises ``SchedulerFullError`` with a retry-after
+estimate.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import copy
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from kvrag.checks import check_int
+from kvrag.engine import KVRag
+from kvrag.errors import KVRagError
+from kvrag.policies import Policy, get_policy
+from kvrag.query.batch import DecodeCache, decode_step
+from kvrag.query.decode import FusedStepper, HFStepper, Sampling, TextStream, sample
+from kvrag.query.prompt import render_prompt
+from kvrag.query.state import FusionStats
+
+log = logging.getLogger("kvrag.serve")
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One generation: a prompt string or chat messages (``KVRag.render`` makes the string),
+    decoding options as ``KVRag.stream`` takes them, and the reuse policy (None: the KVRag's)."""
+
+    prompt: str | list[dict]
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    policy: str | None = None
+    policy_params: dict = field(default_factory=dict)
+
+
+@dataclass
+class Finished:
+    """How a request ended. ``finish_reason``: "stop" (EOS or a stop string), "length"
+    (max_new_tokens), "cancelled" or "error" (then ``error`` is set). ``cached_tokens``: prompt
+    tokens served from chunk caches. ``ttft_s``: from ``submit`` to the first token (queueing
+    included; ``stats.ttft_s`` counts from the prefill's start), None if no token came."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    ttft_s: float | None
+    stats: FusionStats | None
+    error: BaseException | None = None
+
+
+class SchedulerFullError(KVRagError):
+    """``max_queue`` requests already wait; ``retry_after_s`` estimates when a slot frees."""
+
+    def __init__(self, message: str, retry_after_s: float):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class SchedulerClosedError(KVRagError):
+    """The scheduler is closed (or was never started) and takes no request."""
+
+
+class Ticket:
+    """A submitted request: text deltas as they are decoded, then its ``Finished``.
+
+    Every iterator (sync or async) replays the deltas from the first, so a ticket may be read
+    more than once; iteration raises the request's error after the deltas it produced."""
+
+    def __init__(self, scheduler: Scheduler, req: GenerationRequest):
+        self._scheduler = scheduler
+        self.request = req
+        self._deltas: list[str] = []
+        self._finished: Finished | None = None
+        self._cond = threading.Condition()
+        self._waiters: set[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = set()
+        self.cancelled = False
+
+    # ---- written by the worker ----------------------------------------------------------
+    def _push(self, delta: str) -> None:
+        with self._cond:
+            self._deltas.append(delta)
+            self._cond.notify_all()
+            waiters = list(self._waiters)
+        self._wake(waiters)
+
+    def _finish(self, fin: Finished) -> None:
+        with self._cond:
+            if self._finished is not None:
+                return
+            self._finished = fin
+            self._cond.notify_all()
+            waiters = list(self._waiters)
+        self._wake(waiters)
+
+    @staticmethod
+    def _wake(waiters) -> None:
+        for loop, ev in waiters:
+            try:
+                loop.call_soon_threadsafe(ev.set)
+            except RuntimeError:  # that event loop is closed: nobody waits there any more
+                pass
+
+    # ---- read by the caller ---------------------------------------------------------------
+    @property
+    def done(self) -> bool:
+        return self._finished is not None
+
+    def __iter__(self) -> Iterator[str]:
+        i = 0
+        while True:
+            with self._cond:
+                while i >= len(self._deltas) and self._finished is None:
+                    self._cond.wait()
+                chunk = self._deltas[i:]
+                fin = self._finished  # set after the last delta was pushed: chunk has them all
+            for d in chunk:
+                yield d
+            i += len(chunk)
+            if fin is not None and i >= len(self._deltas):
+                if fin.error is not None:
+                    raise fin.error
+                return
+
+    async def __aiter__(self) -> AsyncIterator[str]:
+        loop = asyncio.get_running_loop()
+        i = 0
+        while True:
+            ev = asyncio.Event()
+            key = (loop, ev)
+            with self._cond:
+                self._waiters.add(key)
+                chunk = self._deltas[i:]
+                fin = self._finished
+            try:
+                if not chunk and fin is None:
+                    await ev.wait()
+                    continue
+            finally:
+                with self._cond:
+                    self._waiters.discard(key)
+            for d in chunk:
+                yield d
+            i += len(chunk)
+            if fin is not None and i >= len(self._deltas):
+                if fin.error is not None:
+                    raise fin.error
+                return
+
+    def result(self, timeout: float | None = None) -> Finished:
+        """The request's ``Finished`` (also for "error": it does not raise the error);
+        TimeoutError if it has not ended within ``timeout`` seconds."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._finished is not None, timeout):
+                raise TimeoutError(f"the request did not finish within {timeout} s")
+            finished = self._finished
+            assert finished is not None  # the wait above returned on it
+            return finished
+
+    def cancel(self) -> None:
+        """Stop the request: a waiting one leaves the queue now, a running one at its next
+        decode step (its slot is then free); ``finish_reason`` is "cancelled"."""
+        self.cancelled = True
+        self._scheduler._cancel_waiting(self)
+
+
+@dataclass
+class _Job:
+    """A queued request, checked by ``submit``."""
+
+    ticket: Ticket
+    text: str
+    policy: Policy
+    sampling: Sampling
+    t_submit: float
+
+
+@dataclass
+class _Running:
+    """A request between its prefill and its end: the decoder state the worker steps."""
+
+    job: _Job
+    stepper: HFStepper | FusedStepper | None  # the prefill's own decoder; None once ``cache`` took its K/V over
+    stats: FusionStats
+    text: TextStream
+    gen: torch.Generator | None
+    tokens: list[int] = field(default_factory=list)
+    out: str = ""
+    t_first: float | None = None
+    t_prefill: float = 0.0
+    cache: DecodeCache | None = None  # set: the request decodes in the shared batched step
+    done: bool = False
+
+
+class Scheduler:
+    """Runs ``GenerationRequest``s on one ``KVRag`` from one worker thread.
+
+    max_concurrency: requests decoding at once; max_queue: requests waiting beyond them
+    (``submit`` raises ``SchedulerFullError`` past it)."""
+
+    def __init__(self, rag: KVRag, *, max_concurrency: int = 8, max_queue: int = 64):
+        self.rag = rag
+        self.max_concurrency = check_int("max_concurrency", max_concurrency, 1)
+        self.max_queue = check_int("max_queue", max_queue, 0)
+        self._lock = threading.Condition()
+        self._waiting: collections.deque[_Job] = collections.deque()
+        self._running: list[_Running] = []
+        self._admitting = 0  # taken from the queue by the worker, prefilling, not yet running
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        # submit tokenizes in callers' threads; a fast tokenizer is not safe to share with the
+        # worker's, so the callers get a copy of their own (used under this lock).
+        self._tok = copy.deepcopy(rag.tokenizer)
+        self._tok_lock = threading.Lock()
+        self._prefix = len(rag.handle.prefix_ids())
+        # Seconds a request holds a slot (moving average), for the retry-after estimate.
+        self._service_s = 2.0
+
+    # ---- lifecycle --------------------------------------------------------------------
+    def start(self) -> None:
+        with self._lock:
+            if self._closed:
+                raise SchedulerClosedError("the scheduler is closed")
+            if self._thread is not None:
+                return
+            self._thread = threading.Thread(target=self._loop, name="kvrag-scheduler", daemon=True)
+            self._thread.start()
+
+    def close(self) -> None:
+        """Stop taking requests, cancel the waiting and running ones, and join the worker."""
+        with self._lock:
+            self._closed = True
+            self._lock.notify_all()
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
+        with self._lock:
+            leftovers = list(self._waiting)
+            self._waiting.clear()
+        for job in leftovers:
+            self._end_unstarted(job, "cancelled")
+
+    def __enter__(self) -> Scheduler:
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @property
+    def queue_depth(self) -> int:
+        with self._lock:
+            return len(self._waiting)
+
+    @property
+    def running(self) -> int:
+        with self._lock:
+            return len(self._running)
+
+    # ---- submission -------------------------------------------------------------------
+    def submit(self, req: GenerationRequest) -> Ticket:
+        """Check ``req`` and queue it. ValueError / KVRagError name a bad option, policy or
+        prompt; SchedulerFullError when ``max_queue`` requests already wait;
+        SchedulerClosedError when not started or closed."""
+        t_submit = time.perf_counter()
+        if not isinstance(req, GenerationRequest):
+            raise TypeError(f"submit takes a GenerationRequest, got {type(req).__name__}")
+        sampling = Sampling(req.max_new_tokens, req.temperature, req.top_p, 0, req.stop, req.seed)
+        if not isinstance(req.policy_params, dict):
+            raise ValueError(f"policy_params must be a dict, got {type(req.policy_params).__name__}")
+        pol = get_policy(req.policy if req.policy is not None else self.rag.policy, **req.policy_params)
+        pol.check_model(self.rag.arch)
+        text = self._check_prompt(req.prompt)
+        ticket = Ticket(self, req)
+        with self._lock:
+            if self._closed or self._thread is None:
+                raise SchedulerClosedError("the scheduler is not running (start() it; close() ends it)")
+            # A request a free slot takes at the next round does not wait: max_queue counts
+            # those beyond the slots (so max_queue=0 serves while a slot is free, then refuses).
+            free = self.max_concurrency - len(self._running) - self._admitting
+            if len(self._waiting) >= self.max_queue + max(0, free):
+                raise SchedulerFullError(
+                    f"{len(self._waiting)} requests already wait (max_queue={self.max_queue})",
+                    self._retry_after(),
+                )
+            self._waiting.append(_Job(ticket, text, pol, sampling, t_submit))
+            self._lock.notify_all()
+        return ticket
+
+    def _check_prompt(self, prompt) -> str:
+        """The prompt string (chat messages rendered), refused when it is empty or its tokens
+        exceed the model's context (inserted tokens are checked again at the prefill)."""
+        if not isinstance(prompt, (str, list)):
+            raise ValueError(f"prompt must be a string or a list of chat messages, got {type(prompt).__name__}")
+        with self._tok_lock:
+            try:
+                text = render_prompt(self._tok, prompt)
+            except TypeError as e:  # a malformed message list: the caller's input, not a bug
+                raise ValueError(str(e)) from None
+            n = self._prefix + len(self._tok(text, add_special_tokens=False)["input_ids"])
+        if n == 0:
+            raise ValueError("the prompt is empty")
+        limit = self.rag.handle.max_context
+        if n > limit:
+            raise ValueError(f"prompt of {n} tokens exceeds the model context ({limit})")
+        return text
+
+    def _retry_after(self) -> float:
+        """Seconds until a waiting slot is likely free: the queue ahead, drained
+        ``max_concurrency`` at a time at the recent time per request (caller holds the lock)."""
+        rounds = (len(self._waiting) + 1) / self.max_concurrency
+        return max(1.0, round(rounds * self._service_s, 1))
+
+    def _cancel_waiting(self, ticket: Ticket) -> None:
+        with self._lock:
+            job = next((j for j in self._waiting if j.ticket is ticket), None)
+            if job is not None:
+                self._waiting.remove(job)
+        if job is not None:
+            self._end_unstarted(job, "cancelled")
+
+    def _end_unstarted(self, job: _Job, reason: str, error: BaseException | None = None) -> None:
+        """End a request that holds no slot (still waiting, or its prefill failed)."""
+        job.ticket._finish(Finished("", [], reason, 0, 0, 0, None, None, error))
+
+    # ---- the worker -----------------------------------------------------------------------
+    def _loop(self) -> None:
+        # no_grad (not inference_mode): tensors this thread creates (hot-cache entries) stay
+        # usable by a KVRag.generate in another thread.
+        with torch.no_grad():
+            while True:
+                with self._lock:
+                    while not self._closed and not self._waiting and not self._running:
+                        self._lock.wait()
+                    if self._closed:
+                        break
+                    admit: list[_Job] = []
+                    while self._waiting and len(self._running) + len(admit) < self.max_concurrency:
+                        admit.append(self._waiting.popleft())
+                    self._admitting = len(admit)
+                try:
+                    # Prefills first (each request's first token, its TTFT, comes from its
+                    # prefill), then one decode step for all that run.
+                    for job in admit:
+                        self._admit(job)
+                        with self._lock:
+                            self._admitting -= 1
+                    self._decode_round()
+                except Exception as e:  # a fault of the scheduler itself: fail what it held, go on
+                    log.exception("kvrag scheduler: unexpected error; the running requests end with it")
+                    with self._lock:
+                        self._admitting = 0
+                    for job in admit:
+                        self._end_unstarted(job, "error", e)  # (no-op for those already ended)
+                    for r in list(self._running):
+                        self._end(r, "error", e)
+            for r in list(self._running):
+                self._end(r, "cancelled")
+
+    def _admit(self, job: _Job) -> None:
+        """Prefill a request through the library's query path (``KVRag.prefill``: chunk
+        lookup and fusion under its policy), sample its first token, and take its cache into
+        the batched step (unless its policy decodes on its own)."""
+        if job.ticket.done:
+            return
+        if job.ticket.cancelled:
+            self._end_unstarted(job, "cancelled")
+            return
+        t0 = time.perf_counter()
+        try:
+            pre = self.rag.prefill(job.text, job.policy)
+            logits, stepper, stats = pre.logits, pre.stepper, pre.stats
+        except Exception as e:  # this request's own fault (a store, its prompt): it ends alone
+            log.debug("request failed at its prefill", exc_info=True)
+            self._end_unstarted(job, "error", e)
+            return
+        s = job.sampling
+        gen = torch.Generator().manual_seed(s.seed) if s.seed is not None else None
+        r = _Running(job, stepper, stats, TextStream(self.rag.tokenizer, s.stop), gen, t_prefill=t0)
+        with self._lock:
+            self._running.append(r)
+        if s.max_new_tokens == 0:
+            self._end(r, "length")
+            return
+        try:
+            self._accept(r, sample(logits.cpu(), s, r.gen))
+            if not r.done:
+                # Rows for the tokens still to come, so a short answer never regrows its cache.
+                r.cache = DecodeCache.from_stepper(self.rag.arch, stepper, spare=min(s.max_new_tokens, 512))
+                if r.cache is not None:
+                    r.stepper = None  # the prefill's tensors go; the cache holds a copy
+        except Exception as e:
+            log.debug("request failed after its prefill", exc_info=True)
+            self._end(r, "error", e)
+
+    def _accept(self, r: _Running, tok: int) -> None:
+        """Take the request's next token: stream its text, and end the request on EOS, a stop
+        string or its token budget (the rules of ``KVRag.stream``)."""
+        if r.t_first is None:
+            r.t_first = time.perf_counter()
+            r.stats.ttft_s = r.t_first - r.t_prefill
+        r.tokens.append(tok)
+        delta = r.text.push(tok)
+        if delta:
+            r.out += delta
+            r.job.ticket._push(delta)
+        if r.text.stopped or tok in self.rag.eos:
+            self._end(r, "stop")
+        elif len(r.tokens) >= r.job.sampling.max_new_tokens:
+            self._end(r, "length")
+
+    def _decode_round(self) -> None:
+        """One decode step for every running request (one token each): the batched step for
+        those whose cache it holds, then each own-decode request's stepper."""
+        for r in list(self._running):
+            if r.job.ticket.cancelled:
+                self._end(r, "cancelled")
+        batch = [r for r in self._running if r.cache is not None]
+        if batch:
+            self._batched(batch)
+        for r in [r for r in self._running if r.cache is None]:
+            try:
+                assert r.stepper is not None  # a request without a batched cache keeps its stepper
+                logits = r.stepper.step([r.tokens[-1]])[-1]
+                self._accept(r, sample(logits.cpu(), r.job.sampling, r.gen))
+            except Exception as e:
+                log.debug("request failed at a decode step", exc_info=True)
+                self._end(r, "error", e)
+
+    def _batched(self, batch: list[_Running]) -> None:
+        """One ``decode_step`` over ``batch``; if it raises, each request is retried alone so
+        the failure ends only the request(s) it belongs to (the step left every cache as it
+        was)."""
+        try:
+            caches = [r.cache for r in batch if r.cache is not None]  # every one: batch holds cached requests
+            logits = decode_step(self.rag.arch, caches, [r.tokens[-1] for r in batch])
+        except Exception as e:
+            if len(batch) == 1:
+                log.debug("request failed at a decode step", exc_info=True)
+                self._end(batch[0], "error", e)
+            else:
+                for r in batch:
+                    self._batched([r])
+            return
+        # One host read for the batch: greedy rows take the device's argmax; sampled rows are
+        # drawn on the host with their own generator, as ``KVRag.stream`` draws them.
+        toks = logits.argmax(-1).tolist()
+        sampled = [i for i, r in enumerate(batch) if r.job.sampling.temperature > 0]
+        if sampled:
+            rows = logits[sampled].cpu()
+            for j, i in enumerate(sampled):
+                toks[i] = sample(rows[j], batch[i].job.sampling, batch[i].gen)
+        for r, tok in zip(batch, toks):
+            try:
+                self._accept(r, tok)
+            except Exception as e:  # detokenising this request's text
+                self._end(r, "error", e)
+
+    def _end(self, r: _Running, reason: str, error: BaseException | None = None) -> None:
+        if r.done:
+            return
+        if reason in ("stop", "length"):
+            tail = r.text.flush() if not r.text.stopped else ""
+            if tail:
+                r.out += tail
+                r.job.ticket._push(tail)
+        now = time.perf_counter()
+        stats = r.stats
+        stats.new_tokens = len(r.tokens)
+        stats.decode_s = now - (r.t_first or r.t_prefill)
+        with self._lock:
+            if r in self._running:
+                self._running.remove(r)
+            self._service_s = 0.8 * self._service_s + 0.2 * (now - r.t_prefill)
+        r.done = True
+        r.stepper = r.cache = None  # the request's cache goes now, not when the ticket is dropped
+        ttft = r.t_first - r.job.t_submit if r.t_first is not None else None
+        fin = Finished(
+            r.out,
+            list(r.tokens),
+            reason,
+            stats.prompt_tokens,
+            len(r.tokens),
+            stats.cached_tokens,
+            ttft,
+            stats,
+            error,
+        )
+        r.job.ticket._finish(fin)

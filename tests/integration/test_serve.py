@@ -1,0 +1,604 @@
+"""``kvrag serve`` end to end: a real uvicorn server on 127.0.0.1 (a free port, in a thread,
+stopped after each test) in front of a tiny random-weight model, driven by the ``openai``
+package unchanged (sync, async, streaming) and by raw HTTP for what no client sends (malformed
+bodies, 1M-character prompts). Greedy answers are compared with ``KVRag.generate`` on the same
+prompt and policy; cache hits are read from OpenAI's own usage field
+(``usage.prompt_tokens_details.cached_tokens``)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+from corpus_helpers import DOCS as CORPUS
+from serve_helpers import running
+
+from kvrag.engine import KVRag
+from kvrag.serve.app import create_app
+from kvrag.serve.scheduler import Scheduler
+from kvrag.testing import tiny_llama
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+DOCS = CORPUS[:3]
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def messages(question: str = "Where does the red fox live?") -> list[dict]:
+    context = "\n\n".join(DOCS)
+    return [{"role": "user", "content": f"Context:\n{context}\n\nQuestion: {question}"}]
+
+
+@pytest.fixture(scope="module")
+def handle():
+    return tiny_llama(seed=0)
+
+
+@pytest.fixture
+def rag(handle, tmp_path):
+    rag = KVRag(handle, cache_dir=tmp_path / "kv")
+    rag.precompute(DOCS)
+    return rag
+
+
+@pytest.fixture
+def server(rag):
+    """(base URL, scheduler) of a server over ``rag``; 2 decode slots, 4 waiting."""
+    with Scheduler(rag, max_concurrency=2, max_queue=4) as sch, running(create_app(rag, sch, model_name="tiny")) as url:
+        yield url, sch
+
+
+def client(url, **kw) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key=kw.pop("api_key", "none"), max_retries=0, timeout=60, **kw)
+
+
+# ---- answers: the library's, through the wire ----------------------------------------------
+def test_import_kvrag_imports_no_web_framework():
+    code = (
+        "import sys, kvrag, kvrag.serve, kvrag.cli; kvrag.cli.build_parser(); "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in "
+        "('fastapi', 'starlette', 'uvicorn', 'prometheus_client', 'httpx', 'openai', 'torch')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+def test_openai_sync_chat_and_completion_equal_generate_with_cached_tokens(server, rag):
+    url, _ = server
+    c = client(url)
+    want = rag.generate(messages(), max_new_tokens=8)
+    assert want.stats.cached_tokens > 0
+    got = c.chat.completions.create(model="tiny", messages=messages(), max_tokens=8, temperature=0)
+    assert got.choices[0].message.content == want.text
+    assert got.choices[0].finish_reason == want.finish_reason
+    assert got.usage.prompt_tokens_details.cached_tokens == want.stats.cached_tokens
+    assert got.usage.prompt_tokens == want.stats.prompt_tokens
+    assert got.usage.completion_tokens == len(want.token_ids)
+    # /v1/completions takes the rendered string: the same prompt, the same answer.
+    prompt = rag.render(messages())
+    got = c.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0)
+    assert got.choices[0].text == want.text
+    assert got.usage.prompt_tokens_details.cached_tokens == want.stats.cached_tokens
+
+
+def test_openai_stream_with_usage_gives_generates_text(server, rag):
+    url, _ = server
+    want = rag.generate(messages(), max_new_tokens=10)
+    stream = client(url).chat.completions.create(
+        model="tiny",
+        messages=messages(),
+        max_completion_tokens=10,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    parts, usage, finish = [], None, None
+    for chunk in stream:
+        if chunk.choices:
+            parts.append(chunk.choices[0].delta.content or "")
+            finish = chunk.choices[0].finish_reason or finish
+        if chunk.usage is not None:
+            usage = chunk.usage
+    assert "".join(parts) == want.text
+    assert finish == want.finish_reason
+    assert usage.prompt_tokens_details.cached_tokens == want.stats.cached_tokens > 0
+    # /v1/completions streams text_completion chunks, without usage unless asked.
+    chunks = list(
+        client(url).completions.create(
+            model="tiny", prompt=rag.render(messages()), max_tokens=10, temperature=0, stream=True
+        )
+    )
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == want.text
+    assert all(c.usage is None for c in chunks) and chunks[-1].choices[0].finish_reason == want.finish_reason
+
+
+def test_async_client_concurrent_streams_each_get_their_tokens_alone(server, rag):
+    url, _ = server
+    questions = ["Where does the red fox live?", "How tall is Mount Kelvar?", "Who founded Brisk?", "Why?"]
+    alone = {q: rag.generate(messages(q), max_new_tokens=12).text for q in questions}
+    ac = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
+
+    async def one(q):
+        stream = await ac.chat.completions.create(
+            model="tiny", messages=messages(q), max_tokens=12, temperature=0, stream=True
+        )
+        return "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+
+    async def main():
+        try:
+            return await asyncio.gather(*(one(q) for q in questions))
+        finally:
+            await ac.close()
+
+    got = asyncio.run(main())
+    assert dict(zip(questions, got)) == alone
+
+
+def test_per_request_policy_through_extra_body(server, rag):
+    url, _ = server
+    c = client(url)
+    full = c.chat.completions.create(
+        model="tiny", messages=messages(), max_tokens=6, temperature=0, extra_body={"kvrag": {"policy": "full_prefill"}}
+    )
+    assert full.usage.prompt_tokens_details.cached_tokens == 0
+    assert full.choices[0].message.content == rag.generate(messages(), max_new_tokens=6, policy="full_prefill").text
+    want = rag.generate(messages(), max_new_tokens=6, policy="epic", k_head=2)
+    got = c.chat.completions.create(
+        model="tiny",
+        messages=messages(),
+        max_tokens=6,
+        temperature=0,
+        extra_body={"kvrag": {"policy": "epic", "k_head": 2}},
+    )
+    assert got.choices[0].message.content == want.text
+    assert got.model_extra["kvrag"]["policy"] == "epic"
+    assert got.usage.prompt_tokens_details.cached_tokens == want.stats.cached_tokens > 0
+
+
+def test_sampling_with_a_seed_repeats(server):
+    url, _ = server
+    c = client(url)
+    kw = dict(model="tiny", messages=messages(), max_tokens=8, temperature=0.9, top_p=0.9, seed=7)
+    assert c.chat.completions.create(**kw).choices[0].message.content == (
+        c.chat.completions.create(**kw).choices[0].message.content
+    )
+
+
+def test_stop_sequence_ends_the_answer(server, rag):
+    url, _ = server
+    want = rag.generate(messages(), max_new_tokens=8)
+    stop = want.text.split()[1]
+    got = client(url).chat.completions.create(
+        model="tiny", messages=messages(), max_tokens=8, temperature=0, stop=[stop]
+    )
+    assert got.choices[0].finish_reason == "stop"
+    assert stop not in got.choices[0].message.content
+    assert want.text.startswith(got.choices[0].message.content)
+
+
+# ---- refusals in OpenAI's shape ------------------------------------------------------------
+def test_unsupported_fields_are_refused_naming_them(server):
+    url, _ = server
+    c = client(url)
+    for kw, param in [
+        ({"n": 2}, "n"),
+        ({"logprobs": True}, "logprobs"),
+        ({"presence_penalty": 0.5}, "presence_penalty"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
+        ({"extra_body": {"guided_json": {}}}, "guided_json"),
+    ]:
+        with pytest.raises(openai.BadRequestError) as e:
+            c.chat.completions.create(model="tiny", messages=messages(), max_tokens=2, **kw)
+        assert e.value.status_code == 400
+        assert e.value.body["param"] == param and param in e.value.body["message"], e.value.body
+
+
+def test_defaults_clients_send_are_accepted(server):
+    url, _ = server
+    body = {
+        "model": "gpt-4o",
+        "messages": messages(),
+        "max_tokens": 2,
+        "n": 1,
+        "stream": False,
+        "user": "alice",
+        "logprobs": False,
+        "presence_penalty": 0,
+        "frequency_penalty": 0.0,
+        "logit_bias": None,
+        "tools": None,
+        "response_format": {"type": "text"},
+    }
+    r = httpx.post(url + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["model"] == "tiny"
+
+
+def test_unknown_policy_and_bad_params_name_the_problem(server):
+    url, _ = server
+    c = client(url)
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model="t", messages=messages(), extra_body={"kvrag": {"policy": "nope"}})
+    assert "unknown policy 'nope'" in e.value.body["message"] and "cacheblend" in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model="t", messages=messages(), extra_body={"kvrag": {"policy": "epic", "bogus": 1}})
+    assert "bogus" in e.value.body["message"] and "k_head" in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(
+            model="t", messages=messages(), extra_body={"kvrag": {"policy": "cacheblend", "recompute_ratio": 5}}
+        )
+    assert "recompute_ratio" in e.value.body["message"]
+
+
+def test_malformed_huge_and_over_context_requests_get_a_clear_400_and_the_server_goes_on(server, rag):
+    url, sch = server
+    post = url + "/v1/chat/completions"
+    cases = [
+        ("{not json", "malformed JSON"),
+        ("[]", "body"),
+        (json.dumps({"messages": []}), "messages"),
+        (json.dumps({"messages": [{"role": "wizard", "content": "x"}]}), "role"),
+        (json.dumps({"messages": [{"role": "user", "content": "x" * 1_000_000}]}), "1,000,000 characters"),
+        (json.dumps({"messages": [{"role": "user", "content": "hello " * 5000}]}), "exceeds the model context"),
+        (json.dumps({"messages": messages(), "max_tokens": 0}), "max_tokens"),
+        (json.dumps({"messages": messages(), "temperature": 3}), "temperature"),
+    ]
+    for body, words in cases:
+        t = time.perf_counter()
+        r = httpx.post(post, content=body, headers={"content-type": "application/json"}, timeout=60)
+        assert r.status_code == 400, (body[:60], r.text)
+        err = r.json()["error"]
+        assert set(err) == {"message", "type", "param", "code"} and words in err["message"], err
+        assert time.perf_counter() - t < 10
+    r = httpx.post(url + "/v1/completions", json={"prompt": "y" * 1_000_000}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    ok = client(url).chat.completions.create(model="t", messages=messages(), max_tokens=3, temperature=0)
+    assert ok.choices[0].message.content == rag.generate(messages(), max_new_tokens=3).text
+    assert sch.queue_depth == 0 and sch.running == 0
+
+
+def test_api_key(rag):
+    with Scheduler(rag) as sch, running(create_app(rag, sch, api_key="s3cret")) as url:
+        with pytest.raises(openai.AuthenticationError) as e:
+            client(url, api_key="wrong").chat.completions.create(model="t", messages=messages(), max_tokens=2)
+        assert e.value.status_code == 401 and e.value.body["code"] == "invalid_api_key"
+        r = httpx.get(url + "/v1/models", timeout=30)  # no key at all
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        assert httpx.get(url + "/health", timeout=30).status_code == 200
+        ok = client(url, api_key="s3cret").chat.completions.create(model="t", messages=messages(), max_tokens=2)
+        assert ok.usage.completion_tokens >= 1
+        assert [m.id for m in client(url, api_key="s3cret").models.list()] == ["kvrag"]
+
+
+# ---- load: queue limit, disconnects, failures -----------------------------------------------
+class _Gate:
+    """Holds the scheduler's worker inside a prefill until released (the library's own
+    ``KVRag._fuse``, wrapped), so "the server is busy" is a state, not a race."""
+
+    def __init__(self, rag, monkeypatch, fail_on: str | None = None):
+        self.entered, self.release = threading.Event(), threading.Event()
+        fuse = rag._fuse
+
+        def gated(prep, *a, **k):
+            self.entered.set()
+            assert self.release.wait(60), "gate never released"
+            if fail_on is not None and any(p.key == fail_on for p in prep.pieces):
+                raise OSError("simulated store fault")
+            return fuse(prep, *a, **k)
+
+        monkeypatch.setattr(rag, "_fuse", gated)
+
+
+def test_past_max_queue_a_503_with_retry_after(rag, monkeypatch):
+    gate = _Gate(rag, monkeypatch)
+    with Scheduler(rag, max_concurrency=1, max_queue=1) as sch, running(create_app(rag, sch)) as url:
+        body = {"messages": messages(), "max_tokens": 2, "temperature": 0}
+        results = []
+
+        def send():
+            results.append(httpx.post(url + "/v1/chat/completions", json=body, timeout=60).status_code)
+
+        first = threading.Thread(target=send)
+        first.start()
+        assert gate.entered.wait(30)  # the one slot is busy
+        second = threading.Thread(target=send)
+        second.start()
+        deadline = time.monotonic() + 30
+        while sch.queue_depth < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert sch.queue_depth == 1  # the one waiting place is taken
+        r = httpx.post(url + "/v1/chat/completions", json=body, timeout=60)
+        assert r.status_code == 503
+        assert int(r.headers["retry-after"]) >= 1
+        assert r.json()["error"]["code"] == "queue_full"
+        with pytest.raises(openai.APIStatusError) as e:
+            client(url).chat.completions.create(**body, model="t")
+        assert e.value.status_code == 503
+        gate.release.set()
+        first.join(60)
+        second.join(60)
+        assert results == [200, 200]
+        assert 'kvrag_rejected_requests_total{reason="queue_full"} 2.0' in httpx.get(url + "/metrics").text
+
+
+def test_a_disconnected_stream_frees_its_slot(rag, monkeypatch):
+    tickets = []
+    with Scheduler(rag, max_concurrency=1, max_queue=2) as sch, running(create_app(rag, sch)) as url:
+        submit = sch.submit
+        monkeypatch.setattr(sch, "submit", lambda req: tickets.append(submit(req)) or tickets[-1])
+        body = {"messages": messages(), "max_tokens": 3000, "temperature": 0, "stream": True}
+        with httpx.Client(timeout=60) as h:
+            with h.stream("POST", url + "/v1/chat/completions", json=body) as r:
+                lines = r.iter_lines()
+                got = [next(lines) for _ in range(6)]  # the answer is under way
+                assert any('"content"' in x for x in got)
+        # The connection is closed: the request ends "cancelled" long before its 3,000 tokens.
+        fin = tickets[0].result(timeout=30)
+        assert fin.finish_reason == "cancelled" and fin.completion_tokens < 3000
+        deadline = time.monotonic() + 10
+        while sch.running and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert sch.running == 0
+        ok = client(url).chat.completions.create(model="t", messages=messages(), max_tokens=3, temperature=0)
+        assert ok.choices[0].finish_reason in ("stop", "length")
+
+
+def test_a_non_streaming_client_that_gives_up_cancels_its_request(rag, monkeypatch):
+    tickets = []
+    with Scheduler(rag, max_concurrency=1, max_queue=2) as sch, running(create_app(rag, sch)) as url:
+        submit = sch.submit
+        monkeypatch.setattr(sch, "submit", lambda req: tickets.append(submit(req)) or tickets[-1])
+        body = {"messages": messages(), "max_tokens": 3000, "temperature": 0}
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(url + "/v1/chat/completions", json=body, timeout=httpx.Timeout(60, read=1.0))
+        fin = tickets[0].result(timeout=30)
+        assert fin.finish_reason == "cancelled" and fin.completion_tokens < 3000
+
+
+def test_a_failing_request_fails_alone(rag, monkeypatch):
+    want = rag.generate(messages(), max_new_tokens=4).text
+    (boom,) = rag.precompute(["A chunk whose reads fail in this test: BOOM."])
+    gate = _Gate(rag, monkeypatch, fail_on=boom)
+    gate.release.set()
+    with Scheduler(rag, max_concurrency=2, max_queue=4) as sch, running(create_app(rag, sch)) as url:
+        bad = [{"role": "user", "content": "Context:\nA chunk whose reads fail in this test: BOOM.\n\nQuestion: ?"}]
+        c = client(url)
+        out = {}
+
+        def ask(name, msgs, stream=False):
+            try:
+                r = c.chat.completions.create(model="t", messages=msgs, max_tokens=4, temperature=0, stream=stream)
+                out[name] = "".join(x.choices[0].delta.content or "" for x in r if x.choices) if stream else r
+            except openai.APIError as e:
+                out[name] = e
+
+        threads = [
+            threading.Thread(target=ask, args=("bad", bad)),
+            threading.Thread(target=ask, args=("good", messages())),
+            threading.Thread(target=ask, args=("bad_stream", bad, True)),
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert isinstance(out["bad"], openai.InternalServerError) and "simulated store fault" in out["bad"].message
+        assert isinstance(out["bad_stream"], openai.APIError) and "simulated store fault" in str(out["bad_stream"])
+        assert out["good"].choices[0].message.content == want
+        assert sch.running == 0
+        metrics = httpx.get(url + "/metrics").text
+        assert 'kvrag_finished_requests_total{finish_reason="error"} 2.0' in metrics
+        assert 'kvrag_finished_requests_total{finish_reason="length"} 1.0' in metrics
+
+
+# ---- chunks over HTTP, metrics, replicas ---------------------------------------------------
+def _ingest(url, texts, headers=None) -> list[str]:
+    r = httpx.post(url + "/v1/chunks", json={"texts": texts}, headers=headers, timeout=60)
+    assert r.status_code == 200, r.text
+    keys = [d["key"] for d in r.json()["data"]]
+    deadline = time.monotonic() + 60
+    for k in keys:
+        while not httpx.get(f"{url}/v1/chunks/{k}", headers=headers, timeout=30).json()["stored"]:
+            assert time.monotonic() < deadline, "chunk never stored"
+            time.sleep(0.05)
+    return keys
+
+
+def test_chunks_posted_over_http_are_hits_on_the_first_query(handle, tmp_path):
+    rag = KVRag(handle, cache_dir=tmp_path / "kv")  # nothing ingested
+    with Scheduler(rag) as sch, running(create_app(rag, sch, model_name="tiny")) as url:
+        r = httpx.post(url + "/v1/chunks", json={"texts": [DOCS[0], "   "]}, timeout=60).json()["data"]
+        assert r[0]["status"] == "queued" and r[0]["key"] == rag.chunk_key(DOCS[0])
+        assert r[1]["status"] == "rejected" and "empty" in r[1]["error"]
+        keys = _ingest(url, DOCS)
+        assert keys == [rag.chunk_key(d) for d in DOCS]
+        again = httpx.post(url + "/v1/chunks", json={"texts": DOCS[:1]}, timeout=60).json()["data"]
+        assert again[0]["status"] == "stored"
+        assert httpx.get(url + "/v1/chunks/" + "0" * 64).json() == {"key": "0" * 64, "stored": False}
+        assert httpx.get(url + "/v1/chunks/not-a-key").status_code == 400
+        got = client(url).chat.completions.create(model="t", messages=messages(), max_tokens=3, temperature=0)
+        assert got.usage.prompt_tokens_details.cached_tokens == sum(len(rag.chunk_ids(d)) for d in DOCS)
+
+
+def test_metrics_count_requests_ttft_and_cache_share(server):
+    url, _ = server
+    c = client(url)
+    c.chat.completions.create(model="t", messages=messages(), max_tokens=4, temperature=0)
+    with pytest.raises(openai.BadRequestError):
+        c.chat.completions.create(model="t", messages=messages(), n=3)
+    text = httpx.get(url + "/metrics").text
+    assert 'kvrag_requests_total{endpoint="/v1/chat/completions",status="200"} 1.0' in text
+    assert 'kvrag_requests_total{endpoint="/v1/chat/completions",status="400"} 1.0' in text
+    assert "kvrag_time_to_first_token_seconds_count 1.0" in text
+    assert "kvrag_time_per_output_token_seconds_count 1.0" in text
+    assert "kvrag_chunk_hits_total 3.0" in text
+    share = float(next(x for x in text.splitlines() if x.startswith("kvrag_cached_token_share ")).split()[1])
+    assert 0 < share < 1
+    assert "kvrag_queue_depth 0.0" in text
+
+
+def test_two_replicas_sharing_redis_share_chunks(handle, tmp_path, redis_url, prefix):
+    from kvrag.store import open_shared
+
+    a = KVRag(handle, cache_dir=tmp_path / "a", shared=open_shared(redis_url, prefix=prefix))
+    b = KVRag(handle, cache_dir=tmp_path / "b", shared=open_shared(redis_url, prefix=prefix))
+    with (
+        Scheduler(a) as sa,
+        Scheduler(b) as sb,
+        running(create_app(a, sa)) as url_a,
+        running(create_app(b, sb)) as url_b,
+    ):
+        keys = _ingest(url_a, DOCS)  # ingested through replica A only
+        assert all(httpx.get(f"{url_b}/v1/chunks/{k}").json()["stored"] for k in keys)
+        got = client(url_b).chat.completions.create(model="t", messages=messages(), max_tokens=3, temperature=0)
+        assert got.usage.prompt_tokens_details.cached_tokens == sum(len(b.chunk_ids(d)) for d in DOCS)
+        assert got.choices[0].message.content == a.generate(messages(), max_new_tokens=3).text
+
+
+# ---- the command ---------------------------------------------------------------------------
+def test_cli_refuses_bad_options_before_loading_a_model():
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    for args, words in [
+        (["--param", "epic.bogus=1", "--policy", "epic"], "bogus"),
+        (["--param", "cacheblend.recompute_ratio=0.2", "--policy", "epic"], "cacheblend"),
+        (["--policy", "nope"], "unknown policy"),
+        (["--max-concurrency", "0"], "--max-concurrency"),
+        (["--precompute-via", "queue"], "needs --shared"),
+        (["--threads", "0"], "--threads"),
+    ]:
+        out = subprocess.run(
+            [sys.executable, "-m", "kvrag", "serve", "--model", "/nonexistent", *args],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=120,
+        )
+        assert out.returncode == 2 and words in out.stderr, out.stderr
+
+
+@pytest.fixture(scope="module")
+def model_dir(handle, tmp_path_factory):
+    """The tiny model saved once: every server process loads the same files (same fingerprint)."""
+    d = tmp_path_factory.mktemp("tiny-model")
+    handle.model.save_pretrained(d)
+    handle.tokenizer.save_pretrained(d)
+    return str(d)
+
+
+@contextlib.contextmanager
+def serve_process(*args: str, env_extra: dict | None = None, timeout: float = 120):
+    """``python -m kvrag serve ARGS --port P`` on 127.0.0.1; yields its URL once /health
+    answers, terminates it on exit."""
+    from redis_helpers import free_port
+
+    port = free_port()
+    env = dict(os.environ, PYTHONPATH=ROOT, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", **(env_extra or {}))
+    cmd = [sys.executable, "-m", "kvrag", "serve", *args, "--port", str(port), "--log-level", "warning"]
+    p = subprocess.Popen(cmd, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + timeout
+        while True:
+            assert p.poll() is None and time.monotonic() < deadline, p.communicate(timeout=5)
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        yield url
+    finally:
+        p.terminate()
+        try:
+            p.wait(30)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(30)
+
+
+def test_cli_serves_a_model_dir_with_an_api_key_from_the_environment(model_dir, tmp_path):
+    args = ["--model", model_dir, "--cache-dir", str(tmp_path / "kv")]
+    with serve_process(*args, env_extra={"KVRAG_API_KEY": "k1"}) as url:
+        keys = _ingest(url, DOCS, headers={"Authorization": "Bearer k1"})
+        assert len(keys) == 3
+        got = client(url, api_key="k1").chat.completions.create(model="model", messages=messages(), max_tokens=2)
+        assert got.model == os.path.basename(model_dir) and got.usage.prompt_tokens_details.cached_tokens > 0
+        with pytest.raises(openai.AuthenticationError):
+            client(url, api_key="k2").chat.completions.create(model="model", messages=messages(), max_tokens=2)
+
+
+def test_two_server_processes_on_one_redis_prefix_share_chunks(model_dir, tmp_path, redis_url, prefix):
+    common = ["--model", model_dir, "--shared", redis_url, "--shared-prefix", prefix]
+    with (
+        serve_process(*common, "--cache-dir", str(tmp_path / "a")) as url_a,
+        serve_process(*common, "--cache-dir", str(tmp_path / "b")) as url_b,
+    ):
+        keys = _ingest(url_a, DOCS)  # through server A only
+        assert all(httpx.get(f"{url_b}/v1/chunks/{k}").json()["stored"] for k in keys)
+        got = client(url_b).chat.completions.create(model="m", messages=messages(), max_tokens=3, temperature=0)
+        assert got.usage.prompt_tokens_details.cached_tokens > 0
+        assert got.model_extra["kvrag"]["chunks_hit"] == 3
+
+
+@pytest.mark.real
+def test_real_smollm2_greedy_answers_through_the_server_equal_generate(tmp_path):
+    rag = KVRag(cache_dir=tmp_path / "kv")  # the default SmolLM2-135M-Instruct
+    rag.precompute(DOCS)
+    questions = ["Where does the red fox live?", "How tall is Mount Kelvar?"]
+    with Scheduler(rag, max_concurrency=2) as sch, running(create_app(rag, sch)) as url:
+        c = client(url)
+        for policy in ("cacheblend", "full_prefill"):
+            for q in questions:
+                want = rag.generate(messages(q), max_new_tokens=16, policy=policy)
+                got = c.chat.completions.create(
+                    model="smollm2",
+                    messages=messages(q),
+                    max_tokens=16,
+                    temperature=0,
+                    extra_body={"kvrag": {"policy": policy}},
+                )
+                assert got.choices[0].message.content == want.text
+                assert got.usage.prompt_tokens_details.cached_tokens == want.stats.cached_tokens
+                assert (want.stats.cached_tokens > 0) == (policy != "full_prefill")
+
+
+def test_oversized_bodies_and_chunks_are_refused_unread(rag):
+    with Scheduler(rag) as sch, running(create_app(rag, sch, max_body_bytes=4096, max_prompt_chars=1000)) as url:
+        r = httpx.post(url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "z" * 5000}]})
+        assert r.status_code == 413 and "over the limit" in r.json()["error"]["message"]
+        data = httpx.post(url + "/v1/chunks", json={"texts": ["q" * 1001, DOCS[0]]}).json()["data"]
+        assert data[0]["status"] == "rejected" and "too long" in data[0]["error"]
+        assert data[1]["status"] == "stored"
+
+
+def test_hooks_server_mode_checks_its_arguments_and_names_an_unreachable_server(rag):
+    from kvrag.serve.client import ServerChunks, ServerChunksError, hook_service
+
+    with pytest.raises(TypeError, match="not both"):
+        hook_service("KVPrecompute", rag, server="http://127.0.0.1:1")
+    with pytest.raises(TypeError, match="api_key= goes with server="):
+        hook_service("KVPrecompute", rag, api_key="k")
+    with pytest.raises(ValueError, match="http"):
+        ServerChunks("127.0.0.1:8000")
+    from redis_helpers import free_port
+
+    dead = ServerChunks(f"http://127.0.0.1:{free_port()}/v1", timeout=5)
+    with pytest.raises(ServerChunksError, match="cannot reach the kvrag server"):
+        dead.submit_many(DOCS)
+    with Scheduler(rag) as sch, running(create_app(rag, sch, api_key="k")) as url:
+        with pytest.raises(ServerChunksError, match="401"):
+            ServerChunks(url, api_key="wrong").submit_many(DOCS)
+        c = ServerChunks(url + "/v1/", api_key="k")
+        assert c.submit_many(DOCS + ["  "]) == [rag.chunk_key(d) for d in DOCS] + [None]
+        assert c.counts["stored"] == 3 and c.counts["rejected"] == 1
+        with pytest.raises(ServerChunksError, match="rejected"):
+            c.submit_many(["  "], skip_invalid=False)
+        assert c.wait_until_idle(timeout=30)

@@ -1,0 +1,352 @@
+"""The serving scheduler on tiny random-weight models: a request's tokens are those
+``KVRag.generate`` gives for the same prompt, policy and options, whether it runs alone or in
+one batched decode step with others; cancel frees a slot, a failing request fails alone, and
+the queue is bounded."""
+
+import asyncio
+import threading
+import time
+
+import pytest
+from corpus_helpers import DOCS, prompt_for
+
+from kvrag.engine import KVRag
+from kvrag.serve import scheduler as sched_mod
+from kvrag.serve.scheduler import (
+    GenerationRequest,
+    Scheduler,
+    SchedulerClosedError,
+    SchedulerFullError,
+)
+from kvrag.testing import tiny_llama
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+QUESTIONS = ["Where does the red fox live?", "How tall?", "Which river flows east?", "Who founded Brisk?"]
+
+
+@pytest.fixture(scope="module")
+def handle():
+    return tiny_llama(seed=0)
+
+
+@pytest.fixture
+def rag(handle, tmp_path):
+    r = KVRag(handle, cache_dir=tmp_path / "kv", policy="cacheblend")
+    r.precompute(DOCS)
+    return r
+
+
+def _prompt(i: int) -> str:
+    """Prompt ``i``: 1 to 4 cached passages (lengths differ) and a question."""
+    return prompt_for(DOCS[: i % 4 + 1], QUESTIONS[i % 4])
+
+
+def _wait_for(cond, timeout=60.0):
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, "timed out"
+        time.sleep(0.01)
+
+
+def test_one_request_equals_generate(rag):
+    prompt = _prompt(2)
+    ref = rag.generate(prompt, max_new_tokens=10)
+    with Scheduler(rag) as sched:
+        fin = sched.submit(GenerationRequest(prompt, max_new_tokens=10)).result(timeout=120)
+    assert fin.finish_reason == ref.finish_reason == "length"
+    assert fin.token_ids == ref.token_ids and fin.text == ref.text
+    assert fin.cached_tokens == ref.stats.cached_tokens > 0
+    assert fin.prompt_tokens == ref.stats.prompt_tokens and fin.completion_tokens == 10
+    assert fin.stats.new_tokens == 10 and fin.error is None
+    assert fin.ttft_s is not None and fin.ttft_s > 0
+
+
+def _calibrated_a2ats(handle, tmp_path) -> dict:
+    """A2ATS parameters with a codebook for this model (window 4: top-k retrieval runs)."""
+    from kvrag.policies.a2ats.calibrate import calibrate
+
+    _, path = calibrate(
+        handle,
+        texts=[" ".join(DOCS) * 8],
+        n_tokens=300,
+        n_codes=16,
+        iters=2,
+        seq_len=96,
+        out=tmp_path / "books.safetensors",
+    )
+    return {"codebook": str(path), "window": 4, "sink": 2}
+
+
+@pytest.mark.parametrize(
+    "model_type,overrides",
+    [
+        ("llama", {}),
+        ("mistral", {"sliding_window": 8}),  # every layer windowed; decoding reads past the window
+        ("gemma3_text", {}),  # local (window 8) and global layers
+    ],
+)
+def test_concurrent_requests_under_every_policy_equal_generate(tmp_path, model_type, overrides, monkeypatch):
+    """Eight requests at once, each under another policy (A2ATS decoding on its own stepper,
+    the rest in the batched step), prompts of different lengths: each request's greedy tokens
+    and text are exactly those of ``KVRag.generate`` alone."""
+    h = tiny_llama(seed=0, model_type=model_type, **overrides)
+    rag = KVRag(h, cache_dir=tmp_path / "kv")
+    rag.precompute(DOCS)
+    policies = [
+        ("full_prefill", {}),
+        ("naive_reuse", {}),
+        ("cacheblend", {}),
+        ("epic", {}),
+        ("a3", {}),
+        ("kvlink", {}),
+        ("samkv", {}),
+        ("a2ats", _calibrated_a2ats(h, tmp_path)),
+    ]
+    prompts = [_prompt(i) for i in range(len(policies))]
+    refs = [rag.generate(p, policy=n, max_new_tokens=10, **kw) for p, (n, kw) in zip(prompts, policies)]
+    sizes = []
+    real = sched_mod.decode_step
+
+    def spy(arch, caches, tokens):
+        sizes.append(len(caches))
+        return real(arch, caches, tokens)
+
+    monkeypatch.setattr(sched_mod, "decode_step", spy)
+    with Scheduler(rag, max_concurrency=8) as sched:
+        tickets = [
+            sched.submit(GenerationRequest(p, max_new_tokens=10, policy=n, policy_params=kw))
+            for p, (n, kw) in zip(prompts, policies)
+        ]
+        fins = [t.result(timeout=300) for t in tickets]
+    assert max(sizes) == 7  # every request but A2ATS' decoded in one step
+    for (name, _), ref, fin in zip(policies, refs, fins):
+        assert fin.error is None, name
+        assert fin.token_ids == ref.token_ids, name
+        assert fin.text == ref.text and fin.finish_reason == ref.finish_reason, name
+        assert fin.cached_tokens == ref.stats.cached_tokens, name
+
+
+def test_streams_read_from_threads_and_asyncio_each_as_alone(rag):
+    """Six streams of different prompt lengths, read at once from threads and from an event
+    loop, with sampling (per-request seeded generators) and a stop string: each gets the text
+    and tokens it gets alone."""
+    reqs = [
+        GenerationRequest(_prompt(0), max_new_tokens=12),
+        GenerationRequest(_prompt(1), max_new_tokens=7, policy="full_prefill"),
+        GenerationRequest(_prompt(2), max_new_tokens=12, temperature=0.9, top_p=0.9, seed=7),
+        GenerationRequest(_prompt(3), max_new_tokens=9, policy="epic", temperature=1.3, seed=3),
+        GenerationRequest(_prompt(4), max_new_tokens=12, policy="naive_reuse"),
+        GenerationRequest("A prompt with no cached passage", max_new_tokens=12),
+    ]
+    refs = [
+        rag.generate(
+            r.prompt,
+            policy=r.policy,
+            max_new_tokens=r.max_new_tokens,
+            temperature=r.temperature,
+            top_p=r.top_p,
+            seed=r.seed,
+        )
+        for r in reqs
+    ]
+    # A stop string from inside the first answer: it ends there, as generate's does.
+    stop = refs[0].text[len(refs[0].text) // 2 :][:3]
+    assert stop.strip()
+    reqs[0] = GenerationRequest(_prompt(0), max_new_tokens=12, stop=(stop,))
+    refs[0] = rag.generate(_prompt(0), max_new_tokens=12, stop=[stop])
+    assert refs[0].finish_reason == "stop"
+    texts = [None] * len(reqs)
+    with Scheduler(rag, max_concurrency=8) as sched:
+        tickets = [sched.submit(r) for r in reqs]
+
+        def read(i):
+            texts[i] = "".join(tickets[i])
+
+        threads = [threading.Thread(target=read, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+
+        async def read_async():
+            async def one(t):
+                return "".join([d async for d in t])
+
+            return await asyncio.gather(*(one(t) for t in tickets[3:]))
+
+        texts[3:] = asyncio.run(read_async())
+        for t in threads:
+            t.join(120)
+        fins = [t.result(timeout=120) for t in tickets]
+    for i, (ref, fin) in enumerate(zip(refs, fins)):
+        assert fin.token_ids == ref.token_ids, i
+        assert texts[i] == fin.text == ref.text, i
+        assert fin.finish_reason == ref.finish_reason, i
+
+
+def test_cancel_frees_the_slot_and_a_waiting_cancel_leaves_the_queue(rag):
+    ref = rag.generate(_prompt(1), max_new_tokens=5)
+    with Scheduler(rag, max_concurrency=1, max_queue=4) as sched:
+        long = sched.submit(GenerationRequest(_prompt(0), max_new_tokens=4000))
+        _wait_for(lambda: sched.running == 1)
+        waiting = sched.submit(GenerationRequest(_prompt(2), max_new_tokens=5))
+        after = sched.submit(GenerationRequest(_prompt(1), max_new_tokens=5))
+        assert sched.queue_depth == 2
+        waiting.cancel()  # a waiting request leaves the queue at once
+        assert sched.queue_depth == 1
+        assert waiting.result(timeout=5).finish_reason == "cancelled"
+        it = iter(long)
+        next(it)  # it is decoding
+        long.cancel()
+        fin = long.result(timeout=60)
+        assert fin.finish_reason == "cancelled" and 0 < fin.completion_tokens < 4000
+        assert list(it) is not None  # the stream ends (without an error)
+        # The slot is free: the next request runs, with the tokens it gets alone.
+        got = after.result(timeout=120)
+        assert got.finish_reason == "length" and got.token_ids == ref.token_ids
+        _wait_for(lambda: sched.running == 0 and sched.queue_depth == 0)
+
+
+def test_a_request_failing_in_its_prefill_fails_alone(rag, monkeypatch):
+    """A store fault while one request's chunks are read: that request ends with the error
+    (its stream raises it), the others run to the end with their own tokens."""
+    refs = [rag.generate(_prompt(i), max_new_tokens=6) for i in range(3)]
+    real = rag.lookup.pieces
+
+    def faulty(prompt, use_cache=True):
+        if QUESTIONS[3] in prompt:
+            raise OSError("chunk store unreachable")
+        return real(prompt, use_cache)
+
+    monkeypatch.setattr(rag.lookup, "pieces", faulty)
+    with Scheduler(rag, max_concurrency=4) as sched:
+        tickets = [sched.submit(GenerationRequest(_prompt(i), max_new_tokens=6)) for i in range(4)]
+        fins = [t.result(timeout=120) for t in tickets]
+        with pytest.raises(OSError, match="unreachable"):
+            list(tickets[3])
+        # The scheduler keeps serving.
+        again = sched.submit(GenerationRequest(_prompt(0), max_new_tokens=6)).result(timeout=120)
+    assert fins[3].finish_reason == "error" and isinstance(fins[3].error, OSError)
+    assert [f.token_ids for f in fins[:3]] == [r.token_ids for r in refs]
+    assert again.token_ids == refs[0].token_ids
+
+
+def test_a_request_failing_in_the_batched_step_fails_alone(rag, monkeypatch):
+    """A fault in one request's part of the shared decode step (its cache) ends that request
+    only: the step is retried without it, and the others' tokens are those they get alone."""
+    refs = [rag.generate(_prompt(i), max_new_tokens=8) for i in range(4)]
+    made = []
+    real = sched_mod.DecodeCache.from_stepper
+
+    def from_stepper(arch, stepper, spare=64):
+        cache = real(arch, stepper, spare)
+        made.append(cache)
+        if len(made) == 2:  # the second request admitted: its cache fails at its 3rd step
+            write, calls = cache.write, []
+
+            def failing(layer, k, v):
+                calls.append(layer)
+                if len(calls) > 2 * arch.n_layers:
+                    raise RuntimeError("device fault")
+                return write(layer, k, v)
+
+            cache.write = failing
+        return cache
+
+    monkeypatch.setattr(sched_mod.DecodeCache, "from_stepper", staticmethod(from_stepper))
+    with Scheduler(rag, max_concurrency=4) as sched:
+        tickets = [sched.submit(GenerationRequest(_prompt(i), max_new_tokens=8)) for i in range(4)]
+        fins = [t.result(timeout=120) for t in tickets]
+    assert fins[1].finish_reason == "error" and "device fault" in str(fins[1].error)
+    assert fins[1].token_ids == refs[1].token_ids[:3]  # the tokens before the fault were streamed
+    for i in (0, 2, 3):
+        assert fins[i].finish_reason == "length" and fins[i].token_ids == refs[i].token_ids, i
+
+
+def test_queue_full_answers_with_a_retry_estimate(rag):
+    with Scheduler(rag, max_concurrency=1, max_queue=2) as sched:
+        running = sched.submit(GenerationRequest(_prompt(0), max_new_tokens=4000))
+        _wait_for(lambda: sched.running == 1)
+        queued = [sched.submit(GenerationRequest(_prompt(i), max_new_tokens=2)) for i in (1, 2)]
+        assert sched.queue_depth == 2
+        with pytest.raises(SchedulerFullError) as e:
+            sched.submit(GenerationRequest(_prompt(3), max_new_tokens=2))
+        assert e.value.retry_after_s >= 1
+        running.cancel()
+        assert [t.result(timeout=120).finish_reason for t in queued] == ["length", "length"]
+        # Room again.
+        assert sched.submit(GenerationRequest(_prompt(3), max_new_tokens=2)).result(timeout=120).completion_tokens == 2
+
+
+def test_max_queue_counts_only_requests_beyond_the_slots(rag):
+    """max_queue=0: served while a slot is free, refused at once while none is."""
+    with Scheduler(rag, max_concurrency=2, max_queue=0) as sched:
+        a = sched.submit(GenerationRequest(_prompt(0), max_new_tokens=4000))
+        b = sched.submit(GenerationRequest(_prompt(1), max_new_tokens=4000))
+        _wait_for(lambda: sched.running == 2)
+        with pytest.raises(SchedulerFullError):
+            sched.submit(GenerationRequest(_prompt(2), max_new_tokens=2))
+        a.cancel()
+        _wait_for(lambda: sched.running == 1)
+        c = sched.submit(GenerationRequest(_prompt(2), max_new_tokens=2))
+        assert c.result(timeout=120).completion_tokens == 2
+        b.cancel()
+
+
+def test_bad_requests_fail_at_submit_and_a_closed_scheduler_takes_none(rag):
+    sched = Scheduler(rag)
+    with pytest.raises(SchedulerClosedError):
+        sched.submit(GenerationRequest("hi"))  # not started
+    with sched:
+        for req, msg in [
+            (GenerationRequest("x", temperature=-1), "temperature"),
+            (GenerationRequest("x", top_p=0), "top_p"),
+            (GenerationRequest("x", max_new_tokens=-2), "max_new_tokens"),
+            (GenerationRequest("x", stop=("",)), "stop"),
+            (GenerationRequest("x", policy="nope"), "nope"),
+            (GenerationRequest("x", policy="cacheblend", policy_params={"recompute_ratio": 7}), "recompute_ratio"),
+            (GenerationRequest("word " * 5000), "context"),
+            (GenerationRequest(b"bytes"), "prompt"),
+            (GenerationRequest([{"role": "user"}]), "content"),
+        ]:
+            with pytest.raises(ValueError, match=msg):
+                sched.submit(req)
+        assert sched.queue_depth == 0
+    with pytest.raises(SchedulerClosedError):
+        sched.submit(GenerationRequest("hi"))
+
+
+def test_close_ends_running_and_waiting_requests(rag):
+    sched = Scheduler(rag, max_concurrency=1)
+    sched.start()
+    a = sched.submit(GenerationRequest(_prompt(0), max_new_tokens=4000))
+    _wait_for(lambda: sched.running == 1)
+    b = sched.submit(GenerationRequest(_prompt(1), max_new_tokens=4000))
+    sched.close()
+    assert a.result(timeout=5).finish_reason == "cancelled"
+    assert b.result(timeout=5).finish_reason == "cancelled"
+    assert sched.running == 0 and sched.queue_depth == 0
+
+
+def test_max_new_tokens_zero_and_one(rag):
+    ref = rag.generate(_prompt(0), max_new_tokens=1)
+    with Scheduler(rag) as sched:
+        zero = sched.submit(GenerationRequest(_prompt(0), max_new_tokens=0)).result(timeout=60)
+        one = sched.submit(GenerationRequest(_prompt(0), max_new_tokens=1)).result(timeout=60)
+    assert zero.token_ids == [] and zero.finish_reason == "length" and zero.ttft_s is None
+    assert zero.prompt_tokens == ref.stats.prompt_tokens
+    assert one.token_ids == ref.token_ids and one.finish_reason == ref.finish_reason
+
+
+def test_scheduler_runs_on_its_own_thread_only(rag, monkeypatch):
+    """One thread owns the model: every decode step runs on the worker."""
+    seen = set()
+    real = sched_mod.decode_step
+
+    def spy(*a, **kw):
+        seen.add(threading.current_thread().name)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(sched_mod, "decode_step", spy)
+    with Scheduler(rag) as sched:
+        sched.submit(GenerationRequest(_prompt(0), max_new_tokens=4)).result(timeout=60)
+    assert seen == {"kvrag-scheduler"}
