@@ -1,4 +1,4 @@
-"""What a newcomer reads and runs first (issue 28): the README's promises and the quickstart's
+"""What a newcomer reads and runs first: the README's promises and the quickstart's
 LlamaIndex / LangChain snippets, run as written, twice in a row."""
 
 import os

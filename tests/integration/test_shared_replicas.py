@@ -1,4 +1,4 @@
-"""Replicas sharing one Redis (issue 30's "must show"), each replica and worker a separate
+"""Replicas sharing one Redis, each replica and worker a separate
 process where it matters: chunks ingested through replica A (queued, computed by a
 ``kvrag worker``) are served from cache on replica B's first query; a worker killed with
 SIGKILL mid-job loses nothing and leaves no partial entry; Redis stopped mid-service, flushed

@@ -362,7 +362,7 @@ def test_qa_score_targets_show_the_answer_counts_they_rest_on():
 
 @pytest.mark.parametrize("tokens", [1300, 4100])
 def test_speed_targets_are_judged_on_the_qa_prompts_when_they_are_4k_long(tokens):
-    """Issue 3's QA and speed targets are one statement at ~4k tokens: a QA set that long gets
+    """The QA and speed targets are one statement at ~4k tokens: a QA set that long gets
     a3/cacheblend speed-up rows on its own prompts; a shorter one does not (its speed-ups
     would be judged at a length the target does not name)."""
     from kvrag.bench.report import evaluate_targets

@@ -1,4 +1,4 @@
-"""The ``kvrag`` command as a newcomer meets it (issue 28): one meaning for ``--cache-dir``, a
+"""The ``kvrag`` command as a newcomer meets it: one meaning for ``--cache-dir``, a
 store found without arguments, what ``model info`` and ``policies`` say, a light parser."""
 
 import json

@@ -1,6 +1,6 @@
-"""The frameworks' own conventions, as a newcomer meets them (issue 28, "a newcomer's first
-hour"): the keywords their components take, the channels that report token usage, copying
-and serializing an LLM object. Tiny random model with SmolLM2's tokenizer (fast)."""
+"""The frameworks' own conventions, as a newcomer meets them in the first hour: the keywords
+their components take, the channels that report token usage, copying and serializing
+an LLM object. Tiny random model with SmolLM2's tokenizer (fast)."""
 
 import copy
 import pickle

@@ -1,4 +1,4 @@
-"""A store directory is data, never code (issue 28): crafted rows, headers, special files and
+"""A store directory is data, never code: crafted rows, headers, special files and
 texts give misses, never code execution, a file touched outside the store, a hang or an
 exception on the query path; a full disk or a held lock is reported as what it is."""
 
