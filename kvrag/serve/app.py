@@ -30,6 +30,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvrag.errors import KVRagError
+from kvrag.limits import max_chunk_chars
 from kvrag.serve.metrics import CONTENT_TYPE, ServeMetrics
 from kvrag.serve.protocol import (
     APIError,
@@ -44,11 +45,6 @@ from kvrag.serve.protocol import (
 log = logging.getLogger("kvrag.serve")
 
 _KEY = re.compile(r"[0-9a-f]{64}")
-#: Characters a prompt may hold per token of the model's context before it is refused
-#: unread: tokenizing a 1M-character prompt only to learn it is too long would cost seconds
-#: of CPU per request. No tokenizer kvrag supports averages more than a few characters per
-#: token, so this never refuses a prompt that fits.
-CHARS_PER_TOKEN_LIMIT = 32
 #: Largest request body read (bytes, from Content-Length): a 1M-character prompt is ~1 MB, a
 #: full /v1/chunks batch of long passages a few MB.
 MAX_BODY_BYTES = 32 << 20
@@ -71,13 +67,17 @@ def create_app(
     ``Authorization: Bearer <key>`` (``/health`` and ``/metrics`` stay open, for probes and
     scrapers). precomputer: the ``Precomputer`` ``POST /v1/chunks`` feeds (default: the
     KVRag's shared one, the one its in-process hooks use). max_prompt_chars: longest prompt
-    read (default ``CHARS_PER_TOKEN_LIMIT`` x the model's context). max_body_bytes: largest
+    read (default: ``kvrag.limits.max_chunk_chars``, the most characters the model's context
+    can hold with this tokenizer, so a prompt that fits is never refused and a 1M-character
+    one is refused before it is tokenized). max_body_bytes: largest
     request body (by its Content-Length; 413 past it)."""
     from kvrag.policies import get_policy
     from kvrag.serve.scheduler import GenerationRequest, SchedulerClosedError, SchedulerFullError
 
     metrics = ServeMetrics(lambda: scheduler.queue_depth, lambda: scheduler.running)
-    limit_chars = max_prompt_chars or CHARS_PER_TOKEN_LIMIT * rag.handle.max_context
+    # A character takes at least one byte of the body: without a bound from the vocabulary,
+    # the body limit is the bound.
+    limit_chars = max_prompt_chars or max_chunk_chars(rag.tokenizer, rag.handle.max_context) or max_body_bytes
     app = FastAPI(title="kvrag serve", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.rag, app.state.scheduler, app.state.metrics = rag, scheduler, metrics
 
