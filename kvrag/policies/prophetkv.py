@@ -51,10 +51,11 @@ FUSIONS = ("mean", "max")
 @dataclass
 class ProphetKVParams(RecomputeParams):
     recompute_ratio: float = param(0.2, "fraction of cached tokens recomputed after the probe (paper: 20%)")
-    score_layers: tuple = param(
-        (1, 2),
+    score_layers: tuple | None = param(
+        None,
         "layers whose question attention is fused into the ranking; every token is computed up "
-        "to the last of them (stage 1), the selected ones after it (stage 2)",
+        "to the last of them (stage 1), the selected ones after it (stage 2); None: (1, 2), or "
+        "the first global layer where layer 1 or 2 has a sliding window",
     )
     fusion: str = param("mean", "how the layers' attention combines: 'mean' (sum of equal-mass layers) or 'max'")
     tie_tolerance: float = param(
@@ -64,15 +65,33 @@ class ProphetKVParams(RecomputeParams):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        layers = check_seq("score_layers", self.score_layers, "a sequence of layer indices, e.g. (1, 2)")
-        self.score_layers = tuple(check_int("score_layers entry", x, 0) for x in layers)
-        if not self.score_layers or list(self.score_layers) != sorted(set(self.score_layers)):
-            raise ValueError(f"score_layers must be a non-empty increasing list, got {self.score_layers}")
+        if self.score_layers is not None:
+            layers = check_seq("score_layers", self.score_layers, "a sequence of layer indices, e.g. (1, 2)")
+            self.score_layers = tuple(check_int("score_layers entry", x, 0) for x in layers)
+            if not self.score_layers or list(self.score_layers) != sorted(set(self.score_layers)):
+                raise ValueError(f"score_layers must be a non-empty increasing list, got {self.score_layers}")
         if self.fusion not in FUSIONS:
             raise ValueError(f"fusion must be one of {FUSIONS}, got {self.fusion!r}")
         self.tie_tolerance = check_real("tie_tolerance", self.tie_tolerance, 0.0, 1.0)
         if self.tie_tolerance == 0.0:
             raise ValueError("tie_tolerance must be > 0 (it is the grid ties are read on)")
+
+
+def default_score_layers(arch) -> tuple[int, ...]:
+    """The score layers when none are given: (1, 2), where both see the whole context (layer
+    0's attention is mostly positional and lexical). A local layer (sliding window) sees only
+    the last ``window`` tokens from the question, so every older token would score 0 there:
+    on a model whose layer 1 or 2 is local (Gemma 2/3) the first global layer after layer 0
+    is the score layer, and on a model with no global layer at all, (1, 2) (clamped to the
+    model's depth) is all there is."""
+    L = arch.n_layers
+    if L < 2:
+        return (0,)
+    early = tuple(range(1, min(3, L)))
+    if all(arch.windows[i] is None for i in early):
+        return early
+    first_global = next((i for i in range(1, L) if arch.windows[i] is None), None)
+    return (first_global,) if first_global is not None else early
 
 
 def ranked_top(scores: torch.Tensor, k: int, grid: float, exclude: torch.Tensor | None = None) -> torch.Tensor:
@@ -95,14 +114,22 @@ class ProphetKV(Policy):
     name = "prophetkv"
     summary = (
         "recompute the ~20% cached tokens the question attends to most, its attention fused "
-        "over layers 1-2 (counters CacheBlend's crowding-out by query-irrelevant tokens)"
+        "over early layers that see the whole context (counters CacheBlend's crowding-out by "
+        "query-irrelevant tokens)"
     )
     Params = ProphetKVParams
 
+    def score_layers(self, arch) -> tuple[int, ...]:
+        """The layers this policy scores at on ``arch``: its ``score_layers``, or the model's
+        default (``default_score_layers``)."""
+        given = self.params.score_layers
+        return tuple(given) if given is not None else default_score_layers(arch)
+
     def check_model(self, arch) -> None:
         L = arch.n_layers
-        if self.params.score_layers[-1] >= L:
-            raise ValueError(f"score_layers={self.params.score_layers} but the model has only {L} layers (0..{L - 1})")
+        layers = self.score_layers(arch)
+        if layers[-1] >= L:
+            raise ValueError(f"score_layers={layers} but the model has only {L} layers (0..{L - 1})")
 
     def prepare(self, state) -> None:
         super().prepare(state)  # check_model, check_layout
@@ -112,7 +139,7 @@ class ProphetKV(Policy):
         qs = lay.n - lay.query.numel()
         n_cached = sum(end - start for _, start, end in lay.spans(CACHED))
         k = int(n_cached * self.params.recompute_ratio)
-        state.scratch["prophetkv.plan"] = (qs, k)
+        state.scratch["prophetkv.plan"] = (qs, k, self.score_layers(state.arch))
         state.scratch.setdefault("policy_stats", {})["prophetkv.selected"] = k
 
     def initial_active(self, state):
@@ -152,14 +179,14 @@ class ProphetKV(Policy):
 
     def select(self, layer, state, q, k, v):
         p = self.params
-        if layer not in p.score_layers:
+        qs, budget, score_layers = state.scratch["prophetkv.plan"]
+        if layer not in score_layers:
             return None
-        qs, budget = state.scratch["prophetkv.plan"]
         if qs == 0:
             return None  # no context before the question: nothing to rank
         logits = state.scratch.setdefault("prophetkv.logits", [])
         logits.append(self.question_logits(layer, state, q, k, qs))
-        if layer != p.score_layers[-1]:
+        if layer != score_layers[-1]:
             return None
         score = self.fused_scores(logits)
         state.scratch["prophetkv.score"] = score

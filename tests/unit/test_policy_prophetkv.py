@@ -14,7 +14,7 @@ from fusion_helpers import CONFIGS, assert_matches_hf_cache, hf_logits, pieces_f
 from kvrag.arch import Arch
 from kvrag.bench.ops import count_ops, plain_forward_ops
 from kvrag.policies import get_policy, policy_names
-from kvrag.policies.prophetkv import ranked_top
+from kvrag.policies.prophetkv import default_score_layers, ranked_top
 from kvrag.query.decode import output_cache
 from kvrag.query.fusion import FusionEngine
 from kvrag.query.state import Layout
@@ -83,6 +83,38 @@ def test_recomputes_what_the_question_attends_to_fused_over_the_score_layers(mod
     assert torch.all(counts[~layout.cached] == L)
     assert res.stats.recomputed_tokens == k
     assert res.stats.recompute_fraction == pytest.approx((3 * n_cached + (L - 3) * k) / (L * n_cached))
+
+
+@pytest.mark.parametrize("model_type", list(CONFIGS))
+def test_default_score_layers_see_the_whole_context(model_type):
+    """Left to its default, ProphetKV scores at layers 1-2 where both attend to every earlier
+    token, and otherwise at the first global layer after layer 0 (a local layer would give
+    every token beyond its window a score of 0); a model with only local layers keeps 1-2."""
+    model, arch, layout, ids = build(model_type)
+    windows = arch.windows
+    layers = default_score_layers(arch)
+    if windows[1] is None and windows[2] is None:
+        assert layers == (1, 2)
+    elif any(w is None for w in windows[1:]):
+        (g,) = layers
+        assert windows[g] is None and all(w is not None for w in windows[1:g]) and g > 0
+    else:
+        assert layers == (1, 2)
+    # The prefill ranks by the question's attention at exactly those layers.
+    qs = layout.n - QUESTION
+    res = FusionEngine(arch).prefill(layout, get_policy("prophetkv", recompute_ratio=0.25), keep_state=True)
+    attn = hf_attentions(model, ids)
+    want = sum((a := attn[layer][:, qs:, :qs]) / a.sum(-1, keepdim=True) for layer in layers).sum(dim=(0, 1))
+    torch.testing.assert_close(res.state.scratch["prophetkv.score"].cpu(), want, atol=1e-4, rtol=1e-4)
+    assert torch.all(res.state.layer_counts[layout.cached] >= layers[-1] + 1)
+
+
+def test_the_default_layer_choice_per_layer_pattern():
+    """Layers 1-2 both global: (1, 2); layer 1 or 2 local: the first global layer (Gemma 3's
+    pattern puts it at 5); no global layer at all: (1, 2)."""
+    choices = {m: default_score_layers(build(m)[1]) for m in ("llama", "qwen2-window", "gemma3", "gemma3-global-first")}
+    assert choices == {"llama": (1, 2), "qwen2-window": (1,), "gemma3": (1,), "gemma3-global-first": (3,)}
+    assert default_score_layers(build("mistral-window")[1]) == (1, 2)
 
 
 @pytest.mark.parametrize("model_type", list(CONFIGS))
