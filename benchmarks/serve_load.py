@@ -199,6 +199,7 @@ async def load_cell(url: str, model: str, prompts: list, n: int, per_client: int
                     "messages": prompts[(i * per_client + j) % len(prompts)],
                     "max_tokens": a.max_tokens,
                     "temperature": 0,
+                    **({"ignore_eos": True} if a.ignore_eos else {}),
                     "stream": True,
                     "stream_options": {"include_usage": True},
                 }
@@ -369,6 +370,7 @@ def run(a) -> int:
                 "passages": len(passages),
                 "prompt_tokens_mean": statistics.fmean(rag.count_tokens(p) for p in prompts),
                 "max_tokens": a.max_tokens,
+                "ignore_eos": a.ignore_eos,
                 "requests_per_client": a.requests_per_client,
                 "command": " ".join(sys.argv),
                 "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
@@ -485,7 +487,8 @@ def write_report(out: Path) -> None:
         "# kvrag serve load benchmark",
         "",
         f"Model `{meta.get('model')}`, policy `{meta.get('policy')}`, {meta.get('items')} prompts of "
-        f"~{meta.get('prompt_tokens_mean', 0):.0f} tokens, {meta.get('max_tokens')} output tokens each; "
+        f"~{meta.get('prompt_tokens_mean', 0):.0f} tokens, {meta.get('max_tokens')} output tokens each"
+        f"{' (ignore_eos: exactly that many)' if meta.get('ignore_eos') else ' at most'}; "
         f"machine: {meta.get('machine')}; started {meta.get('started')}.",
         f"Command: `{meta.get('command')}`",
         "",
@@ -570,7 +573,13 @@ def main(argv=None) -> int:
     )
     p.add_argument("--items", type=int, help="distinct RAG prompts")
     p.add_argument("--requests-per-client", type=int)
-    p.add_argument("--max-tokens", type=int, help="output tokens per request")
+    p.add_argument("--max-tokens", type=int, help="output tokens per request (at most, or exactly with --ignore-eos)")
+    p.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="every answer runs to --max-tokens (vLLM's ignore_eos, as vLLM's serving benchmark sends it): "
+        "throughput at a fixed answer length instead of where each answer happens to end",
+    )
     p.add_argument("--passages", type=int, help="passages per prompt")
     p.add_argument("--passage-tokens", type=int)
     p.add_argument(

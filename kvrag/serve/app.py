@@ -75,6 +75,7 @@ def create_app(
     from kvrag.serve.scheduler import GenerationRequest, SchedulerClosedError, SchedulerFullError
 
     metrics = ServeMetrics(lambda: scheduler.queue_depth, lambda: scheduler.running)
+    scheduler.step_observers.append(metrics.observe_step)
     # A character takes at least one byte of the body: without a bound from the vocabulary,
     # the body limit is the bound.
     limit_chars = max_prompt_chars or max_chunk_chars(rag.tokenizer, rag.handle.max_context) or max_body_bytes
@@ -147,6 +148,8 @@ def create_app(
                 stop=body.stops(),
                 policy=policy,
                 policy_params=params,
+                min_tokens=body.min_tokens or 0,
+                ignore_eos=bool(body.ignore_eos),
             )
         except (ValueError, TypeError) as e:
             raise APIError(400, str(e)) from None

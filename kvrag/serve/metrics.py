@@ -65,6 +65,15 @@ class ServeMetrics:
         depth.set_function(queue_depth or (lambda: 0))
         run = Gauge("kvrag_running_requests", "Requests decoding now", registry=r)
         run.set_function(running or (lambda: 0))
+        self.decode_batch = Histogram(
+            "kvrag_decode_batch_size",
+            "Requests in each batched decode step",
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128),
+            registry=r,
+        )
+        self.decode_step = Histogram(
+            "kvrag_decode_step_seconds", "Wall time of each batched decode step", buckets=_TPOT_BUCKETS, registry=r
+        )
         self.chunks_submitted = Counter("kvrag_chunks_submitted", "Chunk texts received on /v1/chunks", registry=r)
 
     def _share(self) -> float:
@@ -90,6 +99,11 @@ class ServeMetrics:
             self.chunk_hot.inc(stats.chunks_hot)
         if tpot_s is not None:
             self.tpot.observe(tpot_s)
+
+    def observe_step(self, batch_size: int, seconds: float) -> None:
+        """One batched decode step of ``batch_size`` requests that took ``seconds``."""
+        self.decode_batch.observe(batch_size)
+        self.decode_step.observe(seconds)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -17,10 +17,6 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-#: What a request gets for ``max_tokens`` when it names none (OpenAI's default is "up to the
-#: context"; a RAG answer rarely needs more, and an unbounded default would let one request
-#: hold a decode slot for thousands of steps).
-DEFAULT_MAX_TOKENS = 256
 #: OpenAI's limit on stop sequences.
 MAX_STOP = 4
 
@@ -108,6 +104,10 @@ class _GenerationRequest(_Strict):
     stop: str | list[str] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
+    #: vLLM's sampling extras (``extra_body={"min_tokens": 64, "ignore_eos": True}``): EOS barred
+    #: before ``min_tokens`` tokens; ``ignore_eos`` decodes past EOS to the token limit.
+    min_tokens: int | None = Field(default=None, ge=0)
+    ignore_eos: bool | None = None
     #: kvrag's own options, sent by OpenAI clients as ``extra_body={"kvrag": {...}}``:
     #: ``{"policy": "epic", "k_head": 8}`` (the policy's parameters beside its name).
     kvrag: dict[str, Any] | None = None
@@ -139,13 +139,17 @@ class _GenerationRequest(_Strict):
             raise APIError(400, "stop: sequences must be non-empty strings", param="stop")
         return tuple(stop)
 
-    def max_new_tokens(self) -> int:
+    def max_new_tokens(self) -> int | None:
+        """The token limit the request names, or None: the server's default, cut to what the
+        context leaves (OpenAI's default is "up to the context"; a RAG answer rarely needs
+        more, and an unbounded default would let one request hold a slot for thousands of
+        steps). A named limit past the context is refused (OpenAI and vLLM answer 400)."""
         if self.max_tokens is not None and self.max_completion_tokens is not None:
             if self.max_tokens != self.max_completion_tokens:
                 raise APIError(
                     400, "max_tokens and max_completion_tokens disagree: send one of them", param="max_tokens"
                 )
-        return self.max_completion_tokens or self.max_tokens or DEFAULT_MAX_TOKENS
+        return self.max_completion_tokens or self.max_tokens
 
     def policy(self) -> tuple[str | None, dict]:
         """(policy name or None for the server's own, its parameters) from ``kvrag``."""

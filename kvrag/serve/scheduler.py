@@ -45,7 +45,7 @@ import copy
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -61,20 +61,31 @@ from kvrag.query.state import FusionStats
 
 log = logging.getLogger("kvrag.serve")
 
+#: Tokens a request may generate when it names no limit (cut to what the context leaves).
+DEFAULT_MAX_NEW_TOKENS = 256
+
 
 @dataclass(frozen=True)
 class GenerationRequest:
     """One generation: a prompt string or chat messages (``KVRag.render`` makes the string),
-    decoding options as ``KVRag.stream`` takes them, and the reuse policy (None: the KVRag's)."""
+    decoding options as ``KVRag.stream`` takes them, and the reuse policy (None: the KVRag's).
+
+    ``max_new_tokens``: None takes ``DEFAULT_MAX_NEW_TOKENS`` cut to what the context leaves; a
+    number is a demand, refused when the prompt leaves less room. ``min_tokens`` / ``ignore_eos``
+    (vLLM's sampling extras, e.g. for benchmarks at a fixed answer length): EOS cannot be drawn
+    before ``min_tokens`` tokens (its logits are masked; a stop string still ends the request);
+    ``ignore_eos`` decodes past EOS up to ``max_new_tokens``."""
 
     prompt: str | list[dict]
-    max_new_tokens: int = 128
+    max_new_tokens: int | None = 128
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
     policy: str | None = None
     policy_params: dict = field(default_factory=dict)
+    min_tokens: int = 0
+    ignore_eos: bool = False
 
 
 @dataclass
@@ -219,6 +230,8 @@ class _Job:
     policy: Policy
     sampling: Sampling
     t_submit: float
+    min_tokens: int = 0
+    ignore_eos: bool = False
 
 
 @dataclass
@@ -259,8 +272,12 @@ class Scheduler:
         self._tok = copy.deepcopy(rag.tokenizer)
         self._tok_lock = threading.Lock()
         self._prefix = len(rag.handle.prefix_ids())
+        self._eos = torch.tensor(sorted(rag.eos), dtype=torch.long)
         # Seconds a request holds a slot (moving average), for the retry-after estimate.
         self._service_s = 2.0
+        #: Called after each batched decode step with (requests in it, seconds it took), in the
+        #: worker thread (the server's metrics).
+        self.step_observers: list[Callable[[int, float], None]] = []
 
     # ---- lifecycle --------------------------------------------------------------------
     def start(self) -> None:
@@ -311,12 +328,29 @@ class Scheduler:
         t_submit = time.perf_counter()
         if not isinstance(req, GenerationRequest):
             raise TypeError(f"submit takes a GenerationRequest, got {type(req).__name__}")
-        sampling = Sampling(req.max_new_tokens, req.temperature, req.top_p, 0, req.stop, req.seed)
+        # Checked before the prompt is tokenized, with a stand-in for an unnamed limit.
+        Sampling(req.max_new_tokens or 0, req.temperature, req.top_p, 0, req.stop, req.seed)
+        min_tokens = check_int("min_tokens", req.min_tokens, 0)
+        if not isinstance(req.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be true or false, got {req.ignore_eos!r}")
         if not isinstance(req.policy_params, dict):
             raise ValueError(f"policy_params must be a dict, got {type(req.policy_params).__name__}")
         pol = get_policy(req.policy if req.policy is not None else self.rag.policy, **req.policy_params)
         pol.check_model(self.rag.arch)
-        text = self._check_prompt(req.prompt)
+        text, n_prompt = self._check_prompt(req.prompt)
+        room = self.rag.handle.max_context - n_prompt
+        if req.max_new_tokens is None:
+            max_new = min(DEFAULT_MAX_NEW_TOKENS, room)
+        elif req.max_new_tokens > room:
+            raise ValueError(
+                f"the model's context is {self.rag.handle.max_context} tokens; the prompt takes {n_prompt} "
+                f"and max_new_tokens={req.max_new_tokens} asks for more than the {room} left (context exceeded)"
+            )
+        else:
+            max_new = req.max_new_tokens
+        if min_tokens > max_new:
+            raise ValueError(f"min_tokens={min_tokens} is over the request's max_new_tokens={max_new}")
+        sampling = Sampling(max_new, req.temperature, req.top_p, 0, req.stop, req.seed)
         ticket = Ticket(self, req)
         with self._lock:
             if self._closed or self._thread is None:
@@ -329,13 +363,14 @@ class Scheduler:
                     f"{len(self._waiting)} requests already wait (max_queue={self.max_queue})",
                     self._retry_after(),
                 )
-            self._waiting.append(_Job(ticket, text, pol, sampling, t_submit))
+            self._waiting.append(_Job(ticket, text, pol, sampling, t_submit, min_tokens, req.ignore_eos))
             self._lock.notify_all()
         return ticket
 
-    def _check_prompt(self, prompt) -> str:
-        """The prompt string (chat messages rendered), refused when it is empty or its tokens
-        exceed the model's context (inserted tokens are checked again at the prefill)."""
+    def _check_prompt(self, prompt) -> tuple[str, int]:
+        """The prompt string (chat messages rendered) and its token count, refused when it is
+        empty or its tokens exceed the model's context (inserted tokens are checked again at
+        the prefill)."""
         if not isinstance(prompt, (str, list)):
             raise ValueError(f"prompt must be a string or a list of chat messages, got {type(prompt).__name__}")
         with self._tok_lock:
@@ -349,7 +384,7 @@ class Scheduler:
         limit = self.rag.handle.max_context
         if n > limit:
             raise ValueError(f"prompt of {n} tokens exceeds the model context ({limit})")
-        return text
+        return text, n
 
     def _retry_after(self) -> float:
         """Seconds until a waiting slot is likely free: the queue ahead, drained
@@ -429,7 +464,7 @@ class Scheduler:
             self._end(r, "length")
             return
         try:
-            self._accept(r, sample(logits.cpu(), s, r.gen))
+            self._accept(r, sample(self._eos_barred(r, logits).cpu(), s, r.gen))
             if not r.done:
                 # Rows for the tokens still to come, so a short answer never regrows its cache.
                 r.cache = DecodeCache.from_stepper(self.rag.arch, stepper, spare=min(s.max_new_tokens, 512))
@@ -438,6 +473,13 @@ class Scheduler:
         except Exception as e:
             log.debug("request failed after its prefill", exc_info=True)
             self._end(r, "error", e)
+
+    def _eos_barred(self, r: _Running, logits: torch.Tensor) -> torch.Tensor:
+        """The request's next-token logits [V] with EOS masked while it is short of its
+        ``min_tokens`` (as vLLM bars it), else as they are."""
+        if len(r.tokens) >= r.job.min_tokens or not len(self._eos):
+            return logits
+        return logits.index_fill(-1, self._eos.to(logits.device), float("-inf"))
 
     def _accept(self, r: _Running, tok: int) -> None:
         """Take the request's next token: stream its text, and end the request on EOS, a stop
@@ -450,7 +492,7 @@ class Scheduler:
         if delta:
             r.out += delta
             r.job.ticket._push(delta)
-        if r.text.stopped or tok in self.rag.eos:
+        if r.text.stopped or (tok in self.rag.eos and not r.job.ignore_eos):
             self._end(r, "stop")
         elif len(r.tokens) >= r.job.sampling.max_new_tokens:
             self._end(r, "length")
@@ -467,7 +509,7 @@ class Scheduler:
         for r in [r for r in self._running if r.cache is None]:
             try:
                 assert r.stepper is not None  # a request without a batched cache keeps its stepper
-                logits = r.stepper.step([r.tokens[-1]])[-1]
+                logits = self._eos_barred(r, r.stepper.step([r.tokens[-1]])[-1])
                 self._accept(r, sample(logits.cpu(), r.job.sampling, r.gen))
             except Exception as e:
                 log.debug("request failed at a decode step", exc_info=True)
@@ -479,7 +521,9 @@ class Scheduler:
         was)."""
         try:
             caches = [r.cache for r in batch if r.cache is not None]  # every one: batch holds cached requests
+            t0 = time.perf_counter()
             logits = decode_step(self.rag.arch, caches, [r.tokens[-1] for r in batch])
+            took = time.perf_counter() - t0
         except Exception as e:
             if len(batch) == 1:
                 log.debug("request failed at a decode step", exc_info=True)
@@ -490,6 +534,12 @@ class Scheduler:
             return
         # One host read for the batch: greedy rows take the device's argmax; sampled rows are
         # drawn on the host with their own generator, as ``KVRag.stream`` draws them.
+        for observe in self.step_observers:
+            observe(len(batch), took)
+        barred = [i for i, r in enumerate(batch) if len(r.tokens) < r.job.min_tokens]
+        if barred and len(self._eos):
+            rows = torch.tensor(barred, device=logits.device)
+            logits[rows.unsqueeze(1), self._eos.to(logits.device).unsqueeze(0)] = float("-inf")
         toks = logits.argmax(-1).tolist()
         sampled = [i for i, r in enumerate(batch) if r.job.sampling.temperature > 0]
         if sampled:

@@ -19,6 +19,7 @@ import time
 import httpx
 import openai
 import pytest
+import torch
 from corpus_helpers import DOCS as CORPUS
 from serve_helpers import running
 
@@ -251,6 +252,9 @@ def test_malformed_huge_and_over_context_requests_get_a_clear_400_and_the_server
         (json.dumps({"messages": [{"role": "user", "content": "x" * 1_000_000}]}), "1,000,000 characters"),
         (json.dumps({"messages": [{"role": "user", "content": "hello " * 5000}]}), "exceeds the model context"),
         (json.dumps({"messages": messages(), "max_tokens": 0}), "max_tokens"),
+        (json.dumps({"messages": messages(), "max_tokens": rag.handle.max_context}), "context exceeded"),
+        (json.dumps({"messages": messages(), "max_tokens": 4, "min_tokens": 5}), "min_tokens"),
+        (json.dumps({"messages": messages(), "min_tokens": -1}), "min_tokens"),
         (json.dumps({"messages": messages(), "temperature": 3}), "temperature"),
     ]
     for body, words in cases:
@@ -444,6 +448,9 @@ def test_metrics_count_requests_ttft_and_cache_share(server):
     share = float(next(x for x in text.splitlines() if x.startswith("kvrag_cached_token_share ")).split()[1])
     assert 0 < share < 1
     assert "kvrag_queue_depth 0.0" in text
+    # The one request decoded its 3 tokens after the first in batched steps of one.
+    assert "kvrag_decode_step_seconds_count 3.0" in text
+    assert 'kvrag_decode_batch_size_bucket{le="1.0"} 3.0' in text
 
 
 def test_two_replicas_sharing_redis_share_chunks(handle, tmp_path, redis_url, prefix):
@@ -602,3 +609,33 @@ def test_hooks_server_mode_checks_its_arguments_and_names_an_unreachable_server(
         with pytest.raises(ServerChunksError, match="rejected"):
             c.submit_many(["  "], skip_invalid=False)
         assert c.wait_until_idle(timeout=30)
+
+
+def test_vllm_min_tokens_and_ignore_eos_fix_the_answer_length(server, rag):
+    """vLLM's sampling extras, as benchmarks send them through extra_body: ``ignore_eos``
+    decodes to max_tokens past EOS; ``min_tokens`` bars EOS until then. The tiny model's first
+    greedy tokens are made its EOS, so a plain request would stop at once."""
+    url, sch = server
+    ref = rag.generate(rag.render(messages()), max_new_tokens=6)
+    eos = sch._eos
+    sch._eos = torch.tensor([ref.token_ids[0]])
+    saved = set(rag.eos)
+    rag.eos.clear()
+    rag.eos.add(ref.token_ids[0])
+    try:
+        c = client(url)
+        plain = c.chat.completions.create(model="t", messages=messages(), max_tokens=6, temperature=0)
+        assert plain.choices[0].finish_reason == "stop" and plain.usage.completion_tokens == 1
+        ignored = c.chat.completions.create(
+            model="t", messages=messages(), max_tokens=6, temperature=0, extra_body={"ignore_eos": True}
+        )
+        assert ignored.choices[0].finish_reason == "length" and ignored.usage.completion_tokens == 6
+        barred = c.chat.completions.create(
+            model="t", messages=messages(), max_tokens=6, temperature=0, extra_body={"min_tokens": 6}
+        )
+        assert barred.choices[0].finish_reason == "length" and barred.usage.completion_tokens == 6
+        assert barred.choices[0].message.content != ignored.choices[0].message.content  # EOS never drawn
+    finally:
+        sch._eos = eos
+        rag.eos.clear()
+        rag.eos.update(saved)

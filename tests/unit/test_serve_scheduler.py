@@ -350,3 +350,64 @@ def test_scheduler_runs_on_its_own_thread_only(rag, monkeypatch):
     with Scheduler(rag) as sched:
         sched.submit(GenerationRequest(_prompt(0), max_new_tokens=4)).result(timeout=60)
     assert seen == {"kvrag-scheduler"}
+
+
+@pytest.fixture
+def eos_is(rag):
+    """Make ``tokens`` the model's EOS ids for one test (the tiny model rarely draws its own)."""
+    saved = set(rag.eos)
+
+    def make(*tokens):
+        rag.eos.clear()
+        rag.eos.update(tokens)
+
+    yield make
+    rag.eos.clear()
+    rag.eos.update(saved)
+
+
+def test_min_tokens_bars_eos_and_ignore_eos_decodes_past_it(rag, eos_is):
+    ref = rag.generate(_prompt(0), max_new_tokens=6)
+    first, third = ref.token_ids[0], ref.token_ids[2]
+    eos_is(third)
+    with Scheduler(rag) as sched:
+        plain = sched.submit(GenerationRequest(_prompt(0), max_new_tokens=6)).result(timeout=60)
+        # In one batched step with another request, and alone: the same tokens.
+        together = [
+            sched.submit(GenerationRequest(_prompt(0), max_new_tokens=6, ignore_eos=True)),
+            sched.submit(GenerationRequest(_prompt(1), max_new_tokens=6)),
+        ]
+        ignored = together[0].result(timeout=60)
+        together[1].result(timeout=60)
+        barred = sched.submit(GenerationRequest(_prompt(0), max_new_tokens=6, min_tokens=4)).result(timeout=60)
+    assert plain.token_ids == ref.token_ids[:3] and plain.finish_reason == "stop"
+    assert ignored.token_ids == ref.token_ids and ignored.finish_reason == "length"
+    assert barred.token_ids[:2] == ref.token_ids[:2] and third not in barred.token_ids[:4]
+    assert barred.completion_tokens >= 4
+    # The first token is barred too (it comes from the prefill, not a decode step).
+    eos_is(first)
+    with Scheduler(rag) as sched:
+        fin = sched.submit(GenerationRequest(_prompt(0), max_new_tokens=3, min_tokens=1)).result(timeout=60)
+    assert fin.token_ids[0] != first and fin.completion_tokens >= 1
+
+
+def test_a_named_token_limit_past_the_context_is_refused_an_unnamed_one_is_cut(rag):
+    n = rag.count_tokens(_prompt(0))
+    room = rag.handle.max_context - n
+    with Scheduler(rag) as sched:
+        with pytest.raises(ValueError, match=f"{n}.*max_new_tokens={room + 1}.*{room} left"):
+            sched.submit(GenerationRequest(_prompt(0), max_new_tokens=room + 1))
+        with pytest.raises(ValueError, match="min_tokens=7 is over"):
+            sched.submit(GenerationRequest(_prompt(0), max_new_tokens=6, min_tokens=7))
+        with pytest.raises(ValueError, match="ignore_eos"):
+            sched.submit(GenerationRequest(_prompt(0), ignore_eos="yes"))
+        ok = sched.submit(GenerationRequest(_prompt(0), max_new_tokens=room))
+        ok.cancel()
+        assert ok.result(timeout=60).finish_reason in ("cancelled", "stop")
+        # A prompt that leaves 5 tokens of room, with no limit named, gets those 5 (not the
+        # default 256) and is not refused.
+        long_prompt = "word " * 4000
+        left = rag.handle.max_context - rag.count_tokens(long_prompt)
+        assert 0 < left < sched_mod.DEFAULT_MAX_NEW_TOKENS
+        fin = sched.submit(GenerationRequest(long_prompt, max_new_tokens=None, ignore_eos=True)).result(timeout=120)
+        assert fin.completion_tokens == left and fin.finish_reason == "length"
