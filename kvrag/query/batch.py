@@ -7,6 +7,11 @@ once for the whole batch ([B, E] rows), and only the attention per request, each
 against its own cache. No cache is padded or copied per step: each ``DecodeCache`` keeps its
 K/V in a buffer with spare rows, and the step writes the new token's k/v into the next row.
 
+Where the model has neither sliding windows nor soft-capped attention, the caches of the
+requests decoding together can live in one ``DecodeArena``: a padded buffer per layer, each
+request's ``DecodeCache`` a view of its slot, so the step attends for all of them in one call
+(a key-padding mask hides each slot's unused rows) instead of one call per request and layer.
+
 The step is failure-atomic: rows are written past each cache's filled length and the length
 advances only after the whole step succeeded, so a step that raises leaves every cache as it
 was and can be retried with fewer requests.
@@ -49,6 +54,8 @@ class DecodeCache:
         spare: int = MIN_SPARE_ROWS,
     ):
         self.arch = arch
+        #: The ``DecodeArena`` whose slot holds this cache's rows (None: buffers of its own).
+        self.arena: DecodeArena | None = None
         self.pos = int(next_position)
         self.n = [int(k.shape[1]) for k in K]
         self._k: list[torch.Tensor] = []
@@ -103,6 +110,8 @@ class DecodeCache:
         n = self.n[layer]
         if self._k[layer].shape[1] > n:
             return
+        if self.arena is not None:  # growing here would leave the arena's copy behind
+            raise RuntimeError("a DecodeArena member steps only with its arena (decode_step(..., arena=))")
         cap = n + max(MIN_SPARE_ROWS, n // 4)
 
         def grown(old: torch.Tensor) -> torch.Tensor:
@@ -144,15 +153,160 @@ class DecodeCache:
         self.pos += 1
 
 
+class DecodeArena:
+    """The K/V of the requests that decode together, padded into one buffer per layer: K/V
+    [S, Hkv, R, D] (``S`` slots, ``R`` rows: at least every member's filled rows + 1).
+
+    Each member ``DecodeCache``'s buffers are views of its slot ([Hkv, R, D]), so its ``write``,
+    ``commit`` and a step of it alone work as before; a step over exactly the members, in slot
+    order (``members``), attends for all of them in one SDPA call. Unwritten rows are zeros:
+    a masked row gets probability 0, and 0 x a non-finite value would be NaN.
+
+    Memory: ``S x R`` rows per layer, ``R`` set by the longest member (grown by a quarter when
+    a member needs a row more). Slots are added one at a time as requests join; a member that
+    leaves is replaced by the last one (one copy of its rows), and the buffers are freed when
+    the last member leaves.
+
+    Only for models without sliding windows or soft-capped attention (``supports``): there a
+    step masks per request by position, which stays on the per-request path."""
+
+    def __init__(self, arch: Arch):
+        self.arch = arch
+        self.members: list[DecodeCache] = []
+        self._k: list[torch.Tensor] = []
+        self._v: list[torch.Tensor] = []
+
+    @staticmethod
+    def supports(arch: Arch) -> bool:
+        return arch.attn_softcap is None and all(w is None for w in arch.windows)
+
+    @property
+    def rows(self) -> int:
+        return int(self._k[0].shape[2]) if self._k else 0
+
+    def add(self, cache: DecodeCache) -> bool:
+        """Take ``cache`` into a slot (its rows copied once; its buffers become views), or
+        False when it cannot join: the model is not supported, or its dtype or device differs
+        from the members'. A cache that does not join decodes on the per-request path."""
+        if not self.supports(self.arch) or cache._kpos or cache in self.members:
+            return False
+        k0 = cache._k[0]
+        if self._k and (k0.dtype != self._k[0].dtype or k0.device != self._k[0].device):
+            return False
+        need = max(int(k.shape[1]) for k in cache._k)
+        self._resize(len(self.members) + 1, max(self.rows, need), k0)
+        slot = len(self.members)
+        for layer, n in enumerate(cache.n):
+            self._k[layer][slot, :, :n] = cache._k[layer][:, :n]
+            self._v[layer][slot, :, :n] = cache._v[layer][:, :n]
+        self.members.append(cache)
+        self._bind(slot)
+        return True
+
+    def remove(self, cache: DecodeCache) -> None:
+        """Drop ``cache`` (no-op if it is not a member); the last member moves into its slot.
+        The removed cache's views then show another request's rows: it must not step again."""
+        if cache not in self.members:
+            return
+        slot, last = self.members.index(cache), len(self.members) - 1
+        if slot != last:
+            moved = self.members[last]
+            for layer, n in enumerate(moved.n):
+                self._k[layer][slot, :, :n] = self._k[layer][last, :, :n]
+                self._v[layer][slot, :, :n] = self._v[layer][last, :, :n]
+            self.members[slot] = moved
+            self._bind(slot)
+        self.members.pop()
+        cache._k, cache._v, cache.arena = [], [], None  # its rows are gone: any further step fails loudly
+        if not self.members:
+            self._k, self._v = [], []
+
+    def reserve(self) -> None:
+        """A free row past every member's filled ones at every layer (a step writes there)."""
+        if not self.members:
+            return
+        top = max(n for c in self.members for n in c.n)
+        if top + 1 > self.rows:
+            self._resize(len(self.members), top + max(MIN_SPARE_ROWS, top // 4), self._k[0][0])
+
+    def _bind(self, slot: int) -> None:
+        cache = self.members[slot]
+        cache._k = [k[slot] for k in self._k]
+        cache._v = [v[slot] for v in self._v]
+        cache.arena = self
+
+    def _resize(self, slots: int, rows: int, like: torch.Tensor) -> None:
+        """Buffers of at least ``slots`` x ``rows`` (members' filled rows copied over); ``like``
+        [Hkv, M, D] gives the head count, head dim, dtype and device."""
+        have = int(self._k[0].shape[0]) if self._k else 0
+        if self._k and slots <= have and rows <= self.rows:
+            return
+        slots, rows = max(slots, have), max(rows, self.rows)
+        hkv, d = like.shape[0], like.shape[-1]
+        new_k, new_v = [], []
+        for layer in range(self.arch.n_layers):
+            kb = torch.zeros((slots, hkv, rows, d), dtype=like.dtype, device=like.device)
+            vb = torch.zeros_like(kb)
+            for slot, c in enumerate(self.members):
+                n = c.n[layer]
+                kb[slot, :, :n] = self._k[layer][slot, :, :n]
+                vb[slot, :, :n] = self._v[layer][slot, :, :n]
+            new_k.append(kb)
+            new_v.append(vb)
+        self._k, self._v = new_k, new_v
+        for slot in range(len(self.members)):
+            self._bind(slot)
+
+    def step_attention(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n: torch.Tensor, lo: int, hi: int
+    ) -> torch.Tensor:
+        """Write the members' new k/v [Hkv, B, D] at rows ``n`` (long [B], their filled rows at
+        ``layer``, ``lo``/``hi`` its least and greatest, read on the host) and attend: q
+        [H, B, D] -> [B, H*D]."""
+        arch = self.arch
+        b = q.shape[1]
+        K, V = self._k[layer], self._v[layer]
+        slots = torch.arange(b, device=K.device)
+        K[slots, :, n] = k.transpose(0, 1).to(K.dtype)
+        V[slots, :, n] = v.transpose(0, 1).to(V.dtype)
+        top = hi + 1
+        mask = None
+        if lo != hi:  # lengths differ: hide each slot's rows past its own
+            mask = (torch.arange(top, device=K.device)[None, :] <= n[:, None]).view(b, 1, 1, top)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(0, 1).unsqueeze(2),
+            K[:b, :, :top].to(q.dtype),
+            V[:b, :, :top].to(q.dtype),
+            attn_mask=mask,
+            scale=arch.scaling,
+            enable_gqa=q.shape[0] != K.shape[1],
+        )  # [B, H, 1, D]
+        return out.reshape(b, -1)
+
+
 @torch.no_grad()
-def decode_step(arch: Arch, caches: Sequence[DecodeCache], token_ids: Sequence[int]) -> torch.Tensor:
+def decode_step(
+    arch: Arch, caches: Sequence[DecodeCache], token_ids: Sequence[int], arena: DecodeArena | None = None
+) -> torch.Tensor:
     """Feed one token per request -> next-token logits [B, V] (float32).
 
     ``token_ids[i]`` is the token request ``i`` just produced (at ``caches[i].pos``). Token-wise
     work runs on [B, E] rows; attention runs per request over its own cache, windowed by key
-    position on sliding-window layers. The caches advance only when the whole step succeeded."""
+    position on sliding-window layers -- or, when ``caches`` are exactly ``arena``'s members in
+    slot order, in one call over the arena. The caches advance only when the whole step
+    succeeded."""
     if len(caches) != len(token_ids) or not caches:
         raise ValueError(f"decode_step needs one token per cache, got {len(token_ids)} for {len(caches)}")
+    pooled = (
+        arena is not None and len(caches) == len(arena.members) and all(c is m for c, m in zip(caches, arena.members))
+    )
+    rows = None
+    if arena is not None:
+        arena.reserve()  # also before a step of some members alone: a member's rows never move out
+    if pooled:
+        assert arena is not None
+        host = [list(col) for col in zip(*(c.n for c in caches))]  # [L][B]
+        rows = torch.tensor(host, dtype=torch.long, device=arena._k[0].device)  # [L, B]
     dev = arch.device
     toks = torch.tensor(list(token_ids), dtype=torch.long)
     positions = torch.tensor([c.pos for c in caches], dtype=torch.long)
@@ -166,6 +320,11 @@ def decode_step(arch: Arch, caches: Sequence[DecodeCache], token_ids: Sequence[i
         cs = arch.cos_sin(positions.to(dev))
     for layer in range(arch.n_layers):
         q, k, v, _ = arch.qkv(layer, hidden, cs)  # q [H, B, D], k/v [Hkv, B, D]
+        if rows is not None and arena is not None:
+            lens = host[layer]
+            attn = arena.step_attention(layer, q, k, v, rows[layer], min(lens), max(lens))
+            hidden = arch.finish_layer(layer, hidden, attn)
+            continue
         outs = []
         for i, c in enumerate(caches):
             keys, vals, mask = c.write(layer, k[:, i : i + 1], v[:, i : i + 1])

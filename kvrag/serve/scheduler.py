@@ -13,8 +13,10 @@ runs rounds:
 2. **One decode step** for every running request. Its cache is taken out of the prefill's
    stepper into a ``kvrag.query.batch.DecodeCache``, and ``decode_step`` runs the token-wise
    work of every layer (norms, q/k/v/o projections, MLP, final norm, LM head: nearly all the
-   weight reads) once for all of them, and attention per request over its own cache (caches
-   of different lengths, never padded). One host read of the batch's sampled tokens per step.
+   weight reads) once for all of them. Attention runs in one call per layer over a
+   ``DecodeArena`` (the running requests' caches padded into one buffer, each request's cache
+   a view of its slot) on models without sliding windows or soft-capped attention, and per
+   request over its own cache otherwise. One host read of the batch's sampled tokens per step.
 
 Which requests decode in the batched step: every policy whose decode step is the model's own
 — ``full_prefill``, ``naive_reuse``, ``cacheblend``, ``epic``, ``a3`` (evicting or not),
@@ -54,7 +56,7 @@ from kvrag.checks import check_int
 from kvrag.engine import KVRag
 from kvrag.errors import KVRagError
 from kvrag.policies import Policy, get_policy
-from kvrag.query.batch import DecodeCache, decode_step
+from kvrag.query.batch import DecodeArena, DecodeCache, decode_step
 from kvrag.query.decode import FusedStepper, HFStepper, Sampling, TextStream, sample
 from kvrag.query.prompt import render_prompt
 from kvrag.query.state import FusionStats
@@ -273,6 +275,9 @@ class Scheduler:
         self._tok_lock = threading.Lock()
         self._prefix = len(rag.handle.prefix_ids())
         self._eos = torch.tensor(sorted(rag.eos), dtype=torch.long)
+        # The running requests' caches, padded into one buffer per layer where the model
+        # allows (one attention call per layer for the whole batch); touched by the worker only.
+        self._arena = DecodeArena(rag.arch)
         # Seconds a request holds a slot (moving average), for the retry-after estimate.
         self._service_s = 2.0
         #: Called after each batched decode step with (requests in it, seconds it took), in the
@@ -470,6 +475,7 @@ class Scheduler:
                 r.cache = DecodeCache.from_stepper(self.rag.arch, stepper, spare=min(s.max_new_tokens, 512))
                 if r.cache is not None:
                     r.stepper = None  # the prefill's tensors go; the cache holds a copy
+                    self._arena.add(r.cache)
         except Exception as e:
             log.debug("request failed after its prefill", exc_info=True)
             self._end(r, "error", e)
@@ -503,7 +509,11 @@ class Scheduler:
         for r in list(self._running):
             if r.job.ticket.cancelled:
                 self._end(r, "cancelled")
-        batch = [r for r in self._running if r.cache is not None]
+        # In arena slot order, so a batch of exactly the arena's members attends in one call.
+        order = {id(c): i for i, c in enumerate(self._arena.members)}
+        batch = sorted(
+            (r for r in self._running if r.cache is not None), key=lambda r: order.get(id(r.cache), len(order))
+        )
         if batch:
             self._batched(batch)
         for r in [r for r in self._running if r.cache is None]:
@@ -522,7 +532,7 @@ class Scheduler:
         try:
             caches = [r.cache for r in batch if r.cache is not None]  # every one: batch holds cached requests
             t0 = time.perf_counter()
-            logits = decode_step(self.rag.arch, caches, [r.tokens[-1] for r in batch])
+            logits = decode_step(self.rag.arch, caches, [r.tokens[-1] for r in batch], self._arena)
             took = time.perf_counter() - t0
         except Exception as e:
             if len(batch) == 1:
@@ -569,6 +579,8 @@ class Scheduler:
                 self._running.remove(r)
             self._service_s = 0.8 * self._service_s + 0.2 * (now - r.t_prefill)
         r.done = True
+        if r.cache is not None:
+            self._arena.remove(r.cache)
         r.stepper = r.cache = None  # the request's cache goes now, not when the ticket is dropped
         ttft = r.t_first - r.job.t_submit if r.t_first is not None else None
         fin = Finished(

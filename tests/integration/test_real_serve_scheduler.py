@@ -29,9 +29,9 @@ def test_concurrent_chat_requests_equal_generate(tmp_path, monkeypatch):
     sizes = []
     real_step = sched_mod.decode_step
 
-    def spy(arch, caches, tokens):
+    def spy(arch, caches, tokens, arena=None):
         sizes.append(len(caches))
-        return real_step(arch, caches, tokens)
+        return real_step(arch, caches, tokens, arena)
 
     monkeypatch.setattr(sched_mod, "decode_step", spy)
     with Scheduler(rag, max_concurrency=8) as sched:

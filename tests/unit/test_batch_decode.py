@@ -7,7 +7,7 @@ import torch
 from corpus_helpers import DOCS, prompt_for
 
 from kvrag.engine import KVRag
-from kvrag.query.batch import DecodeCache, decode_step
+from kvrag.query.batch import DecodeArena, DecodeCache, decode_step
 from kvrag.testing import tiny_llama
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -178,3 +178,150 @@ def test_the_batch_reads_the_weights_once(tmp_path, model_type, overrides):
     assert sum(eight.by_op[m] for m in matmuls) == sum(one.by_op[m] for m in matmuls) > 0
     assert eight.total - one.total <= 7 * 4 * rag.arch.n_layers, eight.top(12)
     assert eight.syncs == one.syncs == 0
+
+
+ARENA_POLICIES = [("full_prefill", {}), ("cacheblend", {}), ("a3", {"evict_budget": 40}), ("naive_reuse", {})]
+
+
+def _arena_rag(tmp_path, model_type="llama"):
+    h = tiny_llama(seed=0, model_type=model_type)
+    rag = KVRag(h, cache_dir=tmp_path / "kv")
+    rag.precompute(DOCS)
+    return rag
+
+
+def _pair(rag, i, spare=2):
+    """Request ``i`` twice: a cache for the arena and one that steps on its own."""
+    p, (policy, params) = prompt_for(DOCS[: i % 4 + 1], QUESTIONS[i % 4]), ARENA_POLICIES[i % len(ARENA_POLICIES)]
+    return [DecodeCache.from_stepper(rag.arch, rag.prefill(p, policy, **params).stepper, spare=spare) for _ in "ab"]
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3", "olmo2", "granite", "phi3"])
+def test_the_arena_step_equals_each_request_alone(tmp_path, model_type):
+    """Caches of different lengths (an A3-thinned one among them, its rows chosen per layer and
+    head) in one arena: one attention call per layer gives each request its own step's
+    logits, through rows growing past the arena's (spare=2: it grows mid-test)."""
+    rag = _arena_rag(tmp_path, model_type)
+    arena = DecodeArena(rag.arch)
+    pairs = [_pair(rag, i) for i in range(4)]
+    pooled, solo = [a for a, _ in pairs], [b for _, b in pairs]
+    assert all(arena.add(c) for c in pooled) and arena.members == pooled
+    assert len({c.n[0] for c in pooled}) == 4 and pooled[2].n[0] < pooled[2].pos  # lengths differ, A3 evicted
+    rows0 = arena.rows
+    tokens = [5, 17, 300, 40]
+    for _ in range(6):
+        logits = decode_step(rag.arch, pooled, tokens, arena)
+        for i, c in enumerate(solo):
+            alone = decode_step(rag.arch, [c], [tokens[i]])[0]
+            torch.testing.assert_close(logits[i], alone, atol=1e-4, rtol=1e-4)
+            assert int(logits[i].argmax()) == int(alone.argmax())
+        tokens = logits.argmax(-1).tolist()
+    assert arena.rows > rows0  # grew, members' rows carried over
+    assert [c.pos for c in pooled] == [c.pos for c in solo] and [c.n for c in pooled] == [c.n for c in solo]
+
+
+def test_requests_join_and_leave_an_arena_between_steps(tmp_path):
+    """A member leaving moves the last one into its slot; a new one joins at the end; a step of
+    one member alone (the scheduler's retry after a failed step) stays on its slot's rows; the
+    last one leaving frees the buffers."""
+    rag = _arena_rag(tmp_path)
+    arena = DecodeArena(rag.arch)
+    pairs = [_pair(rag, i) for i in range(5)]
+    live = []
+    for a, b in pairs[:3]:
+        arena.add(a)
+        live.append((a, b))
+
+    def step_all():
+        toks = [7 + i for i in range(len(live))]
+        order = {id(c): i for i, c in enumerate(arena.members)}
+        live.sort(key=lambda ab: order[id(ab[0])])
+        got = decode_step(rag.arch, [a for a, _ in live], toks, arena)
+        for i, (_, b) in enumerate(live):
+            torch.testing.assert_close(got[i], decode_step(rag.arch, [b], [toks[i]])[0], atol=1e-4, rtol=1e-4)
+
+    step_all()
+    gone = live.pop(0)
+    arena.remove(gone[0])
+    assert gone[0] not in arena.members and gone[0].arena is None
+    with pytest.raises(IndexError):
+        decode_step(rag.arch, [gone[0]], [1])  # its rows are gone: no silent garbage
+    step_all()
+    for a, b in pairs[3:]:
+        arena.add(a)
+        live.append((a, b))
+    step_all()
+    a, b = live[1]
+    alone = decode_step(rag.arch, [b], [9])[0]
+    torch.testing.assert_close(decode_step(rag.arch, [a], [9], arena)[0], alone, atol=1e-4, rtol=1e-4)
+    step_all()
+    for a, _ in list(live):
+        arena.remove(a)
+    assert arena.members == [] and arena.rows == 0
+
+
+def test_the_arena_takes_only_what_it_can_step(tmp_path):
+    """Sliding windows or soft-capped attention mask per request by position: such a model's
+    caches stay on the per-request path; a member never grows out of its slot unseen."""
+    for model_type in ("mistral", "gemma2", "gemma3_text"):
+        h = tiny_llama(seed=0, model_type=model_type, **({"sliding_window": 8} if model_type == "mistral" else {}))
+        rag = KVRag(h, cache_dir=tmp_path / model_type)
+        cache = DecodeCache.from_stepper(rag.arch, rag.prefill("a short prompt").stepper)
+        assert not DecodeArena.supports(rag.arch) and not DecodeArena(rag.arch).add(cache)
+    rag = _arena_rag(tmp_path)
+    arena = DecodeArena(rag.arch)
+    a, _ = _pair(rag, 0, spare=1)
+    arena.add(a)
+    assert not arena.add(a)  # already a member
+    top = max(a.n)
+    while max(a.n) < arena.rows:  # the slot full to its last row
+        decode_step(rag.arch, [a], [3], arena)
+    with pytest.raises(RuntimeError, match="with its arena"):
+        decode_step(rag.arch, [a], [3])  # without the arena it would need rows the slot lacks
+    decode_step(rag.arch, [a], [3], arena)  # with it, the arena grows first
+    assert max(a.n) > top and arena.rows > max(a.n)
+
+
+def test_an_arena_step_runs_one_attention_per_layer(tmp_path):
+    """Counted, not timed: eight members attend in one SDPA call per layer (the per-request
+    path makes eight), with no host sync."""
+    from kvrag.bench.ops import count_ops
+
+    rag = _arena_rag(tmp_path)
+    arena = DecodeArena(rag.arch)
+    caches = [_pair(rag, i)[0] for i in range(8)]
+    for c in caches:
+        arena.add(c)
+    pooled, _ = count_ops(decode_step, rag.arch, caches, [5] * 8, arena)
+    sdpa = [k for k in pooled.by_op if "scaled_dot_product" in k]
+    assert sdpa and sum(pooled.by_op[k] for k in sdpa) == rag.arch.n_layers
+    assert pooled.syncs == 0
+
+
+def test_a_failed_arena_step_leaves_every_member_as_it_was(tmp_path, monkeypatch):
+    """A fault part-way through an arena step (here: the third layer's attention) advances no
+    member: the rows it wrote lie past every filled row, and the next step equals a clean one."""
+    rag = _arena_rag(tmp_path)
+    arena = DecodeArena(rag.arch)
+    pairs = [_pair(rag, i) for i in range(3)]
+    for a, _ in pairs:
+        arena.add(a)
+    members = list(arena.members)
+    state = [(c.pos, list(c.n)) for c in members]
+    real = DecodeArena.step_attention
+
+    def failing(self, layer, *args):
+        if layer == 2:
+            raise RuntimeError("device fault")
+        return real(self, layer, *args)
+
+    monkeypatch.setattr(DecodeArena, "step_attention", failing)
+    with pytest.raises(RuntimeError, match="device fault"):
+        decode_step(rag.arch, members, [1, 2, 3], arena)
+    monkeypatch.setattr(DecodeArena, "step_attention", real)
+    assert [(c.pos, list(c.n)) for c in members] == state
+    got = decode_step(rag.arch, members, [1, 2, 3], arena)
+    solo = {id(a): b for a, b in pairs}
+    for i, c in enumerate(members):
+        alone = decode_step(rag.arch, [solo[id(c)]], [[1, 2, 3][i]])[0]
+        torch.testing.assert_close(got[i], alone, atol=1e-4, rtol=1e-4)
