@@ -163,9 +163,9 @@ class DecodeArena:
     a masked row gets probability 0, and 0 x a non-finite value would be NaN.
 
     Memory: ``S x R`` rows per layer, ``R`` set by the longest member (grown by a quarter when
-    a member needs a row more). Slots are added one at a time as requests join; a member that
-    leaves is replaced by the last one (one copy of its rows), and the buffers are freed when
-    the last member leaves.
+    a member needs a row more), ``S`` doubled when a request joins a full arena. A member that
+    leaves is replaced by the last one (one copy of its rows); the buffers are freed when the
+    last member leaves.
 
     Only for models without sliding windows or soft-capped attention (``supports``): there a
     step masks per request by position, which stays on the per-request path."""
@@ -194,7 +194,11 @@ class DecodeArena:
         if self._k and (k0.dtype != self._k[0].dtype or k0.device != self._k[0].device):
             return False
         need = max(int(k.shape[1]) for k in cache._k)
-        self._resize(len(self.members) + 1, max(self.rows, need), k0)
+        have = int(self._k[0].shape[0]) if self._k else 0
+        # Slots double when full (1, 2, 4, 8...): a burst of joins copies the members a few
+        # times, not once per join.
+        slots = have if len(self.members) < have else max(1, 2 * have)
+        self._resize(slots, max(self.rows, need), k0)
         slot = len(self.members)
         for layer, n in enumerate(cache.n):
             self._k[layer][slot, :, :n] = cache._k[layer][:, :n]
