@@ -184,6 +184,10 @@ class DecodeArena:
     def rows(self) -> int:
         return int(self._k[0].shape[2]) if self._k else 0
 
+    @property
+    def slots(self) -> int:
+        return int(self._k[0].shape[0]) if self._k else 0
+
     def add(self, cache: DecodeCache) -> bool:
         """Take ``cache`` into a slot (its rows copied once; its buffers become views), or
         False when it cannot join: the model is not supported, or its dtype or device differs
@@ -194,7 +198,7 @@ class DecodeArena:
         if self._k and (k0.dtype != self._k[0].dtype or k0.device != self._k[0].device):
             return False
         need = max(int(k.shape[1]) for k in cache._k)
-        have = int(self._k[0].shape[0]) if self._k else 0
+        have = self.slots
         # Slots double when full (1, 2, 4, 8...): a burst of joins copies the members a few
         # times, not once per join.
         slots = have if len(self.members) < have else max(1, 2 * have)
@@ -242,7 +246,7 @@ class DecodeArena:
     def _resize(self, slots: int, rows: int, like: torch.Tensor) -> None:
         """Buffers of at least ``slots`` x ``rows`` (members' filled rows copied over); ``like``
         [Hkv, M, D] gives the head count, head dim, dtype and device."""
-        have = int(self._k[0].shape[0]) if self._k else 0
+        have = self.slots
         if self._k and slots <= have and rows <= self.rows:
             return
         slots, rows = max(slots, have), max(rows, self.rows)
@@ -261,28 +265,48 @@ class DecodeArena:
         for slot in range(len(self.members)):
             self._bind(slot)
 
+    def step_plan(self) -> list[tuple[torch.Tensor, torch.Tensor, int, torch.Tensor | None]]:
+        """Per layer, what a step of the members needs: (slot indices long [B], the rows the new
+        k/v go to long [B] = each member's filled rows there, keys read ``top``, key-padding mask
+        bool [B, 1, 1, top] or None where every member has as many rows). Built on the host from
+        the members' counts, once per distinct count (layers alike share one entry)."""
+        dev = self._k[0].device
+        b = len(self.members)
+        slots = torch.arange(b, device=dev)
+        memo: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor, int, torch.Tensor | None]] = {}
+        plan = []
+        for lens in zip(*(c.n for c in self.members)):
+            if lens not in memo:
+                n = torch.tensor(lens, dtype=torch.long, device=dev)
+                top = max(lens) + 1
+                mask = None
+                if min(lens) != max(lens):  # lengths differ: hide each slot's rows past its own
+                    mask = (torch.arange(top, device=dev)[None, :] <= n[:, None]).view(b, 1, 1, top)
+                memo[lens] = (slots, n, top, mask)
+            plan.append(memo[lens])
+        return plan
+
     def step_attention(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n: torch.Tensor, lo: int, hi: int
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        plan: tuple[torch.Tensor, torch.Tensor, int, torch.Tensor | None],
     ) -> torch.Tensor:
-        """Write the members' new k/v [Hkv, B, D] at rows ``n`` (long [B], their filled rows at
-        ``layer``, ``lo``/``hi`` its least and greatest, read on the host) and attend: q
-        [H, B, D] -> [B, H*D]."""
-        arch = self.arch
+        """Write the members' new k/v [Hkv, B, D] where ``plan`` (``step_plan()[layer]``) says
+        and attend: q [H, B, D] -> [B, H*D]."""
+        slots, n, top, mask = plan
         b = q.shape[1]
         K, V = self._k[layer], self._v[layer]
-        slots = torch.arange(b, device=K.device)
         K[slots, :, n] = k.transpose(0, 1).to(K.dtype)
         V[slots, :, n] = v.transpose(0, 1).to(V.dtype)
-        top = hi + 1
-        mask = None
-        if lo != hi:  # lengths differ: hide each slot's rows past its own
-            mask = (torch.arange(top, device=K.device)[None, :] <= n[:, None]).view(b, 1, 1, top)
         out = torch.nn.functional.scaled_dot_product_attention(
             q.transpose(0, 1).unsqueeze(2),
             K[:b, :, :top].to(q.dtype),
             V[:b, :, :top].to(q.dtype),
             attn_mask=mask,
-            scale=arch.scaling,
+            scale=self.arch.scaling,
             enable_gqa=q.shape[0] != K.shape[1],
         )  # [B, H, 1, D]
         return out.reshape(b, -1)
@@ -304,13 +328,11 @@ def decode_step(
     pooled = (
         arena is not None and len(caches) == len(arena.members) and all(c is m for c, m in zip(caches, arena.members))
     )
-    rows = None
+    plan = None
     if arena is not None:
         arena.reserve()  # also before a step of some members alone: a member's rows never move out
-    if pooled:
-        assert arena is not None
-        host = [list(col) for col in zip(*(c.n for c in caches))]  # [L][B]
-        rows = torch.tensor(host, dtype=torch.long, device=arena._k[0].device)  # [L, B]
+        if pooled:
+            plan = arena.step_plan()
     dev = arch.device
     toks = torch.tensor(list(token_ids), dtype=torch.long)
     positions = torch.tensor([c.pos for c in caches], dtype=torch.long)
@@ -324,10 +346,8 @@ def decode_step(
         cs = arch.cos_sin(positions.to(dev))
     for layer in range(arch.n_layers):
         q, k, v, _ = arch.qkv(layer, hidden, cs)  # q [H, B, D], k/v [Hkv, B, D]
-        if rows is not None and arena is not None:
-            lens = host[layer]
-            attn = arena.step_attention(layer, q, k, v, rows[layer], min(lens), max(lens))
-            hidden = arch.finish_layer(layer, hidden, attn)
+        if plan is not None and arena is not None:
+            hidden = arch.finish_layer(layer, hidden, arena.step_attention(layer, q, k, v, plan[layer]))
             continue
         outs = []
         for i, c in enumerate(caches):

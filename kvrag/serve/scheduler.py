@@ -469,7 +469,7 @@ class Scheduler:
             self._end(r, "length")
             return
         try:
-            self._accept(r, sample(self._eos_barred(r, logits).cpu(), s, r.gen))
+            self._accept(r, sample(self._bar_eos(logits, [r]).cpu(), s, r.gen))
             if not r.done:
                 # Rows for the tokens still to come, so a short answer never regrows its cache.
                 r.cache = DecodeCache.from_stepper(self.rag.arch, stepper, spare=min(s.max_new_tokens, 512))
@@ -480,12 +480,15 @@ class Scheduler:
             log.debug("request failed after its prefill", exc_info=True)
             self._end(r, "error", e)
 
-    def _eos_barred(self, r: _Running, logits: torch.Tensor) -> torch.Tensor:
-        """The request's next-token logits [V] with EOS masked while it is short of its
-        ``min_tokens`` (as vLLM bars it), else as they are."""
-        if len(r.tokens) >= r.job.min_tokens or not len(self._eos):
-            return logits
-        return logits.index_fill(-1, self._eos.to(logits.device), float("-inf"))
+    def _bar_eos(self, logits: torch.Tensor, rows: list[_Running]) -> torch.Tensor:
+        """Next-token logits [B, V] (or [V] for one request) of ``rows``, with EOS masked in
+        place for each request still short of its ``min_tokens`` (as vLLM bars it)."""
+        barred = [i for i, r in enumerate(rows) if len(r.tokens) < r.job.min_tokens]
+        if barred and len(self._eos):
+            view = logits.view(-1, logits.shape[-1])
+            idx = torch.tensor(barred, device=logits.device)
+            view[idx.unsqueeze(1), self._eos.to(logits.device).unsqueeze(0)] = float("-inf")
+        return logits
 
     def _accept(self, r: _Running, tok: int) -> None:
         """Take the request's next token: stream its text, and end the request on EOS, a stop
@@ -519,7 +522,7 @@ class Scheduler:
         for r in [r for r in self._running if r.cache is None]:
             try:
                 assert r.stepper is not None  # a request without a batched cache keeps its stepper
-                logits = self._eos_barred(r, r.stepper.step([r.tokens[-1]])[-1])
+                logits = self._bar_eos(r.stepper.step([r.tokens[-1]])[-1], [r])
                 self._accept(r, sample(logits.cpu(), r.job.sampling, r.gen))
             except Exception as e:
                 log.debug("request failed at a decode step", exc_info=True)
@@ -546,11 +549,7 @@ class Scheduler:
         # drawn on the host with their own generator, as ``KVRag.stream`` draws them.
         for observe in self.step_observers:
             observe(len(batch), took)
-        barred = [i for i, r in enumerate(batch) if len(r.tokens) < r.job.min_tokens]
-        if barred and len(self._eos):
-            rows = torch.tensor(barred, device=logits.device)
-            logits[rows.unsqueeze(1), self._eos.to(logits.device).unsqueeze(0)] = float("-inf")
-        toks = logits.argmax(-1).tolist()
+        toks = self._bar_eos(logits, batch).argmax(-1).tolist()
         sampled = [i for i, r in enumerate(batch) if r.job.sampling.temperature > 0]
         if sampled:
             rows = logits[sampled].cpu()
