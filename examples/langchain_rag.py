@@ -1,6 +1,6 @@
 """LangChain LCEL RAG chain over a persistent Chroma collection: plain transformers vs kvrag.
 
-    python examples/langchain_rag.py [--policy cacheblend] [--data-dir ./kvrag-example-data]
+    python examples/langchain_rag.py [--policy auto] [--data-dir ./kvrag-example-data]
 
 The kvrag chain differs from the plain one in two places only, marked ``# kvrag``: the chat
 model (``ChatKVRag`` instead of ``ChatHuggingFace`` over a transformers pipeline), and the
@@ -77,7 +77,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data-dir", default="./kvrag-example-data", help="Chroma + KV cache directory")
     ap.add_argument(
-        "--policy", default="cacheblend", choices=policy_names(), help="kvrag reuse policy (see `kvrag policies`)"
+        "--policy",
+        default="auto",
+        choices=["auto", *policy_names()],
+        help="kvrag reuse policy (see `kvrag policies`); auto: the model's measured default",
     )
     ap.add_argument("--top-k", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=32)
@@ -91,7 +94,11 @@ def main() -> None:
     client = chromadb.PersistentClient(path=str(data / "chroma"), settings=ChromaSettings(anonymized_telemetry=False))
 
     print("loading SmolLM2-135M-Instruct ...", flush=True)
-    rag = KVRag(cache_dir=data / "kv")  # loads the model once; the plain pipeline reuses its weights
+    rag = KVRag(cache_dir=data / "kv", policy="full_prefill")  # loads the model once; the plain pipeline uses it
+    # kvrag's own KVRag shares those weights, unless its policy runs the model's KVLink adapter
+    # (an adapted copy: SmolLM2's default does), so the plain pipeline stays the plain model.
+    kv_rag = KVRag(rag.handle, cache_dir=data / "kv", policy=args.policy)
+    print(f"kvrag policy: {kv_rag.policy.name}", flush=True)
     plain_llm = ChatHuggingFace(
         llm=HuggingFacePipeline(
             pipeline=pipeline(
@@ -105,9 +112,7 @@ def main() -> None:
         ),
         tokenizer=rag.tokenizer,
     )
-    kv_llm = ChatKVRag(
-        rag=rag, policy=args.policy, max_new_tokens=args.max_new_tokens, stop=["\n"]
-    )  # kvrag: the chat model
+    kv_llm = ChatKVRag(rag=kv_rag, max_new_tokens=args.max_new_tokens, stop=["\n"])  # kvrag: the chat model
 
     # ---- ingestion: the stock vector store + the kvrag hook -------------------------------------
     store = Chroma(client=client, collection_name=COLLECTION, embedding_function=embeddings)
@@ -144,7 +149,7 @@ def main() -> None:
         a, t, last = ask(kv_chain, q)
         u, meta = last.usage_metadata, last.response_metadata
         print(
-            f"  {'kvrag (' + args.policy + ')':<21} TTFT {t * 1000:6.0f} ms  | {a!r}\n"
+            f"  {'kvrag (' + kv_rag.policy.name + ')':<21} TTFT {t * 1000:6.0f} ms  | {a!r}\n"
             f"      {u['input_token_details']['cache_read']}/{u['input_tokens']} prompt tokens from the cache, "
             f"{u['input_token_details']['recomputed']} recomputed, prefill TTFT {meta['ttft_s'] * 1000:.0f} ms"
         )

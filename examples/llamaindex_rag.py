@@ -1,6 +1,6 @@
 """LlamaIndex RAG over a persistent Chroma collection: the plain pipeline vs the kvrag one.
 
-    python examples/llamaindex_rag.py [--policy cacheblend] [--data-dir ./kvrag-example-data]
+    python examples/llamaindex_rag.py [--policy auto] [--data-dir ./kvrag-example-data]
 
 The kvrag pipeline differs from the plain one in two places only, marked ``# kvrag``:
 the LLM object, and the ingestion hook (``KVPrecompute`` in the IngestionPipeline; plus,
@@ -64,7 +64,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data-dir", default="./kvrag-example-data", help="Chroma + KV cache directory")
     ap.add_argument(
-        "--policy", default="cacheblend", choices=policy_names(), help="kvrag reuse policy (see `kvrag policies`)"
+        "--policy",
+        default="auto",
+        choices=["auto", *policy_names()],
+        help="kvrag reuse policy (see `kvrag policies`); auto: the model's measured default",
     )
     ap.add_argument("--top-k", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=32)
@@ -77,10 +80,14 @@ def main() -> None:
     vector_store = ChromaVectorStore(chroma_collection=client.get_or_create_collection(COLLECTION))
 
     print("loading SmolLM2-135M-Instruct ...", flush=True)
-    rag = KVRag(cache_dir=data / "kv")
+    rag = KVRag(cache_dir=data / "kv", policy="full_prefill")
+    # kvrag's own KVRag shares those weights, unless its policy runs the model's KVLink adapter
+    # (an adapted copy: SmolLM2's default does), so the baseline stays the plain model.
+    kv_rag = KVRag(rag.handle, cache_dir=data / "kv", policy=args.policy)
+    print(f"kvrag policy: {kv_rag.policy.name}", flush=True)
     common = dict(max_new_tokens=args.max_new_tokens, stop=["\n"])
-    plain_llm = KVRagLLM(rag, policy="full_prefill", **common)  # the plain baseline (see above)
-    kv_llm = KVRagLLM(rag, policy=args.policy, **common)  # kvrag: the LLM object
+    plain_llm = KVRagLLM(rag, **common)  # the plain baseline (see above)
+    kv_llm = KVRagLLM(kv_rag, **common)  # kvrag: the LLM object
 
     # ---- ingestion: stock pipeline + the kvrag hook ---------------------------------------------
     if vector_store._collection.count() == 0:
@@ -124,7 +131,7 @@ def main() -> None:
         a, t = ask(kv_qe, q)
         s = kv_llm.last_stats
         print(
-            f"  {'kvrag (' + args.policy + ')':<21} TTFT {t * 1000:6.0f} ms  | {a!r}\n"
+            f"  {'kvrag (' + kv_rag.policy.name + ')':<21} TTFT {t * 1000:6.0f} ms  | {a!r}\n"
             f"      {s.chunks_hit} chunks from the cache, {s.cached_tokens}/{s.prompt_tokens} prompt tokens cached, "
             f"{s.recompute_fraction:.0%} recomputed, prefill TTFT {s.ttft_s * 1000:.0f} ms"
         )

@@ -6,8 +6,11 @@ the same values, so a default changes in one line."""
 
 from __future__ import annotations
 
-#: The reuse policy ``KVRag``, the LLM wrappers and ``kvrag`` commands run when none is named.
-DEFAULT_POLICY = "cacheblend"
+#: The reuse policy ``KVRag``, the LLM wrappers and ``kvrag`` commands run when none is named:
+#: ``"auto"`` is the model's own default, chosen from its held-out benchmarks
+#: (``kvrag.policies.model_defaults``), and CacheBlend for a model without any.
+AUTO_POLICY = "auto"
+DEFAULT_POLICY = AUTO_POLICY
 #: The dtype stored K/V are kept in (``KVRag(storage_dtype=...)``, ``--storage-dtype``).
 DEFAULT_STORAGE_DTYPE = "float16"
 #: The compute dtype a model is loaded in (``KVRag(dtype=...)``, ``--dtype``).

@@ -22,6 +22,7 @@ import torch
 
 from kvrag.checks import check_int, check_seq, check_token_ids
 from kvrag.defaults import (
+    AUTO_POLICY,
     DEFAULT_CHUNK_ANCHOR,
     DEFAULT_COMPUTE_DTYPE,
     DEFAULT_MAX_NEW_TOKENS,
@@ -33,6 +34,7 @@ from kvrag.model import ModelHandle
 from kvrag.paths import default_store_dir
 from kvrag.policies import Policy, get_policy
 from kvrag.policies.kvlink.adapter import KVLinkAdapter, adapt_model
+from kvrag.policies.model_defaults import DefaultPolicy, default_policy
 from kvrag.precompute import pending_in_prompt
 from kvrag.precompute.ingest import STORAGE_DTYPES, Ingestor, cache_fingerprint, resolve_anchor
 from kvrag.query.align import prompt_prefix
@@ -132,7 +134,9 @@ class KVRag:
 
     model: a ``ModelHandle``, a local HF model directory or ``.gguf`` path, or None for the
     default SmolLM2-135M-Instruct. cache_dir: where the KV store lives. policy/policy_params:
-    the default reuse policy (overridable per call). storage_dtype: dtype of stored K/V.
+    the default reuse policy (overridable per call); ``"auto"`` (the default): the setting the
+    model's held-out benchmarks chose (``kvrag.policies.model_defaults``; CacheBlend for a
+    model without such evidence), recorded with its reason in ``policy_default``. storage_dtype: dtype of stored K/V.
     size_limit: bytes of the store's blob cache, recorded in the store; None keeps the limit
     the store already has (16 GiB for a new one).
     ingest_policies: policies whose per-chunk extras are computed at precompute time (the
@@ -185,8 +189,16 @@ class KVRag:
         **policy_params,
     ) -> None:
         # Bad options fail before a model load, and before the store is opened: opening it
-        # records ``size_limit`` in a store other processes may share.
-        pol = get_policy(policy, **policy_params)
+        # records ``size_limit`` in a store other processes may share. ``"auto"`` is resolved
+        # once the model is known (its held-out default), so its parameters cannot be checked
+        # before: they must come with a named policy.
+        auto = isinstance(policy, str) and policy == AUTO_POLICY
+        if auto and policy_params:
+            raise ValueError(
+                f"policy parameters {sorted(policy_params)} need a named policy: the default policy "
+                "is chosen per model (policy='auto'), so name the one they are for, e.g. policy='cacheblend'"
+            )
+        pol = None if auto else get_policy(policy, **policy_params)
         check_cache_dir(cache_dir)
         if storage_dtype not in STORAGE_DTYPES:
             raise ValueError(f"storage_dtype must be one of {sorted(STORAGE_DTYPES)}, got {storage_dtype!r}")
@@ -207,6 +219,12 @@ class KVRag:
             ingest_policies = [ingest_policies]
         ingest = [get_policy(p) for p in ingest_policies]
         self.handle = model if isinstance(model, ModelHandle) else ModelHandle.load(model, dtype=dtype, device=device)
+        #: What ``policy="auto"`` resolved to and why (None when a policy was named).
+        self.policy_default: DefaultPolicy | None = None
+        if pol is None:
+            self.policy_default = default_policy(self.handle, kvlink_adapter)
+            pol = get_policy(self.policy_default.policy, **self.policy_default.params)
+            log.info("policy %s: %s", self.policy_default.label, self.policy_default.why)
         if kvlink_adapter is not None:
             self.handle = adapt_model(self.handle, kvlink_adapter, pol.name)
         # One Arch per model: the handle builds it, every component shares it.
@@ -416,13 +434,20 @@ class KVRag:
         stats.prefill_s = time.perf_counter() - t_fuse
         return logits, stepper, stats, prompt_ids
 
+    def _call_policy(self, policy: str | Policy | None, policy_params: dict) -> Policy:
+        """The policy a call runs: ``policy``, or this KVRag's own when None or ``"auto"``
+        (whose parameters ``policy_params`` then update)."""
+        if policy is None or (isinstance(policy, str) and policy == AUTO_POLICY):
+            return get_policy(self.policy, **policy_params)
+        return get_policy(policy, **policy_params)
+
     def prepare(self, prompt: str | Sequence[dict], policy: str | Policy | None = None, **policy_params) -> Prepared:
         """The first half of ``prefill``: render, check, segment and read the cached chunks of a
         prompt under ``policy`` (the KVRag's own when None), and lay them out; no model forward.
         Bad input raises here. ``fuse`` runs the prefill on the result; measuring the two apart
         (e.g. counting the fused prefill's ops without the chunk reads) is what this is for."""
         t0 = time.perf_counter()
-        pol = get_policy(policy if policy is not None else self.policy, **policy_params)
+        pol = self._call_policy(policy, policy_params)
         return self._prepare(self.render(prompt), pol, t0)
 
     def fuse(self, prepared: Prepared) -> Prefill:
@@ -458,7 +483,7 @@ class KVRag:
         # Bad policy options and prompts fail at the call, not at the first iteration; the
         # time this takes (rendering a chat template) still counts in TTFT and load_s.
         t_call = time.perf_counter()
-        pol = get_policy(policy if policy is not None else self.policy, **policy_params)
+        pol = self._call_policy(policy, policy_params)
         prep = self._prepare(self.render(prompt), pol, t_call)
         sampling = self._fit_context(sampling, prep)
         prep_s = time.perf_counter() - t_call

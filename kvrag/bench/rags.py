@@ -40,9 +40,12 @@ def make_rags(cfg: BenchConfig, handle: ModelHandle, cache_dir: Path, runs: list
         base_adapter, lora = (None, ad) if ad.has_lora else (ad, None)
 
     def kvrag(kvlink_adapter: str | KVLinkAdapter | None, ingest_policies: list[str]) -> KVRag:
+        # Every measured call names its policy; naming one here keeps the model's default
+        # (which may want an adapter) from choosing which model the KVRag runs.
         return KVRag(
             handle,
             cache_dir=cache_dir,
+            policy="full_prefill",
             kvlink_adapter=kvlink_adapter,
             ingest_policies=ingest_policies,
             storage_dtype=cfg.storage_dtype,

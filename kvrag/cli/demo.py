@@ -9,9 +9,11 @@ from importlib import resources
 from pathlib import Path
 
 from kvrag.cli._options import MODEL_HELP
+from kvrag.defaults import AUTO_POLICY
 from kvrag.errors import KVRagError
 
-DEFAULT_POLICIES = "full_prefill,naive_reuse,cacheblend,kvlink"
+#: ``auto`` is the model's own default (what ``KVRag()`` runs), shown with the reason it was chosen.
+DEFAULT_POLICIES = "full_prefill,auto,naive_reuse,cacheblend"
 
 
 def register(sub) -> None:
@@ -30,7 +32,9 @@ def register(sub) -> None:
         help="JSON object with instruction (optional), documents and questions (non-empty lists of strings)",
     )
     p.add_argument(
-        "--policies", default=DEFAULT_POLICIES, help=f"comma-separated policy names (default: {DEFAULT_POLICIES})"
+        "--policies",
+        default=DEFAULT_POLICIES,
+        help=f"comma-separated policy names, auto = the model's default (default: {DEFAULT_POLICIES})",
     )
     p.add_argument("--max-new-tokens", type=int, default=24, help="answer length cap (>= 1; default 24)")
     p.set_defaults(func=run)
@@ -71,13 +75,14 @@ def load_corpus(path: str | None) -> dict:
 
 
 def parse_policies(text: str) -> list[str]:
-    """Comma-separated policy names, checked against the registry; duplicates dropped (order kept)."""
+    """Comma-separated policy names (or ``auto``), checked against the registry; duplicates
+    dropped (order kept)."""
     from kvrag.policies import policy_names
 
     policies = list(dict.fromkeys(p.strip() for p in text.split(",") if p.strip()))
     if not policies:
         raise KVRagError(f"--policies {text!r}: no policy named; give e.g. {DEFAULT_POLICIES}")
-    unknown = [p for p in policies if p not in policy_names()]
+    unknown = [p for p in policies if p not in policy_names() and p != AUTO_POLICY]
     if unknown:
         raise KVRagError(
             f"--policies: unknown {', '.join(map(repr, unknown))}; registered: {', '.join(policy_names())}"
@@ -109,18 +114,32 @@ def run(args) -> int:
 
 def _run(args, corpus: dict, policies: list[str], cache_dir: str) -> int:
     from kvrag.engine import KVRag
+    from kvrag.policies.model_defaults import default_policy
     from kvrag.query.prompt import DEFAULT_INSTRUCTION, rag_prompt
 
     print("loading model ...", flush=True)
-    rag = KVRag(args.model, cache_dir=cache_dir)
-    # kvlink runs as a user gets it with KVRag(policy="kvlink"): with the model's KVLink adapter
-    # (a LoRA adapter ships for the default model), i.e. a model copy with chunk caches of its
-    # own; without an adapter it is the same model and the same caches.
-    rags = {p: rag for p in policies}
-    if "kvlink" in policies:
-        rags["kvlink"] = KVRag(rag.handle, cache_dir=cache_dir, policy="kvlink")
-        if rags["kvlink"].handle is not rag.handle:
-            print("kvlink runs trained: the model's KVLink adapter (LoRA + link tokens) on a model copy", flush=True)
+    # The reference runs on the base model; each policy runs as a user gets it by naming it.
+    rag = KVRag(args.model, cache_dir=cache_dir, policy="full_prefill")
+    default = default_policy(rag.handle)
+    print(f"default policy of this model: {default.label} -- {default.why}", flush=True)
+    # (label, policy, parameters) per row: auto shows as the setting it resolves to.
+    rows: dict[str, tuple[str, dict]] = {}
+    for p in policies:
+        name, params = (default.policy, default.params) if p == AUTO_POLICY else (p, {})
+        label = f"{default.label} (default)" if p == AUTO_POLICY else p
+        if all((name, params) != v for v in rows.values()):
+            rows[label] = (name, params)
+    # kvlink runs as KVRag(policy="kvlink") runs it: with the model's KVLink adapter (a LoRA
+    # adapter ships for the default model), i.e. a model copy with chunk caches of its own;
+    # without an adapter it is the same model and the same caches.
+    rags = {lab: rag for lab in rows}
+    for lab, (name, params) in rows.items():
+        if name == "kvlink":
+            rags[lab] = KVRag(rag.handle, cache_dir=cache_dir, policy="kvlink", **params)
+            if rags[lab].handle is not rag.handle:
+                print(
+                    "kvlink runs trained: the model's KVLink adapter (LoRA + link tokens) on a model copy", flush=True
+                )
     docs = corpus["documents"]
     instruction = corpus.get("instruction") or DEFAULT_INSTRUCTION
     t0 = time.perf_counter()
@@ -133,41 +152,44 @@ def _run(args, corpus: dict, policies: list[str], cache_dir: str) -> int:
     n_tok = sum(len(rag.chunk_ids(d)) for d in docs)
     print(f"ingested {len(docs)} documents ({n_tok} tokens) in {time.perf_counter() - t0:.1f}s\n")
     # Warm-up: the first call pays one-off costs (allocations, kernels) for every policy alike.
-    for pol, r in rags.items():
-        r.generate(rag_prompt(rag.tokenizer, docs, "warm-up", instruction), policy=pol, max_new_tokens=1)
-    ttft: dict[str, list[float]] = {p: [] for p in policies}
+    for lab, (name, params) in rows.items():
+        prompt = rag_prompt(rag.tokenizer, docs, "warm-up", instruction)
+        rags[lab].generate(prompt, policy=name, max_new_tokens=1, **params)
+    ttft: dict[str, list[float]] = {lab: [] for lab in rows}
     print(
         "recomputed = share of the cached (token, layer) pairs the policy computed again "
         "(layers before its selection count in full); = full: the same answer as full_prefill\n"
     )
     # full_prefill first: every other answer is compared with its answer.
-    order = sorted(policies, key=lambda p: p != "full_prefill")
-    same = {p: 0 for p in policies}
+    order = sorted(rows, key=lambda lab: lab != "full_prefill")
+    width = max(13, *map(len, order))
+    same = {lab: 0 for lab in rows}
     for q in corpus["questions"]:
         msgs = rag_prompt(rag.tokenizer, docs, q, instruction)
         print(f"Q: {q}")
         reference = None
-        for pol in order:
-            out = rags[pol].generate(msgs, policy=pol, max_new_tokens=args.max_new_tokens, stop=["\n"])
+        for lab in order:
+            name, params = rows[lab]
+            out = rags[lab].generate(msgs, policy=name, max_new_tokens=args.max_new_tokens, stop=["\n"], **params)
             s, answer = out.stats, out.text.strip()
-            ttft[pol].append(s.ttft_s)
-            if pol == "full_prefill":
+            ttft[lab].append(s.ttft_s)
+            if lab == "full_prefill":
                 reference = answer
-            agree = reference is not None and pol != "full_prefill" and answer == reference
-            same[pol] += agree
+            agree = reference is not None and lab != "full_prefill" and answer == reference
+            same[lab] += agree
             cut = "..." if out.finish_reason == "length" else ""
             print(
-                f"  {pol:<13} TTFT {s.ttft_s * 1000:7.0f} ms  cached {s.cached_tokens:5d}  "
+                f"  {lab:<{width}} TTFT {s.ttft_s * 1000:7.0f} ms  cached {s.cached_tokens:5d}  "
                 f"recomputed {s.recompute_fraction:5.1%}  | {answer!r}{cut}{'  = full' if agree else ''}"
             )
         print()
     base = sorted(ttft.get("full_prefill", []))
     n = len(corpus["questions"])
     print("median TTFT" + (f" (speed-up vs full_prefill; answers equal to full_prefill's, of {n})" if base else ""))
-    for pol in order:
-        xs = sorted(ttft[pol])
+    for lab in order:
+        xs = sorted(ttft[lab])
         med = xs[len(xs) // 2]
         ratio = f"  x{base[len(base) // 2] / med:5.1f}" if base and med > 0 else ""
-        agreement = f"  same answer {same[pol]}/{n}" if base and pol != "full_prefill" else ""
-        print(f"  {pol:<13} {med * 1000:7.0f} ms{ratio}{agreement}")
+        agreement = f"  same answer {same[lab]}/{n}" if base and lab != "full_prefill" else ""
+        print(f"  {lab:<{width}} {med * 1000:7.0f} ms{ratio}{agreement}")
     return 0

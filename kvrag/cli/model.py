@@ -62,6 +62,8 @@ def _attention(d: dict) -> str:
 def _info(args: argparse.Namespace) -> int:
     # Imported here so `kvrag --help` stays fast (torch/transformers take seconds to import).
     from kvrag.model import ModelHandle
+    from kvrag.policies.kvlink.adapter import adapt_model
+    from kvrag.policies.model_defaults import default_policy
     from kvrag.precompute.ingest import cache_fingerprint, resolve_anchor
 
     handle = ModelHandle.load(args.model, dtype=args.dtype, device=args.device, cache_dir=args.home)
@@ -70,7 +72,14 @@ def _info(args: argparse.Namespace) -> int:
     # with the anchor chunks are computed behind, as KVRag's default chunk_anchor="auto") and
     # hold K/V in the storage dtype, not the compute dtype.
     d["model_fingerprint"] = d.pop("fingerprint")
-    d["cache_fingerprint"] = cache_fingerprint(handle.fingerprint, resolve_anchor(handle, "auto"))
+    anchor = resolve_anchor(handle, "auto")
+    d["cache_fingerprint"] = cache_fingerprint(handle.fingerprint, anchor)
+    # The default policy, and the fingerprint its KVRag keys entries by: a default measured
+    # with a LoRA KVLink adapter runs an adapted copy of the model, with entries of its own.
+    default = default_policy(handle)
+    d["default_policy"], d["default_policy_why"] = default.label, default.why
+    runs = adapt_model(handle, "default", default.policy) if default.needs_adapter else handle
+    d["default_cache_fingerprint"] = cache_fingerprint(runs.fingerprint, anchor)
     d["compute_kv_bytes_per_token"] = d.pop("kv_bytes_per_token")
     d["storage_dtype"] = args.storage_dtype
     d["kv_bytes_per_token"] = handle.kv_bytes_per_token(args.storage_dtype)
@@ -91,6 +100,11 @@ def _info(args: argparse.Namespace) -> int:
         ("dtype", d["dtype"]),
         ("device", d["device"]),
         ("cache fingerprint", f"{d['cache_fingerprint']} (keys this model's entries in a KV store)"),
+        ("default policy", f"{d['default_policy']} ({d['default_policy_why']})"),
+    ]
+    if d["default_cache_fingerprint"] != d["cache_fingerprint"]:
+        lines.append(("default's entries", f"{d['default_cache_fingerprint']} (its KVLink-adapted model's)"))
+    lines += [
         ("model fingerprint", d["model_fingerprint"]),
         (
             "KV bytes/token",

@@ -9,7 +9,7 @@ def register(sub) -> None:
     p = sub.add_parser(
         "policies",
         help="list reuse policies and their hyper-parameters",
-        description="The registered reuse policies: the default one, what each needs set up "
+        description="The registered reuse policies: which models each is the default of, what each needs set up "
         "first, and their hyper-parameters (KVRag(policy=..., <param>=...)).",
     )
     p.add_argument("--json", action="store_true", help="machine-readable output")
@@ -23,8 +23,10 @@ def run(args) -> int:
     if args.json:
         print(json.dumps(info, indent=2, default=str))
         return 0
+    print("policy='auto' (the default) runs each model's own default, chosen from its held-out benchmarks\n")
     for pol in info:
-        print(f"{pol['name']}{' (default)' if pol['default'] else ''}: {pol['summary']}")
+        default = f" (default for {'; '.join(pol['default_for'])})" if pol["default_for"] else ""
+        print(f"{pol['name']}{default}: {pol['summary']}")
         if pol["setup"]:
             print(f"    setup: {pol['setup']}")
         for prm in pol["params"]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 
 from kvrag.cli._options import MODEL_HELP
+from kvrag.defaults import AUTO_POLICY, DEFAULT_POLICY
 from kvrag.errors import KVRagError
 
 API_KEY_ENV = "KVRAG_API_KEY"
@@ -40,7 +41,12 @@ def register(sub) -> None:
         help="queue: chunks posted to /v1/chunks go to `kvrag worker` processes through the shared Redis "
         "(needs --shared); local (default): computed in this process, in the background",
     )
-    p.add_argument("--policy", default="cacheblend", help="default reuse policy (requests may name another)")
+    p.add_argument(
+        "--policy",
+        default=DEFAULT_POLICY,
+        help="default reuse policy (requests may name another); auto: the model's own default, "
+        "chosen from its held-out benchmarks (see kvrag policies)",
+    )
     p.add_argument(
         "--param",
         action="append",
@@ -95,7 +101,11 @@ def run(args) -> int:
     from kvrag.policies import get_policy
 
     params = policy_params(args.policy, args.param)
-    get_policy(args.policy, **params)  # an unknown policy or parameter fails before the model load
+    if args.policy == AUTO_POLICY:
+        if params:
+            raise KVRagError("--param needs a named --policy: auto chooses the policy per model")
+    else:
+        get_policy(args.policy, **params)  # an unknown policy or parameter fails before the model load
     if args.precompute_via == "queue" and not args.shared:
         raise KVRagError("--precompute-via queue needs --shared redis://... (where the workers store the chunks)")
 
@@ -133,6 +143,8 @@ def run(args) -> int:
             + ("" if api_key is None else " (API key required)"),
             flush=True,
         )
+        if rag.policy_default is not None:
+            print(f"policy {rag.policy_default.label}: {rag.policy_default.why}", flush=True)
         try:
             uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
         finally:

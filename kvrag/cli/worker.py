@@ -13,7 +13,7 @@ import signal
 import threading
 
 from kvrag.cli._options import MODEL_HELP
-from kvrag.defaults import DEFAULT_SHARED_PREFIX, DEFAULT_STORAGE_DTYPE
+from kvrag.defaults import DEFAULT_POLICY, DEFAULT_SHARED_PREFIX, DEFAULT_STORAGE_DTYPE
 
 
 def register(sub) -> None:
@@ -36,6 +36,12 @@ def register(sub) -> None:
         help=f"key prefix of the shared store (default {DEFAULT_SHARED_PREFIX})",
     )
     p.add_argument("--model", default=None, help=f"{MODEL_HELP}; the replicas' model: jobs are per model fingerprint")
+    p.add_argument(
+        "--policy",
+        default=DEFAULT_POLICY,
+        help="the replicas' default policy (default auto): a default that runs the model's KVLink "
+        "adapter (kvlink) has chunks of its own, so the worker must compute those",
+    )
     p.add_argument("--cache-dir", default=None, help="the worker's local store (default: $KVRAG_HOME/store)")
     p.add_argument(
         "--storage-dtype",
@@ -71,6 +77,7 @@ def run(args) -> int:
     rag = KVRag(
         args.model,
         cache_dir=args.cache_dir,
+        policy=args.policy,
         storage_dtype=args.storage_dtype,
         ingest_policies=policies,
         shared=open_shared(args.redis, prefix=args.prefix),

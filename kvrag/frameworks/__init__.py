@@ -13,6 +13,7 @@ from kvrag.frameworks.options import (
     call_options,
     max_tokens_alias,
     policy_param_names,
+    rag_policy,
     resolve_policy,
     stop_list,
 )
@@ -48,6 +49,7 @@ __all__ = [
     "max_tokens_alias",
     "open_stream",
     "policy_param_names",
+    "rag_policy",
     "resolve_policy",
     "schedule_retrieved",
     "shared_options",

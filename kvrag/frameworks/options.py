@@ -8,7 +8,7 @@ import logging
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from kvrag.defaults import DEFAULT_POLICY
+from kvrag.defaults import AUTO_POLICY, DEFAULT_POLICY
 from kvrag.policies import get_policy, policy_class
 
 log = logging.getLogger("kvrag.frameworks")
@@ -21,24 +21,38 @@ def policy_param_names(policy) -> set[str]:
     return {f.name for f in dataclasses.fields(policy_class(policy).Params)}
 
 
+def rag_policy(rag) -> tuple[str, dict[str, Any]]:
+    """The (policy name, parameters) a KVRag runs by default (what ``rag.generate`` runs)."""
+    own = rag.policy
+    return own.name, {f.name: _as_json(getattr(own.params, f.name)) for f in dataclasses.fields(own.params)}
+
+
 def resolve_policy(policy, policy_params: dict | None, flat: dict[str, Any], rag, owner: str):
     """The (policy name, parameters) a wrapper runs by default.
 
     No ``policy`` given and an existing KVRag ``rag``: that KVRag's own policy and parameters
     (what ``rag.generate`` runs), so a wrapper of ``KVRag(policy="kvlink")`` runs kvlink, not a
-    silent cacheblend; ``policy_params`` then update them. ``flat``: the keyword arguments the
-    wrapper does not know itself, taken as policy parameters, as ``KVRag(policy=...,
-    recompute_ratio=...)`` takes them; any other name is a typo, reported here rather than
-    dropped (pydantic models would drop it silently)."""
-    own = getattr(rag, "policy", None)
-    inherited = (
-        {} if own is None else {f.name: _as_json(getattr(own.params, f.name)) for f in dataclasses.fields(own.params)}
-    )
-    params = {}
-    if policy is None and own is not None:
-        policy, params = own.name, dict(inherited)
+    silent default; ``policy_params`` then update them. No ``policy`` and no ``rag``: ``"auto"``,
+    the model's own default, which the KVRag the wrapper builds resolves (the wrapper then takes
+    it with :func:`rag_policy`). ``flat``: the keyword arguments the wrapper does not know
+    itself, taken as policy parameters, as ``KVRag(policy=..., recompute_ratio=...)`` takes
+    them; any other name is a typo, reported here rather than dropped (pydantic models would
+    drop it silently)."""
+    has_own = getattr(rag, "policy", None) is not None
+    inherited = rag_policy(rag)[1] if has_own else {}
+    params: dict[str, Any] = {}
+    if policy is None and has_own:
+        policy, params = rag_policy(rag)
     elif policy is None:
         policy = DEFAULT_POLICY
+    if policy == AUTO_POLICY:
+        given = sorted({**(policy_params or {}), **flat})
+        if given:
+            raise ValueError(
+                f"{owner} got policy parameter(s) {given} without a policy: the default policy is "
+                "chosen per model (policy='auto'), so name the one they are for, e.g. policy='cacheblend'"
+            )
+        return AUTO_POLICY, {}
     names = policy_param_names(policy)
     # A wrapper rebuilt with another policy (LangChain's ``configurable_fields(policy=...)``
     # passes all fields back) carries the parameters it inherited from the KVRag: those the
@@ -98,6 +112,8 @@ def call_options(
             params = dict(v or {})
         else:
             flat[k] = v
+    if opts["policy"] == AUTO_POLICY:  # the wrapper's own, as KVRag.generate(policy="auto")
+        opts["policy"] = defaults["policy"]
     if opts["policy"] != defaults["policy"] and "policy_params" not in kwargs:
         params = {}
     names = policy_param_names(opts["policy"]) if flat else set()

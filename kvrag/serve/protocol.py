@@ -17,6 +17,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from kvrag.defaults import AUTO_POLICY
+
 #: OpenAI's limit on stop sequences.
 MAX_STOP = 4
 
@@ -152,11 +154,14 @@ class _GenerationRequest(_Strict):
         return self.max_completion_tokens or self.max_tokens
 
     def policy(self) -> tuple[str | None, dict]:
-        """(policy name or None for the server's own, its parameters) from ``kvrag``."""
+        """(policy name or None for the server's own, its parameters) from ``kvrag``;
+        ``"auto"`` is the server's own, as ``KVRag.generate(policy="auto")`` is the KVRag's."""
         opts = dict(self.kvrag or {})
         name = opts.pop("policy", None)
         if name is not None and not isinstance(name, str):
             raise APIError(400, f"kvrag.policy must be a policy name (a string), got {name!r}", param="kvrag.policy")
+        if name == AUTO_POLICY:
+            name = None
         if name is None and opts:
             raise APIError(
                 400,

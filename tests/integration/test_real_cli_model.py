@@ -20,7 +20,10 @@ def test_model_info_on_default_model(capsys, tmp_path):
     info = json.loads(capsys.readouterr().out)
     # The fingerprint the store keys entries by (the model's + the chunk anchor), and the bytes
     # a token takes there (float16), not the model's own fingerprint and fp32 compute bytes.
-    assert info["cache_fingerprint"] == rag.fingerprint != handle.fingerprint
+    assert info["default_cache_fingerprint"] == rag.fingerprint != handle.fingerprint
+    assert info["default_policy"] == rag.policy_default.label
+    base = KVRag(handle, cache_dir=tmp_path / "kv", policy="full_prefill")
+    assert info["cache_fingerprint"] == base.fingerprint != handle.fingerprint
     assert info["model_fingerprint"] == handle.fingerprint
     assert info["source"] == handle.source
     assert (info["layers"], info["heads"], info["kv_heads"]) == (
@@ -33,7 +36,10 @@ def test_model_info_on_default_model(capsys, tmp_path):
 
     assert main(["model", "info"]) == 0
     lines = dict(line.split(":", 1) for line in capsys.readouterr().out.splitlines())
-    assert lines["cache fingerprint"].split()[0] == rag.fingerprint
+    assert lines["cache fingerprint"].split()[0] == base.fingerprint
+    assert lines["default policy"].split()[0] == rag.policy_default.label
+    if rag.fingerprint != base.fingerprint:
+        assert lines["default's entries"].split()[0] == rag.fingerprint
     assert lines["model"].strip() == handle.source
     assert lines["layers"].strip() == "30"
     assert lines["KV bytes/token"].split()[0] == "23040"  # 2 x 30 x 3 x 64 x 2 bytes (SmolLM2, stored fp16)

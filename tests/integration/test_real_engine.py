@@ -19,7 +19,8 @@ def corpus():
 
 @pytest.fixture(scope="module")
 def rag(tmp_path_factory, corpus):
-    r = KVRag(cache_dir=tmp_path_factory.mktemp("kv"))
+    # Named: these invariants are the base model's (the default policy may run an adapted copy).
+    r = KVRag(cache_dir=tmp_path_factory.mktemp("kv"), policy="cacheblend")
     r.precompute(corpus["documents"][:3])
     return r
 
@@ -62,7 +63,7 @@ def test_anchor_brings_naive_reuse_closer_to_full_prefill(rag, tmp_path):
 
     from kvrag.bench import synthetic
 
-    alone = KVRag(rag.handle, cache_dir=tmp_path / "kv", chunk_anchor="none")
+    alone = KVRag(rag.handle, cache_dir=tmp_path / "kv", chunk_anchor="none", policy="cacheblend")
     items = synthetic.generate(4, 7, n_passages=4, passage_tokens=150, count_tokens=lambda s: len(rag.handle.encode(s)))
     kl = {"anchor": [], "alone": []}
     for it in items:
@@ -83,8 +84,9 @@ def test_anchor_brings_naive_reuse_closer_to_full_prefill(rag, tmp_path):
 
 
 def test_demo_runs_every_policy_and_kvlink_trained(tmp_path, capsys, corpus):
-    """``kvrag demo`` (the README's main job) on two documents: every default policy answers
-    from the cache, and kvlink runs with the shipped adapter as KVRag(policy="kvlink") does."""
+    """``kvrag demo`` (the README's main job) on two documents: it names the model's default
+    policy and why, every policy answers from the cache, and kvlink runs with the shipped
+    adapter as KVRag(policy="kvlink") does."""
     from kvrag.cli import main
 
     small = {"documents": corpus["documents"][:2], "questions": corpus["questions"][:1]}
@@ -92,6 +94,12 @@ def test_demo_runs_every_policy_and_kvlink_trained(tmp_path, capsys, corpus):
     path.write_text(json.dumps(small))
     assert main(["demo", "--corpus", str(path), "--max-new-tokens", "4", "--cache-dir", str(tmp_path / "kv")]) == 0
     out = capsys.readouterr().out
+    from kvrag.model import ModelHandle
+    from kvrag.policies.model_defaults import default_policy
+
+    chosen = default_policy(ModelHandle.load(None))
+    assert f"default policy of this model: {chosen.label} -- {chosen.why}" in out
+    assert f"{chosen.label} (default)" in out
     assert "kvlink runs trained" in out
     for pol in ("full_prefill", "naive_reuse", "cacheblend", "kvlink"):
         line = next(ln for ln in out.splitlines() if ln.strip().startswith(pol) and "TTFT" in ln)

@@ -164,6 +164,12 @@ def test_per_request_policy_through_extra_body(server, rag):
     assert got.choices[0].message.content == want.text
     assert got.model_extra["kvrag"]["policy"] == "epic"
     assert got.usage.prompt_tokens_details.cached_tokens == want.stats.cached_tokens > 0
+    # "auto" is the server's own policy, as KVRag.generate(policy="auto") is the KVRag's.
+    own = c.chat.completions.create(
+        model="tiny", messages=messages(), max_tokens=6, temperature=0, extra_body={"kvrag": {"policy": "auto"}}
+    )
+    assert own.model_extra["kvrag"]["policy"] == rag.policy.name
+    assert own.choices[0].message.content == rag.generate(messages(), max_new_tokens=6, policy="auto").text
 
 
 def test_sampling_with_a_seed_repeats(server):

@@ -85,7 +85,9 @@ def test_cache_stats_finds_the_quickstarts_stores(tmp_path, monkeypatch, capsys)
 def test_policies_marks_the_default_and_what_needs_setting_up(capsys):
     assert main(["policies"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert any(line.startswith("cacheblend (default):") for line in lines)
+    # Every model's default is listed beside its policy; a model without evidence gets cacheblend.
+    assert any(line.startswith("cacheblend (default for") and "any other model" in line for line in lines)
+    assert any("SmolLM2-135M-Instruct" in line for line in lines if "(default for" in line)
     a2ats = lines.index(next(line for line in lines if line.startswith("a2ats")))
     assert "kvrag calibrate a2ats" in lines[a2ats + 1]
 

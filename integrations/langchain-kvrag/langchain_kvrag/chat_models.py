@@ -23,7 +23,7 @@ from langchain_core.messages import (
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
 from pydantic import ConfigDict, Field, PrivateAttr, model_validator
 
-from kvrag.defaults import DEFAULT_POLICY
+from kvrag.defaults import AUTO_POLICY, DEFAULT_POLICY
 from kvrag.engine import Generation, KVRag
 from kvrag.frameworks import (
     SHARED_FIELDS,
@@ -35,6 +35,7 @@ from kvrag.frameworks import (
     foreground_steps,
     max_tokens_alias,
     open_stream,
+    rag_policy,
     resolve_policy,
     shared_options,
     shared_settings,
@@ -195,6 +196,8 @@ class ChatKVRag(WrapsKVRag, BaseChatModel):
                 **self.policy_params,
                 **shared_options(self.shared, self.shared_prefix, self.precompute_via),
             )
+            if self.policy == AUTO_POLICY:  # what the model's default resolved to
+                self.policy, self.policy_params = rag_policy(self.rag)
         elif not isinstance(self.rag, KVRag):
             raise TypeError(f"rag must be a kvrag.engine.KVRag, got {type(self.rag).__name__}")
         elif (self.model is not None or self.cache_dir is not None) and _BUILT_FROM.get(self.rag) != (

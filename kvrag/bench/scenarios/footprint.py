@@ -21,7 +21,7 @@ def measure_footprint(m: Measure, rag, texts: list[str]) -> None:
     out: dict = {"tokens": tokens, "layers": layers, "kv_heads": kv_heads, "head_dim": head_dim}
     for dt, nbytes in (("float32", 4), ("float16", 2)):
         with tempfile.TemporaryDirectory(prefix="kvrag-footprint-") as d:
-            r = KVRag(rag.handle, cache_dir=d, storage_dtype=dt, chunk_anchor=rag.anchor)
+            r = KVRag(rag.handle, cache_dir=d, policy="full_prefill", storage_dtype=dt, chunk_anchor=rag.anchor)
             empty = dir_bytes(d)
             r.precompute(texts)
             used = dir_bytes(d) - empty

@@ -32,7 +32,7 @@ from llama_index.core.bridge.pydantic import Field, PrivateAttr
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.llm import LLM
 
-from kvrag.defaults import DEFAULT_POLICY
+from kvrag.defaults import AUTO_POLICY, DEFAULT_POLICY
 from kvrag.engine import Generation, KVRag
 from kvrag.frameworks import (
     SHARED_FIELDS,
@@ -46,6 +46,7 @@ from kvrag.frameworks import (
     foreground_steps,
     max_tokens_alias,
     open_stream,
+    rag_policy,
     resolve_policy,
     shared_options,
     shared_settings,
@@ -237,6 +238,8 @@ class KVRagLLM(WrapsKVRag, LLM):
                 **(rag_options or {}),
             }
             rag = KVRag(model, cache_dir=cache_dir, **rag_options)
+            if kwargs["policy"] == AUTO_POLICY:  # what the model's default resolved to
+                kwargs["policy"], kwargs["policy_params"] = rag_policy(rag)
         chat = _has_chat_template(rag)
         if kwargs.get("messages_to_prompt") is None:
             kwargs["messages_to_prompt"] = _ChatTemplate(rag) if chat else generic_messages_to_prompt

@@ -1,0 +1,169 @@
+"""Choose each packaged model's default reuse policy from its committed held-out runs, and
+write the table KVRag reads (kvrag/assets/policy_defaults.json) and the plot docs/policies.md
+shows (docs/bench/policy_defaults.png). The rule is kvrag.bench.pareto's.
+
+    python benchmarks/choose_defaults.py [--check]
+
+--check: write nothing; exit 1 when the committed table differs from what the runs give.
+Rerun after a held-out run listed in EVIDENCE changes or a new one is added to it."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+#: Per packaged model (a ``kvrag.model`` name): its display name and the held-out runs (kvrag
+#: bench output directories, relative to the repository) the default is chosen from. One run
+#: per item set: a run that extends another on the same items supersedes it.
+EVIDENCE = {
+    "smollm2": {
+        "name": "SmolLM2-135M-Instruct",
+        "runs": ["docs/bench/heldout_cloze_n100", "docs/bench/heldout_musique_prophetkv", "docs/bench/heldout_musique"],
+    },
+    "gemma3-270m": {"name": "Gemma 3 270M", "runs": ["docs/bench/yardstick_gemma3"]},
+}
+FALLBACK = {
+    "policy": "cacheblend",
+    "params": {},
+    "why": "no held-out evidence for this model: CacheBlend, at its paper's recompute ratio, "
+    "the training-free policy with the most evidence across models",
+}
+TABLE = ROOT / "kvrag" / "assets" / "policy_defaults.json"
+PLOT = ROOT / "docs" / "bench" / "policy_defaults.png"
+
+
+def model_entry(name: str, display: str, runs: list) -> dict:
+    """The table entry of one model from its runs (``weights`` filled in by the caller)."""
+    from kvrag.bench.pareto import choose
+
+    c = choose(runs)
+    needs_adapter = c.policy == "kvlink" and c.params.get("mode") != "untrained" and any(r.trained_kvlink for r in runs)
+    evidence = []
+    for r in runs:
+        if c.label not in r.settings:
+            continue
+        s = r.settings[c.label]
+        evidence.append(
+            {"run": r.path, "dataset": r.dataset, "n": s.n, "speedup": round(s.speedup, 2), "gap": round(s.gap, 4)}
+        )
+    measured = "; ".join(
+        f"{e['dataset']} n={e['n']}: {e['speedup']:.1f}x, gold-NLL gap {e['gap']:.1%}" for e in evidence
+    )
+    if c.rule == "fastest that keeps quality":
+        why = (
+            f"on {display}'s held-out runs the fastest setting not measurably worse than the best in gold "
+            f"log-likelihood ({measured})"
+        )
+    else:
+        why = f"no setting kept quality on every held-out run of {display}; the smallest mean gap ({measured})"
+    if needs_adapter:
+        why += ", with the KVLink adapter that ships for it"
+    return {
+        "name": display,
+        "model": name,
+        "policy": c.policy,
+        "params": c.params,
+        "label": c.label,
+        "needs_adapter": needs_adapter,
+        "why": why,
+        "evidence": evidence,
+        "kept_quality": {lab: sorted(v) for lab, v in sorted(c.kept.items())},
+        "lost_quality": {lab: sorted(v) for lab, v in sorted(c.lost.items())},
+    }
+
+
+def build(digests: bool = True) -> tuple[dict, dict]:
+    """(the table, {model: its runs}); ``digests``: fill in each model's weight digest (reads
+    the packaged model files)."""
+    from kvrag.bench.pareto import read_run
+    from kvrag.model.digests import file_digest
+    from kvrag.model.packaged import resolve_model_path
+    from kvrag.policies.model_defaults import TABLE_FORMAT
+
+    models, all_runs = [], {}
+    for name, spec in EVIDENCE.items():
+        runs = [read_run(ROOT / d, root=ROOT) for d in spec["runs"]]
+        all_runs[name] = runs
+        entry = model_entry(name, spec["name"], runs)
+        entry["weights"] = file_digest(resolve_model_path(name)) if digests else None
+        models.append(entry)
+    table = {
+        "format": TABLE_FORMAT,
+        "rule": "kvrag.bench.pareto: the fastest setting not measurably worse than the best in gold "
+        "log-likelihood (95% paired bootstrap) on every held-out run of the model",
+        "fallback": FALLBACK,
+        "models": models,
+    }
+    return table, all_runs
+
+
+def plot(table: dict, all_runs: dict, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullLocator
+
+    panels = [(e, r) for e in table["models"] for r in all_runs[e["model"]]]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels), 4.2), squeeze=False)
+    for ax, (entry, run) in zip(axes[0], panels):
+        for lab, s in sorted(run.settings.items()):
+            if lab == "full_prefill":
+                continue
+            chosen = lab == entry["label"]
+            bad = run.path in entry["lost_quality"].get(lab, [])
+            ax.scatter(
+                s.speedup,
+                100 * s.gap,
+                marker="*" if chosen else "o",
+                s=180 if chosen else 36,
+                color="tab:red" if chosen else ("0.6" if bad else "tab:blue"),
+                zorder=3,
+            )
+            shown = "kvlink (no adapter)" if lab == "kvlink" and not run.trained_kvlink else lab
+            ax.annotate(shown, (s.speedup, 100 * s.gap), fontsize=7, xytext=(4, 3), textcoords="offset points")
+        n = max(s.n for s in run.settings.values())
+        ax.set_title(f"{entry['name']}: {run.dataset} (n={n})", fontsize=9)
+        ax.set_xscale("log")
+        ax.set_yscale("log")  # gaps span 1% to 300%
+        for axis in (ax.xaxis, ax.yaxis):
+            axis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+            axis.set_minor_locator(NullLocator())
+            axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.set_xlabel("TTFT speed-up over full prefill (x)")
+        ax.set_ylabel("gold-NLL gap to full prefill (%)")
+        ax.grid(alpha=0.3)
+    fig.suptitle("Default policy per model (red star); grey: measurably worse than the best on that run", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--check", action="store_true", help="compare with the committed table; write nothing")
+    a = p.parse_args()
+    table, runs = build()
+    text = json.dumps(table, indent=1, sort_keys=True) + "\n"
+    if a.check:
+        same = TABLE.is_file() and TABLE.read_text(encoding="utf-8") == text
+        print("the committed table is up to date" if same else f"{TABLE} differs from what the runs give")
+        return 0 if same else 1
+    tmp = TABLE.with_suffix(".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, TABLE)
+    plot(table, runs, PLOT)
+    for e in table["models"]:
+        print(f"{e['name']}: {e['label']} -- {e['why']}")
+    print(f"-> {TABLE}, {PLOT}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

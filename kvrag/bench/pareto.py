@@ -1,0 +1,170 @@
+"""Choosing a model's default reuse policy from its held-out ``kvrag bench`` runs.
+
+The rule, quality first and then speed:
+
+1. The candidates are the policy settings (bench labels: ``cacheblend@0.2``, ``epic``, ...)
+   other than ``full_prefill`` that were run on every held-out dataset of the model.
+2. On each run, the *best* setting is the one whose mean gold log-likelihood is closest to
+   full prefill's. A setting *keeps quality* on that run when it is not measurably worse
+   than the best: the 95% paired-bootstrap interval of its per-item log-likelihood deficit
+   to the best reaches zero. Item-level pairing matters: the items' difficulty varies far
+   more than the policies do, so unpaired intervals would call everything a tie.
+3. The default is the fastest setting that keeps quality on every run it was measured on,
+   its speed-up taken as its smallest over those runs. When none does, the setting with the
+   smallest mean gap (quality first).
+
+Pure data in, data out: ``benchmarks/choose_defaults.py`` reads the committed runs with
+:func:`read_run`, applies :func:`choose` and writes ``kvrag/assets/policy_defaults.json``."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REFERENCE = "full_prefill"
+RESAMPLES = 2000
+LEVEL = 0.95
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One policy setting measured on one run: its label, the policy and parameters it ran
+    with, items ``n``, TTFT ``speedup`` over full prefill, gold-log-likelihood ``gap`` to it
+    (relative, of the means), and ``ll``: gold log-likelihood per example id."""
+
+    label: str
+    policy: str
+    params: dict
+    n: int
+    speedup: float
+    gap: float
+    ll: dict[str, float] = field(repr=False)
+
+
+@dataclass(frozen=True)
+class Run:
+    """One held-out run: its directory, dataset, model fingerprint (the journal's), its
+    settings, and whether its ``kvlink`` ran with a LoRA KVLink adapter (``trained_kvlink``)."""
+
+    path: str
+    dataset: str
+    model: str
+    settings: dict[str, Setting]
+    trained_kvlink: bool = False
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The chosen setting and, per candidate, where it kept quality and its slowest speed-up."""
+
+    label: str
+    policy: str
+    params: dict
+    speedup: float
+    kept: dict[str, list[str]]  # label -> runs (paths) where it kept quality
+    lost: dict[str, list[str]]  # label -> runs where it was measurably worse than the best
+    rule: str  # "fastest that keeps quality" or "smallest mean gap"
+
+
+def read_run(directory: str | Path, root: str | Path | None = None) -> Run:
+    """The run ``kvrag bench --out directory`` wrote: its QA journal (per-item records) and
+    summary.csv (speed-up, gap, n per label). ``root``: paths are recorded relative to it."""
+    d = Path(directory)
+    journals = sorted(d.glob("qa_journal.*.jsonl"))
+    if len(journals) != 1:
+        raise ValueError(f"{d}: expected one qa_journal.*.jsonl, found {len(journals)}")
+    lines = journals[0].read_text(encoding="utf-8").splitlines()
+    header = json.loads(lines[0])["journal"]
+    per_label: dict[str, dict] = {}
+    for line in lines[1:]:
+        for r in json.loads(line)["records"]:
+            if r.get("error") or r.get("gold_ll") is None:
+                continue
+            s = per_label.setdefault(r["label"], {"policy": r["policy"], "params": r.get("params") or {}, "ll": {}})
+            s["ll"][r["example_id"]] = float(r["gold_ll"])
+    settings = {}
+    with open(d / "summary.csv", encoding="utf-8", newline="") as f:
+        for row in csv.DictReader(f):
+            label = row["label"]
+            if label not in per_label:
+                continue
+            settings[label] = Setting(
+                label=label,
+                policy=per_label[label]["policy"],
+                params=per_label[label]["params"],
+                n=int(row["n"]),
+                speedup=float(row["speedup"]),
+                gap=float(row["gold_ll_rel_gap"] or 0.0),
+                ll=per_label[label]["ll"],
+            )
+    if REFERENCE not in settings:
+        raise ValueError(f"{d}: no {REFERENCE} results to compare with")
+    path = str(d.resolve().relative_to(Path(root).resolve())) if root is not None else str(d)
+    adapter = header.get("kvlink_adapter")
+    trained = isinstance(adapter, dict) and bool(adapter.get("lora"))
+    return Run(
+        path=path, dataset=header["dataset"], model=str(header["model"]), settings=settings, trained_kvlink=trained
+    )
+
+
+def deficit_interval(worse: dict[str, float], better: dict[str, float], seed: int = 0) -> tuple[float, float]:
+    """95% paired-bootstrap interval of mean(better - worse) gold log-likelihood over the
+    examples both have (positive: ``worse`` is less likely to produce the gold answer)."""
+    ids = sorted(set(worse) & set(better))
+    if not ids:
+        raise ValueError("no examples in common")
+    diffs = [better[i] - worse[i] for i in ids]
+    rng = random.Random(f"kvrag-pareto:{seed}")
+    n = len(diffs)
+    means = sorted(sum(diffs[rng.randrange(n)] for _ in range(n)) / n for _ in range(RESAMPLES))
+    lo = means[int(math.floor((1 - LEVEL) / 2 * RESAMPLES))]
+    hi = means[int(math.ceil((1 + LEVEL) / 2 * RESAMPLES)) - 1]
+    return lo, hi
+
+
+def best_label(run: Run) -> str:
+    """The setting of ``run`` closest to full prefill in mean gold log-likelihood."""
+    others = [s for s in run.settings.values() if s.label != REFERENCE]
+    if not others:
+        raise ValueError(f"{run.path}: no policy besides {REFERENCE}")
+    return min(others, key=lambda s: (s.gap, s.label)).label
+
+
+def choose(runs: list[Run]) -> Choice:
+    """The default setting over one model's held-out ``runs`` (see the module docstring)."""
+    if not runs:
+        raise ValueError("no runs to choose from")
+    models = {r.model for r in runs}
+    if len(models) != 1:
+        raise ValueError(f"the runs measure different models: {sorted(models)}")
+    datasets = {r.dataset for r in runs}
+    labels = {s for r in runs for s in r.settings if s != REFERENCE}
+    candidates = sorted(
+        lab for lab in labels if all(any(lab in r.settings for r in runs if r.dataset == ds) for ds in datasets)
+    )
+    if not candidates:
+        raise ValueError(f"no policy setting was run on every dataset ({sorted(datasets)})")
+    kept: dict[str, list[str]] = {lab: [] for lab in candidates}
+    lost: dict[str, list[str]] = {lab: [] for lab in candidates}
+    for r in runs:
+        best = r.settings[best_label(r)]
+        for lab in candidates:
+            if lab not in r.settings:
+                continue
+            s = r.settings[lab]
+            lo, _ = (0.0, 0.0) if lab == best.label else deficit_interval(s.ll, best.ll)
+            (kept if lo <= 0 else lost)[lab].append(r.path)
+    speed = {lab: min(r.settings[lab].speedup for r in runs if lab in r.settings) for lab in candidates}
+    good = [lab for lab in candidates if not lost[lab]]
+    if good:
+        label, rule = max(good, key=lambda lab: (speed[lab], lab)), "fastest that keeps quality"
+    else:
+        mean_gap = {lab: sum(r.settings[lab].gap for r in runs if lab in r.settings) for lab in candidates}
+        mean_gap = {lab: g / sum(lab in r.settings for r in runs) for lab, g in mean_gap.items()}
+        label, rule = min(candidates, key=lambda lab: (mean_gap[lab], lab)), "smallest mean gap"
+    s = next(r.settings[label] for r in runs if label in r.settings)
+    return Choice(label, s.policy, dict(s.params), speed[label], kept, lost, rule)
