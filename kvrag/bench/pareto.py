@@ -71,35 +71,40 @@ class Choice:
 
 
 def read_run(directory: str | Path, root: str | Path | None = None) -> Run:
-    """The run ``kvrag bench --out directory`` wrote: its QA journal (per-item records) and
-    summary.csv (speed-up, gap, n per label). ``root``: paths are recorded relative to it."""
+    """The run ``kvrag bench --out directory`` reported: summary.csv (speed-up, gap, n per
+    label) and records.csv (per-item gold log-likelihood), written together, so a run still
+    extending its journal is read as of its last report; the journal's header and records give
+    the model and each label's parameters. ``root``: paths are recorded relative to it."""
     d = Path(directory)
     journals = sorted(d.glob("qa_journal.*.jsonl"))
     if len(journals) != 1:
         raise ValueError(f"{d}: expected one qa_journal.*.jsonl, found {len(journals)}")
-    lines = journals[0].read_text(encoding="utf-8").splitlines()
-    header = json.loads(lines[0])["journal"]
-    per_label: dict[str, dict] = {}
-    for line in lines[1:]:
-        for r in json.loads(line)["records"]:
-            if r.get("error") or r.get("gold_ll") is None:
+    with open(journals[0], encoding="utf-8") as f:
+        header = json.loads(f.readline())["journal"]
+        params: dict[str, tuple[str, dict]] = {}
+        for line in f:
+            for r in json.loads(line)["records"]:
+                params.setdefault(r["label"], (r["policy"], r.get("params") or {}))
+    ll: dict[str, dict[str, float]] = {}
+    with open(d / "records.csv", encoding="utf-8", newline="") as f:
+        for row in csv.DictReader(f):
+            if row.get("error") or not row.get("gold_ll"):
                 continue
-            s = per_label.setdefault(r["label"], {"policy": r["policy"], "params": r.get("params") or {}, "ll": {}})
-            s["ll"][r["example_id"]] = float(r["gold_ll"])
+            ll.setdefault(row["label"], {})[row["example_id"]] = float(row["gold_ll"])
     settings = {}
     with open(d / "summary.csv", encoding="utf-8", newline="") as f:
         for row in csv.DictReader(f):
             label = row["label"]
-            if label not in per_label:
+            if label not in ll or label not in params:
                 continue
             settings[label] = Setting(
                 label=label,
-                policy=per_label[label]["policy"],
-                params=per_label[label]["params"],
+                policy=params[label][0],
+                params=params[label][1],
                 n=int(row["n"]),
                 speedup=float(row["speedup"]),
                 gap=float(row["gold_ll_rel_gap"] or 0.0),
-                ll=per_label[label]["ll"],
+                ll=ll[label],
             )
     if REFERENCE not in settings:
         raise ValueError(f"{d}: no {REFERENCE} results to compare with")
