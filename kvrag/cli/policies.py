@@ -18,8 +18,10 @@ def register(sub) -> None:
 
 def run(args) -> int:
     from kvrag.policies import describe
+    from kvrag.policies.model_defaults import defaults_by_policy
 
-    info = describe()
+    default_for = defaults_by_policy()
+    info = [{**pol, "default_for": default_for.get(pol["name"], [])} for pol in describe()]
     if args.json:
         print(json.dumps(info, indent=2, default=str))
         return 0

@@ -6,7 +6,6 @@ import dataclasses
 from typing import Any
 
 from kvrag.policies.base import Policy
-from kvrag.policies.model_defaults import defaults_by_policy
 
 _REGISTRY: dict[str, type[Policy]] = {}
 
@@ -45,7 +44,6 @@ def policy_names() -> list[str]:
 def describe() -> list[dict[str, Any]]:
     """One record per policy: name, summary, and its parameters with defaults and help."""
     out = []
-    default_for = defaults_by_policy()
     for name in policy_names():
         cls = _REGISTRY[name]
         params = [
@@ -61,7 +59,6 @@ def describe() -> list[dict[str, Any]]:
                 "name": name,
                 "summary": cls.summary,
                 "params": params,
-                "default_for": default_for.get(name, []),
                 "setup": cls.setup,
             }
         )

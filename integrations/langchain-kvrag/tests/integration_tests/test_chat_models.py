@@ -442,7 +442,7 @@ def test_policy_settings_are_not_lost(llm, handle, tmp_path):
     # No policy given: the wrapped KVRag's own policy and parameters.
     for kw, policy in (
         ({"policy": "naive_reuse"}, "naive_reuse"),
-        ({"recompute_ratio": 1.0}, "cacheblend"),
+        ({"policy": "cacheblend", "recompute_ratio": 1.0}, "cacheblend"),
         ({"policy": "kvlink"}, "kvlink"),
     ):
         rag = KVRag(handle, cache_dir=tmp_path / "kv", **kw)
