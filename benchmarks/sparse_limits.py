@@ -30,6 +30,10 @@ SETTINGS = [
     ("samkv", {"keep_ratio": 0.3, "recompute_ratio": 0.143}),
     ("samkv", {"keep_ratio": 0.6, "recompute_ratio": 0.143}),
     ("samkv", {"keep_ratio": 1.0, "recompute_ratio": 0.143}),
+    # Every token kept (no Top-P below the budget): what is left is its recompute and fusion.
+    ("samkv", {"keep_ratio": 1.0, "recompute_ratio": 0.143, "adaptive_p": False}),
+    ("samkv", {"keep_ratio": 1.0, "recompute_ratio": 0.143, "adaptive_p": False, "update": "overwrite"}),
+    ("cacheblend", {"recompute_ratio": 0.143}),
 ]
 
 
