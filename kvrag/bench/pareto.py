@@ -25,7 +25,8 @@ import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
-REFERENCE = "full_prefill"
+from kvrag.bench.config import REFERENCE
+
 RESAMPLES = 2000
 LEVEL = 0.95
 
@@ -153,6 +154,8 @@ def choose(runs: list[Run]) -> Choice:
     )
     if not candidates:
         raise ValueError(f"no policy setting was run on every dataset ({sorted(datasets)})")
+    # Each candidate's settings over the runs that measured it.
+    measured = {lab: [r.settings[lab] for r in runs if lab in r.settings] for lab in candidates}
     kept: dict[str, list[str]] = {lab: [] for lab in candidates}
     lost: dict[str, list[str]] = {lab: [] for lab in candidates}
     for r in runs:
@@ -160,16 +163,14 @@ def choose(runs: list[Run]) -> Choice:
         for lab in candidates:
             if lab not in r.settings:
                 continue
-            s = r.settings[lab]
-            lo, _ = (0.0, 0.0) if lab == best.label else deficit_interval(s.ll, best.ll)
+            lo, _ = (0.0, 0.0) if lab == best.label else deficit_interval(r.settings[lab].ll, best.ll)
             (kept if lo <= 0 else lost)[lab].append(r.path)
-    speed = {lab: min(r.settings[lab].speedup for r in runs if lab in r.settings) for lab in candidates}
+    speed = {lab: min(s.speedup for s in ss) for lab, ss in measured.items()}
     good = [lab for lab in candidates if not lost[lab]]
     if good:
         label, rule = max(good, key=lambda lab: (speed[lab], lab)), "fastest that keeps quality"
     else:
-        mean_gap = {lab: sum(r.settings[lab].gap for r in runs if lab in r.settings) for lab in candidates}
-        mean_gap = {lab: g / sum(lab in r.settings for r in runs) for lab, g in mean_gap.items()}
+        mean_gap = {lab: sum(s.gap for s in ss) / len(ss) for lab, ss in measured.items()}
         label, rule = min(candidates, key=lambda lab: (mean_gap[lab], lab)), "smallest mean gap"
-    s = next(r.settings[label] for r in runs if label in r.settings)
+    s = measured[label][0]
     return Choice(label, s.policy, dict(s.params), speed[label], kept, lost, rule)
