@@ -12,7 +12,9 @@
 # Usage: benchmarks/run_yardstick.sh OUT [extra kvrag bench options]
 # Env: KVRAG_YARDSTICK_WORK (default bench_out/yardstick: items + KV store, not committed),
 #      KVRAG_YARDSTICK_LIMIT (default 100), KVRAG_YARDSTICK_POLICIES (a2ats needs
-#      `kvrag calibrate a2ats --model gemma3-270m` first), KVRAG_PYTHON (default .venv/bin/python).
+#      `kvrag calibrate a2ats --model gemma3-270m` first), KVRAG_PYTHON (default .venv/bin/python),
+#      KVRAG_YARDSTICK_PASSAGES / KVRAG_YARDSTICK_PASSAGE_WORDS (default 4 / 90: ~630 prompt
+#      tokens; 12 / 180 give ~3k, where reuse's speed-up is larger; use a WORK of its own).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT="${1:?usage: run_yardstick.sh OUT [options]}"
@@ -20,7 +22,8 @@ shift
 PY="${KVRAG_PYTHON:-.venv/bin/python}"
 WORK="${KVRAG_YARDSTICK_WORK:-bench_out/yardstick}"
 mkdir -p "$OUT" "$WORK"
-"$PY" benchmarks/yardstick_set.py "$WORK/yardstick.json" --n 120 --seed 38 >/dev/null
+"$PY" benchmarks/yardstick_set.py "$WORK/yardstick.json" --n 120 --seed 38 \
+    --passages "${KVRAG_YARDSTICK_PASSAGES:-4}" --passage-words "${KVRAG_YARDSTICK_PASSAGE_WORDS:-90}" >/dev/null
 exec env HF_HUB_OFFLINE=1 "$PY" -m kvrag bench --data "$WORK/yardstick.json" --model gemma3-270m \
     --limit "${KVRAG_YARDSTICK_LIMIT:-100}" \
     --policies "${KVRAG_YARDSTICK_POLICIES:-full_prefill,prophetkv,cacheblend,a3,epic,naive_reuse,kvlink,samkv}" \
