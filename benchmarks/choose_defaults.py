@@ -44,7 +44,7 @@ def model_entry(name: str, display: str, runs: list) -> dict:
 
     c = choose(runs)
     needs_adapter = c.policy == "kvlink" and c.params.get("mode") != "untrained" and any(r.trained_kvlink for r in runs)
-    evidence = []
+    evidence, described = [], []
     for r in runs:
         if c.label not in r.settings:
             continue
@@ -52,9 +52,9 @@ def model_entry(name: str, display: str, runs: list) -> dict:
         evidence.append(
             {"run": r.path, "dataset": r.dataset, "n": s.n, "speedup": round(s.speedup, 2), "gap": round(s.gap, 4)}
         )
-    measured = "; ".join(
-        f"{e['dataset']} n={e['n']}: {e['speedup']:.1f}x, gold-NLL gap {e['gap']:.1%}" for e in evidence
-    )
+        # From the unrounded figures, so the text rounds as the docs' tables do.
+        described.append(f"{r.dataset} n={s.n}: {s.speedup:.1f}x, gold-NLL gap {s.gap:.1%}")
+    measured = "; ".join(described)
     if c.rule == "fastest that keeps quality":
         why = (
             f"on {display}'s held-out runs the fastest setting not measurably worse than the best in gold "
