@@ -26,7 +26,10 @@ EVIDENCE = {
         "name": "SmolLM2-135M-Instruct",
         "runs": ["docs/bench/heldout_cloze_n100", "docs/bench/heldout_musique_prophetkv", "docs/bench/heldout_musique"],
     },
-    "gemma3-270m": {"name": "Gemma 3 270M", "runs": ["docs/bench/yardstick_gemma3"]},
+    "gemma3-270m": {
+        "name": "Gemma 3 270M",
+        "runs": ["docs/bench/yardstick_gemma3", "docs/bench/yardstick_gemma3_long"],
+    },
 }
 FALLBACK = {
     "policy": "cacheblend",
@@ -126,8 +129,7 @@ def plot(table: dict, all_runs: dict, out: Path) -> None:
                 color="tab:red" if chosen else ("0.6" if bad else "tab:blue"),
                 zorder=3,
             )
-            shown = "kvlink (no adapter)" if lab == "kvlink" and not run.trained_kvlink else lab
-            ax.annotate(shown, (s.speedup, 100 * s.gap), fontsize=7, xytext=(4, 3), textcoords="offset points")
+            ax.annotate(lab, (s.speedup, 100 * s.gap), fontsize=7, xytext=(4, 3), textcoords="offset points")
         n = max(s.n for s in run.settings.values())
         ax.set_title(f"{entry['name']}: {run.dataset} (n={n})", fontsize=9)
         ax.set_xscale("log")

@@ -14,7 +14,8 @@
 #      KVRAG_YARDSTICK_LIMIT (default 100), KVRAG_YARDSTICK_POLICIES (a2ats needs
 #      `kvrag calibrate a2ats --model gemma3-270m` first), KVRAG_PYTHON (default .venv/bin/python),
 #      KVRAG_YARDSTICK_PASSAGES / KVRAG_YARDSTICK_PASSAGE_WORDS (default 4 / 90: ~630 prompt
-#      tokens; 12 / 180 give ~3k, where reuse's speed-up is larger; use a WORK of its own).
+#      tokens; 12 / 180 give ~3k, where reuse's speed-up is larger; use a WORK of its own:
+#      the data file, and so the dataset name, is then yardstick_<passages>x<words>).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT="${1:?usage: run_yardstick.sh OUT [options]}"
@@ -22,9 +23,13 @@ shift
 PY="${KVRAG_PYTHON:-.venv/bin/python}"
 WORK="${KVRAG_YARDSTICK_WORK:-bench_out/yardstick}"
 mkdir -p "$OUT" "$WORK"
-"$PY" benchmarks/yardstick_set.py "$WORK/yardstick.json" --n 120 --seed 38 \
-    --passages "${KVRAG_YARDSTICK_PASSAGES:-4}" --passage-words "${KVRAG_YARDSTICK_PASSAGE_WORDS:-90}" >/dev/null
-exec env HF_HUB_OFFLINE=1 "$PY" -m kvrag bench --data "$WORK/yardstick.json" --model gemma3-270m \
+PASSAGES="${KVRAG_YARDSTICK_PASSAGES:-4}"
+WORDS="${KVRAG_YARDSTICK_PASSAGE_WORDS:-90}"
+# The file's name is the run's dataset name: another shape is another item set.
+DATA="$WORK/yardstick.json"
+if [ "$PASSAGES/$WORDS" != "4/90" ]; then DATA="$WORK/yardstick_${PASSAGES}x${WORDS}.json"; fi
+"$PY" benchmarks/yardstick_set.py "$DATA" --n 120 --seed 38 --passages "$PASSAGES" --passage-words "$WORDS" >/dev/null
+exec env HF_HUB_OFFLINE=1 "$PY" -m kvrag bench --data "$DATA" --model gemma3-270m \
     --limit "${KVRAG_YARDSTICK_LIMIT:-100}" \
     --policies "${KVRAG_YARDSTICK_POLICIES:-full_prefill,prophetkv,cacheblend,a3,epic,naive_reuse,kvlink,samkv}" \
     --param cacheblend.recompute_ratio=0.2 --param a3.recompute_ratio=0.2 \

@@ -25,7 +25,7 @@ import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvrag.bench.config import REFERENCE
+from kvrag.bench.config import REFERENCE, label_of
 
 RESAMPLES = 2000
 LEVEL = 0.95
@@ -92,16 +92,23 @@ def read_run(directory: str | Path, root: str | Path | None = None) -> Run:
             if row.get("error") or not row.get("gold_ll"):
                 continue
             ll.setdefault(row["label"], {})[row["example_id"]] = float(row["gold_ll"])
+    adapter = header.get("kvlink_adapter")
     settings = {}
     with open(d / "summary.csv", encoding="utf-8", newline="") as f:
         for row in csv.DictReader(f):
             label = row["label"]
             if label not in ll or label not in params:
                 continue
-            settings[label] = Setting(
-                label=label,
-                policy=params[label][0],
-                params=params[label][1],
+            policy, kw = params[label]
+            if policy == "kvlink" and not kw and adapter is None:
+                # Run where no adapter existed, "kvlink" ran untrained: name it so, or a later
+                # run of the same model with its adapter would be read as the same setting.
+                kw = {"mode": "untrained"}
+            shown = label_of(policy, kw)
+            settings[shown] = Setting(
+                label=shown,
+                policy=policy,
+                params=kw,
                 n=int(row["n"]),
                 speedup=float(row["speedup"]),
                 gap=float(row["gold_ll_rel_gap"] or 0.0),
@@ -110,7 +117,6 @@ def read_run(directory: str | Path, root: str | Path | None = None) -> Run:
     if REFERENCE not in settings:
         raise ValueError(f"{d}: no {REFERENCE} results to compare with")
     path = str(d.resolve().relative_to(Path(root).resolve())) if root is not None else str(d)
-    adapter = header.get("kvlink_adapter")
     trained = isinstance(adapter, dict) and bool(adapter.get("lora"))
     return Run(
         path=path, dataset=header["dataset"], model=str(header["model"]), settings=settings, trained_kvlink=trained

@@ -56,6 +56,13 @@ def register(sub) -> None:
         help="> 0: each prompt draws its passage count "
         "uniformly from [--min-docs, --docs] (trains every link row up to --docs); 0 = always --docs",
     )
+    k.add_argument(
+        "--passage-order",
+        choices=("shuffle", "source"),
+        default="shuffle",
+        help="shuffle: the prompt's passages in random order (paper); source: in the example's "
+        "own order (for consecutive chunks of one document)",
+    )
     k.add_argument("--holdout", type=int, default=0, help="never train on the last N examples (for evaluation)")
     k.add_argument(
         "--objective",
@@ -144,6 +151,7 @@ def config_from_args(args, data: str):
         max_docs=args.max_docs,
         docs=args.docs,
         min_docs=args.min_docs,
+        passage_order=getattr(args, "passage_order", "shuffle"),
         max_passage_chars=args.max_passage_chars,
         holdout=getattr(args, "holdout", 0),
         objective=args.objective,

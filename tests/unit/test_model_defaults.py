@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kvrag.bench.pareto import Run, Setting, choose, deficit_interval
+from kvrag.bench.pareto import Run, Setting, choose, deficit_interval, read_run
 from kvrag.policies import model_defaults as MD
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -83,6 +83,29 @@ def _choose_defaults():
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+def _write_run(d, adapter):
+    """A two-item ``kvrag bench`` output directory with full_prefill and kvlink, its journal
+    header naming ``adapter`` (None: no adapter was found)."""
+    d.mkdir()
+    recs = [{"label": lab, "policy": lab, "params": {}} for lab in ("full_prefill", "kvlink")]
+    head = {"journal": {"dataset": "ds", "model": "m", "kvlink_adapter": adapter}}
+    (d / "qa_journal.cpu.ds.jsonl").write_text(json.dumps(head) + "\n" + json.dumps({"records": recs}) + "\n")
+    rows = [f"{lab},q{i},,{-1.0 - i}" for lab in ("full_prefill", "kvlink") for i in range(2)]
+    (d / "records.csv").write_text("label,example_id,error,gold_ll\n" + "\n".join(rows) + "\n")
+    (d / "summary.csv").write_text("label,n,speedup,gold_ll_rel_gap\nfull_prefill,2,1.0,0\nkvlink,2,9.0,0.1\n")
+    return d
+
+
+def test_read_run_names_kvlink_without_an_adapter_untrained(tmp_path):
+    # The same model's later run with its adapter measures another setting under "kvlink".
+    bare = read_run(_write_run(tmp_path / "bare", None))
+    assert set(bare.settings) == {"full_prefill", "kvlink(mode=untrained)"}
+    assert bare.settings["kvlink(mode=untrained)"].params == {"mode": "untrained"} and not bare.trained_kvlink
+    adapted = read_run(_write_run(tmp_path / "adapted", {"path": "a", "lora": True}))
+    assert set(adapted.settings) == {"full_prefill", "kvlink"} and adapted.trained_kvlink
+    assert adapted.settings["kvlink"].speedup == 9.0 and adapted.settings["kvlink"].ll == {"q0": -1.0, "q1": -2.0}
 
 
 def test_the_committed_table_is_what_the_committed_runs_choose():

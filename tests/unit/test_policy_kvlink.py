@@ -23,6 +23,7 @@ from kvrag.policies.kvlink.train import (
     kvlink_mask,
     load_qa,
     make_sample,
+    pick_passages,
     prompt_pieces,
     rag_prompt,
     train_kvlink,
@@ -281,6 +282,19 @@ def test_min_docs_draws_every_passage_count_and_trains_every_row(handle, data_fi
     assert res.meta["trained_rows"] == 4 and res.adapter.links.shape[0] == 4
 
 
+def test_source_order_keeps_the_items_order_and_the_gold_passage():
+    item = QAItem("Where?", ["Brell"], [f"passage {i}" + (" at Brell" if i == 6 else "") for i in range(9)])
+    reordered = 0
+    for seed in range(30):
+        shuffled = pick_passages(item, 4, random.Random(seed))
+        kept = pick_passages(item, 4, random.Random(seed), shuffle=False)
+        assert any("Brell" in p for p in kept) and len(kept) == 4
+        assert kept == sorted(kept, key=item.passages.index)  # the item's own order
+        assert sorted(shuffled) == sorted(kept)  # the same passages, only reordered
+        reordered += shuffled != kept
+    assert reordered > 0  # the default does shuffle
+
+
 def test_saved_adapter_reproduces_the_trained_model(handle, trained):
     # Loading (LoRA merged into a copy + link table) must give the model training produced:
     # on training samples its loss is far below the untouched model's with untrained links.
@@ -428,6 +442,7 @@ def test_auto_without_adapter_raises(handle, tmp_path, monkeypatch):
         ({"docs": 0}, "docs"),
         ({"holdout": 6}, "holdout"),
         ({"min_docs": 3}, "min_docs must be in"),
+        ({"passage_order": "reverse"}, "passage_order must be one of"),
     ],
 )
 def test_bad_training_options_raise(handle, data_file, tmp_path, change, match):
@@ -524,6 +539,8 @@ def test_cli_train_kvlink(handle, data_file, tmp_path, capsys):
         "1",
         "--docs",
         "2",
+        "--passage-order",
+        "source",
         "--out",
         str(out),
         "--threads",
@@ -532,6 +549,7 @@ def test_cli_train_kvlink(handle, data_file, tmp_path, capsys):
     assert main(argv) == 0
     meta = json.loads((out / "kvlink.json").read_text())
     assert meta["steps"] == 2 and meta["link_tokens"] == 1 and meta["lora"]["rank"] == 2
+    assert meta["config"]["passage_order"] == "source"
     assert "loss" in capsys.readouterr().out
     assert main(argv) == 2  # refuses to overwrite without --force
     assert "already holds" in capsys.readouterr().err

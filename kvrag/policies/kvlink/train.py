@@ -65,6 +65,7 @@ from kvrag.policies.kvlink.policy import mean_embedding
 log = logging.getLogger("kvrag.kvlink")
 
 OBJECTIVES = ("answer", "distill")
+PASSAGE_ORDERS = ("shuffle", "source")
 
 
 # ---- training data ---------------------------------------------------------------------
@@ -257,10 +258,12 @@ def answer_ids(handle: ModelHandle, answer: str) -> list[int]:
     return ids + ([eos] if eos is not None else [])
 
 
-def pick_passages(item: QAItem, n: int, rng: random.Random) -> list[str]:
-    """``n`` passages of ``item`` in random order, always including one that contains a gold
-    answer when there is one (a QA example whose answer is nowhere in the context teaches
-    guessing, not reading)."""
+def pick_passages(item: QAItem, n: int, rng: random.Random, *, shuffle: bool = True) -> list[str]:
+    """``n`` passages of ``item``, always including one that contains a gold answer when there
+    is one (a QA example whose answer is nowhere in the context teaches guessing, not reading);
+    in random order (``shuffle``, the paper's), else in the item's own order (consecutive
+    chunks of one document, whose later chunk may continue the earlier one's sentence
+    subject, keep the order that makes them readable)."""
     idx = list(range(len(item.passages)))
     low = [a.lower() for a in item.answers]
     gold = [i for i in idx if any(a in item.passages[i].lower() for a in low)]
@@ -268,14 +271,25 @@ def pick_passages(item: QAItem, n: int, rng: random.Random) -> list[str]:
     rest = [i for i in idx if i not in chosen]
     rng.shuffle(rest)
     chosen += rest[: max(0, n - len(chosen))]
-    rng.shuffle(chosen)  # the paper shuffles the documents (A.2)
+    if shuffle:
+        rng.shuffle(chosen)  # the paper shuffles the documents (A.2)
+    else:
+        chosen.sort()
     return [item.passages[i] for i in chosen]
 
 
 def make_sample(
-    handle, item: QAItem, rng: random.Random, *, docs: int, max_passage_chars: int, link_tokens: int, max_docs: int
+    handle,
+    item: QAItem,
+    rng: random.Random,
+    *,
+    docs: int,
+    max_passage_chars: int,
+    link_tokens: int,
+    max_docs: int,
+    shuffle: bool = True,
 ) -> Sample:
-    passages = [truncate_passage(p, max_passage_chars) for p in pick_passages(item, docs, rng)]
+    passages = [truncate_passage(p, max_passage_chars) for p in pick_passages(item, docs, rng, shuffle=shuffle)]
     # Identical passages would be one chunk: drop duplicates, keeping order.
     passages = list(dict.fromkeys(p for p in passages if p.strip()))
     prompt = rag_prompt(handle, passages, item.question)
@@ -359,6 +373,7 @@ class TrainConfig:
     max_docs: int = 10
     docs: int = 3
     min_docs: int = 0  # > 0: each sample draws its passage count uniformly from [min_docs, docs]
+    passage_order: str = "shuffle"  # or "source": the passages in the item's order
     max_passage_chars: int = 0
     holdout: int = 0
     objective: str = "answer"
@@ -393,6 +408,10 @@ class TrainConfig:
         need(
             isinstance(self.min_docs, int) and 0 <= self.min_docs <= self.docs,
             f"min_docs must be in [0, docs={self.docs}] (0 = always docs), got {self.min_docs}",
+        )
+        need(
+            self.passage_order in PASSAGE_ORDERS,
+            f"passage_order must be one of {PASSAGE_ORDERS}, got {self.passage_order!r}",
         )
         need(self.max_passage_chars >= 0, f"max_passage_chars must be >= 0, got {self.max_passage_chars}")
         need(self.holdout >= 0, f"holdout must be >= 0, got {self.holdout}")
@@ -492,6 +511,7 @@ def train_kvlink(
                 max_passage_chars=cfg.max_passage_chars,
                 link_tokens=cfg.link_tokens,
                 max_docs=cfg.max_docs,
+                shuffle=cfg.passage_order == "shuffle",
             ), "data"
 
     # What a resumed run must share with the checkpoint's: every option that changes a step,
