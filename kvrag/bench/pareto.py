@@ -4,10 +4,11 @@ The rule, quality first and then speed:
 
 1. The candidates are the policy settings (bench labels: ``cacheblend@0.2``, ``epic``, ...)
    other than ``full_prefill`` that were run on every held-out dataset of the model.
-2. On each run, the *best* setting is the one whose mean gold log-likelihood is closest to
-   full prefill's. A setting *keeps quality* on that run when it is not measurably worse
-   than the best: the 95% paired-bootstrap interval of its per-item log-likelihood deficit
-   to the best reaches zero. Item-level pairing matters: the items' difficulty varies far
+2. On each dataset, the *best* setting is the one whose mean gold log-likelihood is closest
+   to full prefill's, over every run on that dataset (the runs hold the same items). A
+   setting *keeps quality* on a run when it is not measurably worse than its dataset's best:
+   the 95% paired-bootstrap interval of its per-item log-likelihood deficit to the best
+   reaches zero. Item-level pairing matters: the items' difficulty varies far
    more than the policies do, so unpaired intervals would call everything a tie.
 3. The default is the fastest setting that keeps quality on every run it was measured on,
    its speed-up taken as its smallest over those runs. When none does, the setting with the
@@ -164,12 +165,21 @@ def choose(runs: list[Run]) -> Choice:
     measured = {lab: [r.settings[lab] for r in runs if lab in r.settings] for lab in candidates}
     kept: dict[str, list[str]] = {lab: [] for lab in candidates}
     lost: dict[str, list[str]] = {lab: [] for lab in candidates}
+    # Each dataset's best over all its runs: they hold the same items, and a run that measures
+    # one new setting alone must not make it its own best.
+    best_of: dict[str, Setting] = {}
     for r in runs:
-        best = r.settings[best_label(r)]
+        b = r.settings[best_label(r)]
+        held = best_of.get(r.dataset)
+        if held is None or (b.gap, b.label) < (held.gap, held.label):
+            best_of[r.dataset] = b
+    for r in runs:
+        best = best_of[r.dataset]
         for lab in candidates:
             if lab not in r.settings:
                 continue
-            lo, _ = (0.0, 0.0) if lab == best.label else deficit_interval(r.settings[lab].ll, best.ll)
+            s = r.settings[lab]
+            lo, _ = (0.0, 0.0) if s is best else deficit_interval(s.ll, best.ll)
             (kept if lo <= 0 else lost)[lab].append(r.path)
     speed = {lab: min(s.speedup for s in ss) for lab, ss in measured.items()}
     good = [lab for lab in candidates if not lost[lab]]

@@ -78,6 +78,16 @@ def test_choose_requires_every_dataset_and_falls_back_to_the_smallest_gap():
         choose([a, Run("e", "set1", "model-b", a.settings)])
 
 
+def test_a_run_of_one_setting_is_held_against_its_datasets_best():
+    # Run "b" measures only "alone" on set1's items: it is its run's best, but run "a" has a
+    # setting closer to full prefill on the same items.
+    a = _run("a", "set1", REF, close=(2.0, [v - 0.01 for v in REF]))
+    b = _run("b", "set1", REF, alone=(12.0, [v - 0.3 for v in REF]))
+    c = choose([a, b])
+    assert c.lost["alone"] == ["b"] and c.kept["close"] == ["a"]
+    assert c.label == "close"
+
+
 def _choose_defaults():
     spec = importlib.util.spec_from_file_location("choose_defaults", ROOT / "benchmarks" / "choose_defaults.py")
     mod = importlib.util.module_from_spec(spec)
