@@ -28,7 +28,12 @@ EVIDENCE = {
     },
     "gemma3-270m": {
         "name": "Gemma 3 270M",
-        "runs": ["docs/bench/yardstick_gemma3", "docs/bench/yardstick_gemma3_long"],
+        "runs": [
+            "docs/bench/yardstick_gemma3",
+            "docs/bench/yardstick_gemma3_kvlink",
+            "docs/bench/yardstick_gemma3_long",
+            "docs/bench/yardstick_gemma3_long_kvlink",
+        ],
     },
 }
 FALLBACK = {
@@ -113,25 +118,36 @@ def plot(table: dict, all_runs: dict, out: Path) -> None:
     import matplotlib.pyplot as plt
     from matplotlib.ticker import FuncFormatter, LogLocator, NullLocator
 
-    panels = [(e, r) for e in table["models"] for r in all_runs[e["model"]]]
+    # One panel per dataset: its runs hold the same items, so their settings share the axes
+    # (a setting measured twice there is shown from its first run).
+    panels = []
+    for e in table["models"]:
+        by_dataset: dict[str, dict] = {}
+        for r in all_runs[e["model"]]:
+            for lab, s in r.settings.items():
+                by_dataset.setdefault(r.dataset, {}).setdefault(lab, (s, r.path))
+        panels += [(e, ds, settings) for ds, settings in by_dataset.items()]
     fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels), 4.2), squeeze=False)
-    for ax, (entry, run) in zip(axes[0], panels):
-        for lab, s in sorted(run.settings.items()):
+    for ax, (entry, dataset, settings) in zip(axes[0], panels):
+        for lab, (s, path) in sorted(settings.items()):
             if lab == "full_prefill":
                 continue
             chosen = lab == entry["label"]
-            bad = run.path in entry["lost_quality"].get(lab, [])
+            bad = path in entry["lost_quality"].get(lab, [])
+            color = "tab:red" if chosen else ("0.6" if bad else "tab:blue")
+            candidate = lab in entry["kept_quality"]  # run on every dataset of the model
             ax.scatter(
                 s.speedup,
                 100 * s.gap,
                 marker="*" if chosen else "o",
                 s=180 if chosen else 36,
-                color="tab:red" if chosen else ("0.6" if bad else "tab:blue"),
+                facecolors=color if candidate else "none",
+                edgecolors=color,
                 zorder=3,
             )
             ax.annotate(lab, (s.speedup, 100 * s.gap), fontsize=7, xytext=(4, 3), textcoords="offset points")
-        n = max(s.n for s in run.settings.values())
-        ax.set_title(f"{entry['name']}: {run.dataset} (n={n})", fontsize=9)
+        n = max(s.n for s, _ in settings.values())
+        ax.set_title(f"{entry['name']}: {dataset} (n={n})", fontsize=9)
         ax.set_xscale("log")
         ax.set_yscale("log")  # gaps span 1% to 300%
         for axis in (ax.xaxis, ax.yaxis):
@@ -141,7 +157,11 @@ def plot(table: dict, all_runs: dict, out: Path) -> None:
         ax.set_xlabel("TTFT speed-up over full prefill (x)")
         ax.set_ylabel("gold-NLL gap to full prefill (%)")
         ax.grid(alpha=0.3)
-    fig.suptitle("Default policy per model (red star); grey: measurably worse than the best on that run", fontsize=10)
+    fig.suptitle(
+        "Default policy per model (red star); grey: measurably worse than the best on that dataset; "
+        "hollow: not run on every dataset of the model",
+        fontsize=10,
+    )
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     plt.close(fig)

@@ -1,27 +1,56 @@
 #!/usr/bin/env bash
-# Re-trains the KVLink adapter shipped for the default model (kvrag/assets/kvlink/<model key>/):
-# writes its training data, then runs the exact `kvrag train kvlink` command recorded in the
-# shipped kvlink.json (~55 min on 2 CPU cores). Output: $1 (default bench_out/kvlink_adapter/).
+# Re-trains a KVLink adapter shipped in kvrag/assets/kvlink/<model key>/: writes its training
+# data, then runs the exact `kvrag train kvlink` command recorded in the shipped kvlink.json.
 # The data file's sha256 equals the shipped kvlink.json's "data_sha256".
+#
+# Usage: benchmarks/train_kvlink_adapter.sh [OUT] [MODEL]
+#   MODEL smollm2 (default): 480 synthetic items of seed 1000 (the benchmark uses seed 0, the
+#     tests seed 7), six passages of 200 tokens, five per prompt, shuffled (~55 min on 2 CPU cores).
+#   MODEL gemma3-270m: 480 items of seed 1000 with ten passages of 200 (Gemma) tokens, 4-10 per
+#     prompt in the item's order, so a passage that continues the one before it stays readable
+#     (~61 min on 2 CPU cores; it checkpoints every 20 steps, and its kvrag command with --resume
+#     in place of --force continues a sitting cut short).
+# OUT defaults to bench_out/kvlink_adapter/ (smollm2) or bench_out/kvlink_gemma/ (gemma3-270m).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
+MODEL="${2:-smollm2}"
+case "$MODEL" in
+smollm2)
+    OUT="${1:-bench_out/kvlink_adapter}"
+    PASSAGES=6
+    ;;
+gemma3-270m)
+    OUT="${1:-bench_out/kvlink_gemma}"
+    PASSAGES=10
+    ;;
+*)
+    echo "MODEL must be smollm2 or gemma3-270m, got '$MODEL'" >&2
+    exit 2
+    ;;
+esac
 bash scripts/setup.sh
-OUT="${1:-bench_out/kvlink_adapter}"
 mkdir -p "$OUT"
 export HF_HUB_OFFLINE=1
-# Training data: 480 synthetic items of seed 1000 (the benchmark uses seed 0, the tests seed 7),
-# six passages of 200 tokens each, in the MuSiQue format.
-.venv/bin/python - "$OUT/train.json" <<'PY'
+.venv/bin/python - "$OUT/train.json" "$MODEL" "$PASSAGES" <<'PY'
 import json, sys
+from transformers import AutoTokenizer
 from kvrag.bench import synthetic
-from kvrag.model import default_tokenizer
+from kvrag.model.packaged import resolve_model_path
 
-tok = default_tokenizer()
-items = synthetic.generate(480, 1000, count_tokens=lambda s: len(tok.encode(s, add_special_tokens=False)))
-with open(sys.argv[1], "w") as f:
+out, model, passages = sys.argv[1], sys.argv[2], int(sys.argv[3])
+gguf = resolve_model_path(model)
+tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name, local_files_only=True)
+count = lambda s: len(tok.encode(s, add_special_tokens=False))
+items = synthetic.generate(480, 1000, n_passages=passages, passage_tokens=200, count_tokens=count)
+with open(out, "w") as f:
     json.dump(items, f)
 PY
 sha256sum "$OUT/train.json"
-exec .venv/bin/kvrag train kvlink --data "$OUT/train.json" --lora-rank 8 --lr 0.0005 --objective distill \
-    --docs 5 --max-passage-chars 1000 --link-lr 0.005 --steps 480 --max-minutes 62 --threads 2 --out "$OUT/adapter" --force \
-    --log-every 10
+if [ "$MODEL" = smollm2 ]; then
+    exec .venv/bin/kvrag train kvlink --data "$OUT/train.json" --lora-rank 8 --lr 0.0005 --objective distill \
+        --docs 5 --max-passage-chars 1000 --link-lr 0.005 --steps 480 --max-minutes 62 --threads 2 \
+        --out "$OUT/adapter" --force --log-every 10
+fi
+exec .venv/bin/kvrag train kvlink --model gemma3-270m --data "$OUT/train.json" --lora-rank 8 --lr 0.0005 \
+    --objective distill --min-docs 4 --docs 10 --max-docs 10 --passage-order source --link-lr 0.005 \
+    --steps 480 --max-minutes 75 --threads 2 --checkpoint-every 20 --out "$OUT/adapter" --force --log-every 5
