@@ -7,9 +7,10 @@
 #   MODEL smollm2 (default): 480 synthetic items of seed 1000 (the benchmark uses seed 0, the
 #     tests seed 7), six passages of 200 tokens, five per prompt, shuffled (~55 min on 2 CPU cores).
 #   MODEL gemma3-270m: 480 items of seed 1000 with ten passages of 200 (Gemma) tokens, 4-10 per
-#     prompt in the item's order, so a passage that continues the one before it stays readable
-#     (~61 min on 2 CPU cores; it checkpoints every 20 steps, and its kvrag command with --resume
-#     in place of --force continues a sitting cut short).
+#     prompt (ten-passage ones exceed --max-tokens and are drawn again), in the item's order so
+#     that a passage continuing the one before it stays readable (~61 min on 2 CPU cores; it
+#     checkpoints every 20 steps, and its kvrag command with --resume in place of --force
+#     continues a sitting cut short).
 # OUT defaults to bench_out/kvlink_adapter/ (smollm2) or bench_out/kvlink_gemma/ (gemma3-270m).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
