@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Re-trains a KVLink adapter shipped in kvrag/assets/kvlink/<model key>/: writes its training
-# data, then runs the exact `kvrag train kvlink` command recorded in the shipped kvlink.json.
+# data, then runs `kvrag train kvlink` with the options recorded in the shipped kvlink.json.
 # The data file's sha256 equals the shipped kvlink.json's "data_sha256".
 #
 # Usage: benchmarks/train_kvlink_adapter.sh [OUT] [MODEL]
@@ -19,10 +19,13 @@ case "$MODEL" in
 smollm2)
     OUT="${1:-bench_out/kvlink_adapter}"
     PASSAGES=6
+    TRAIN=(--docs 5 --max-passage-chars 1000 --max-minutes 62 --log-every 10)
     ;;
 gemma3-270m)
     OUT="${1:-bench_out/kvlink_gemma}"
     PASSAGES=10
+    TRAIN=(--model gemma3-270m --min-docs 4 --docs 10 --max-docs 10 --passage-order source --max-minutes 75
+        --checkpoint-every 20 --log-every 5)
     ;;
 *)
     echo "MODEL must be smollm2 or gemma3-270m, got '$MODEL'" >&2
@@ -34,24 +37,17 @@ mkdir -p "$OUT"
 export HF_HUB_OFFLINE=1
 .venv/bin/python - "$OUT/train.json" "$MODEL" "$PASSAGES" <<'PY'
 import json, sys
-from transformers import AutoTokenizer
 from kvrag.bench import synthetic
-from kvrag.model.packaged import resolve_model_path
+from kvrag.model import default_tokenizer
 
 out, model, passages = sys.argv[1], sys.argv[2], int(sys.argv[3])
-gguf = resolve_model_path(model)
-tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name, local_files_only=True)
+tok = default_tokenizer(model=model)
 count = lambda s: len(tok.encode(s, add_special_tokens=False))
 items = synthetic.generate(480, 1000, n_passages=passages, passage_tokens=200, count_tokens=count)
 with open(out, "w") as f:
     json.dump(items, f)
 PY
 sha256sum "$OUT/train.json"
-if [ "$MODEL" = smollm2 ]; then
-    exec .venv/bin/kvrag train kvlink --data "$OUT/train.json" --lora-rank 8 --lr 0.0005 --objective distill \
-        --docs 5 --max-passage-chars 1000 --link-lr 0.005 --steps 480 --max-minutes 62 --threads 2 \
-        --out "$OUT/adapter" --force --log-every 10
-fi
-exec .venv/bin/kvrag train kvlink --model gemma3-270m --data "$OUT/train.json" --lora-rank 8 --lr 0.0005 \
-    --objective distill --min-docs 4 --docs 10 --max-docs 10 --passage-order source --link-lr 0.005 \
-    --steps 480 --max-minutes 75 --threads 2 --checkpoint-every 20 --out "$OUT/adapter" --force --log-every 5
+# The recorded commands: the options both share, then each model's own (TRAIN).
+exec .venv/bin/kvrag train kvlink --data "$OUT/train.json" --lora-rank 8 --lr 0.0005 --objective distill \
+    --link-lr 0.005 --steps 480 --threads 2 "${TRAIN[@]}" --out "$OUT/adapter" --force

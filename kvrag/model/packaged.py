@@ -99,14 +99,15 @@ def resolve_model_path(path: str | os.PathLike | None, cache_dir: str | os.PathL
     return p
 
 
-def default_tokenizer(cache_dir: str | os.PathLike | None = None):
-    """The default model's (SmolLM2) tokenizer, without loading its weights.
+def default_tokenizer(cache_dir: str | os.PathLike | None = None, model: str | None = None):
+    """A packaged model's tokenizer (``model``: a name of ``MODEL_NAMES``; None, the default
+    model, SmolLM2), without loading its weights.
 
     Read from the converted-model cache when it exists (fast), else from the GGUF (~4 s)."""
     from transformers import AutoTokenizer
 
     root = Path(cache_dir) if cache_dir is not None else default_home()
-    gguf = default_model_path()
+    gguf = resolve_model_path(model, cache_dir)
     conv = conversion_dir(root, file_digest(gguf, root))
     if is_complete_conversion(conv):
         return AutoTokenizer.from_pretrained(str(conv), local_files_only=True)
