@@ -122,6 +122,14 @@ def add_training_options(k) -> None:
         "steps and at the end; 0: only when --max-minutes ends the run early",
     )
     k.add_argument(
+        "--init",
+        default=None,
+        metavar="ADAPTER",
+        help="start from this KVLink adapter directory's LoRA weights and link rows ('auto': the "
+        "one KVRag(policy='kvlink') uses) to train it further, e.g. on longer prompts or other "
+        "data; its model, --link-tokens and LoRA options must match, --max-docs may grow",
+    )
+    k.add_argument(
         "--resume",
         action="store_true",
         help="continue the run checkpointed in --out (same options; --max-minutes may differ)",
@@ -163,6 +171,7 @@ def config_from_args(args, data: str):
         seed=args.seed,
         log_every=args.log_every,
         max_seconds=60.0 * args.max_minutes,
+        init=args.init,
     )
     try:
         cfg.validate()

@@ -167,6 +167,8 @@ def test_links_plus_recompute_composes_kvlink_and_cacheblend():
     assert not torch.allclose(both.logits, links.logits, atol=1e-4)
     blend = eng.prefill(layout, get_policy("cacheblend", recompute_ratio=0.5))
     assert both.stats.recomputed_tokens == blend.stats.recomputed_tokens
+    # Without links it is cacheblend itself, to the bit.
+    torch.testing.assert_close(run(link_tokens=0, recompute_ratio=0.5).logits, blend.logits, atol=0, rtol=0)
     # The exact limit: no links, everything recomputed == full prefill.
     exact = run(link_tokens=0, recompute_ratio=1.0)
     torch.testing.assert_close(
@@ -177,6 +179,31 @@ def test_links_plus_recompute_composes_kvlink_and_cacheblend():
     for bad in ({"recompute_ratio": 1.5}, {"check_layers": (0,)}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             get_policy("kvlink", **bad)
+
+
+def test_links_plus_heads_composes_kvlink_and_epic():
+    """kvlink(k_head=k): link tokens inserted *and* epic's first k tokens of every document."""
+    arch = Arch(tiny("llama"))
+    segs = _segments(4)
+    layout = Layout.build(pieces_for(arch, segs))
+    eng = FusionEngine(arch)
+
+    def run(**kw):
+        pol = get_policy("kvlink", mode="untrained", **kw)
+        return eng.prefill(eng.apply_insertions(layout.pieces, pol), pol)
+
+    both = run(link_tokens=2, k_head=3)
+    n_docs = sum(1 for _, cached in segs if cached)
+    assert both.stats.inserted_tokens == 2 * n_docs
+    assert both.stats.recomputed_tokens == eng.prefill(layout, get_policy("epic", k_head=3)).stats.recomputed_tokens
+    assert not torch.allclose(both.logits, run(link_tokens=2).logits, atol=1e-4)
+    # Without links it is epic itself, to the bit.
+    alone = run(link_tokens=0, k_head=3)
+    torch.testing.assert_close(alone.logits, eng.prefill(layout, get_policy("epic", k_head=3)).logits, atol=0, rtol=0)
+    with pytest.raises(ValueError, match="pick one way"):
+        get_policy("kvlink", k_head=3, recompute_ratio=0.1)
+    with pytest.raises(ValueError, match="k_head"):
+        get_policy("kvlink", k_head=-1)
 
 
 def test_untrained_link_embedding_is_the_mean_embedding():
@@ -450,6 +477,71 @@ def test_bad_training_options_raise(handle, data_file, tmp_path, change, match):
         train_kvlink(handle, TrainConfig(data=str(data_file), **{**CFG, "steps": 2, **change}), tmp_path / "o")
 
 
+def test_init_trains_further_from_an_adapter_and_records_it(handle, trained, data_file, tmp_path):
+    # Same seed, so the first sample is the one the fresh run began with: loaded weights
+    # start where the trained adapter ended, far below the fresh run's first loss.
+    warm = train_kvlink(
+        handle,
+        TrainConfig(data=str(data_file), steps=3, **{**CFG, "max_docs": 6}, init=str(trained.out)),
+        tmp_path / "w",
+    )
+    assert warm.losses[0] < 0.5 * trained.losses[0], (warm.losses, trained.losses)
+    rec = warm.meta["init"]
+    assert (
+        rec["path"] == str(trained.out)
+        and rec["steps"] == 16
+        and rec["lora_digest"] == load_adapter(trained.out).lora_digest
+    )
+    assert rec["data_sha256"] == trained.meta["data_sha256"] and len(rec["links_sha256"]) == 64
+    # The started-from rows count as trained: both saved, though these 3 steps reached them too.
+    assert warm.meta["trained_rows"] == 2 and warm.adapter.links.shape[0] == 2
+
+
+def test_warm_start_fills_new_link_rows_with_the_last_one(handle, trained):
+    from kvrag.policies.kvlink.train import _warm_start
+
+    ad = load_adapter(trained.out)
+    links = torch.nn.Parameter(torch.zeros(5, 2, ad.links.shape[2]))
+    _warm_start(ad, None, links)
+    assert torch.equal(links[:2], ad.links) and all(torch.equal(links[i], ad.links[1]) for i in (2, 3, 4))
+
+
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        ({"link_tokens": 3}, "has 2 link tokens per document; link_tokens is 3"),
+        ({"lora_rank": 2}, "has LoRA .*'rank': 4.*'rank': 2"),
+        ({"lora_rank": 0}, "has LoRA .*these options give None"),
+        ({"max_docs": 1}, "has 2 trained link rows; max_docs must be >= 2"),
+    ],
+)
+def test_init_from_a_mismatched_adapter_is_refused(handle, trained, data_file, tmp_path, change, match):
+    with pytest.raises(KVLinkError, match=match):
+        train_kvlink(
+            handle,
+            TrainConfig(data=str(data_file), steps=1, **{**CFG, **change}, init=str(trained.out)),
+            tmp_path / "o",
+        )
+    assert not (tmp_path / "o" / "kvlink.json").exists()
+
+
+def test_init_names_a_missing_adapter(handle, data_file, tmp_path, monkeypatch):
+    monkeypatch.setenv("KVRAG_HOME", str(tmp_path / "empty"))
+    for init, match in (("auto", "init='auto': no KVLink adapter"), (str(tmp_path / "nope"), "not a KVLink adapter")):
+        with pytest.raises(KVLinkError, match=match):
+            train_kvlink(handle, TrainConfig(data=str(data_file), steps=1, **CFG, init=init), tmp_path / "o")
+
+
+def test_resume_refuses_another_starting_adapter(handle, trained, data_file, tmp_path):
+    other = train_kvlink(handle, TrainConfig(data=str(data_file), steps=1, **CFG), tmp_path / "other")
+    cfg = dict(data=str(data_file), steps=3, **CFG)
+    train_kvlink(handle, TrainConfig(**cfg, init=str(trained.out)), tmp_path / "w", stop_at_step=1)
+    with pytest.raises(KVLinkError, match="other options or data: init="):
+        train_kvlink(handle, TrainConfig(**cfg, init=str(other.out)), tmp_path / "w", resume=True)
+    done = train_kvlink(handle, TrainConfig(**cfg, init=str(trained.out)), tmp_path / "w", resume=True)
+    assert done.meta["complete"] and done.meta["init"]["path"] == str(trained.out)
+
+
 def test_lora_targets_the_model_lacks_are_named(data_file, tmp_path):
     # Phi-3 fuses q/k/v into qkv_proj: the default targets would adapt o_proj alone.
     from kvrag.testing import tiny_llama
@@ -553,6 +645,8 @@ def test_cli_train_kvlink(handle, data_file, tmp_path, capsys):
     assert "loss" in capsys.readouterr().out
     assert main(argv) == 2  # refuses to overwrite without --force
     assert "already holds" in capsys.readouterr().err
+    assert main([*argv[:-4], "--init", str(out), "--out", str(tmp_path / "further"), "--threads", "1"]) == 0
+    assert json.loads((tmp_path / "further" / "kvlink.json").read_text())["init"]["path"] == str(out)
     assert main([*argv[:-4], "--steps", "0", "--out", str(tmp_path / "x")]) == 2
 
 

@@ -32,6 +32,7 @@ import torch
 from kvrag.checks import check_int
 from kvrag.policies.base import Policy, param
 from kvrag.policies.cacheblend import CacheBlend, CacheBlendParams
+from kvrag.policies.epic import Epic, EpicParams
 from kvrag.policies.registry import register
 from kvrag.query.state import CACHED
 
@@ -62,6 +63,11 @@ class KVLinkParams:
         "cacheblend chooses them (value deviation at check_layers); 0 = links only (the paper)",
     )
     check_layers: tuple = param((1,), "layers where deviation is measured (with recompute_ratio > 0)")
+    k_head: int = param(
+        0,
+        "links + EPIC: also recompute the first k_head tokens of every cached document at every "
+        "layer, as epic chooses them (static: no check layer); 0 = none. Not with recompute_ratio",
+    )
 
     def __post_init__(self) -> None:
         k = self.link_tokens
@@ -74,6 +80,12 @@ class KVLinkParams:
         # Checked (and normalised) by cacheblend's own parameters, which run the selection.
         blend = CacheBlendParams(recompute_ratio=self.recompute_ratio, check_layers=self.check_layers)
         self.recompute_ratio, self.check_layers = blend.recompute_ratio, blend.check_layers
+        self.k_head = EpicParams(k_head=self.k_head).k_head
+        if self.k_head and self.recompute_ratio:
+            raise ValueError(
+                f"k_head={self.k_head} and recompute_ratio={self.recompute_ratio}: pick one way to "
+                "choose the recomputed tokens (epic's static heads or cacheblend's deviation)"
+            )
 
 
 def mean_embedding(arch) -> torch.Tensor:
@@ -96,24 +108,24 @@ class KVLink(Policy):
         super().__init__(**params)
         self._mean_cache: tuple | None = None
         p = self.params
-        # Links + recompute: the link tokens are computed tokens like the
-        # question, so cacheblend's selection -- which keeps every non-cached row and ranks
-        # only cached ones -- composes with them unchanged.
-        self._blend = (
-            CacheBlend(recompute_ratio=p.recompute_ratio, check_layers=p.check_layers)
-            if p.recompute_ratio > 0
-            else None
-        )
+        # Links + recompute: the link tokens are computed tokens like the question, so
+        # cacheblend's selection (which keeps every non-cached row and ranks only cached ones)
+        # and epic's (which adds cached heads to the non-cached rows) compose with them unchanged.
+        self._recompute: Policy | None = None
+        if p.recompute_ratio > 0:
+            self._recompute = CacheBlend(recompute_ratio=p.recompute_ratio, check_layers=p.check_layers)
+        elif p.k_head > 0:
+            self._recompute = Epic(k_head=p.k_head)
 
     def check_model(self, arch) -> None:
-        if self._blend is not None:
-            self._blend.check_model(arch)
+        if self._recompute is not None:
+            self._recompute.check_model(arch)
 
     def initial_active(self, state):
-        return super().initial_active(state) if self._blend is None else self._blend.initial_active(state)
+        return super().initial_active(state) if self._recompute is None else self._recompute.initial_active(state)
 
     def select(self, layer, state, q, k, v):
-        return None if self._blend is None else self._blend.select(layer, state, q, k, v)
+        return None if self._recompute is None else self._recompute.select(layer, state, q, k, v)
 
     def adapter(self, arch):
         """The ``KVLinkAdapter`` the model carries, or None."""

@@ -52,11 +52,14 @@ from kvrag.model import ModelHandle
 from kvrag.model.digests import sha256_file
 from kvrag.policies.kvlink.adapter import (
     FORMAT_VERSION,
+    LINKS_FILE,
+    LORA_FILE,
     META_FILE,
     KVLinkAdapter,
     KVLinkError,
     adapter_key,
     default_adapter_dirs,
+    find_adapter,
     load_adapter,
     save_adapter,
 )
@@ -385,6 +388,7 @@ class TrainConfig:
     seed: int = 0
     log_every: int = 10
     max_seconds: float = 0.0  # > 0: stop after this much training time (CPU budgets); 0 = run all steps
+    init: str | None = None  # an adapter directory to start from ("auto": the model's own); None: fresh
 
     def validate(self) -> None:
         def need(ok, msg):
@@ -421,6 +425,7 @@ class TrainConfig:
         need(self.warmup >= 0, f"warmup must be >= 0, got {self.warmup}")
         need(self.max_tokens >= 16, f"max_tokens must be >= 16, got {self.max_tokens}")
         need(self.max_seconds >= 0, f"max_seconds must be >= 0, got {self.max_seconds}")
+        need(self.init is None or str(self.init).strip() != "", "init must name an adapter directory or 'auto'")
 
 
 @dataclass
@@ -514,9 +519,14 @@ def train_kvlink(
                 shuffle=cfg.passage_order == "shuffle",
             ), "data"
 
+    # Checked before the model is copied: a mismatched adapter fails in seconds, not after it.
+    start_from = _start_adapter(handle, cfg) if cfg.init is not None else None
+    init_meta = None if start_from is None else _init_record(start_from)
     # What a resumed run must share with the checkpoint's: every option that changes a step,
-    # and the data (its digests).
+    # the data (its digests) and the adapter it started from (its weights' digests).
     identity = {**_resumable_config(cfg), "data_sha256": data_sha, "data": data_meta}
+    if init_meta is not None:
+        identity["init_digest"] = {k: init_meta[k] for k in ("links_sha256", "lora_digest")}
     ckpt = _load_checkpoint(out_dir, identity) if resume else None
     rng = random.Random(cfg.seed)
     torch.manual_seed(cfg.seed)
@@ -561,6 +571,8 @@ def train_kvlink(
         groups.append({"params": lora_params, "lr": cfg.lr})
     if cfg.link_tokens > 0:
         groups.append({"params": [links], "lr": cfg.link_lr})
+    if start_from is not None:
+        _warm_start(start_from, peft_model, links)
     opt = torch.optim.AdamW(groups, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(cfg))
 
@@ -578,7 +590,9 @@ def train_kvlink(
     losses: list[float] = []
     t0 = time.perf_counter()
     skipped = 0
-    trained_rows = 0  # link-table rows some sample used (the rest keep their initial value)
+    # Link-table rows some sample used (the rest keep their initial value); a warm start's
+    # rows were trained by its own run.
+    trained_rows = 0 if start_from is None else start_from.max_docs
     source_counts: dict[str, int] = {}
     sittings: list[dict] = []  # each sitting of a resumed run: its command and the steps it ran
     start = 0
@@ -693,6 +707,7 @@ def train_kvlink(
         "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(cfg).items()},
         "data_sha256": data_sha,
         "train_examples": n_train,
+        "init": init_meta,
         "data": data_meta,
         "samples_by_source": source_counts,
         "command": list(command) if command is not None else None,
@@ -707,6 +722,79 @@ def train_kvlink(
     save_adapter(out_dir, links.detach()[: max(1, trained_rows)], peft_model, meta)
     say(f"saved KVLink adapter to {out_dir}")
     return TrainResult(out_dir, losses, load_adapter(out_dir), meta)
+
+
+# ---- warm start --------------------------------------------------------------------------
+def _start_adapter(handle: ModelHandle, cfg: TrainConfig) -> KVLinkAdapter:
+    """The adapter ``cfg.init`` names, checked against ``handle`` and ``cfg``: the same model,
+    link tokens and LoRA shape (a KVLinkError names what differs)."""
+    if cfg.init == "auto":
+        path = find_adapter(handle)
+        if path is None:
+            dirs = ", ".join(str(p) for p in default_adapter_dirs(handle))
+            raise KVLinkError(f"init='auto': no KVLink adapter for this model to start from (looked in {dirs})")
+    else:
+        path = Path(str(cfg.init)).expanduser()
+    ad = load_adapter(path)
+    where = f"the adapter to start from ({ad.path})"
+    if ad.meta.get("base_key") != adapter_key(handle):
+        raise KVLinkError(f"{where} was trained for another model (key {str(ad.meta.get('base_key'))[:16]}…)")
+    if ad.links.shape[2] != handle.model.config.hidden_size:
+        raise KVLinkError(
+            f"{where} has link width {ad.links.shape[2]}, the model's hidden size is {handle.model.config.hidden_size}"
+        )
+    if ad.link_tokens != cfg.link_tokens:
+        raise KVLinkError(f"{where} has {ad.link_tokens} link tokens per document; link_tokens is {cfg.link_tokens}")
+    if ad.max_docs > cfg.max_docs:
+        raise KVLinkError(f"{where} has {ad.max_docs} trained link rows; max_docs must be >= {ad.max_docs}")
+    lora = ad.meta.get("lora")
+    want = (
+        None
+        if cfg.lora_rank == 0
+        else {"rank": cfg.lora_rank, "alpha": cfg.lora_alpha or 2 * cfg.lora_rank, "targets": list(cfg.lora_targets)}
+    )
+    have = None if lora is None else {k: lora.get(k) for k in ("rank", "alpha", "targets")}
+    if have != want:
+        raise KVLinkError(f"{where} has LoRA {have}; these options give {want}: pass the same LoRA options")
+    return ad
+
+
+def _init_record(ad: KVLinkAdapter) -> dict:
+    """What ``kvlink.json`` records of the adapter a run started from: where, its weights'
+    digests, and its own training (its ``init`` too, so a chain of runs stays traceable)."""
+    assert ad.path is not None
+    m = ad.meta
+    return {
+        "path": str(ad.path),
+        "links_sha256": sha256_file(ad.path / LINKS_FILE),
+        "lora_digest": ad.lora_digest,
+        "steps": m.get("steps"),
+        "train_seconds": m.get("train_seconds"),
+        "data_sha256": m.get("data_sha256"),
+        "command": m.get("command"),
+        "init": m.get("init"),
+    }
+
+
+def _warm_start(ad: KVLinkAdapter, peft_model, links: torch.nn.Parameter) -> None:
+    """Load ``ad``'s LoRA weights into ``peft_model`` and its link rows into ``links``
+    [max_docs, K, E]; rows past the adapter's take its last row, the one its inference serves
+    there (``KVLinkAdapter.links_for``)."""
+    if peft_model is not None:
+        from peft import set_peft_model_state_dict
+        from safetensors.torch import load_file
+
+        assert ad.path is not None
+        state = load_file(str(ad.path / LORA_FILE))
+        result = set_peft_model_state_dict(peft_model, state)
+        # peft returns torch's load result: a LoRA weight the file lacks would stay random.
+        missing = [k for k in getattr(result, "missing_keys", []) if "lora_" in k]
+        if missing:
+            raise KVLinkError(f"the adapter to start from ({ad.path}) lacks LoRA weights: {missing[:3]}")
+    with torch.no_grad():
+        rows = ad.links.to(links.device, links.dtype)
+        links[: rows.shape[0]] = rows
+        links[rows.shape[0] :] = rows[-1]
 
 
 # ---- checkpoints (resumable runs) ----------------------------------------------------------
