@@ -31,8 +31,14 @@ EVIDENCE = {
         "runs": [
             "docs/bench/yardstick_gemma3",
             "docs/bench/yardstick_gemma3_kvlink",
+            "docs/bench/yardstick_gemma3_kvlink_r05",
+            "docs/bench/yardstick_gemma3_kvlink_r10",
+            "docs/bench/yardstick_gemma3_kvlink_h8",
+            "docs/bench/yardstick_gemma3_epic16",
             "docs/bench/yardstick_gemma3_long",
             "docs/bench/yardstick_gemma3_long_kvlink",
+            "docs/bench/yardstick_gemma3_long_kvlink_r05",
+            "docs/bench/yardstick_gemma3_long_kvlink_r10",
         ],
     },
 }

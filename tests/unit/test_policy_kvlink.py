@@ -525,6 +525,13 @@ def test_init_from_a_mismatched_adapter_is_refused(handle, trained, data_file, t
     assert not (tmp_path / "o" / "kvlink.json").exists()
 
 
+def test_init_from_another_models_adapter_is_refused(trained, data_file, tmp_path):
+    with pytest.raises(KVLinkError, match="was trained for model key .*not this model"):
+        train_kvlink(
+            tiny_llama(seed=3), TrainConfig(data=str(data_file), steps=1, **CFG, init=str(trained.out)), tmp_path
+        )
+
+
 def test_init_names_a_missing_adapter(handle, data_file, tmp_path, monkeypatch):
     monkeypatch.setenv("KVRAG_HOME", str(tmp_path / "empty"))
     for init, match in (("auto", "init='auto': no KVLink adapter"), (str(tmp_path / "nope"), "not a KVLink adapter")):

@@ -206,15 +206,7 @@ def apply_adapter(handle: ModelHandle, adapter: str | os.PathLike | KVLinkAdapte
         ad = load_adapter(adapter)
     if getattr(handle.model, ADAPTER_ATTR, None) is not None:
         raise KVLinkError("this model already carries a KVLink adapter; apply adapters to the base model")
-    key = adapter_key(handle)
-    if ad.meta.get("base_key") != key:
-        raise KVLinkError(
-            f"KVLink adapter {ad.path} was trained for model key {str(ad.meta.get('base_key'))[:16]}…, "
-            f"not this model ({key[:16]}…)"
-        )
-    e = handle.model.config.hidden_size
-    if ad.links.shape[2] != e:
-        raise KVLinkError(f"adapter link embeddings have width {ad.links.shape[2]}, the model's hidden size is {e}")
+    check_fits(ad, handle)
     base_weights = handle.fingerprint_parts["weights"]
     if ad.has_lora:
         from peft import PeftModel
@@ -239,6 +231,20 @@ def apply_adapter(handle: ModelHandle, adapter: str | os.PathLike | KVLinkAdapte
         source=handle.source,
         load_info={**handle.load_info, "kvlink_adapter": str(ad.path)},
     )
+
+
+def check_fits(ad: KVLinkAdapter, handle: ModelHandle) -> None:
+    """Raise KVLinkError unless ``ad`` was trained for ``handle``'s model: its key (weights,
+    architecture, tokenizer) and hidden size."""
+    key = adapter_key(handle)
+    if ad.meta.get("base_key") != key:
+        raise KVLinkError(
+            f"KVLink adapter {ad.path} was trained for model key {str(ad.meta.get('base_key'))[:16]}…, "
+            f"not this model ({key[:16]}…)"
+        )
+    e = handle.model.config.hidden_size
+    if ad.links.shape[2] != e:
+        raise KVLinkError(f"adapter link embeddings have width {ad.links.shape[2]}, the model's hidden size is {e}")
 
 
 def save_adapter(out_dir: Path, links: torch.Tensor, peft_model, meta: dict) -> None:

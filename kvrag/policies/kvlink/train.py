@@ -58,6 +58,7 @@ from kvrag.policies.kvlink.adapter import (
     KVLinkAdapter,
     KVLinkError,
     adapter_key,
+    check_fits,
     default_adapter_dirs,
     find_adapter,
     load_adapter,
@@ -736,13 +737,8 @@ def _start_adapter(handle: ModelHandle, cfg: TrainConfig) -> KVLinkAdapter:
     else:
         path = Path(str(cfg.init)).expanduser()
     ad = load_adapter(path)
+    check_fits(ad, handle)
     where = f"the adapter to start from ({ad.path})"
-    if ad.meta.get("base_key") != adapter_key(handle):
-        raise KVLinkError(f"{where} was trained for another model (key {str(ad.meta.get('base_key'))[:16]}…)")
-    if ad.links.shape[2] != handle.model.config.hidden_size:
-        raise KVLinkError(
-            f"{where} has link width {ad.links.shape[2]}, the model's hidden size is {handle.model.config.hidden_size}"
-        )
     if ad.link_tokens != cfg.link_tokens:
         raise KVLinkError(f"{where} has {ad.link_tokens} link tokens per document; link_tokens is {cfg.link_tokens}")
     if ad.max_docs > cfg.max_docs:
