@@ -147,10 +147,9 @@ def test_zero_link_tokens_equals_naive_reuse():
     assert not torch.allclose(res5.logits, hf_logits(arch.model, all_ids), atol=1e-3)
 
 
-def test_links_plus_recompute_composes_kvlink_and_cacheblend():
-    """kvlink(recompute_ratio=r): link tokens inserted *and* cacheblend's selection on top."""
+def _untrained_kvlink(segs):
+    """(arch, layout, engine, run): ``run(**params)`` is untrained kvlink's prefill of ``segs``."""
     arch = Arch(tiny("llama"))
-    segs = _segments(4)
     layout = Layout.build(pieces_for(arch, segs))
     eng = FusionEngine(arch)
 
@@ -158,6 +157,13 @@ def test_links_plus_recompute_composes_kvlink_and_cacheblend():
         pol = get_policy("kvlink", mode="untrained", **kw)
         return eng.prefill(eng.apply_insertions(layout.pieces, pol), pol)
 
+    return arch, layout, eng, run
+
+
+def test_links_plus_recompute_composes_kvlink_and_cacheblend():
+    """kvlink(recompute_ratio=r): link tokens inserted *and* cacheblend's selection on top."""
+    segs = _segments(4)
+    arch, layout, eng, run = _untrained_kvlink(segs)
     links = run(link_tokens=2)
     assert links.stats.recomputed_tokens == 0
     both = run(link_tokens=2, recompute_ratio=0.5)
@@ -183,15 +189,8 @@ def test_links_plus_recompute_composes_kvlink_and_cacheblend():
 
 def test_links_plus_heads_composes_kvlink_and_epic():
     """kvlink(k_head=k): link tokens inserted *and* epic's first k tokens of every document."""
-    arch = Arch(tiny("llama"))
     segs = _segments(4)
-    layout = Layout.build(pieces_for(arch, segs))
-    eng = FusionEngine(arch)
-
-    def run(**kw):
-        pol = get_policy("kvlink", mode="untrained", **kw)
-        return eng.prefill(eng.apply_insertions(layout.pieces, pol), pol)
-
+    _, layout, eng, run = _untrained_kvlink(segs)
     both = run(link_tokens=2, k_head=3)
     n_docs = sum(1 for _, cached in segs if cached)
     assert both.stats.inserted_tokens == 2 * n_docs
@@ -493,8 +492,13 @@ def test_init_trains_further_from_an_adapter_and_records_it(handle, trained, dat
         and rec["lora_digest"] == load_adapter(trained.out).lora_digest
     )
     assert rec["data_sha256"] == trained.meta["data_sha256"] and len(rec["links_sha256"]) == 64
-    # The started-from rows count as trained: both saved, though these 3 steps reached them too.
     assert warm.meta["trained_rows"] == 2 and warm.adapter.links.shape[0] == 2
+    # The started-from rows stay trained rows: one-document samples reach row 1 only, and the
+    # adapter's row 2 is saved all the same.
+    one = train_kvlink(
+        handle, TrainConfig(data=str(data_file), steps=1, **{**CFG, "docs": 1}, init=str(trained.out)), tmp_path / "1"
+    )
+    assert one.meta["trained_rows"] == 2 and one.adapter.links.shape[0] == 2
 
 
 def test_warm_start_fills_new_link_rows_with_the_last_one(handle, trained):
