@@ -1,15 +1,11 @@
 """KVLink on the real packaged models, with the adapters shipped for them."""
 
-import importlib.util
-from pathlib import Path
-
 import pytest
+from script_helpers import benchmark_script
 
 from kvrag.bench import metrics as M
 from kvrag.engine import KVRag
 from kvrag.policies.kvlink.policy import ADAPTER_ATTR
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.real
@@ -45,10 +41,7 @@ def _held_out_items(model: str, handle) -> list[dict]:
         from kvrag.bench import synthetic
 
         return synthetic.generate(3, 7, n_passages=4, passage_tokens=120, count_tokens=lambda s: len(handle.encode(s)))
-    spec = importlib.util.spec_from_file_location("yardstick_set", ROOT / "benchmarks" / "yardstick_set.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.generate(3, 7, n_passages=4, words=90)
+    return benchmark_script("yardstick_set").generate(3, 7, n_passages=4, words=90)
 
 
 @pytest.mark.real

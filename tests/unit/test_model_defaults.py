@@ -1,17 +1,15 @@
 """The default policy per model: the rule that chooses it from held-out runs, the committed
 table that records it, and how KVRag and the framework adapters resolve ``policy="auto"``."""
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
+from script_helpers import benchmark_script
 
 from kvrag.bench.pareto import Run, Setting, choose, deficit_interval, read_run
 from kvrag.policies import model_defaults as MD
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def _setting(label, speedup, lls, policy=None, params=None):
@@ -88,13 +86,6 @@ def test_a_run_of_one_setting_is_held_against_its_datasets_best():
     assert c.label == "close"
 
 
-def _choose_defaults():
-    spec = importlib.util.spec_from_file_location("choose_defaults", ROOT / "benchmarks" / "choose_defaults.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def _write_run(d, adapter):
     """A two-item ``kvrag bench`` output directory with full_prefill and kvlink, its journal
     header naming ``adapter`` (None: no adapter was found)."""
@@ -121,7 +112,7 @@ def test_read_run_names_kvlink_without_an_adapter_untrained(tmp_path):
 def test_the_committed_table_is_what_the_committed_runs_choose():
     """Editing the table by hand, or a run without rerunning benchmarks/choose_defaults.py,
     fails here (the weight digests are checked against the packaged models in integration)."""
-    mod = _choose_defaults()
+    mod = benchmark_script("choose_defaults")
     table, _ = mod.build(digests=False)
     shipped = json.loads(MD.TABLE_PATH.read_text(encoding="utf-8"))
     for e in shipped["models"]:

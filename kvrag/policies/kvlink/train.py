@@ -698,13 +698,7 @@ def train_kvlink(
         "link_tokens": cfg.link_tokens,
         "max_docs": cfg.max_docs,
         "trained_rows": max(1, trained_rows),
-        "lora": None
-        if peft_model is None
-        else {
-            "rank": cfg.lora_rank,
-            "alpha": cfg.lora_alpha or 2 * cfg.lora_rank,
-            "targets": list(cfg.lora_targets),
-        },
+        "lora": _lora_record(cfg),
         "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(cfg).items()},
         "data_sha256": data_sha,
         "train_examples": n_train,
@@ -725,6 +719,13 @@ def train_kvlink(
     return TrainResult(out_dir, losses, load_adapter(out_dir), meta)
 
 
+def _lora_record(cfg: TrainConfig) -> dict | None:
+    """The LoRA shape ``kvlink.json`` records (None: links only)."""
+    if cfg.lora_rank == 0:
+        return None
+    return {"rank": cfg.lora_rank, "alpha": cfg.lora_alpha or 2 * cfg.lora_rank, "targets": list(cfg.lora_targets)}
+
+
 # ---- warm start --------------------------------------------------------------------------
 def _start_adapter(handle: ModelHandle, cfg: TrainConfig) -> KVLinkAdapter:
     """The adapter ``cfg.init`` names, checked against ``handle`` and ``cfg``: the same model,
@@ -743,12 +744,7 @@ def _start_adapter(handle: ModelHandle, cfg: TrainConfig) -> KVLinkAdapter:
         raise KVLinkError(f"{where} has {ad.link_tokens} link tokens per document; link_tokens is {cfg.link_tokens}")
     if ad.max_docs > cfg.max_docs:
         raise KVLinkError(f"{where} has {ad.max_docs} trained link rows; max_docs must be >= {ad.max_docs}")
-    lora = ad.meta.get("lora")
-    want = (
-        None
-        if cfg.lora_rank == 0
-        else {"rank": cfg.lora_rank, "alpha": cfg.lora_alpha or 2 * cfg.lora_rank, "targets": list(cfg.lora_targets)}
-    )
+    lora, want = ad.meta.get("lora"), _lora_record(cfg)
     have = None if lora is None else {k: lora.get(k) for k in ("rank", "alpha", "targets")}
     if have != want:
         raise KVLinkError(f"{where} has LoRA {have}; these options give {want}: pass the same LoRA options")
