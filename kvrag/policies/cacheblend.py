@@ -5,6 +5,14 @@ known); at a check layer the value deviation ``d_i = sum_{h,d} (V_new - V_cached
 cached token ranks them, and only the top fraction (the HKVD tokens) stays computed from that
 layer on. Several check layers with shrinking ratios implement the paper's *gradual
 filtering*; the reference code's default is one check layer (layer 1).
+
+``deviation="attention"`` is kvrag's cheaper estimate of the same ranking, not the paper's: the
+check costs layer 0 for every token (its MLP is most of a layer) and layer 1's projections. A
+cached token's K/V at layer 1 deviate because its layer-0 attention read other passages; that
+read is measured directly, at layer 0, from the projections alone: ``d_i = sum_{h,d} (o_i -
+o_i^own)^2``, ``o_i`` token ``i``'s layer-0 attention output over the whole prompt and
+``o_i^own`` over its own passage and the prompt's first token (the sink the passage was
+precomputed behind). Only the chosen tokens then run layer 0's attention and MLP.
 """
 
 from __future__ import annotations
@@ -17,6 +25,11 @@ from kvrag.checks import check_int, check_real, check_seq
 from kvrag.policies.base import Policy, RecomputeParams, param, top_indices
 from kvrag.policies.registry import register
 
+DEVIATIONS = ("value", "attention")
+#: Rows of the attention-deviation estimate per attention call: at most this many float32
+#: scores ([H, rows, N]) exist at once, so a long prompt is ranked in row blocks.
+SCORE_BUDGET = 1 << 24
+
 
 @dataclass
 class CacheBlendParams(RecomputeParams):
@@ -25,6 +38,13 @@ class CacheBlendParams(RecomputeParams):
         None,
         "gradual filtering: ratio kept at each check layer (when given, it replaces "
         "recompute_ratio: its last entry is the final ratio); None = recompute_ratio at every check layer",
+    )
+    deviation: str = param(
+        "value",
+        "what ranks the cached tokens: 'value' (the paper) = V deviation at check_layers, every "
+        "token computed up to there; 'attention' (kvrag's estimate, cheaper) = at layer 0, how much "
+        "a token's attention output changes between the whole prompt and its own passage "
+        "(check_layers and layer_ratios do not apply)",
     )
 
     def __post_init__(self) -> None:
@@ -40,6 +60,39 @@ class CacheBlendParams(RecomputeParams):
             self.layer_ratios = tuple(check_real("layer_ratios entry", r, 0.0, 1.0) for r in ratios)
             if len(self.layer_ratios) != len(self.check_layers):
                 raise ValueError("layer_ratios needs one ratio per check layer")
+        if self.deviation not in DEVIATIONS:
+            raise ValueError(f"deviation must be one of {DEVIATIONS}, got {self.deviation!r}")
+        if self.deviation == "attention" and (self.check_layers != (1,) or self.layer_ratios is not None):
+            raise ValueError(
+                "deviation='attention' ranks once, at layer 0: check_layers and layer_ratios do not "
+                f"apply (got check_layers={self.check_layers}, layer_ratios={self.layer_ratios})"
+            )
+
+
+def attention_deviation(state, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Layer 0 with every token active: q [H, N, D], k/v [Hkv, N, D] (rotated keys) -> float32
+    [N], per token ``sum_{h,d} (o - o_own)^2`` of its attention output [H*D] over every earlier
+    token (``o``) and over its own piece and the prompt's first token (``o_own``), both within
+    the layer's sliding window if it has one. Both outputs of a row block come from one
+    attention call (queries stacked twice, one mask each). Every row is scored, not only the
+    cached ones: contiguous row blocks are views, where gathering the cached rows would cost
+    ops per block."""
+    arch, lay = state.arch, state.layout
+    pos, seg = lay.positions.to(q.device), lay.segment.to(q.device)
+    n = pos.numel()
+    block = max(1, SCORE_BUDGET // (2 * q.shape[0] * n))
+    out = []
+    for lo in range(0, n, block):
+        hi = min(n, lo + block)
+        whole = pos[None, :] <= pos[lo:hi, None]  # [B, N]
+        window = arch.window_mask(0, pos[lo:hi], pos)
+        if window is not None:
+            whole = whole & window
+        own = whole & (seg[None, :] == seg[lo:hi, None])
+        own[:, 0] = whole[:, 0]  # the sink: every passage was precomputed behind it
+        o = arch.attention(q[:, lo:hi].repeat(1, 2, 1), k, v, torch.cat([whole, own])).float()  # [2B, H*D]
+        out.append(((o[: hi - lo] - o[hi - lo :]) ** 2).sum(dim=-1))
+    return out[0] if len(out) == 1 else torch.cat(out)
 
 
 @register
@@ -49,12 +102,15 @@ class CacheBlend(Policy):
     Params = CacheBlendParams
 
     def check_model(self, arch) -> None:
+        if self.params.deviation == "attention":
+            return  # ranks at layer 0, which every model has
         L = arch.n_layers
         if self.params.check_layers[-1] >= L:
             raise ValueError(f"check_layers={self.params.check_layers} but the model has only {L} layers (0..{L - 1})")
 
     def initial_active(self, state):
-        # Everything is computed until the first check layer has ranked the tokens.
+        # Everything is computed until the first check layer has ranked the tokens (with
+        # deviation="attention", only layer 0's projections: the ranking narrows before its attention).
         return torch.ones(state.layout.n, dtype=torch.bool)
 
     def ratio_at(self, i: int) -> float:
@@ -63,6 +119,8 @@ class CacheBlend(Policy):
 
     def select(self, layer, state, q, k, v):
         p = self.params
+        if p.deviation == "attention":
+            return self.select_by_attention(state, q, k, v) if layer == 0 else None
         if layer not in p.check_layers:
             return None
         i = p.check_layers.index(layer)
@@ -78,3 +136,11 @@ class CacheBlend(Policy):
         k_keep = min(k_keep, int(cached_rows.sum()))
         chosen = top_indices(dev, k_keep)
         return torch.cat([chosen, (~cached_rows).nonzero().squeeze(1)]).unique()
+
+    def select_by_attention(self, state, q, k, v):
+        """Layer 0's selection under ``deviation="attention"``: every token is active (row ==
+        token index), so the chosen cached tokens are returned as token indices; the engine
+        keeps the non-cached ones computed."""
+        rows = state.layout.cached.nonzero().squeeze(1).to(q.device)
+        k_keep = int(rows.numel() * self.params.recompute_ratio)
+        return rows[top_indices(attention_deviation(state, q, k, v)[rows], k_keep)]

@@ -120,15 +120,15 @@ def test_chunk_prefill_behind_anchor_matches_model(model_type):
 
 
 @pytest.mark.parametrize("model_type", list(CONFIGS))
-@pytest.mark.parametrize("policy", ["cacheblend"])
-def test_ratio_one_equals_full_prefill(model_type, policy):
+@pytest.mark.parametrize("params", [{}, {"deviation": "attention"}], ids=["value", "attention"])
+def test_ratio_one_equals_full_prefill(model_type, params):
     model = tiny(model_type)
     arch = Arch(model)
     g = torch.Generator().manual_seed(3)
     segs = [(rand_ids(5, g), False), (rand_ids(20, g), True), (rand_ids(17, g), True), (rand_ids(6, g), False)]
     all_ids = [t for s, _ in segs for t in s]
     layout = Layout.build(pieces_for(arch, segs))
-    res = FusionEngine(arch).prefill(layout, get_policy(policy, recompute_ratio=1.0))
+    res = FusionEngine(arch).prefill(layout, get_policy("cacheblend", recompute_ratio=1.0, **params))
     torch.testing.assert_close(res.logits, hf_logits(model, all_ids), atol=1e-4, rtol=1e-4)
     assert res.stats.recompute_fraction == 1.0
     assert res.stats.recomputed_tokens == 37
@@ -186,6 +186,67 @@ def test_cacheblend_selects_highest_value_deviation():
     assert res.stats.recompute_fraction == pytest.approx((2 * 60 + 2 * 12) / 240)
 
 
+def layer0_deviation_reference(arch, layout) -> torch.Tensor:
+    """float64 [C]: per cached token, sum over heads and dims of the squared difference of its
+    layer-0 attention output over every earlier token and over its own segment plus token 0,
+    from explicit per-row softmaxes (the code under test batches and masks instead)."""
+    with torch.no_grad():
+        hidden = arch.embed(layout.token_ids)
+        q, k, v, _ = arch.qkv(0, hidden, arch.cos_sin(layout.positions))
+    group = q.shape[0] // k.shape[0]
+    k, v = k.double().repeat_interleave(group, 0), v.double().repeat_interleave(group, 0)
+    out = []
+    for i in layout.cached.nonzero().squeeze(1).tolist():
+        own = [j for j in range(i + 1) if j == 0 or layout.segment[j] == layout.segment[i]]
+        o = []
+        for keys in (list(range(i + 1)), own):
+            w = torch.softmax((q[:, i : i + 1].double() @ k[:, keys].transpose(1, 2)) * arch.scaling, dim=-1)
+            o.append((w @ v[:, keys]).flatten())
+        out.append(((o[0] - o[1]) ** 2).sum())
+    return torch.stack(out)
+
+
+def test_cacheblend_attention_deviation_ranks_before_layer_0_attention():
+    """deviation="attention": cached tokens ranked at layer 0 by how much their attention output
+    changes between the whole prompt and their own passage; only the chosen ones run on."""
+    model = tiny("llama")
+    arch = Arch(model)
+    g = torch.Generator().manual_seed(5)
+    segs = [(rand_ids(30, g), True), (rand_ids(4, g), False), (rand_ids(30, g), True), (rand_ids(5, g), False)]
+    layout = Layout.build(pieces_for(arch, segs))
+    pol = get_policy("cacheblend", recompute_ratio=0.2, deviation="attention")
+    captured = {}
+    orig = pol.select
+
+    def spy(layer, state, q, k, v):
+        out = orig(layer, state, q, k, v)
+        captured.setdefault(layer, out)
+        return out
+
+    pol.select = spy
+    res = FusionEngine(arch).prefill(layout, pol)
+    assert captured[0] is not None and all(captured[layer] is None for layer in range(1, arch.n_layers))
+    ref = layer0_deviation_reference(arch, layout)
+    # The leading passage has nothing before it but itself: it deviates by exactly nothing.
+    assert ref[:30].abs().max() < 1e-12 and ref[30:].min() > 0
+    chosen = captured[0][layout.cached[captured[0]]]  # token indices at layer 0
+    assert chosen.numel() == int(60 * 0.2) == res.stats.recomputed_tokens
+    rank = {int(t): j for j, t in enumerate(layout.cached.nonzero().squeeze(1))}
+    in_sel = torch.zeros(60, dtype=torch.bool)
+    in_sel[[rank[int(t)] for t in chosen]] = True
+    assert ref[in_sel].min() >= ref[~in_sel].max()
+    # Every non-cached token stays computed; the cached ones left out stop after layer 0's projections.
+    assert set((~layout.cached).nonzero().squeeze(1).tolist()) <= set(captured[0].tolist())
+    L = arch.n_layers
+    assert res.stats.recompute_fraction == pytest.approx((60 + (L - 1) * 12) / (L * 60))
+    # Nothing to recompute: naive reuse's answer (the cached rows' layer-0 K/V are rewritten
+    # from the same projections).
+    none = FusionEngine(arch).prefill(layout, get_policy("cacheblend", recompute_ratio=0.0, deviation="attention"))
+    naive = FusionEngine(arch).prefill(layout, get_policy("naive_reuse"))
+    torch.testing.assert_close(none.logits, naive.logits, atol=1e-5, rtol=1e-5)
+    assert none.stats.recomputed_tokens == 0
+
+
 def test_cacheblend_gradual_filtering_shrinks():
     model = tiny("llama")
     arch = Arch(model)
@@ -226,6 +287,9 @@ def test_bad_policy_params():
         ("cacheblend", dict(check_layers=1), "check_layers"),
         ("cacheblend", dict(check_layers="12"), "check_layers"),
         ("cacheblend", dict(layer_ratios=(float("nan"),)), "layer_ratios"),
+        ("cacheblend", dict(deviation="keys"), "deviation"),
+        ("cacheblend", dict(deviation="attention", check_layers=(2,)), "check_layers"),
+        ("cacheblend", dict(deviation="attention", layer_ratios=(0.1,)), "layer_ratios"),
         ("samkv", dict(keep_ratio="0.5"), "keep_ratio"),
         ("samkv", dict(keep_ratio=True), "keep_ratio"),
         ("samkv", dict(theta="0.5"), "theta"),

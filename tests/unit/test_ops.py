@@ -49,9 +49,11 @@ def fused_ops(arch, model, n_chunks, policy, seed=0, **params):
     [
         ("naive_reuse", {}),
         ("cacheblend", {}),
+        ("cacheblend", {"deviation": "attention"}),
         ("epic", {}),
         ("a3", {}),
         ("kvlink", {"mode": "untrained"}),
+        ("kvlink", {"mode": "untrained", "recompute_ratio": 0.2, "deviation": "attention"}),
         ("samkv", {}),
         ("samkv", {"block_size": 2, "keep_ratio": 0.5}),
     ],
@@ -78,6 +80,17 @@ def test_naive_reuse_prefill_near_a_plain_forward_over_a_prefix_cache():
     plain = plain_forward_ops(model, n_cached, res.stats.prompt_tokens - n_cached)
     assert plain.total > 0
     assert ops.total <= plain.total + 12 * arch.n_layers, (ops.top(), plain.top())
+
+
+def test_cacheblend_attention_check_costs_no_more_ops_than_the_papers():
+    """The layer-0 estimate ranks with a fixed number of ops (one attention call for both
+    outputs, one ranking): what the paper's check at layer 1 costs, with fewer host syncs."""
+    model = tiny("llama")
+    arch = Arch(model)
+    ops, _ = fused_ops(arch, model, 8, "cacheblend", deviation="attention")
+    value, _ = fused_ops(arch, model, 8, "cacheblend")
+    assert ops.total <= value.total + 2, (ops.top(), value.top())
+    assert ops.syncs < value.syncs, (ops.by_op, value.by_op)
 
 
 def test_plain_forward_runs_over_a_prefilled_cache():

@@ -175,6 +175,13 @@ def test_links_plus_recompute_composes_kvlink_and_cacheblend():
     assert both.stats.recomputed_tokens == blend.stats.recomputed_tokens
     # Without links it is cacheblend itself, to the bit.
     torch.testing.assert_close(run(link_tokens=0, recompute_ratio=0.5).logits, blend.logits, atol=0, rtol=0)
+    # The same with the layer-0 attention estimate of the deviation.
+    cheap = run(link_tokens=2, recompute_ratio=0.5, deviation="attention")
+    assert cheap.stats.recomputed_tokens == n_cached // 2 and cheap.stats.inserted_tokens == 4
+    blend_cheap = eng.prefill(layout, get_policy("cacheblend", recompute_ratio=0.5, deviation="attention"))
+    torch.testing.assert_close(
+        run(link_tokens=0, recompute_ratio=0.5, deviation="attention").logits, blend_cheap.logits, atol=0, rtol=0
+    )
     # The exact limit: no links, everything recomputed == full prefill.
     exact = run(link_tokens=0, recompute_ratio=1.0)
     torch.testing.assert_close(
@@ -182,7 +189,7 @@ def test_links_plus_recompute_composes_kvlink_and_cacheblend():
     )
     with pytest.raises(ValueError, match="check_layers"):
         get_policy("kvlink", recompute_ratio=0.2, check_layers=(9,)).check_model(arch)
-    for bad in ({"recompute_ratio": 1.5}, {"check_layers": (0,)}):
+    for bad in ({"recompute_ratio": 1.5}, {"check_layers": (0,)}, {"deviation": "keys"}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             get_policy("kvlink", **bad)
 

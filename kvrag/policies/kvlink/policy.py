@@ -63,6 +63,12 @@ class KVLinkParams:
         "cacheblend chooses them (value deviation at check_layers); 0 = links only (the paper)",
     )
     check_layers: tuple = param((1,), "layers where deviation is measured (with recompute_ratio > 0)")
+    deviation: str = param(
+        "value",
+        "with recompute_ratio > 0, what ranks the cached tokens, as cacheblend's deviation: 'value' "
+        "(V deviation at check_layers) or 'attention' (layer 0's attention output, own passage vs "
+        "whole prompt; cheaper)",
+    )
     k_head: int = param(
         0,
         "links + EPIC: also recompute the first k_head tokens of every cached document at every "
@@ -78,7 +84,9 @@ class KVLinkParams:
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         # Checked (and normalised) by cacheblend's own parameters, which run the selection.
-        blend = CacheBlendParams(recompute_ratio=self.recompute_ratio, check_layers=self.check_layers)
+        blend = CacheBlendParams(
+            recompute_ratio=self.recompute_ratio, check_layers=self.check_layers, deviation=self.deviation
+        )
         self.recompute_ratio, self.check_layers = blend.recompute_ratio, blend.check_layers
         self.k_head = EpicParams(k_head=self.k_head).k_head
         if self.k_head and self.recompute_ratio:
@@ -113,7 +121,9 @@ class KVLink(Policy):
         # and epic's (which adds cached heads to the non-cached rows) compose with them unchanged.
         self._recompute: Policy | None = None
         if p.recompute_ratio > 0:
-            self._recompute = CacheBlend(recompute_ratio=p.recompute_ratio, check_layers=p.check_layers)
+            self._recompute = CacheBlend(
+                recompute_ratio=p.recompute_ratio, check_layers=p.check_layers, deviation=p.deviation
+            )
         elif p.k_head > 0:
             self._recompute = Epic(k_head=p.k_head)
 
