@@ -224,7 +224,7 @@ def test_cacheblend_attention_deviation_ranks_before_layer_0_attention():
         return out
 
     pol.select = spy
-    res = FusionEngine(arch).prefill(layout, pol)
+    res = FusionEngine(arch).prefill(layout, pol, keep_state=True)
     assert captured[0] is not None and all(captured[layer] is None for layer in range(1, arch.n_layers))
     ref = layer0_deviation_reference(arch, layout)
     # The leading passage has nothing before it but itself: it deviates by exactly nothing.
@@ -235,8 +235,12 @@ def test_cacheblend_attention_deviation_ranks_before_layer_0_attention():
     in_sel = torch.zeros(60, dtype=torch.bool)
     in_sel[[rank[int(t)] for t in chosen]] = True
     assert ref[in_sel].min() >= ref[~in_sel].max()
-    # Every non-cached token stays computed; the cached ones left out stop after layer 0's projections.
-    assert set((~layout.cached).nonzero().squeeze(1).tolist()) <= set(captured[0].tolist())
+    # The policy names cached tokens only; the engine keeps every non-cached one computed at
+    # every layer, and the cached ones left out stop after layer 0's projections.
+    assert bool(layout.cached[captured[0]].all())
+    counts = res.state.layer_counts
+    assert bool((counts[~layout.cached] == arch.n_layers).all())
+    assert sorted(counts[layout.cached].unique().tolist()) == [1, arch.n_layers]
     L = arch.n_layers
     assert res.stats.recompute_fraction == pytest.approx((60 + (L - 1) * 12) / (L * 60))
     # Nothing to recompute: naive reuse's answer (the cached rows' layer-0 K/V are rewritten
