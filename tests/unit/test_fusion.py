@@ -225,11 +225,12 @@ def test_cacheblend_attention_deviation_ranks_before_layer_0_attention():
 
     pol.select = spy
     res = FusionEngine(arch).prefill(layout, pol, keep_state=True)
-    assert captured[0] is not None and all(captured[layer] is None for layer in range(1, arch.n_layers))
+    L = arch.n_layers
+    assert captured[0] is not None and all(captured[layer] is None for layer in range(1, L))
     ref = layer0_deviation_reference(arch, layout)
     # The leading passage has nothing before it but itself: it deviates by exactly nothing.
     assert ref[:30].abs().max() < 1e-12 and ref[30:].min() > 0
-    chosen = captured[0][layout.cached[captured[0]]]  # token indices at layer 0
+    chosen = captured[0]  # token indices at layer 0
     assert chosen.numel() == int(60 * 0.2) == res.stats.recomputed_tokens
     rank = {int(t): j for j, t in enumerate(layout.cached.nonzero().squeeze(1))}
     in_sel = torch.zeros(60, dtype=torch.bool)
@@ -237,11 +238,10 @@ def test_cacheblend_attention_deviation_ranks_before_layer_0_attention():
     assert ref[in_sel].min() >= ref[~in_sel].max()
     # The policy names cached tokens only; the engine keeps every non-cached one computed at
     # every layer, and the cached ones left out stop after layer 0's projections.
-    assert bool(layout.cached[captured[0]].all())
+    assert bool(layout.cached[chosen].all())
     counts = res.state.layer_counts
-    assert bool((counts[~layout.cached] == arch.n_layers).all())
-    assert sorted(counts[layout.cached].unique().tolist()) == [1, arch.n_layers]
-    L = arch.n_layers
+    assert bool((counts[~layout.cached] == L).all())
+    assert sorted(counts[layout.cached].unique().tolist()) == [1, L]
     assert res.stats.recompute_fraction == pytest.approx((60 + (L - 1) * 12) / (L * 60))
     # Nothing to recompute: naive reuse's answer (the cached rows' layer-0 K/V are rewritten
     # from the same projections).
