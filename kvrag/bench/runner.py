@@ -164,7 +164,12 @@ class Bench(Measure):
                 tmp = tempfile.TemporaryDirectory(prefix="kvrag-bench-")
                 cache_dir = tmp.name
             try:
-                rag, self.kvlink_rag = make_rags(cfg, handle, Path(cache_dir) / device.replace(":", "_"), self.runs)
+                # The swept policies choose the models too: a trained kvlink swept alone still
+                # runs on its adapted model.
+                swept = [Run(p, dict(cfg.params.get(p, {}))) for p in self.sweep_policies]
+                rag, self.kvlink_rag = make_rags(
+                    cfg, handle, Path(cache_dir) / device.replace(":", "_"), self.runs + swept
+                )
                 adapter = add_untrained_kvlink(self.kvlink_rag or rag, self.runs)
                 if adapter is not None:
                     self.model_info["kvlink_adapter"] = adapter

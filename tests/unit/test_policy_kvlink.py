@@ -758,4 +758,43 @@ def test_bench_measures_a_lora_adapter_on_its_own_model_against_the_base_referen
     assert "nope is not a KVLink adapter directory" in capsys.readouterr().err
 
 
+def test_bench_sweeps_a_lora_adapter_on_its_own_model(handle, trained, tmp_path, monkeypatch):
+    """`kvrag bench --sweep-policies kvlink` with kvlink not among --policies: the swept trained
+    kvlink still runs on the adapted model, not untrained on the base one."""
+    from kvrag.bench import synthetic
+    from kvrag.bench.config import STOP, label_of
+    from kvrag.bench.examples import examples_from_items
+    from kvrag.cli import main
+    from kvrag.model import ModelHandle
+    from kvrag.query.prompt import rag_messages
+
+    monkeypatch.setenv("KVRAG_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(ModelHandle, "load", lambda *a, **k: handle)
+    out = tmp_path / "out"
+    argv = ["bench", "--synthetic", "1", "--policies", "full_prefill", "--repeats", "1", "--max-new-tokens", "4"]
+    argv += ["--scaling", "none", "--check-items", "0", "--synthetic-passages", "3", "--synthetic-passage-tokens", "40"]
+    argv += ["--sweep-policies", "kvlink", "--sweep-ratios", "0", "--sweep-limit", "1", "--no-footprint"]
+    argv += ["--no-warmup", "--device", "cpu", "--kvlink-adapter", str(trained.out)]
+    assert main([*argv, "--cache-dir", str(tmp_path / "kv"), "--out", str(out)]) == 0
+    recs = [r for r in json.loads((out / "results.json").read_text()) if r["scenario"] == "sweep"]
+    swept = {r["label"]: r for r in recs}[label_of("kvlink", {"recompute_ratio": 0.0})]
+    assert not swept["error"]
+
+    item = synthetic.generate(1, 0, n_passages=3, passage_tokens=40, count_tokens=lambda s: len(handle.encode(s)))
+    ex = examples_from_items(item, source="synthetic")[0]
+    msgs = rag_messages(ex.passages, ex.question)
+    adapted = KVRag(handle, cache_dir=tmp_path / "kv2", kvlink_adapter=str(trained.out))
+    adapted.precompute(ex.passages)
+    gold = handle.encode(ex.answers[0])
+    (la,), _ = adapted.continuations_logits(msgs, [gold], policy="kvlink", recompute_ratio=0.0)
+    assert swept["gold_nll"] == pytest.approx(-M.mean_logprob(la, gold), abs=1e-5)
+    want = adapted.generate(msgs, policy="kvlink", recompute_ratio=0.0, max_new_tokens=4, stop=STOP)
+    assert swept["answer_token_ids"] == list(want.token_ids)
+    # The base model's untrained links give another likelihood: the check above can fail.
+    base = KVRag(handle, cache_dir=tmp_path / "kv3", kvlink_adapter=None)
+    base.precompute(ex.passages)
+    (lb,), _ = base.continuations_logits(msgs, [gold], policy="kvlink", mode="untrained")
+    assert -M.mean_logprob(lb, gold) != pytest.approx(swept["gold_nll"], abs=1e-5)
+
+
 # ---- the real model ----------------------------------------------------------------------
