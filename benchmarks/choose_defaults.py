@@ -43,6 +43,7 @@ EVIDENCE = {
             "docs/bench/yardstick_gemma3_long_kvlink_r05",
             "docs/bench/yardstick_gemma3_long_kvlink_r10",
             "docs/bench/yardstick_gemma3_long_kvlink_a10",
+            "docs/bench/yardstick_gemma3_long_kvlink_a05",
         ],
     },
 }
