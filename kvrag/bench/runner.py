@@ -164,9 +164,9 @@ class Bench(Measure):
                 tmp = tempfile.TemporaryDirectory(prefix="kvrag-bench-")
                 cache_dir = tmp.name
             try:
-                # The swept policies choose the models too: a trained kvlink swept alone still
-                # runs on its adapted model.
-                swept = [Run(p, dict(cfg.params.get(p, {}))) for p in self.sweep_policies]
+                # The swept policies choose the models too (make_rags reads only the policy
+                # names): a trained kvlink swept alone still runs on its adapted model.
+                swept = [Run(p) for p in self.sweep_policies]
                 rag, self.kvlink_rag = make_rags(
                     cfg, handle, Path(cache_dir) / device.replace(":", "_"), self.runs + swept
                 )

@@ -668,17 +668,26 @@ def test_cli_train_kvlink(handle, data_file, tmp_path, capsys):
     assert main([*argv[:-4], "--steps", "0", "--out", str(tmp_path / "x")]) == 2
 
 
+def _bench_example(handle):
+    """The one synthetic example (and its prompt) the bench tests below run with `--synthetic 1
+    --synthetic-passages 3 --synthetic-passage-tokens 40`."""
+    from kvrag.bench import synthetic
+    from kvrag.bench.examples import examples_from_items
+    from kvrag.query.prompt import rag_messages
+
+    item = synthetic.generate(1, 0, n_passages=3, passage_tokens=40, count_tokens=lambda s: len(handle.encode(s)))
+    ex = examples_from_items(item, source="synthetic")[0]
+    return ex, rag_messages(ex.passages, ex.question)
+
+
 def test_bench_measures_a_lora_adapter_on_its_own_model_against_the_base_reference(
     handle, trained, tmp_path, monkeypatch, capsys
 ):
     """`kvrag bench --kvlink-adapter DIR` with LoRA weights: trained kvlink runs on the adapted
     model (its own chunk caches), full_prefill and the untrained variant on the base model."""
-    from kvrag.bench import synthetic
     from kvrag.bench.config import STOP
-    from kvrag.bench.examples import examples_from_items
     from kvrag.cli import main
     from kvrag.model import ModelHandle
-    from kvrag.query.prompt import rag_messages
 
     monkeypatch.setenv("KVRAG_HOME", str(tmp_path / "home"))
     monkeypatch.setattr(ModelHandle, "load", lambda *a, **k: handle)
@@ -727,9 +736,7 @@ def test_bench_measures_a_lora_adapter_on_its_own_model_against_the_base_referen
     assert "--kvlink-adapter" in meta["command"]
     assert "LoRA weights: a model of its own" in (out / "benchmarks.md").read_text()
 
-    item = synthetic.generate(1, 0, n_passages=3, passage_tokens=40, count_tokens=lambda s: len(handle.encode(s)))
-    ex = examples_from_items(item, source="synthetic")[0]
-    msgs = rag_messages(ex.passages, ex.question)
+    ex, msgs = _bench_example(handle)
     base = KVRag(handle, cache_dir=tmp_path / "kv2", kvlink_adapter=None)
     adapted = KVRag(handle, cache_dir=tmp_path / "kv2", kvlink_adapter=str(trained.out))
     base.precompute(ex.passages)
@@ -761,12 +768,9 @@ def test_bench_measures_a_lora_adapter_on_its_own_model_against_the_base_referen
 def test_bench_sweeps_a_lora_adapter_on_its_own_model(handle, trained, tmp_path, monkeypatch):
     """`kvrag bench --sweep-policies kvlink` with kvlink not among --policies: the swept trained
     kvlink still runs on the adapted model, not untrained on the base one."""
-    from kvrag.bench import synthetic
     from kvrag.bench.config import STOP, label_of
-    from kvrag.bench.examples import examples_from_items
     from kvrag.cli import main
     from kvrag.model import ModelHandle
-    from kvrag.query.prompt import rag_messages
 
     monkeypatch.setenv("KVRAG_HOME", str(tmp_path / "home"))
     monkeypatch.setattr(ModelHandle, "load", lambda *a, **k: handle)
@@ -780,9 +784,7 @@ def test_bench_sweeps_a_lora_adapter_on_its_own_model(handle, trained, tmp_path,
     swept = {r["label"]: r for r in recs}[label_of("kvlink", {"recompute_ratio": 0.0})]
     assert not swept["error"]
 
-    item = synthetic.generate(1, 0, n_passages=3, passage_tokens=40, count_tokens=lambda s: len(handle.encode(s)))
-    ex = examples_from_items(item, source="synthetic")[0]
-    msgs = rag_messages(ex.passages, ex.question)
+    ex, msgs = _bench_example(handle)
     adapted = KVRag(handle, cache_dir=tmp_path / "kv2", kvlink_adapter=str(trained.out))
     adapted.precompute(ex.passages)
     gold = handle.encode(ex.answers[0])
