@@ -24,7 +24,13 @@ sys.path.insert(0, str(ROOT))
 EVIDENCE = {
     "smollm2": {
         "name": "SmolLM2-135M-Instruct",
-        "runs": ["docs/bench/heldout_cloze_n100", "docs/bench/heldout_musique_prophetkv", "docs/bench/heldout_musique"],
+        "runs": [
+            "docs/bench/heldout_cloze_n100",
+            "docs/bench/heldout_cloze_attention",
+            "docs/bench/heldout_musique_prophetkv",
+            "docs/bench/heldout_musique",
+            "docs/bench/heldout_musique_attention",
+        ],
     },
     "gemma3-270m": {
         "name": "Gemma 3 270M",
