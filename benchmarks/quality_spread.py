@@ -1,6 +1,7 @@
-"""Quality kept by each policy, with its spread, from a ``kvrag bench`` QA journal: accuracy
-relative to full prefill's, gold-NLL gap and KL, each with a 95% bootstrap interval over the
-examples (resampled together, so every policy is judged on the same draw of items).
+"""Quality kept by each policy, with its spread, from a ``kvrag bench`` QA or sweep journal:
+accuracy relative to full prefill's, gold-NLL gap, KL and fidelity F1 (the reply's token F1
+against full prefill's), each with a 95% bootstrap interval over the examples (resampled
+together, so every policy is judged on the same draw of items).
 
     python benchmarks/quality_spread.py docs/bench/heldout_musique/qa_journal.cpu.musique_dev.jsonl [...]
 
@@ -30,7 +31,7 @@ def load(path: str) -> tuple[str, dict[str, dict[str, dict]]]:
                 dataset = d["journal"].get("dataset", "")
                 continue
             for r in d["records"]:
-                if r.get("scenario") == "qa" and not r.get("error"):
+                if r.get("scenario") in ("qa", "sweep") and not r.get("error"):
                     by_ex[d["key"]][r["label"]] = r
     labels = set.union(*(set(v) for v in by_ex.values())) if by_ex else set()
     done = {k: v for k, v in by_ex.items() if set(v) == labels}
@@ -45,6 +46,7 @@ def stats(examples: list[dict[str, dict]], label: str) -> dict:
     return {
         "gap": abs(nll - full_nll) / full_nll,
         "kl": statistics.fmean(e[label].get("kl") or 0.0 for e in examples),
+        "f1": statistics.fmean(e[label].get("fidelity_f1") or 0.0 for e in examples),
         "hits": hits,
         "acc_ratio": hits / ref_hits if ref_hits else float("nan"),
     }
@@ -70,8 +72,8 @@ def table(path: str, draws: int, seed: int) -> str:
     out = [
         f"{dataset}: n = {n} examples (full prefill answers {ref_hits}); 95% bootstrap intervals, {draws} draws",
         "",
-        "| policy | answered | of full prefill's | gold NLL gap | KL | TTFT speed-up (median) |",
-        "| --- | --- | --- | --- | --- | --- |",
+        "| policy | answered | of full prefill's | gold NLL gap | KL | fidelity F1 | TTFT speed-up (median) |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for label in labels:
         s = stats(examples, label)
@@ -79,11 +81,12 @@ def table(path: str, draws: int, seed: int) -> str:
         gap_lo, gap_hi = interval([x["gap"] for x in b])
         kl_lo, kl_hi = interval([x["kl"] for x in b])
         acc_lo, acc_hi = interval([x["acc_ratio"] for x in b])
+        f1_lo, f1_hi = interval([x["f1"] for x in b])
         speed = statistics.median(e[label].get("speedup") or 1.0 for e in examples)
         acc = f"{s['acc_ratio']:.0%} [{acc_lo:.0%}, {acc_hi:.0%}]" if ref_hits else "–"
         out.append(
             f"| `{label}` | {s['hits']}/{n} | {acc} | {s['gap']:.1%} [{gap_lo:.1%}, {gap_hi:.1%}] "
-            f"| {s['kl']:.3f} [{kl_lo:.3f}, {kl_hi:.3f}] | {speed:.1f}× |"
+            f"| {s['kl']:.3f} [{kl_lo:.3f}, {kl_hi:.3f}] | {s['f1']:.2f} [{f1_lo:.2f}, {f1_hi:.2f}] | {speed:.1f}× |"
         )
     return "\n".join(out) + "\n"
 

@@ -11,43 +11,53 @@
 #     that a passage continuing the one before it stays readable (~61 min on 2 CPU cores; it
 #     checkpoints every 20 steps, and its kvrag command with --resume in place of --force
 #     continues a sitting cut short).
-# OUT defaults to bench_out/kvlink_adapter/ (smollm2) or bench_out/kvlink_gemma/ (gemma3-270m).
+#   MODEL gemma3-270m-long: not shipped; 220 more steps from the shipped Gemma adapter (--init
+#     auto) on 480 items of seed 1001 with twelve passages, 4-12 per prompt, up to 3,072 tokens
+#     (~45 min; docs/bench/yardstick_gemma3_long_kvlink12 measures it).
+# OUT defaults to bench_out/kvlink_adapter/ (smollm2), bench_out/kvlink_gemma/ (gemma3-270m) or
+# bench_out/kvlink_gemma_long/ (gemma3-270m-long).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 MODEL="${2:-smollm2}"
 case "$MODEL" in
 smollm2)
     OUT="${1:-bench_out/kvlink_adapter}"
-    PASSAGES=6
+    SEED=1000 PASSAGES=6 STEPS=480
     TRAIN=(--docs 5 --max-passage-chars 1000 --max-minutes 62 --log-every 10)
     ;;
 gemma3-270m)
     OUT="${1:-bench_out/kvlink_gemma}"
-    PASSAGES=10
+    SEED=1000 PASSAGES=10 STEPS=480
     TRAIN=(--model gemma3-270m --min-docs 4 --docs 10 --max-docs 10 --passage-order source --max-minutes 75
         --checkpoint-every 20 --log-every 5)
     ;;
+gemma3-270m-long)
+    OUT="${1:-bench_out/kvlink_gemma_long}"
+    SEED=1001 PASSAGES=12 STEPS=220
+    TRAIN=(--model gemma3-270m --init auto --min-docs 4 --docs 12 --max-docs 12 --max-tokens 3072
+        --passage-order source --max-minutes 60 --checkpoint-every 10 --seed 1)
+    ;;
 *)
-    echo "MODEL must be smollm2 or gemma3-270m, got '$MODEL'" >&2
+    echo "MODEL must be smollm2, gemma3-270m or gemma3-270m-long, got '$MODEL'" >&2
     exit 2
     ;;
 esac
 bash scripts/setup.sh
 mkdir -p "$OUT"
 export HF_HUB_OFFLINE=1
-.venv/bin/python - "$OUT/train.json" "$MODEL" "$PASSAGES" <<'PY'
+.venv/bin/python - "$OUT/train.json" "${MODEL%-long}" "$PASSAGES" "$SEED" <<'PY'
 import json, sys
 from kvrag.bench import synthetic
 from kvrag.model import default_tokenizer
 
-out, model, passages = sys.argv[1], sys.argv[2], int(sys.argv[3])
+out, model, passages, seed = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 tok = default_tokenizer(model=model)
 count = lambda s: len(tok.encode(s, add_special_tokens=False))
-items = synthetic.generate(480, 1000, n_passages=passages, passage_tokens=200, count_tokens=count)
+items = synthetic.generate(480, seed, n_passages=passages, passage_tokens=200, count_tokens=count)
 with open(out, "w") as f:
     json.dump(items, f)
 PY
 sha256sum "$OUT/train.json"
 # The recorded commands: the options both share, then each model's own (TRAIN).
 exec .venv/bin/kvrag train kvlink --data "$OUT/train.json" --lora-rank 8 --lr 0.0005 --objective distill \
-    --link-lr 0.005 --steps 480 --threads 2 "${TRAIN[@]}" --out "$OUT/adapter" --force
+    --link-lr 0.005 --steps "$STEPS" --threads 2 "${TRAIN[@]}" --out "$OUT/adapter" --force

@@ -1,4 +1,5 @@
-"""The QA scenario's resume journal: where it lives and how its header records the configuration."""
+"""The resume journal of the QA and sweep scenarios: where it lives and how its header
+records the configuration."""
 
 from __future__ import annotations
 
@@ -11,16 +12,16 @@ from pathlib import Path
 from kvrag.bench.config import BenchConfig, Run
 from kvrag.bench.examples import Example
 
-#: The QA scenario's journal: one JSON line per finished example, after a header naming the
+#: A scenario's journal (QA, sweep): one JSON line per finished example, after a header naming the
 #: configuration, so an interrupted run (hours on a CPU) continues with ``resume`` instead of
 #: starting over. Options that only say where results go, or how many examples, may differ.
 JOURNAL_FORMAT = 1
 NOT_IN_JOURNAL_IDENTITY = ("out", "report", "command", "limit", "cache_dir", "resume")
 
 
-def journal_path(out: str | os.PathLike, device: str, dataset: str) -> Path:
-    """Where the QA journal of ``dataset`` on ``device`` lives in the output directory."""
-    return Path(out) / re.sub(r"[^\w.-]", "_", f"qa_journal.{device}.{dataset}.jsonl")
+def journal_path(out: str | os.PathLike, device: str, dataset: str, scenario: str = "qa") -> Path:
+    """Where the ``scenario``'s journal of ``dataset`` on ``device`` lives in the output directory."""
+    return Path(out) / re.sub(r"[^\w.-]", "_", f"{scenario}_journal.{device}.{dataset}.jsonl")
 
 
 def jsonable(x):

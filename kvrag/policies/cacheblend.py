@@ -76,21 +76,37 @@ def attention_deviation(state, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     the layer's sliding window if it has one. Both outputs of a row block come from one
     attention call (queries stacked twice, one mask each). Every row is scored, not only the
     cached ones: contiguous row blocks are views, where gathering the cached rows would cost
-    ops per block."""
+    ops per block. A block reads only the keys its rows can see: none after its last row
+    (positions follow prompt order) and, under a sliding window, only the first token before
+    the window of its first row, so the check costs a causal (or windowed) attention, not a
+    square one."""
     arch, lay = state.arch, state.layout
-    pos, seg = lay.positions.to(q.device), lay.segment.to(q.device)
+    host_pos = lay.positions
+    pos, seg = host_pos.to(q.device), lay.segment.to(q.device)
     n = pos.numel()
+    in_order = bool((host_pos[1:] >= host_pos[:-1]).all())
+    window = arch.windows[0]
     block = max(1, SCORE_BUDGET // (2 * q.shape[0] * n))
     out = []
     for lo in range(0, n, block):
         hi = min(n, lo + block)
-        whole = pos[None, :] <= pos[lo:hi, None]  # [B, N]
-        window = arch.window_mask(0, pos[lo:hi], pos)
-        if window is not None:
-            whole = whole & window
-        own = whole & (seg[None, :] == seg[lo:hi, None])
-        own[:, 0] = whole[:, 0]  # the sink: every passage was precomputed behind it
-        o = arch.attention(q[:, lo:hi].repeat(1, 2, 1), k, v, torch.cat([whole, own])).float()  # [2B, H*D]
+        keys: slice | torch.Tensor = slice(0, n)
+        if in_order:  # key bounds read from the host copy: no device sync
+            end = int(torch.searchsorted(host_pos, host_pos[hi - 1], right=True))
+            start = int(torch.searchsorted(host_pos, host_pos[lo] - window, right=True)) if window else 0
+            # A prefix is a view; skipping keys before the window copies what the window holds.
+            if start > 1:
+                keys = torch.cat([torch.zeros(1, dtype=torch.long), torch.arange(start, end)]).to(q.device)
+            else:
+                keys = slice(0, end)
+        kb, vb, pk, sk = k[:, keys], v[:, keys], pos[keys], seg[keys]
+        whole = pk[None, :] <= pos[lo:hi, None]  # [B, K]
+        in_window = arch.window_mask(0, pos[lo:hi], pk)
+        if in_window is not None:
+            whole = whole & in_window
+        own = whole & (sk[None, :] == seg[lo:hi, None])
+        own[:, 0] = whole[:, 0]  # the sink (key 0, always read): every passage was precomputed behind it
+        o = arch.attention(q[:, lo:hi].repeat(1, 2, 1), kb, vb, torch.cat([whole, own])).float()  # [2B, H*D]
         out.append(((o[: hi - lo] - o[hi - lo :]) ** 2).sum(dim=-1))
     return out[0] if len(out) == 1 else torch.cat(out)
 

@@ -560,6 +560,66 @@ def test_qa_journal_resumes_an_interrupted_run(tmp_path, monkeypatch):
         b.run_qa(rag, "d", exs)
 
 
+def test_sweep_journal_resumes_an_interrupted_sweep(tmp_path, monkeypatch):
+    """The sweep journals each finished example in its own file beside the QA journal;
+    --resume keeps those and runs only the rest (its runs are the swept ratios)."""
+    from kvrag.bench.config import BenchConfig
+    from kvrag.bench.examples import Example
+    from kvrag.bench.journal import journal_path
+    from kvrag.bench.runner import Bench
+    from kvrag.engine import KVRag
+    from kvrag.testing import tiny_llama
+
+    rag = KVRag(tiny_llama(seed=0), cache_dir=tmp_path / "kv")
+    exs = [
+        Example(
+            f"e{i}",
+            f"Who keeps lantern {i}?",
+            ["Ada"],
+            [f"Passage {i}.{k}: " + " ".join(f"w{i}x{k}x{j}" for j in range(20)) for k in range(2)],
+        )
+        for i in range(3)
+    ]
+
+    def bench(**kw):
+        cfg = BenchConfig(
+            out=tmp_path / "out",
+            policies=["full_prefill"],
+            sweep_policies=["cacheblend"],
+            sweep_ratios=[0.0, 0.5],
+            sweep_limit=3,
+            sweep_data="data",
+            repeats=1,
+            max_new_tokens=2,
+            **kw,
+        )
+        b = Bench(cfg)
+        b.device, b.model_info = "cpu", {"fingerprint": "f" * 16}
+        return b
+
+    first = bench()
+    first.run_sweep(rag, {"d": exs[:2]})  # "interrupted" after two examples
+    path = journal_path(tmp_path / "out", "cpu", "d", "sweep")
+    assert path.name == "sweep_journal.cpu.d.jsonl" and path.is_file()
+    timed = []
+    again = bench(resume=True)
+    real = again.time_policies
+    monkeypatch.setattr(
+        again, "time_policies", lambda r, sc, ds, ex, *a: (timed.append(ex.id), real(r, sc, ds, ex, *a))[1]
+    )
+    again.run_sweep(rag, {"d": exs})
+    assert timed == ["e2"]
+    labels = ("full_prefill", "cacheblend@0", "cacheblend@0.5")
+    assert [(r["example_id"], r["label"]) for r in again.records] == [(f"e{i}", p) for i in range(3) for p in labels]
+    assert all(r["scenario"] == "sweep" for r in again.records)
+    assert again.records[:6] == first.records  # kept as measured
+    assert len(path.read_text(encoding="utf-8").splitlines()) == 1 + 3
+    with pytest.raises(ValueError, match=r"another run configuration \(differs in: sweep_ratios, runs\)"):
+        b = bench(resume=True)
+        b.cfg.sweep_ratios = [0.0, 0.25]
+        b.run_sweep(rag, {"d": exs})
+
+
 def test_a_store_too_small_for_the_chunks_just_precomputed_is_an_error(tmp_path):
     """A KV store whose size limit evicts what was just precomputed would make every reuse run
     a silent full prefill: the bench says so instead of measuring it."""

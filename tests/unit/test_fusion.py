@@ -251,6 +251,52 @@ def test_cacheblend_attention_deviation_ranks_before_layer_0_attention():
     assert none.stats.recomputed_tokens == 0
 
 
+@pytest.mark.parametrize("name", ["llama", "mistral-window", "gemma3", "gemma2"])
+def test_cacheblend_attention_deviation_reads_only_the_keys_its_rows_see(name, monkeypatch):
+    """The attention check in row blocks reads no key after a block's last row and, under a
+    sliding window, none before its first row's window but the sink: the scores (and so the
+    selection) equal those of one block over every key."""
+    from kvrag.policies import cacheblend
+
+    arch = Arch(tiny(name))
+    g = torch.Generator().manual_seed(7)
+    segs = [(rand_ids(30, g), True), (rand_ids(4, g), False), (rand_ids(30, g), True), (rand_ids(5, g), False)]
+    layout = Layout.build(pieces_for(arch, segs))
+    n, rows = layout.n, 9
+    pol = get_policy("cacheblend", recompute_ratio=0.2, deviation="attention")
+    got: dict[str, torch.Tensor] = {}
+    keys_read: list[int] = []
+    real_attention = arch.attention
+
+    def counting(q, k, v, mask, *a, **kw):
+        keys_read.append(k.shape[1])
+        return real_attention(q, k, v, mask, *a, **kw)
+
+    def spy(layer, state, q, k, v):
+        if layer == 0:
+            got["one block"] = cacheblend.attention_deviation(state, q, k, v)
+            with monkeypatch.context() as mp:
+                mp.setattr(cacheblend, "SCORE_BUDGET", 2 * q.shape[0] * n * rows)
+                mp.setattr(arch, "attention", counting)
+                got["blocks"] = cacheblend.attention_deviation(state, q, k, v)
+        return None
+
+    pol.select = spy
+    FusionEngine(arch).prefill(layout, pol)
+    ends = [min(n, lo + rows) for lo in range(0, n, rows)]
+    window = arch.windows[0]
+    if window is None:  # causal: a block reads the prefix up to its last row
+        assert keys_read == ends
+    else:  # the sink and the window of the block's first row onwards
+        assert len(keys_read) == len(ends) and max(keys_read) <= 1 + rows + window - 1 < n
+    torch.testing.assert_close(got["blocks"], got["one block"], rtol=1e-4, atol=1e-6 * float(got["one block"].max()))
+    cached = layout.cached.nonzero().squeeze(1)
+    k_keep = int(cached.numel() * 0.2)
+    assert set(got["blocks"][cached].topk(k_keep).indices.tolist()) == set(
+        got["one block"][cached].topk(k_keep).indices.tolist()
+    )
+
+
 def test_cacheblend_gradual_filtering_shrinks():
     model = tiny("llama")
     arch = Arch(model)
