@@ -53,6 +53,10 @@ _KNOWN_ATTN_PARTS = {"q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj", "q_norm
 # (``copy.deepcopy(model)``, as the KVLink adapter does, cannot copy a lock).
 _ROPE_LOCK = threading.Lock()
 
+#: Row groups of a planned attention: (first row, end row, first key, end key) per group, each
+#: group attending only to the keys in its range (the rest of its mask rows is False).
+AttentionPlan = list[tuple[int, int, int, int]]
+
 
 class _LockedForward:
     """A rotary module's own forward, run under ``_ROPE_LOCK`` (installed as the module's
@@ -450,7 +454,7 @@ class Arch:
         mask: torch.Tensor | None,
         causal: bool = False,
         key_limits: torch.Tensor | None = None,
-        plan: list[tuple[int, int, int]] | None = None,
+        plan: AttentionPlan | None = None,
     ) -> torch.Tensor:
         """Finish a layer for the active tokens.
 
@@ -464,7 +468,8 @@ class Arch:
         prefix it can see: for rows spread evenly over a prompt this roughly halves the
         attention work of a partial (recompute) layer. ``plan``: the same groups, from
         ``attention_plan(key_limits)`` (made once for the layers that share the rows: the
-        fusion engine), instead of ``key_limits``."""
+        fusion engine), instead of ``key_limits``; a group may also start past key 0 (a
+        sliding window's rows see no key before it)."""
         return self.finish_layer(layer, hidden, self.attention(q, keys, values, mask, causal, key_limits, plan))
 
     def attention(
@@ -475,7 +480,7 @@ class Arch:
         mask: torch.Tensor | None,
         causal: bool = False,
         key_limits: torch.Tensor | None = None,
-        plan: list[tuple[int, int, int]] | None = None,
+        plan: AttentionPlan | None = None,
     ) -> torch.Tensor:
         """The attention part of ``attend`` (same arguments): q [H, A, D] against keys/values
         [Hkv, N, D] -> the heads' outputs [A, H*D], before the output projection. Batched
@@ -571,10 +576,11 @@ class Arch:
     ATTN_GROUPS = 8
     MIN_GROUP_ROWS = 64
 
-    def attention_plan(self, key_limits: torch.Tensor) -> list[tuple[int, int, int]] | None:
+    def attention_plan(self, key_limits: torch.Tensor) -> AttentionPlan | None:
         """Row groups for ``attend(plan=...)``: ``key_limits`` long [A] (see ``attend``) ->
-        [(first row, end row, keys read)], or None when the rows make one group (one SDPA
-        call over the whole mask). One host read of ``key_limits``."""
+        [(first row, end row, first key read, end of the keys read)], here every group from
+        key 0, or None when the rows make one group (one SDPA call over the whole mask). One
+        host read of ``key_limits``."""
         a = key_limits.numel()
         n_groups = max(1, min(self.ATTN_GROUPS, a // self.MIN_GROUP_ROWS))
         if n_groups == 1:
@@ -583,7 +589,7 @@ class Arch:
         # One host read for all groups (each int() of a CUDA tensor would be a sync).
         limits = key_limits[(edges[1:] - 1).clamp_min(0).to(key_limits.device)].tolist()
         bounds = edges.tolist()
-        return [(lo, hi, max(1, int(lim))) for lo, hi, lim in zip(bounds[:-1], bounds[1:], limits) if hi > lo]
+        return [(lo, hi, 0, max(1, int(lim))) for lo, hi, lim in zip(bounds[:-1], bounds[1:], limits) if hi > lo]
 
     def _sdpa_grouped(self, q, keys, values, mask, key_limits) -> torch.Tensor:
         """Like ``_sdpa`` with mask [A, N], rows split into contiguous groups, each attending
@@ -595,7 +601,9 @@ class Arch:
         """``_sdpa_grouped`` with its groups given (``attention_plan``)."""
         # Expanded once for every group (not once per group: that copy was ~10% of a GPU prefill).
         keys, values = self._expand_for_mask(q, keys, values)
-        outs = [self._sdpa(q[:, lo:hi], keys[:, :kmax], values[:, :kmax], mask[lo:hi, :kmax]) for lo, hi, kmax in plan]
+        outs = [
+            self._sdpa(q[:, lo:hi], keys[:, k0:k1], values[:, k0:k1], mask[lo:hi, k0:k1]) for lo, hi, k0, k1 in plan
+        ]
         return torch.cat(outs)
 
     def attention_probs(self, q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:

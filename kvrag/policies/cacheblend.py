@@ -84,22 +84,25 @@ def attention_deviation(state, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     host_pos = lay.positions
     pos, seg = host_pos.to(q.device), lay.segment.to(q.device)
     n = pos.numel()
-    in_order = bool((host_pos[1:] >= host_pos[:-1]).all())
     window = arch.windows[0]
     block = max(1, SCORE_BUDGET // (2 * q.shape[0] * n))
+    blocks = [(lo, min(n, lo + block)) for lo in range(0, n, block)]
+    # Each block's keys [first, end): every key for one block (it reads them all anyway);
+    # with positions in prompt order, bounds read from the host copy (no device sync).
+    bounds = [(0, n)] * len(blocks)
+    if len(blocks) > 1 and bool((host_pos[1:] >= host_pos[:-1]).all()):
+        los, lasts = [lo for lo, _ in blocks], [hi - 1 for _, hi in blocks]
+        ends = torch.searchsorted(host_pos, host_pos[lasts], right=True).tolist()
+        firsts = torch.searchsorted(host_pos, host_pos[los] - window, right=True).tolist() if window else [0] * len(los)
+        bounds = list(zip(firsts, ends))
     out = []
-    for lo in range(0, n, block):
-        hi = min(n, lo + block)
-        keys: slice | torch.Tensor = slice(0, n)
-        if in_order:  # key bounds read from the host copy: no device sync
-            end = int(torch.searchsorted(host_pos, host_pos[hi - 1], right=True))
-            start = int(torch.searchsorted(host_pos, host_pos[lo] - window, right=True)) if window else 0
-            # A prefix is a view; skipping keys before the window copies what the window holds.
-            if start > 1:
-                keys = torch.cat([torch.zeros(1, dtype=torch.long), torch.arange(start, end)]).to(q.device)
-            else:
-                keys = slice(0, end)
-        kb, vb, pk, sk = k[:, keys], v[:, keys], pos[keys], seg[keys]
+    for (lo, hi), (first, end) in zip(blocks, bounds):
+        kb, vb, pk, sk = k, v, pos, seg
+        if first > 1:  # the sink, then the block's window: a copy of what the window holds
+            keys = torch.cat([torch.zeros(1, dtype=torch.long), torch.arange(first, end)]).to(q.device)
+            kb, vb, pk, sk = k[:, keys], v[:, keys], pos[keys], seg[keys]
+        elif end < n:  # a prefix: views
+            kb, vb, pk, sk = k[:, :end], v[:, :end], pos[:end], seg[:end]
         whole = pk[None, :] <= pos[lo:hi, None]  # [B, K]
         in_window = arch.window_mask(0, pos[lo:hi], pk)
         if in_window is not None:

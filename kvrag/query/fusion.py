@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvrag.arch import Arch
+from kvrag.arch import Arch, AttentionPlan
 from kvrag.policies.base import Policy
 from kvrag.query.state import CACHED, INSERTED, FusionState, FusionStats, Layout, Piece
 
@@ -82,7 +82,8 @@ class _Rows:
         self._pos_q: torch.Tensor
         self._keys: _Keys
         self._cs: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._causal: tuple[torch.Tensor, list[tuple[int, int, int]] | None] | None = None
+        self._causal: tuple[torch.Tensor, AttentionPlan | None] | None = None
+        self._windowed: dict[int, AttentionPlan] = {}
         self._additive: torch.Tensor | None = None
 
     def _see(self, active: torch.Tensor) -> None:
@@ -90,6 +91,7 @@ class _Rows:
             self._active = active
             self._pos_q = self.positions[active]
             self._cs = self._causal = None
+            self._windowed = {}
 
     def pos_q(self, active: torch.Tensor) -> torch.Tensor:
         self._see(active)
@@ -107,6 +109,7 @@ class _Rows:
             idx = None if bool(keep.all()) else keep.nonzero().squeeze(1)
             self._keys = _Keys(idx, self.positions if idx is None else self.positions[idx])
             self._causal = None
+            self._windowed = {}
         return self._keys
 
     def causal(self, active: torch.Tensor):
@@ -122,6 +125,24 @@ class _Rows:
             self._causal = (mask, plan)
             self._additive = None
         return self._causal
+
+    def windowed(self, active: torch.Tensor, window: int) -> AttentionPlan | None:
+        """``causal``'s plan (``causal`` first) for a layer whose queries see only the keys of
+        the last ``window`` positions: each group starts at the first key inside its first
+        row's window (later rows' windows start later still), so it skips the keys that no
+        row of it sees. None where the keys are not in prompt order. One host read per active
+        set and window size."""
+        if not self.sorted:
+            return None
+        _, plan = self.causal(active)
+        if window not in self._windowed:
+            key_pos = self._keys.pos
+            groups = plan or [(0, self._pos_q.numel(), 0, key_pos.numel())]
+            firsts = torch.searchsorted(key_pos, self._pos_q[[g[0] for g in groups]] - window, right=True)
+            self._windowed[window] = [
+                (lo, hi, min(int(k0), k1 - 1), k1) for (lo, hi, _, k1), k0 in zip(groups, firsts.tolist())
+            ]
+        return self._windowed[window]
 
     def additive(self, active: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """``causal``'s mask as SDPA's additive float mask [A, N'] (0 = may attend, -inf = not),
@@ -270,8 +291,9 @@ class FusionEngine:
                 mask = rows.additive(active, q.dtype)
             if extra is not None:
                 mask = mask & (extra if keys_at.idx is None else extra[:, keys_at.idx])
-            if window is not None:  # the layer's sliding window (Mistral, Qwen2/3 configs)
+            if window is not None:  # the layer's sliding window (Mistral, Qwen2/3, Gemma configs)
                 mask = mask & window
+                plan = rows.windowed(active, arch.windows[layer]) or plan
             # Active rows and key slots are both in prompt order, so each row's causal horizon
             # is a key prefix: the attention may skip what lies past it (``plan``).
             hidden = arch.attend(layer, hidden, q, keys, vals, mask, plan=plan)

@@ -297,6 +297,36 @@ def test_cacheblend_attention_deviation_reads_only_the_keys_its_rows_see(name, m
     )
 
 
+@pytest.mark.parametrize("name", ["mistral-window", "gemma3"])
+@pytest.mark.parametrize("policy,params", [("naive_reuse", {}), ("cacheblend", {"recompute_ratio": 0.3})])
+def test_windowed_layers_attend_from_each_groups_window(name, policy, params, monkeypatch):
+    """On a sliding-window layer each row group reads keys from the first one inside its first
+    row's window, not from key 0: the same logits and K/V as reading every key up to its rows."""
+    from kvrag.query.fusion import _Rows
+
+    arch = Arch(tiny(name))
+    g = torch.Generator().manual_seed(11)
+    segs = [(rand_ids(120, g), True), (rand_ids(120, g), True), (rand_ids(6, g), False)]
+    layout = Layout.build(pieces_for(arch, segs))
+    first_keys: list[int] = []
+    real = arch._sdpa_planned
+
+    def spy(q, keys, values, mask, plan):
+        first_keys.extend(k0 for _, _, k0, _ in plan)
+        return real(q, keys, values, mask, plan)
+
+    monkeypatch.setattr(arch, "_sdpa_planned", spy)
+    got = FusionEngine(arch).prefill(layout, get_policy(policy, **params))
+    assert max(first_keys) > 0
+    if policy == "naive_reuse":  # only the question's rows run: they skip both passages but a window
+        assert max(first_keys) >= layout.n - 6 - arch.windows[0]
+    monkeypatch.setattr(_Rows, "windowed", lambda self, active, window: None)
+    ref = FusionEngine(arch).prefill(layout, get_policy(policy, **params))
+    torch.testing.assert_close(got.logits, ref.logits, atol=1e-5, rtol=1e-5)
+    for a, b in zip(got.K + got.V, ref.K + ref.V):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
 def test_cacheblend_gradual_filtering_shrinks():
     model = tiny("llama")
     arch = Arch(model)
