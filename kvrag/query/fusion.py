@@ -67,6 +67,10 @@ class _Keys:
     pos: torch.Tensor
 
 
+#: Most row groups of a windowed layer's attention (each is one attention call).
+MAX_WINDOW_GROUPS = 32
+
+
 class _Rows:
     """What the layer loop derives from the active set [A] and ``state.keep`` [N], built once
     per active set / keep tensor instead of once per layer: active positions, their RoPE rows,
@@ -127,21 +131,29 @@ class _Rows:
         return self._causal
 
     def windowed(self, active: torch.Tensor, window: int) -> AttentionPlan | None:
-        """``causal``'s plan (``causal`` first) for a layer whose queries see only the keys of
-        the last ``window`` positions: each group starts at the first key inside its first
-        row's window (later rows' windows start later still), so it skips the keys that no
-        row of it sees. None where the keys are not in prompt order. One host read per active
-        set and window size."""
+        """The row groups of a layer whose queries see only the keys of the last ``window``
+        positions (``causal`` first): the active rows cut where they span a window's worth of
+        positions (at most ``MAX_WINDOW_GROUPS`` groups), each group reading keys from the
+        first one inside its first row's window to the last its last row sees. Rows spread
+        over a long prompt (a question, link tokens, recomputed tokens) then read a few windows
+        of keys, not every key before them. None where the keys are not in prompt order. Two
+        host reads per active set and window size."""
         if not self.sorted:
             return None
-        _, plan = self.causal(active)
+        self._see(active)
         if window not in self._windowed:
+            pos = self._pos_q.tolist()
+            los = [0]
+            for i, p in enumerate(pos):
+                if p - pos[los[-1]] >= window:
+                    los.append(i)
+            if len(los) > MAX_WINDOW_GROUPS:  # each group is an attention call: merge evenly
+                los = los[:: -(-len(los) // MAX_WINDOW_GROUPS)]
+            his = los[1:] + [len(pos)]
             key_pos = self._keys.pos
-            groups = plan or [(0, self._pos_q.numel(), 0, key_pos.numel())]
-            firsts = torch.searchsorted(key_pos, self._pos_q[[g[0] for g in groups]] - window, right=True)
-            self._windowed[window] = [
-                (lo, hi, min(int(k0), k1 - 1), k1) for (lo, hi, _, k1), k0 in zip(groups, firsts.tolist())
-            ]
+            bounds = [[pos[lo] - window for lo in los], [pos[hi - 1] for hi in his]]
+            k0, k1 = torch.searchsorted(key_pos, torch.tensor(bounds, device=key_pos.device), right=True).tolist()
+            self._windowed[window] = [(lo, hi, min(a, b - 1), b) for lo, hi, a, b in zip(los, his, k0, k1)]
         return self._windowed[window]
 
     def additive(self, active: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

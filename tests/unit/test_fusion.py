@@ -298,10 +298,11 @@ def test_cacheblend_attention_deviation_reads_only_the_keys_its_rows_see(name, m
 
 
 @pytest.mark.parametrize("name", ["mistral-window", "gemma3"])
-@pytest.mark.parametrize("policy,params", [("naive_reuse", {}), ("cacheblend", {"recompute_ratio": 0.3})])
+@pytest.mark.parametrize("policy,params", [("naive_reuse", {}), ("epic", {}), ("cacheblend", {"recompute_ratio": 0.3})])
 def test_windowed_layers_attend_from_each_groups_window(name, policy, params, monkeypatch):
-    """On a sliding-window layer each row group reads keys from the first one inside its first
-    row's window, not from key 0: the same logits and K/V as reading every key up to its rows."""
+    """On a sliding-window layer the active rows are cut where they span a window, and each
+    group reads keys from the first one inside its first row's window, not from key 0: the
+    same logits and K/V as one causal plan over every key up to its rows."""
     from kvrag.query.fusion import _Rows
 
     arch = Arch(tiny(name))
@@ -320,6 +321,8 @@ def test_windowed_layers_attend_from_each_groups_window(name, policy, params, mo
     assert max(first_keys) > 0
     if policy == "naive_reuse":  # only the question's rows run: they skip both passages but a window
         assert max(first_keys) >= layout.n - 6 - arch.windows[0]
+    if policy == "epic":  # the second passage's first tokens are a group of their own
+        assert any(120 - arch.windows[0] <= k0 <= 120 for k0 in first_keys)
     monkeypatch.setattr(_Rows, "windowed", lambda self, active, window: None)
     ref = FusionEngine(arch).prefill(layout, get_policy(policy, **params))
     torch.testing.assert_close(got.logits, ref.logits, atol=1e-5, rtol=1e-5)
