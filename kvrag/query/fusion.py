@@ -132,7 +132,7 @@ class _Rows:
 
     def windowed(self, active: torch.Tensor, window: int) -> AttentionPlan | None:
         """The row groups of a layer whose queries see only the keys of the last ``window``
-        positions (``causal`` first): the active rows cut where they span a window's worth of
+        positions (``keys`` first): the active rows cut where they span a window's worth of
         positions (at most ``MAX_WINDOW_GROUPS`` groups), each group reading keys from the
         first one inside its first row's window to the last its last row sees. Rows spread
         over a long prompt (a question, link tokens, recomputed tokens) then read a few windows
@@ -153,6 +153,8 @@ class _Rows:
             key_pos = self._keys.pos
             bounds = [[pos[lo] - window for lo in los], [pos[hi - 1] for hi in his]]
             k0, k1 = torch.searchsorted(key_pos, torch.tensor(bounds, device=key_pos.device), right=True).tolist()
+            # At least one key a group (as ``attention_plan``): a group with none would give NaN rows.
+            k1 = [max(1, b) for b in k1]
             self._windowed[window] = [(lo, hi, min(a, b - 1), b) for lo, hi, a, b in zip(los, his, k0, k1)]
         return self._windowed[window]
 
