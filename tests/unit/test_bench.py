@@ -506,18 +506,11 @@ def test_floor_scenario_measures_ttft_floor_and_ops(tmp_path):
     assert "### TTFT vs its floor" in md and "`cacheblend`" in md
 
 
-def test_qa_journal_resumes_an_interrupted_run(tmp_path, monkeypatch):
-    """Each finished QA example is journaled; --resume keeps those (a torn last line dropped)
-    and runs only the rest; a journal of another configuration is refused, not mixed in."""
-    from kvrag.bench.config import BenchConfig
+def _journal_examples():
+    """Three small examples of two passages each, for the resume journals' tests."""
     from kvrag.bench.examples import Example
-    from kvrag.bench.journal import journal_path
-    from kvrag.bench.runner import Bench
-    from kvrag.engine import KVRag
-    from kvrag.testing import tiny_llama
 
-    rag = KVRag(tiny_llama(seed=0), cache_dir=tmp_path / "kv")
-    exs = [
+    return [
         Example(
             f"e{i}",
             f"Who keeps lantern {i}?",
@@ -526,6 +519,19 @@ def test_qa_journal_resumes_an_interrupted_run(tmp_path, monkeypatch):
         )
         for i in range(3)
     ]
+
+
+def test_qa_journal_resumes_an_interrupted_run(tmp_path, monkeypatch):
+    """Each finished QA example is journaled; --resume keeps those (a torn last line dropped)
+    and runs only the rest; a journal of another configuration is refused, not mixed in."""
+    from kvrag.bench.config import BenchConfig
+    from kvrag.bench.journal import journal_path
+    from kvrag.bench.runner import Bench
+    from kvrag.engine import KVRag
+    from kvrag.testing import tiny_llama
+
+    rag = KVRag(tiny_llama(seed=0), cache_dir=tmp_path / "kv")
+    exs = _journal_examples()
 
     def bench(**kw):
         b = Bench(BenchConfig(out=tmp_path / "out", policies=["naive_reuse"], repeats=1, max_new_tokens=2, **kw))
@@ -564,22 +570,13 @@ def test_sweep_journal_resumes_an_interrupted_sweep(tmp_path, monkeypatch):
     """The sweep journals each finished example in its own file beside the QA journal;
     --resume keeps those and runs only the rest (its runs are the swept ratios)."""
     from kvrag.bench.config import BenchConfig
-    from kvrag.bench.examples import Example
     from kvrag.bench.journal import journal_path
     from kvrag.bench.runner import Bench
     from kvrag.engine import KVRag
     from kvrag.testing import tiny_llama
 
     rag = KVRag(tiny_llama(seed=0), cache_dir=tmp_path / "kv")
-    exs = [
-        Example(
-            f"e{i}",
-            f"Who keeps lantern {i}?",
-            ["Ada"],
-            [f"Passage {i}.{k}: " + " ".join(f"w{i}x{k}x{j}" for j in range(20)) for k in range(2)],
-        )
-        for i in range(3)
-    ]
+    exs = _journal_examples()
 
     def bench(**kw):
         cfg = BenchConfig(
