@@ -130,15 +130,15 @@ class _Rows:
             self._additive = None
         return self._causal
 
-    def windowed(self, active: torch.Tensor, window: int) -> AttentionPlan | None:
+    def windowed(self, active: torch.Tensor, window: int | None) -> AttentionPlan | None:
         """The row groups of a layer whose queries see only the keys of the last ``window``
         positions (``keys`` first): the active rows cut where they span a window's worth of
         positions (at most ``MAX_WINDOW_GROUPS`` groups), each group reading keys from the
         first one inside its first row's window to the last its last row sees. Rows spread
         over a long prompt (a question, link tokens, recomputed tokens) then read a few windows
-        of keys, not every key before them. None where the keys are not in prompt order. Two
-        host reads per active set and window size."""
-        if not self.sorted:
+        of keys, not every key before them. None where the layer has no window or the keys are
+        not in prompt order. Two host reads per active set and window size."""
+        if window is None or not self.sorted:
             return None
         self._see(active)
         if window not in self._windowed:
