@@ -90,7 +90,7 @@ def attention_deviation(state, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     # Each block's keys [first, end): every key for one block (it reads them all anyway);
     # with positions in prompt order, bounds read from the host copy (no device sync).
     bounds = [(0, n)] * len(blocks)
-    if len(blocks) > 1 and bool((host_pos[1:] >= host_pos[:-1]).all()):
+    if len(blocks) > 1 and lay.in_prompt_order:
         los, lasts = [lo for lo, _ in blocks], [hi - 1 for _, hi in blocks]
         ends = torch.searchsorted(host_pos, host_pos[lasts], right=True).tolist()
         firsts = torch.searchsorted(host_pos, host_pos[los] - window, right=True).tolist() if window else [0] * len(los)

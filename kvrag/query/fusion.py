@@ -230,8 +230,7 @@ class FusionEngine:
         n, dev, dt = layout.n, arch.device, arch.dtype
         L = arch.n_layers
         positions = layout.positions.to(dev)
-        # Layout positions are built in prompt order (``Layout.build``); checked on the host copy.
-        positions_sorted = bool((layout.positions[1:] >= layout.positions[:-1]).all())
+        positions_sorted = layout.in_prompt_order
         cos, sin = arch.cos_sin(positions)
         K, V, entries = self.cached_kv(layout, cos, sin)
 

@@ -56,6 +56,13 @@ class Layout:
         return int(self.token_ids.numel())
 
     @property
+    def in_prompt_order(self) -> bool:
+        """Positions never decrease along the tokens (``build`` lays them out so): each row's
+        causal horizon is then a key prefix and a window's keys a contiguous range. Read on the
+        host copy, so no device sync."""
+        return bool((self.positions[1:] >= self.positions[:-1]).all())
+
+    @property
     def cached(self) -> torch.Tensor:
         """bool [N]: token comes from a cached chunk."""
         return self.kind == CACHED
