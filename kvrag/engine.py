@@ -46,7 +46,7 @@ from kvrag.query.segment import Segmenter
 from kvrag.query.state import CACHED, INSERTED, FusionStats, Layout, Piece
 from kvrag.store import ChunkStore, open_shared, open_store
 from kvrag.store.factory import check_cache_dir
-from kvrag.store.hot import HotCache, resolve_budget
+from kvrag.store.hot import HotCache, hot_device, resolve_budget
 
 log = logging.getLogger("kvrag")
 
@@ -158,6 +158,9 @@ class KVRag:
     used dropped first (``kvrag.store.hot``): a chunk served again skips the disk read, checksum
     and host-to-device copy. ``"auto"``: a fifth of the GPU's memory, or 1 GiB on the CPU; 0
     reads every chunk from disk. ``FusionStats.chunks_hot`` counts the chunks it served.
+    hot_tier: where the hot tier keeps them: ``"device"`` (the compute device) or ``"host"``
+    (host RAM, page-locked beside a CUDA device, copied to it at each query: larger than a
+    GPU's share and still no disk read; ``"auto"`` is then a tenth of the machine's RAM).
     shared: a tier that several replicas share, behind the local store: a Redis URL
     (``redis://[:password@]host:6379/0``, ``rediss://`` for TLS; keys under ``kvrag:``) or a
     ``ChunkStore`` such as ``kvrag.store.redis_store.RedisStore(url, prefix=...)``. Writes go to
@@ -184,6 +187,7 @@ class KVRag:
         kvlink_adapter: str | os.PathLike | KVLinkAdapter | None = "default",
         chunk_anchor: str | Sequence[int] = DEFAULT_CHUNK_ANCHOR,
         hot_cache: int | str = "auto",
+        hot_tier: str = "device",
         shared: "str | ChunkStore | None" = None,
         precompute_via: str = "local",
         **policy_params,
@@ -204,6 +208,7 @@ class KVRag:
             raise ValueError(f"storage_dtype must be one of {sorted(STORAGE_DTYPES)}, got {storage_dtype!r}")
         if hot_cache != "auto":
             resolve_budget(hot_cache, torch.device("cpu"))  # a bad value fails before the model load
+        hot_device(hot_tier, torch.device("cpu"))  # likewise a bad tier
         if query_tokens is not None:
             query_tokens = check_int("query_tokens (the last k prompt tokens are the question)", query_tokens, 1)
         if precompute_via not in ("local", "queue"):
@@ -251,7 +256,8 @@ class KVRag:
             from kvrag.precompute.redis_queue import RedisQueue
 
             self.queue = RedisQueue(far, self.fingerprint)
-        self.hot = HotCache(resolve_budget(hot_cache, self.handle.device), self.handle.device, self.handle.dtype)
+        hot_at, pin = hot_device(hot_tier, self.handle.device)
+        self.hot = HotCache(resolve_budget(hot_cache, hot_at), hot_at, self.handle.dtype, pin=pin)
         self.policy = pol
         self.ingest_policies = ingest
         self.query_tokens = query_tokens

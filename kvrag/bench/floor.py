@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -56,6 +57,7 @@ FLOOR_FIELDS = [
     "ops_plain",
     "ops_ratio",
     "syncs_prefill",
+    "syncs_decode",
     "error",
 ]
 
@@ -73,16 +75,19 @@ def _timed(fn, device) -> float:
     return time.perf_counter() - t
 
 
-def floor_parts(rag, prompt, repeats: int) -> dict:
+def floor_parts(rag, prompt, repeats: int, before_run: Callable[[], object] | None = None) -> dict:
     """Median seconds of the floor's parts for ``prompt`` on ``rag`` (a KVRag) and the prompt's
     token counts: {read_s, move_s, forward_s, prompt_tokens, cached_tokens}. ``prompt_tokens``
     is the tokenizer's count (a policy's inserted tokens come on top: ``measure_floor`` times
-    the forward for each policy's own non-cached count)."""
+    the forward for each policy's own non-cached count). ``before_run``: called before each
+    timed read (to drop the OS page cache, say)."""
     dev, dt = rag.arch.device, rag.arch.dtype
     text = rag.render(prompt)
     reads, moves = [], []
     pieces: list[Piece] = []
     for _ in range(repeats):
+        if before_run is not None:
+            before_run()
         read: list[list[Piece]] = []
         reads.append(_timed(lambda: read.append(rag.pieces(text)[0]), dev))
         pieces = read[0]
@@ -118,17 +123,29 @@ def forward_s(model, n_cached: int, n_new: int, repeats: int, device) -> float:
     return statistics.median(ts)
 
 
-def measure_floor(rag_for, prompt, runs, repeats: int, dataset: str, device: str, cold: bool = True) -> list[dict]:
+def measure_floor(
+    rag_for,
+    prompt,
+    runs,
+    repeats: int,
+    dataset: str,
+    device: str,
+    cold: bool = True,
+    before_run: Callable[[], object] | None = None,
+    count_ops: bool = True,
+) -> list[dict]:
     """One record per run (``full_prefill`` first, the throughput reference): TTFT, floor and
     op counts on one prompt. ``runs``: objects with ``policy``, ``params`` and ``label``;
     ``rag_for(run)``: the KVRag the run is measured on. Timed runs interleave the policies
     round by round, after one untimed run each. ``cold``: before each run, the policy forgets
     what it memoized across queries (as the QA scenario's cold path does), so a run costs what
-    a chunk's first query costs."""
+    a chunk's first query costs. ``before_run``: called before each timed run and read, outside
+    the clock (e.g. dropping the OS page cache, so each run reads the disk). ``count_ops``:
+    False leaves the op columns empty (they do not depend on where chunks are served from)."""
     from kvrag.policies import policy_class
 
     base = rag_for(runs[0])
-    parts = floor_parts(base, prompt, repeats)
+    parts = floor_parts(base, prompt, repeats, before_run)
     ttfts: dict[str, list[float]] = {r.label: [] for r in runs}
     stats: dict[str, FusionStats] = {}
     errors: dict[str, str] = {}
@@ -139,6 +156,8 @@ def measure_floor(rag_for, prompt, runs, repeats: int, dataset: str, device: str
             rag = rag_for(run)
             if cold:
                 policy_class(run.policy).forget()
+            if before_run is not None:
+                before_run()
             try:
                 out: dict[str, Any] = {}
                 t = _timed(lambda: out.setdefault("r", rag.prefill(prompt, run.policy, **run.params)), device)
@@ -184,11 +203,12 @@ def measure_floor(rag_for, prompt, runs, repeats: int, dataset: str, device: str
         pairs = st.recompute_fraction * st.cached_tokens * L
         recompute = pairs * ref / (st.prompt_tokens * L) if ref else 0.0
         floor = parts["read_s"] + parts["move_s"] + fwd + recompute
+        ops = None
         try:
-            ops = query_ops(rag, prompt, run.policy, **run.params)
+            if count_ops:
+                ops = query_ops(rag, prompt, run.policy, **run.params)
         except Exception as e:  # noqa: BLE001
             rec["error"] = f"op count: {type(e).__name__}: {e}"
-            ops = None
         rec.update(
             read_s=parts["read_s"],
             move_s=parts["move_s"],
@@ -204,5 +224,6 @@ def measure_floor(rag_for, prompt, runs, repeats: int, dataset: str, device: str
                 ops_plain=ops["plain"].total,
                 ops_ratio=ops["prefill"].total / ops["plain"].total,
                 syncs_prefill=ops["prefill"].syncs,
+                syncs_decode=ops["decode"].syncs,
             )
     return records

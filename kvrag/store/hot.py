@@ -14,6 +14,7 @@ change what the key holds, and serving the copy gives the same answer as reading
 
 from __future__ import annotations
 
+import os
 import threading
 
 import torch
@@ -23,30 +24,58 @@ from kvrag.checks import check_int
 from kvrag.store.base import ChunkEntry
 
 # "auto": a fifth of the GPU's memory (the model and the prefill's activations need the
-# rest), or 1 GiB of RAM on the CPU (~40 SmolLM2 chunks of 512 tokens at float32).
+# rest), or 1 GiB of RAM on the CPU (~40 SmolLM2 chunks of 512 tokens at float32). A host
+# tier beside a GPU holds what the GPU cannot: a tenth of the machine's RAM, at least 1 GiB.
 AUTO_GPU_SHARE = 0.2
 AUTO_CPU_BYTES = 1 << 30
+AUTO_HOST_SHARE = 0.1
+
+#: Where the hot tier keeps its entries (``KVRag(hot_tier=...)``): on the compute device, or
+#: in host RAM (page-locked beside a CUDA device) and copied to the device at each query.
+HOT_TIERS = ("device", "host")
+
+
+def _host_ram() -> int | None:
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):  # not a POSIX system that reports it
+        return None
 
 
 def resolve_budget(budget: int | str, device: torch.device) -> int:
-    """``hot_cache`` -> bytes: an int >= 0 as is, ``"auto"`` per device (see above)."""
+    """``hot_cache`` -> bytes: an int >= 0 as is, ``"auto"`` per device (see above; ``device``
+    is where the entries are kept)."""
     if budget == "auto":
         if device.type == "cuda":
             return int(AUTO_GPU_SHARE * torch.cuda.get_device_properties(device).total_memory)
-        return AUTO_CPU_BYTES
+        ram = _host_ram()
+        return max(AUTO_CPU_BYTES, int(AUTO_HOST_SHARE * ram)) if ram else AUTO_CPU_BYTES
     return check_int("hot_cache (bytes, or 'auto')", budget, 0)
+
+
+def hot_device(tier: str, compute: torch.device) -> tuple[torch.device, bool]:
+    """(where a ``tier`` hot cache keeps its entries, whether they are page-locked) for a
+    model computing on ``compute``. Page-locked host memory is what lets the copy to a GPU
+    run asynchronously at full bus speed; on a CPU the two tiers are the same memory."""
+    if tier not in HOT_TIERS:
+        raise ValueError(f"hot_tier must be one of {', '.join(HOT_TIERS)}, got {tier!r}")
+    if tier == "host" and compute.type != "cpu":
+        return torch.device("cpu"), compute.type == "cuda"
+    return compute, False
 
 
 class HotCache:
     """Thread-safe LRU of ``ChunkEntry`` by store key, at most ``budget`` bytes of K/V.
 
     Entries are converted once on the way in: keys/values [L, Hkv, T, D] to ``device`` and
-    ``dtype`` (what the fusion engine computes in); token ids and extras stay as stored."""
+    ``dtype`` (what the fusion engine computes in; ``pin``: in page-locked host memory, for a
+    host tier beside a GPU); token ids and extras stay as stored."""
 
-    def __init__(self, budget: int, device: torch.device, dtype: torch.dtype):
+    def __init__(self, budget: int, device: torch.device, dtype: torch.dtype, pin: bool = False):
         self.budget = budget
         self.device = device
         self.dtype = dtype
+        self.pin = pin
         # cachetools' LRU sized in bytes (getsizeof); it is not thread-safe, hence the lock.
         self._entries: LRUCache[str, ChunkEntry] = LRUCache(maxsize=budget, getsizeof=self._size)
         self._lock = threading.Lock()
@@ -75,17 +104,26 @@ class HotCache:
         # buffer); a kept view would hold a file descriptor and, once the blob is evicted, its
         # disk space, for as long as it stays here. non_blocking: from a pinned read the copy
         # to the GPU runs asynchronously, ordered before the kernels that use it.
+        keys, values = (self._own_copy(t) for t in (entry.keys, entry.values))
         hot = ChunkEntry(
             entry.fingerprint,
             entry.text,
             entry.token_ids.clone(),
-            entry.keys.to(device=self.device, dtype=self.dtype, non_blocking=True, copy=True),
-            entry.values.to(device=self.device, dtype=self.dtype, non_blocking=True, copy=True),
+            keys,
+            values,
             {k: v.clone() for k, v in entry.extras.items()},
         )
         with self._lock:
             self._entries[key] = hot  # evicts least recently used entries down to the budget
         return hot
+
+    def _own_copy(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` in this tier's memory and dtype, in storage of its own (see ``put``)."""
+        if self.pin:
+            # Into a fresh page-locked buffer: ``pin_memory()`` of a tensor already pinned (a
+            # pinned disk read) would return the read buffer itself.
+            return torch.empty(t.shape, dtype=self.dtype, pin_memory=True).copy_(t)
+        return t.to(device=self.device, dtype=self.dtype, non_blocking=True, copy=True)
 
     def clear(self) -> None:
         with self._lock:

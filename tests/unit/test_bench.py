@@ -446,6 +446,33 @@ def test_bench_floor_option(tmp_path):
         config_from_args(_bench_args("--floor", "2by64", "--out", str(tmp_path / "o")))
 
 
+def test_measure_floor_calls_before_run_ahead_of_every_timed_read_and_run(tmp_path):
+    """before_run (dropping the page cache, say) runs before each timed read of the floor's
+    parts and each run of each policy, warm-up round included; count_ops=False leaves the op
+    columns out and keeps the floor."""
+    from kvrag.bench import synthetic
+    from kvrag.bench.config import Run
+    from kvrag.bench.floor import measure_floor
+    from kvrag.engine import KVRag
+    from kvrag.testing import tiny_llama
+
+    rag = KVRag(tiny_llama(seed=0), cache_dir=tmp_path / "kv", hot_cache=0)
+    item = synthetic.exact_length_item(2, 64, rag.handle.encode, rag.tokenizer.decode)
+    passages = [c["text"] for c in item["ctxs"]]
+    rag.precompute(passages)
+    prompt = "\n\n".join(passages) + "\n\n" + item["question"]
+    runs = [Run("full_prefill"), Run("naive_reuse"), Run("cacheblend", {"recompute_ratio": 0.15})]
+    calls = []
+    recs = measure_floor(
+        lambda run: rag, prompt, runs, 2, "2x64", "cpu", before_run=lambda: calls.append(1), count_ops=False
+    )
+    assert len(calls) == 2 + 3 * len(runs)  # two reads, then (warm-up + 2 rounds) x 3 policies
+    nr = recs[1]
+    assert nr["label"] == "naive_reuse" and nr["floor_s"] > 0 and nr["chunks"] == 2 and not nr["error"]
+    assert "ops_prefill" not in nr and "syncs_decode" not in nr
+    assert recs[2]["label"] == "cacheblend@0.15" and recs[2]["recompute_s"] > 0
+
+
 def test_floor_scenario_measures_ttft_floor_and_ops(tmp_path):
     """Each reuse policy gets its floor (reads + move + plain forward [+ recompute]) and op
     counts beside the plain forward's; full_prefill is the throughput reference; floor.csv and
@@ -471,6 +498,7 @@ def test_floor_scenario_measures_ttft_floor_and_ops(tmp_path):
         assert r["floor_s"] == pytest.approx(parts) and r["floor_s"] > 0
         assert r["ttft_over_floor"] == pytest.approx(r["ttft_s"] / r["floor_s"])
         assert r["ops_prefill"] > 0 and r["ops_plain"] > 0 and r["ops_decode"] > 0
+        assert r["syncs_prefill"] >= 0 and r["syncs_decode"] >= 0
     assert nr["recompute_s"] == 0.0 and cb["recompute_s"] > 0  # cacheblend recomputes layers 0-1 + 15%
     assert cb["recompute_s"] == pytest.approx(
         cb["recompute_fraction"] * cb["cached_tokens"] * cb["full_prefill_s"] / cb["prompt_tokens"]

@@ -166,6 +166,33 @@ def test_cold_reads_onto_the_device_equal_hot_entries(handles, tmp_path):
         assert got.keys.is_pinned() == pin and torch.equal(got.keys, ref.keys) and torch.equal(got.values, ref.values)
 
 
+def test_host_hot_tier_serves_page_locked_copies_with_device_tier_logits(handles, tmp_path):
+    """A hot tier in host RAM (``hot_tier="host"``) keeps its entries on the CPU, page-locked
+    beside a CUDA device and in storage of its own (not the read buffer), and serves the same
+    logits as the hot tier on the device."""
+    handle = handles["llama"][0]
+    prompt = prompt_for(DOCS[:3])
+    device_tier = _rag(handle, tmp_path)
+    host_tier = KVRag(handle, cache_dir=tmp_path / "kv", storage_dtype="float32", kvlink_adapter=None, hot_tier="host")
+    for rag in (device_tier, host_tier):
+        rag.continuation_logits(prompt, [5, 6], policy="cacheblend")  # the first query fills the hot tier
+    (a, sa), (b, sb) = (
+        rag.continuation_logits(prompt, [5, 6], policy="cacheblend") for rag in (device_tier, host_tier)
+    )
+    assert sb.chunks_hot == 3 and sa.chunks_hot == 3
+    torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
+    pin = handle.device.type == "cuda"
+    held = list(host_tier.hot._entries.values())
+    assert len(held) == 3
+    for entry in held:
+        assert entry.keys.device.type == "cpu" and entry.keys.is_pinned() == pin and entry.values.is_pinned() == pin
+        ref = device_tier.store.get(device_tier.chunk_key(entry.text), device_tier.fingerprint)
+        assert (
+            torch.equal(entry.keys, ref.keys)
+            and entry.keys.untyped_storage().data_ptr() != ref.keys.untyped_storage().data_ptr()
+        )
+
+
 def test_rerotated_key_equals_key_at_position(handles):
     handle = handles["llama"][0]
     arch = Arch(handle.model)

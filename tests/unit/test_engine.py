@@ -1,5 +1,7 @@
 """KVRag facade end to end on a tiny random-weight model with the real SmolLM2 tokenizer."""
 
+import os
+
 import pytest
 import torch
 from corpus_helpers import DOCS as CORPUS
@@ -558,6 +560,28 @@ def test_hot_tier_serves_repeated_chunks_from_memory_within_its_budget(handle, t
     for bad in (-1, "lots", 1.5, True):
         with pytest.raises(ValueError, match="hot_cache"):
             KVRag(handle, cache_dir=tmp_path / "kv", hot_cache=bad)
+
+
+def test_hot_tier_in_host_memory_and_bad_tier_names(handle, tmp_path):
+    """hot_tier="host" keeps served chunks in host RAM (page-locked only beside a CUDA device;
+    on a CPU it is the compute device's memory) with the same answer; its "auto" budget is a
+    tenth of the machine's RAM, at least 1 GiB. An unknown tier fails before the model load."""
+    from kvrag.store.hot import AUTO_CPU_BYTES, hot_device, resolve_budget
+
+    assert hot_device("host", torch.device("cpu")) == (torch.device("cpu"), False)
+    assert hot_device("host", torch.device("cuda", 0)) == (torch.device("cpu"), True)
+    assert hot_device("device", torch.device("cuda", 0)) == (torch.device("cuda", 0), False)
+    ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    assert resolve_budget("auto", torch.device("cpu")) == max(AUTO_CPU_BYTES, ram // 10)
+    rag = KVRag(handle, cache_dir=tmp_path / "kv", hot_tier="host")
+    rag.precompute(DOCS)
+    prompt = prompt_for(DOCS)
+    first = rag.generate(prompt, policy="naive_reuse", max_new_tokens=4)
+    again = rag.generate(prompt, policy="naive_reuse", max_new_tokens=4)
+    assert first.stats.chunks_hot == 0 and again.stats.chunks_hot == 3 and again.token_ids == first.token_ids
+    assert not rag.hot.pin and all(e.keys.device.type == "cpu" for e in rag.hot._entries.values())
+    with pytest.raises(ValueError, match="hot_tier must be one of device, host, got 'gpu'"):
+        KVRag("no/such/model/dir", cache_dir=tmp_path / "kv", hot_tier="gpu")
 
 
 def test_hot_tier_keeps_copies_not_views_of_the_blob_files(handle, tmp_path):
