@@ -160,7 +160,7 @@ class KVRag:
     reads every chunk from disk. ``FusionStats.chunks_hot`` counts the chunks it served.
     hot_tier: where the hot tier keeps them: ``"device"`` (the compute device) or ``"host"``
     (host RAM, page-locked beside a CUDA device, copied to it at each query: larger than a
-    GPU's share and still no disk read; ``"auto"`` is then a tenth of the machine's RAM).
+    GPU's share and still no disk read; beside a GPU, ``"auto"`` is a tenth of the machine's RAM).
     shared: a tier that several replicas share, behind the local store: a Redis URL
     (``redis://[:password@]host:6379/0``, ``rediss://`` for TLS; keys under ``kvrag:``) or a
     ``ChunkStore`` such as ``kvrag.store.redis_store.RedisStore(url, prefix=...)``. Writes go to
@@ -257,7 +257,8 @@ class KVRag:
 
             self.queue = RedisQueue(far, self.fingerprint)
         hot_at, pin = hot_device(hot_tier, self.handle.device)
-        self.hot = HotCache(resolve_budget(hot_cache, hot_at), hot_at, self.handle.dtype, pin=pin)
+        budget = resolve_budget(hot_cache, hot_at, beside_gpu=hot_at != self.handle.device)
+        self.hot = HotCache(budget, hot_at, self.handle.dtype, pin=pin)
         self.policy = pol
         self.ingest_policies = ingest
         self.query_tokens = query_tokens

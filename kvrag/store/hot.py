@@ -42,13 +42,13 @@ def _host_ram() -> int | None:
         return None
 
 
-def resolve_budget(budget: int | str, device: torch.device) -> int:
+def resolve_budget(budget: int | str, device: torch.device, beside_gpu: bool = False) -> int:
     """``hot_cache`` -> bytes: an int >= 0 as is, ``"auto"`` per device (see above; ``device``
-    is where the entries are kept)."""
+    is where the entries are kept, ``beside_gpu``: host RAM serving a GPU)."""
     if budget == "auto":
         if device.type == "cuda":
             return int(AUTO_GPU_SHARE * torch.cuda.get_device_properties(device).total_memory)
-        ram = _host_ram()
+        ram = _host_ram() if beside_gpu else None
         return max(AUTO_CPU_BYTES, int(AUTO_HOST_SHARE * ram)) if ram else AUTO_CPU_BYTES
     return check_int("hot_cache (bytes, or 'auto')", budget, 0)
 

@@ -564,16 +564,19 @@ def test_hot_tier_serves_repeated_chunks_from_memory_within_its_budget(handle, t
 
 def test_hot_tier_in_host_memory_and_bad_tier_names(handle, tmp_path):
     """hot_tier="host" keeps served chunks in host RAM (page-locked only beside a CUDA device;
-    on a CPU it is the compute device's memory) with the same answer; its "auto" budget is a
-    tenth of the machine's RAM, at least 1 GiB. An unknown tier fails before the model load."""
+    on a CPU it is the compute device's memory) with the same answer; its "auto" budget beside
+    a GPU is a tenth of the machine's RAM, at least 1 GiB (on a CPU: 1 GiB, as the device
+    tier's). An unknown tier fails before the model load."""
     from kvrag.store.hot import AUTO_CPU_BYTES, hot_device, resolve_budget
 
     assert hot_device("host", torch.device("cpu")) == (torch.device("cpu"), False)
     assert hot_device("host", torch.device("cuda", 0)) == (torch.device("cpu"), True)
     assert hot_device("device", torch.device("cuda", 0)) == (torch.device("cuda", 0), False)
     ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    assert resolve_budget("auto", torch.device("cpu")) == max(AUTO_CPU_BYTES, ram // 10)
+    assert resolve_budget("auto", torch.device("cpu"), beside_gpu=True) == max(AUTO_CPU_BYTES, ram // 10)
+    assert resolve_budget("auto", torch.device("cpu")) == AUTO_CPU_BYTES
     rag = KVRag(handle, cache_dir=tmp_path / "kv", hot_tier="host")
+    assert rag.hot.budget == AUTO_CPU_BYTES
     rag.precompute(DOCS)
     prompt = prompt_for(DOCS)
     first = rag.generate(prompt, policy="naive_reuse", max_new_tokens=4)
