@@ -47,7 +47,7 @@ from kvrag.bench.examples import examples_from_items  # noqa: E402
 from kvrag.bench.floor import FLOOR_FIELDS, measure_floor  # noqa: E402
 from kvrag.model import ModelHandle  # noqa: E402
 from kvrag.query.prompt import rag_prompt  # noqa: E402
-from kvrag.testing import smollm2_tokenizer  # noqa: E402
+from kvrag.testing import TINY_DIMS, smollm2_tokenizer  # noqa: E402
 
 SHAPES = {
     "llama8b": dict(
@@ -68,16 +68,8 @@ SHAPES = {
         head_dim=64,
         rope_theta=500000.0,
     ),
-    # A rehearsal of this script on a CPU.
-    "tiny": dict(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        rope_theta=10000.0,
-    ),
+    # A rehearsal of this script on a CPU: the tests' tiny model.
+    "tiny": dict(TINY_DIMS, rope_theta=10000.0),
 }
 TIERS = ("device", "host", "disk")
 #: cacheblend at the 15% recompute its paper's speed figures use.

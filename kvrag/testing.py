@@ -103,6 +103,17 @@ def attn_implementation(model_type: str) -> str:
     return "eager" if model_type in EAGER_ONLY else "sdpa"
 
 
+#: The tiny models' dimensions: 4 layers, hidden 64, 4 query heads, 2 KV heads of 16.
+TINY_DIMS = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+)
+
+
 def tiny_llama(
     seed: int = 0,
     model_type: str = "llama",
@@ -126,12 +137,7 @@ def tiny_llama(
     tok = smollm2_tokenizer() if tokenizer is None else tokenizer
     cfg_kwargs = dict(
         vocab_size=len(tok),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
+        **TINY_DIMS,
         max_position_embeddings=4096,
         initializer_range=0.2,
         tie_word_embeddings=False,
