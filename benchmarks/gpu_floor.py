@@ -199,6 +199,7 @@ class Sweep:
         self.deadlines = [float(d) for d in args.deadline_s.split(",")]
         self.deadline = self.deadlines[0]
         self.profile_point = args.profile_point or args.points.split(",")[0]
+        self.profiled = False  # one profile a run: of the first shape that reaches the point
         self.csv = args.out / "floor.csv"
         self.records: list[dict] = []
         if self.csv.exists():  # a second run into the same folder adds to it
@@ -224,7 +225,7 @@ class Sweep:
             w.writerows(recs)
         (self.args.out / "floor.md").write_text(table(self.records))
 
-    def shape(self, s_i: int, shape: str) -> None:
+    def shape(self, shape: str) -> None:
         args = self.args
         tb = time.monotonic()
         handle = build(shape, args.device, getattr(torch, args.dtype))
@@ -268,7 +269,8 @@ class Sweep:
                     self.tier(shape, n, t, tier, rags[tier], prompt, count_ops=t_i == 0)
                 except Exception as e:  # noqa: BLE001 - out of memory at one point, say: go on
                     print(f"    {tier}: FAILED {type(e).__name__}: {e}", flush=True)
-            if s_i == 0 and f"{n}x{t}" == self.profile_point and "device" in rags and not self.late("profile"):
+            if not self.profiled and f"{n}x{t}" == self.profile_point and "device" in rags and not self.late("profile"):
+                self.profiled = True
                 try:
                     profile(rags["device"], prompt, self.runs[:3], args.out / f"profile_{shape}.txt", args.device)
                 except Exception as e:  # noqa: BLE001 - the figures above matter more than the profile
@@ -336,7 +338,7 @@ def main(argv=None) -> None:
         help="start nothing after this many seconds from the start; a comma list: one per shape (the last repeats)",
     )
     ap.add_argument(
-        "--profile-point", default=None, help="the point profiled (device tier, first shape; default: the first)"
+        "--profile-point", default=None, help="the point profiled (device tier, first shape run; default: the first)"
     )
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -353,7 +355,7 @@ def main(argv=None) -> None:
         if sweep.late(shape):
             continue
         try:
-            sweep.shape(s_i, shape)
+            sweep.shape(shape)
         except Exception as e:  # noqa: BLE001 - the next shape may still fit
             print(f"{shape}: FAILED {type(e).__name__}: {e}", flush=True)
         if args.device.startswith("cuda"):
