@@ -58,6 +58,19 @@ _ROPE_LOCK = threading.Lock()
 AttentionPlan = list[tuple[int, int, int, int]]
 
 
+def visible_keys(
+    key_pos: torch.Tensor, first_pos: list[int], last_pos: list[int], window: int | None
+) -> tuple[list[int], list[int]]:
+    """The keys each group of rows can see, for keys in prompt order (``key_pos`` long [K],
+    never decreasing): per group, [first, end) = none after its last row's position
+    (``last_pos``) and, under a sliding ``window``, none before its first row's window
+    (``first_pos``; no window: from key 0). One search for all groups, one host read."""
+    lows = [p - window if window else -1 for p in first_pos]  # positions are >= 0
+    bounds = torch.tensor([lows, last_pos], dtype=key_pos.dtype, device=key_pos.device)
+    firsts, ends = torch.searchsorted(key_pos, bounds, right=True).tolist()
+    return firsts, ends
+
+
 class _LockedForward:
     """A rotary module's own forward, run under ``_ROPE_LOCK`` (installed as the module's
     ``forward``). A small object rather than a closure, so that ``copy.deepcopy`` and pickle

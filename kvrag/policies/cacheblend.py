@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvrag.arch import visible_keys
 from kvrag.checks import check_int, check_real, check_seq
 from kvrag.policies.base import Policy, RecomputeParams, param, top_indices
 from kvrag.policies.registry import register
@@ -92,8 +93,7 @@ def attention_deviation(state, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     bounds = [(0, n)] * len(blocks)
     if len(blocks) > 1 and lay.in_prompt_order:
         los, lasts = [lo for lo, _ in blocks], [hi - 1 for _, hi in blocks]
-        ends = torch.searchsorted(host_pos, host_pos[lasts], right=True).tolist()
-        firsts = torch.searchsorted(host_pos, host_pos[los] - window, right=True).tolist() if window else [0] * len(los)
+        firsts, ends = visible_keys(host_pos, host_pos[los].tolist(), host_pos[lasts].tolist(), window)
         bounds = list(zip(firsts, ends))
     out = []
     for (lo, hi), (first, end) in zip(blocks, bounds):

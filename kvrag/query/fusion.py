@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvrag.arch import Arch, AttentionPlan
+from kvrag.arch import Arch, AttentionPlan, visible_keys
 from kvrag.policies.base import Policy
 from kvrag.query.state import CACHED, INSERTED, FusionState, FusionStats, Layout, Piece
 
@@ -150,9 +150,7 @@ class _Rows:
             if len(los) > MAX_WINDOW_GROUPS:  # each group is an attention call: merge evenly
                 los = los[:: -(-len(los) // MAX_WINDOW_GROUPS)]
             his = los[1:] + [len(pos)]
-            key_pos = self._keys.pos
-            bounds = [[pos[lo] - window for lo in los], [pos[hi - 1] for hi in his]]
-            k0, k1 = torch.searchsorted(key_pos, torch.tensor(bounds, device=key_pos.device), right=True).tolist()
+            k0, k1 = visible_keys(self._keys.pos, [pos[lo] for lo in los], [pos[hi - 1] for hi in his], window)
             # At least one key a group (as ``attention_plan``): a group with none would give NaN rows.
             k1 = [max(1, b) for b in k1]
             self._windowed[window] = [(lo, hi, min(a, b - 1), b) for lo, hi, a, b in zip(los, his, k0, k1)]
