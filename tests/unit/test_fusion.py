@@ -417,42 +417,65 @@ def test_grouped_partial_attention_equals_one_masked_call(policy):
         torch.testing.assert_close(kg, ks, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("mode", ["expand", "fold"])
 @pytest.mark.parametrize("ratio", [0.1, 0.5])  # partial: the prefill's attention is masked
-def test_masked_attention_with_kv_expanded_per_query_head_is_the_same(ratio):
-    """On CUDA a masked attention with grouped-query heads expands K/V to every query head
-    (else SDPA falls back to its math kernel); forced here on the CPU, the chunk K/V, the
-    fused prefill and the scores must be what the GQA call gives."""
+def test_masked_attention_with_grouped_heads_expanded_or_folded_is_the_same(ratio, mode):
+    """On CUDA a masked attention with grouped-query heads either expands K/V to every query
+    head or folds each KV head's query heads into rows of one head (else SDPA falls back to
+    its math kernel); forced here on the CPU, the chunk K/V, the fused prefill and the scores
+    must be what the GQA call gives."""
     arch = Arch(tiny("llama"))
-    assert arch.n_heads != arch.n_kv_heads and arch.expand_kv_for_masks is None
+    assert arch.n_heads != arch.n_kv_heads and arch.gqa_masked is None
     g = torch.Generator().manual_seed(12)
     segs = [(rand_ids(8, g), False), (rand_ids(150, g), True), (rand_ids(150, g), True), (rand_ids(12, g), False)]
     layout = Layout.build(pieces_for(arch, segs))
     pol = get_policy("cacheblend", recompute_ratio=ratio)
     chunks = [rand_ids(20, g), rand_ids(30, g)]
-    ref, ref_kv = FusionEngine(arch).prefill(layout, pol), compute_chunk_kv(arch, chunks)
-    arch.expand_kv_for_masks = True
     calls = []
     sdpa = torch.nn.functional.scaled_dot_product_attention
 
     def spy(q, k, v, attn_mask=None, **kw):
-        calls.append((attn_mask is not None, kw["enable_gqa"], k.shape[1]))
+        calls.append((attn_mask is not None, kw["enable_gqa"], q.shape[1], k.shape[1]))
         return sdpa(q, k, v, attn_mask=attn_mask, **kw)
 
+    with patch("kvrag.arch.F.scaled_dot_product_attention", spy):
+        ref, ref_kv = FusionEngine(arch).prefill(layout, pol), compute_chunk_kv(arch, chunks)
+    # On the CPU (auto) the kernel takes the grouped heads as they are.
+    assert all(gqa for masked, gqa, _, _ in calls if masked)
+    calls.clear()
+    arch.gqa_masked = mode
     with patch("kvrag.arch.F.scaled_dot_product_attention", spy):
         out = FusionEngine(arch).prefill(layout, pol)
         n_prefill = len(calls)
         kv = compute_chunk_kv(arch, chunks)
     # Both the fused prefill and the chunk precompute made masked calls, and every masked call
-    # ran on K/V with one head per query head, without enable_gqa.
+    # ran without enable_gqa: on K/V with one head per query head, or on the folded heads.
     masked = [c for c in calls if c[0]]
     assert any(c[0] for c in calls[:n_prefill]) and any(c[0] for c in calls[n_prefill:])
-    assert all(not gqa and heads == arch.n_heads for _, gqa, heads in masked)
+    heads = (arch.n_heads, arch.n_heads) if mode == "expand" else (arch.n_kv_heads, arch.n_kv_heads)
+    assert all(not gqa and (qh, kh) == heads for _, gqa, qh, kh in masked)
     torch.testing.assert_close(out.logits, ref.logits, atol=1e-5, rtol=1e-5)
     for ko, kr in zip(out.K, ref.K):
         torch.testing.assert_close(ko, kr, atol=1e-5, rtol=1e-5)
     for (k1, v1), (k2, v2) in zip(kv, ref_kv):
         torch.testing.assert_close(k1, k2, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(v1, v2, atol=1e-5, rtol=1e-5)
+
+
+def test_folded_grouped_heads_take_a_per_head_mask():
+    """A mask per query head [H, A, N] folds with the heads: each head keeps its own mask."""
+    arch = Arch(tiny("llama"))
+    g = torch.Generator().manual_seed(3)
+    H, hkv, D = arch.n_heads, arch.n_kv_heads, arch.head_dim
+    q, k, v = (torch.randn(h, n, D, generator=g) for h, n in ((H, 7), (hkv, 30), (hkv, 30)))
+    mask = torch.rand(H, 7, 30, generator=g) > 0.4
+    mask[..., 0] = True  # every row sees a key
+    ref = arch._sdpa(q, k, v, mask)
+    arch.gqa_masked = "fold"
+    torch.testing.assert_close(arch._sdpa(q, k, v, mask), ref, atol=1e-5, rtol=1e-5)
+    arch.gqa_masked = "both"
+    with pytest.raises(ValueError, match="gqa_masked must be one of"):
+        arch._sdpa(q, k, v, mask)
 
 
 def test_decode_cache_holds_the_fused_kv_without_copying_and_continues_exactly():

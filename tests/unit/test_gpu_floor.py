@@ -39,3 +39,20 @@ def test_gpu_floor_writes_a_record_per_tier_and_policy_as_it_measures(tmp_path, 
     # A second run into the same folder reads the records there; a deadline of 0 adds none.
     gpu_floor.main([str(out), "--shapes", "tiny", "--deadline-s", "0", *args])
     assert len(list(csv.DictReader(open(out / "floor.csv")))) == len(rows)
+
+
+def test_gpu_floor_sets_how_masked_attention_meets_grouped_heads(tmp_path, monkeypatch):
+    """--gqa-masked reaches the engine's Arch (the A/B gpu_check.sh runs), and the run measures;
+    full_prefill named in --policies is the reference, run once."""
+    monkeypatch.setenv("KVRAG_HOME", str(tmp_path / "home"))
+    gpu_floor = _script()
+    built = []
+    build = gpu_floor.build
+    monkeypatch.setattr(gpu_floor, "build", lambda *a: built.append(build(*a)) or built[-1])
+    out = tmp_path / "out"
+    args = ["--points", "2x64", "--device", "cpu", "--dtype", "float32", "--repeats", "1", "--tiers", "device"]
+    policies = ["--policies", "full_prefill,naive_reuse"]
+    gpu_floor.main([str(out), "--shapes", "tiny", *policies, "--gqa-masked", "fold", *args])
+    assert [h.arch.gqa_masked for h in built] == ["fold"]
+    rows = list(csv.DictReader(open(out / "floor.csv")))
+    assert [r["label"] for r in rows] == ["full_prefill", "naive_reuse"] and not any(r["error"] for r in rows)
