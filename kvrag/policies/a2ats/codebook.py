@@ -26,6 +26,7 @@ head, ``D`` head dim, ``C`` codewords, ``T`` tokens, ``N`` calibration keys per 
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import logging
@@ -170,6 +171,8 @@ class Codebooks:
     chol: torch.Tensor
     probe: torch.Tensor
     meta: dict = field(default_factory=dict)
+    # device -> these codebooks with their scoring and coding tensors there (see ``to``).
+    _on: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         cb, ch, pr = self.codebook, self.chol, self.probe
@@ -215,6 +218,10 @@ class Codebooks:
         return self.codebook.shape[3]
 
     @property
+    def device(self) -> torch.device:
+        return self.codebook.device
+
+    @property
     def rope_offset(self) -> int:
         return int(self.meta.get("rope_offset", DEFAULT_ROPE_OFFSET))
 
@@ -223,6 +230,22 @@ class Codebooks:
         with another codebook are recognised and recomputed)."""
         return torch.tensor(list(self.digest), dtype=torch.uint8)
 
+    def to(self, device: str | torch.device) -> "Codebooks":
+        """These codebooks with the tensors that score and assign codes (codebook, chol and
+        their z-space codewords) on ``device``, copied once per device and then reused; the
+        probe stays where it is (it only identifies the model)."""
+        device = torch.device(device)
+        if device == self.device:
+            return self
+        moved = self._on.get(device)
+        if moved is None:
+            moved = copy.copy(self)
+            moved._on = {}
+            for name in ("codebook", "chol", "_cz", "_cz2"):
+                setattr(moved, name, getattr(self, name).to(device))
+            self._on[device] = moved
+        return moved
+
     def check_model(self, n_layers: int, n_kv_heads: int, head_dim: int) -> None:
         if (self.n_layers, self.n_kv_heads, self.head_dim) != (n_layers, n_kv_heads, head_dim):
             raise CodebookError(
@@ -230,27 +253,33 @@ class Codebooks:
                 f"the model has {n_layers} x {n_kv_heads} x {head_dim}"
             )
 
-    def codes_layer(self, layer: int, keys: torch.Tensor, block: int = 2048) -> torch.Tensor:
-        """Codes of pre-RoPE keys at one layer: keys [Hkv, T, D] -> int16 [Hkv, T] (eq. 20)."""
+    def codes_layer(
+        self, layer: int, keys: torch.Tensor, block: int = 2048, dtype: torch.dtype = torch.int16
+    ) -> torch.Tensor:
+        """Codes of pre-RoPE keys at one layer: keys [Hkv, T, D] -> [Hkv, T] (eq. 20), computed
+        and returned on the codebooks' device (``to``); ``dtype``: int16 as chunks store them,
+        long to index with."""
         if keys.dim() != 3 or keys.shape[0] != self.n_kv_heads or keys.shape[2] != self.head_dim:
             raise ValueError(
                 f"codes_layer: keys must be [{self.n_kv_heads}, T, {self.head_dim}], got {tuple(keys.shape)}"
             )
         chol, cz, cz2 = self.chol[layer], self._cz[layer], self._cz2[layer]
-        k = keys.detach().to("cpu", torch.float64)
+        k = keys.detach().to(chol.device, torch.float64)
         out = []
         for s in range(0, k.shape[1], block):
             z = torch.matmul(k[:, s : s + block], chol)  # [Hkv, t, D]
             d = cz2[:, None, :] - 2 * torch.matmul(z, cz.transpose(1, 2))
             out.append(d.argmin(-1))
         if not out:
-            return torch.empty(self.n_kv_heads, 0, dtype=torch.int16)
-        return torch.cat(out, dim=1).to(torch.int16)
+            return torch.empty(self.n_kv_heads, 0, dtype=dtype, device=chol.device)
+        return torch.cat(out, dim=1).to(dtype)
 
     def codes(self, keys: torch.Tensor) -> torch.Tensor:
-        """Codes of a chunk's pre-RoPE keys: keys [L, Hkv, T, D] -> int16 [L, Hkv, T]."""
+        """Codes of a chunk's pre-RoPE keys: keys [L, Hkv, T, D] -> int16 [L, Hkv, T], on the
+        codebooks' device (the keys move there in one copy, not one per layer)."""
         if keys.dim() != 4 or keys.shape[0] != self.n_layers:
             raise ValueError(f"codes: keys must be [{self.n_layers}, Hkv, T, D], got {tuple(keys.shape)}")
+        keys = keys.to(self.device)
         return torch.stack([self.codes_layer(layer, keys[layer]) for layer in range(self.n_layers)])
 
     # -- files --------------------------------------------------------------------------

@@ -159,7 +159,8 @@ class A2ATS(Policy):
         cb = self.codebooks(state.arch)
         assert cb is not None  # required=True raises instead
         b = self.params.rope_offset if self.params.rope_offset is not None else cb.rope_offset
-        state.scratch["a2ats"] = {"codebooks": cb, "rope_offset": b}
+        # Codes are made, scored and selected where the K/V live.
+        state.scratch["a2ats"] = {"codebooks": cb.to(state.K[0].device), "rope_offset": b}
         stats = state.scratch.setdefault("policy_stats", {})
         stats.update(
             {
@@ -190,54 +191,66 @@ class A2ATS(Policy):
         sc.update(self.prefill_codes(state, sc["codebooks"]))
 
     def prefill_codes(self, state, cb: books.Codebooks) -> dict:
-        """Codes of every kept row after the fused prefill.
+        """Codes of every row after the fused prefill, on ``cb``'s device (the K/V's).
 
         A cached row whose K was never recomputed keeps its chunk's codes (stored extras made
         with this very codebook, else computed from the chunk's pre-RoPE keys); a row computed
         at query time at a layer (plain/inserted tokens, CacheBlend's recomputed tokens) gets
-        codes from its fused key un-rotated by its position. Returns {"codes": per layer
-        LongTensor [Hkv, M], "positions": [M], "m0": M, "next_position": int}."""
-
+        codes from its fused key un-rotated by its position. The prefills A2ATS delegates to
+        keep every token (``state.keep`` stays all True), so the codes cover all N rows, as
+        the fused cache does. Returns {"codes": per layer LongTensor [Hkv, N], "m0": N,
+        "next_position": int}."""
         arch, layout = state.arch, state.layout
         L, hkv, n = arch.n_layers, arch.n_kv_heads, layout.n
-        codes = torch.zeros(L, hkv, n, dtype=torch.long)
-        stats = state.scratch["policy_stats"]
+        # Every entry is written: cached rows from their chunk below, and every other row is
+        # computed (so coded) at every layer.
+        codes = torch.empty(L, hkv, n, dtype=torch.long, device=cb.device)
         from_store = torch.zeros(n, dtype=torch.bool)  # rows whose chunk brought codes of this codebook
         for si, start, end in layout.spans(CACHED):
-            entry = state.entries.get(si, layout.pieces[si].entry)
-            c, reused = self.entry_codes(entry, cb)
-            codes[:, :, start:end] = c
+            c, reused = self.entry_codes(state.entries.get(si, layout.pieces[si].entry), cb)
+            codes[:, :, start:end] = c  # one copy per chunk to the device
             from_store[start:end] = reused
-        cached = layout.cached
-        counts = state.layer_counts.cpu()
-        positions = layout.positions.cpu()
-        reused_pairs = 0
-        # Active sets only shrink layer by layer, so a token is computed at ``layer`` exactly
-        # when it was computed at more than ``layer`` layers.
+        positions = layout.positions
+        layers, order, n_at = self.computed_rows(state)
+        # Rows and their positions go to the device in one copy; each layer's are a prefix.
+        rows, pos = torch.stack([order, positions[order]]).to(cb.device)
+        # A length-dependent RoPE rotated the prompt with the tables of its whole length. Every
+        # layer computes the last token, which in prompt order holds the largest position, so
+        # each layer's rows give that length by themselves (passing it would make ``cos_sin``
+        # read their largest position back from the device).
+        length = None if layout.in_prompt_order else int(positions.max()) + 1
         for layer in range(L):
-            computed = (~cached) | (counts > layer)
-            reused_pairs += int((from_store & ~computed).sum())
-            rows = computed.nonzero().squeeze(1)
-            if rows.numel():
-                k = state.K[layer][:, rows.to(state.K[layer].device)]
-                k_pre = arch.unrotate(k, positions[rows], layer, length=int(positions.max()) + 1)
-                codes[layer][:, rows] = cb.codes_layer(layer, k_pre).long()
+            r = n_at[layer]
+            if r:
+                k = state.K[layer][:, rows[:r]]
+                k_pre = arch.unrotate(k, pos[:r], layer, length=length)
+                codes[layer][:, rows[:r]] = cb.codes_layer(layer, k_pre, dtype=torch.long)
         # Counted per (token, layer): a cached token CacheBlend recomputed at some layers keeps
         # its stored codes only at the others.
+        reused_pairs = int(((L - layers) * from_store).sum())
+        stats = state.scratch["policy_stats"]
         stats["a2ats.codes_reused"] += reused_pairs
         stats["a2ats.codes_computed"] += L * n - reused_pairs
-        keep = state.keep.cpu().nonzero().squeeze(1)
-        return {
-            "codes": [codes[layer][:, keep] for layer in range(L)],
-            "positions": positions[keep],
-            "m0": int(keep.numel()),
-            "next_position": int(positions[-1]) + 1,
-        }
+        return {"codes": list(codes.unbind(0)), "m0": n, "next_position": int(positions[-1]) + 1}
+
+    @staticmethod
+    def computed_rows(state) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        """(layers [N]: how many layers computed each row, rows [R] computed at layer 0 with
+        the most computed first, n_at: per layer how many of them it computed), on the host
+        from ``state.layer_counts``. Active sets only shrink layer by layer, so the rows a
+        layer computed are those computed at more layers than its index: a prefix of ``rows``
+        (``rows[:n_at[layer]]``, in prompt order among rows computed equally often)."""
+        L = state.arch.n_layers
+        layers = torch.where(state.layout.cached, state.layer_counts, L)  # non-cached rows: every layer
+        order = torch.sort(layers, descending=True, stable=True).indices
+        n_at = (layers > torch.arange(L)[:, None]).sum(1).tolist()
+        return layers, order[: n_at[0]], n_at
 
     @staticmethod
     def entry_codes(entry, cb: books.Codebooks) -> tuple[torch.Tensor, bool]:
-        """(codes LongTensor [L, Hkv, T], reused?) of a cached chunk: its stored codes when
-        they were made with ``cb``, else computed from its pre-RoPE keys."""
+        """(codes int16 [L, Hkv, T], reused?) of a cached chunk: its stored codes (where the
+        store keeps them) when they were made with ``cb``, else codes computed on ``cb``'s
+        device from its pre-RoPE keys."""
         extras = getattr(entry, "extras", None) or {}
         stored, digest = extras.get(CODES_KEY), extras.get(CODEBOOK_KEY)
         t = entry.keys.shape[2]
@@ -247,28 +260,28 @@ class A2ATS(Policy):
             and bytes(digest.to(torch.uint8).tolist()) == cb.digest
             and tuple(stored.shape) == (cb.n_layers, cb.n_kv_heads, t)
         ):
-            return stored.long(), True
-        return cb.codes(entry.keys).long(), False
+            return stored, True
+        return cb.codes(entry.keys), False
 
     # ---- decode --------------------------------------------------------------------------
     def _codes_upto(self, layer: int, stepper, sc: dict, upto: int) -> torch.Tensor:
-        """Codes [Hkv, >= upto] of the cache rows at ``layer``; rows appended while decoding
-        are coded when they leave the window (their pre-RoPE key = fused key rotated back)."""
+        """Codes [Hkv, >= upto] of the cache rows at ``layer``, on the K/V's device; rows
+        appended while decoding are coded when they leave the window (their pre-RoPE key = fused
+        key rotated back)."""
         codes = sc["codes"][layer]
         have = codes.shape[1]
         if have < upto:
-            rows = torch.arange(have, upto)
-            m0 = sc["m0"]
-            pos = torch.where(
-                rows < m0, sc["positions"][rows.clamp(max=max(m0 - 1, 0))], sc["next_position"] + rows - m0
-            )
-            k = stepper.K[layer][:, rows.to(stepper.K[layer].device)]
-            # Each row was rotated with the tables of its sequence: the prompt's for prefill rows,
-            # a decoded token's own (position + 1) for the others (matters for LongRoPE).
-            length = torch.where(rows < m0, torch.full_like(pos, sc["next_position"]), pos + 1)
-            k_pre = stepper.arch.unrotate(k, pos, layer, length=length)
-            new = sc["codebooks"].codes_layer(layer, k_pre).long()
-            codes = torch.cat([codes, new], dim=1)
+            K = stepper.K[layer]
+            # Decoded row r holds the token at position next_position + r - m0.
+            first = sc["next_position"] + have - sc["m0"]
+            pos = torch.arange(first, first + upto - have, device=K.device)
+            # Each decoded token was rotated with its own tables (sequence length = its position
+            # + 1; matters for LongRoPE): what one row's tables give by themselves. Rows coded
+            # together (never once the window is full: a step codes one) pass their lengths,
+            # which ``unrotate`` reads back to group them.
+            length = None if upto - have == 1 else pos + 1
+            k_pre = stepper.arch.unrotate(K[:, have:upto], pos, layer, length=length)
+            codes = torch.cat([codes, sc["codebooks"].codes_layer(layer, k_pre, dtype=torch.long)], dim=1)
             sc["codes"][layer] = codes
         return codes
 
@@ -277,8 +290,10 @@ class A2ATS(Policy):
 
         q [H, 1, D] (rotated at the token's position ``stepper.pos``); ``stepper.K[layer]``
         [Hkv, M, D] already holds the token's own key as the last row. Returns LongTensor
-        [Hkv, R] (per-head rows, sorted) for ``selection='per_head'``, [R] for 'union', or
-        None (read everything) when the context is no longer than sink + window."""
+        [Hkv, R] (per-head rows, sorted) for ``selection='per_head'``, [R] for 'union', on the
+        K/V's device, or None (read everything) when the context is no longer than sink + window.
+        Scoring and selection stay on that device: sizes come from shapes and host counters, so
+        only a sliding-window layer (one read) and 'union' (``unique``) wait for it."""
         p = self.params
         sc = stepper.state.scratch["a2ats"]
         stats = stepper.state.scratch["policy_stats"]
@@ -288,31 +303,29 @@ class A2ATS(Policy):
         row_bytes = 2 * d * K.element_size()
         if layer == 0:
             stats["a2ats.decode_tokens"] += 1
-        # A sliding-window layer sees only its last ``windows[layer]`` positions: a row behind
-        # them is masked after selection, so picking it would waste a read that a row the
-        # layer does see should get (and full attention would not read it either).
-        vis = None
-        if stepper.kpos.get(layer) is not None:
-            vis = (stepper.pos - stepper.kpos[layer].cpu()) < arch.windows[layer]  # [Hkv, M]
-        full = hkv * m if vis is None else int(vis.sum())
         lo, hi = min(p.sink, m), max(m - p.window, 0)
+        vis = self._visible(layer, stepper)
         if hi <= lo:
+            full = hkv * m if vis is None else int(vis.sum())
             self._count(stats, full * row_bytes, full * row_bytes, 0)
             return None
         n_cand = hi - lo
         k = min(n_cand, math.ceil(float(p.topk) * m))
+        # The same at every layer of a step, so made at its first: the sink and window rows, and
+        # the tables of the WRoPE query (q at position i rotated by b - i is q_pre R_b). A plain
+        # rotation (not ``arch.shift``): with a RoPE attention factor its product with a
+        # position-free key then carries the factor twice, as the model's own q . k does.
+        step = (int(stepper.pos), m)
+        if sc.get("step") != step:
+            offset = torch.full((1,), sc["rope_offset"] - step[0], dtype=torch.long, device=K.device)
+            sc["step"], sc["cs_b"] = step, arch.cos_sin(offset)
+            sc["fixed"] = torch.cat([torch.arange(lo, device=K.device), torch.arange(hi, m, device=K.device)])
+        fixed, full = sc["fixed"], hkv * m
         if vis is not None:
-            k = min(k, int(vis[:, lo:hi].sum(1).max()))
+            full, k, fixed = self._within_window(vis, lo, hi, k, fixed)
         cb = sc["codebooks"]
         codes = self._codes_upto(layer, stepper, sc, hi)[:, lo:hi]  # [Hkv, n_cand]
-
-        # WRoPE query: q (at position i) rotated by b - i is q_pre R_b; one rotation per step.
-        # A plain rotation (not ``arch.shift``): with a RoPE attention factor its product with a
-        # position-free key then carries the factor twice, as the model's own q . k does.
-        qpos = int(stepper.pos)
-        if sc.get("qpos") != qpos:
-            sc["qpos"], sc["cs_b"] = qpos, arch.cos_sin(torch.tensor([sc["rope_offset"] - qpos]))
-        qb = arch.rotate(q[:, 0].float(), None, sc["cs_b"], layer=layer).cpu()  # [H, D]
+        qb = arch.rotate(q[:, 0].float(), None, sc["cs_b"], layer=layer)  # [H, D]
         g = qb.shape[0] // hkv
         table = torch.matmul(qb.view(hkv, g, d), cb.codebook[layer].transpose(1, 2))  # [Hkv, G, C]
         u = table.gather(2, codes[:, None, :].expand(-1, g, -1))  # [Hkv, G, n_cand] eq. 21
@@ -320,10 +333,8 @@ class A2ATS(Policy):
             score = torch.softmax(u * arch.scaling, dim=-1).sum(1)
         else:
             score = u.sum(1)
-        fixed = torch.cat([torch.arange(lo), torch.arange(hi, m)])
         if vis is not None:
             score = score.masked_fill(~vis[:, lo:hi], float("-inf"))
-            fixed = fixed[vis[:, fixed].any(0)]
         top = top_k_indices(score, k) + lo  # [Hkv, k]
         if p.selection == "per_head":
             idx = torch.cat([fixed.expand(hkv, -1), top], dim=1).sort(dim=1).values
@@ -332,7 +343,32 @@ class A2ATS(Policy):
             idx = torch.cat([fixed, top.flatten()]).unique()
             rows_read = hkv * idx.numel()
         self._count(stats, rows_read * row_bytes, full * row_bytes, hkv * n_cand * 2)
-        return idx.to(K.device)
+        return idx
+
+    @staticmethod
+    def _visible(layer: int, stepper) -> torch.Tensor | None:
+        """bool [Hkv, M]: the rows a sliding-window layer sees (its last ``windows[layer]``
+        positions), on the K/V's device; None on a layer without a window. A row behind them is
+        masked after selection, so picking it would waste a read that a row the layer does see
+        should get (and full attention would not read it either)."""
+        kpos = stepper.kpos.get(layer)
+        if kpos is None:
+            return None
+        return (stepper.pos - kpos) < stepper.arch.windows[layer]
+
+    @staticmethod
+    def _within_window(
+        vis: torch.Tensor, lo: int, hi: int, k: int, fixed: torch.Tensor
+    ) -> tuple[int, int, torch.Tensor]:
+        """(rows the layer sees (its "full attention" rows), ``k`` capped at the most candidates
+        [lo, hi) a head sees, the ``fixed`` rows [F] some head sees) for a sliding-window layer
+        (``vis`` bool [Hkv, M]). Sizes hang on the key positions, so they are read in one wait
+        for the device."""
+        seen = vis[:, fixed].any(0)  # [F]
+        full, n_cand, n_fixed = torch.stack([vis.sum(), vis[:, lo:hi].sum(1).max(), seen.sum()]).tolist()
+        # Rows some head sees first, each part in row order (a stable sort), then keep those.
+        fixed = fixed[torch.sort((~seen).to(torch.uint8), stable=True).indices[:n_fixed]]
+        return full, min(k, n_cand), fixed
 
     @staticmethod
     def _count(stats: dict, read: int, full: int, code_bytes: int) -> None:
