@@ -86,7 +86,15 @@ def add_training_options(k) -> None:
     )
     k.add_argument("--force", action="store_true", help="overwrite an existing adapter in --out")
     k.add_argument("--steps", type=int, default=200, help="optimizer steps")
-    k.add_argument("--batch", type=int, default=1, help="examples per step (gradient accumulation)")
+    k.add_argument(
+        "--batch", type=int, default=1, help="examples per step, run as one packed forward (see --accumulate)"
+    )
+    k.add_argument(
+        "--accumulate",
+        action="store_true",
+        help="run a step's --batch examples one forward each, accumulating gradients: the same "
+        "step up to float rounding, less memory, slower on a GPU",
+    )
     k.add_argument(
         "--lora-rank",
         type=int,
@@ -111,7 +119,8 @@ def add_training_options(k) -> None:
         "--max-minutes",
         type=float,
         default=0.0,
-        help="stop (and save) after this much training time; 0 = run all --steps",
+        help="stop (and save) after this much training time; 0 = run all --steps (SIGTERM "
+        "and Ctrl-C stop and save too, after the current step)",
     )
     k.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     k.add_argument(
@@ -166,6 +175,7 @@ def config_from_args(args, data: str):
         lr=args.lr,
         link_lr=args.link_lr,
         batch=args.batch,
+        batched=not args.accumulate,
         warmup=args.warmup,
         max_tokens=args.max_tokens,
         seed=args.seed,
@@ -229,6 +239,8 @@ def run_kvlink(args) -> int:
         progress=lambda m: print(m, flush=True),
     )
     print_losses(res)
+    if not res.meta["complete"]:
+        print(f"{len(res.losses)}/{cfg.steps} steps done; run again with --resume to go on", flush=True)
     return 0
 
 

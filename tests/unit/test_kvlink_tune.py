@@ -3,6 +3,8 @@ evaluation on what was not trained on (tiny random models)."""
 
 import json
 import random
+import signal
+import threading
 
 import pytest
 import torch
@@ -206,6 +208,71 @@ def test_resumed_run_equals_the_uninterrupted_one(handle, tmp_path):
     assert a.lora_digest == b.lora_digest
     meta = json.loads((straight.out / "kvlink.json").read_text())
     assert meta["data"]["sources"]["text"]["passages"] == 8 and meta["train_examples"] is None
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_stops_after_the_step_and_saves_a_resumable_adapter(handle, tmp_path, sig):
+    # SIGTERM (`timeout`) or Ctrl-C during step 2 of 5: the step finishes, then the run saves
+    # what the time budget's stop saves and returns; resuming computes the uninterrupted run.
+    sampler, mix = _sampler(handle)
+    cfg = TrainConfig(steps=5, **CFG)
+    straight = train_kvlink(handle, cfg, tmp_path / "a", sampler=sampler, data_meta=mix.describe())
+    reached = []  # signals that got past the trainer to the handler it replaced
+
+    def mine(signum, frame):
+        reached.append(signum)
+
+    previous = signal.signal(sig, mine)
+    try:
+        draws = 0
+
+        def interrupting(rng):
+            nonlocal draws
+            draws += 1
+            if draws == 2:  # in step 2; the second signal acts as without the trainer
+                signal.raise_signal(sig)
+                signal.raise_signal(sig)
+            return sampler(rng)
+
+        said = []
+        stopped = train_kvlink(
+            handle, cfg, tmp_path / "b", sampler=interrupting, data_meta=mix.describe(), progress=said.append
+        )
+        assert reached == [sig] and signal.getsignal(sig) is mine
+        with pytest.raises(RuntimeError, match="sampler broke"):  # the handlers come back on an error too
+
+            def broken(rng):
+                raise RuntimeError("sampler broke")
+
+            train_kvlink(handle, cfg, tmp_path / "c", sampler=broken, data_meta=mix.describe())
+        assert signal.getsignal(sig) is mine
+    finally:
+        signal.signal(sig, previous)
+    assert stopped.losses == straight.losses[:2]
+    assert any(f"{sig.name} received: stopping after 2 steps" in m for m in said), said
+    meta = json.loads((tmp_path / "b" / "kvlink.json").read_text())
+    assert meta["steps"] == 2 and meta["complete"] is False
+    assert load_adapter(tmp_path / "b").links.shape[1:] == (2, handle.model.config.hidden_size)
+    resumed = train_kvlink(handle, cfg, tmp_path / "b", sampler=sampler, data_meta=mix.describe(), resume=True)
+    assert resumed.losses == straight.losses and resumed.meta["complete"]
+    assert resumed.meta["samples_by_source"] == straight.meta["samples_by_source"]
+    torch.testing.assert_close(load_adapter(tmp_path / "b").links, straight.adapter.links, rtol=0, atol=0)
+
+
+def test_signals_are_left_alone_outside_the_main_thread():
+    from kvrag.policies.kvlink.train import _SignalStop
+
+    before = signal.getsignal(signal.SIGTERM)
+    seen = []
+
+    def enter():
+        with _SignalStop():
+            seen.append(signal.getsignal(signal.SIGTERM))
+
+    t = threading.Thread(target=enter)
+    t.start()
+    t.join()
+    assert seen == [before]
 
 
 def test_resume_without_checkpoint_is_named(handle, tmp_path):

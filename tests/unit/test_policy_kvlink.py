@@ -18,14 +18,17 @@ from kvrag.policies.kvlink.train import (
     QAItem,
     TrainConfig,
     answer_logits,
+    batch_loss,
     build_sample,
     forward_hidden,
+    forward_hidden_batch,
     kvlink_mask,
     load_qa,
     make_sample,
     pick_passages,
     prompt_pieces,
     rag_prompt,
+    sample_loss,
     train_kvlink,
 )
 from kvrag.query.fusion import FusionEngine
@@ -114,6 +117,79 @@ def test_fused_prefill_equals_the_training_forward_with_the_kvlink_mask(model_ty
         ref = arch.logits(forward_hidden(arch, sample, links)[-1:])[0]
     torch.testing.assert_close(res.logits, ref, atol=1e-4, rtol=1e-4)
     assert res.stats.inserted_tokens == 6 and res.stats.recomputed_tokens == 0
+
+
+def _uneven_samples(seed=3):
+    """Three samples of different lengths (14 to 76 tokens, one to four documents, one read
+    behind an anchor: private rows and their own positions), answers of 1 to 4 tokens."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for sizes, anchor, answer in (((4, 9, 7, 3), (5, 6), 4), ((6, 20, 15, 11, 8, 2), (), 2), ((2, 5, 3), (), 1)):
+        pieces = [(rand_ids(n, g), 0 < i < len(sizes) - 1) for i, n in enumerate(sizes)]
+        out.append(build_sample(pieces, rand_ids(answer, g), 3, 4, anchor))
+    assert len({s.n for s in out}) == 3 and out[0].private is not None
+    return out
+
+
+@pytest.mark.parametrize("model_type", list(CONFIGS))
+def test_packed_forward_equals_each_sample_alone(model_type):
+    # Every family's wiring, sliding windows (8 tokens: shorter than the samples) and LongRoPE
+    # (16 tokens: one sample below, two above, so each must keep its own RoPE tables).
+    arch = Arch(tiny(model_type))
+    samples = _uneven_samples()
+    links = torch.randn(4, 3, arch.hidden_size, generator=torch.Generator().manual_seed(2)) * 0.2
+    with torch.no_grad():
+        packed = forward_hidden_batch(arch, samples, links)
+        alone = [forward_hidden(arch, s, links) for s in samples]
+    assert [h.shape for h in packed] == [(s.n, arch.hidden_size) for s in samples]
+    for p, a in zip(packed, alone):
+        torch.testing.assert_close(p, a, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("objective", ["answer", "distill"])
+def test_a_batched_step_has_the_accumulated_gradients(objective):
+    # One packed forward of three samples must train exactly like three single-sample passes
+    # accumulating loss / 3: same loss, same gradients on LoRA and on the link table.
+    from peft import LoraConfig, get_peft_model
+
+    model = tiny("llama").double()
+    # peft injects LoRA into ``model`` in place, as training does.
+    get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
+    with torch.no_grad():  # LoRA's B starts at zero, which would leave A without gradient
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.1)
+    arch = Arch(model)
+    links = torch.nn.Parameter(torch.randn(4, 3, arch.hidden_size, dtype=torch.float64) * 0.2)
+    params = [p for p in model.parameters() if p.requires_grad] + [links]
+    samples = _uneven_samples()
+    g = torch.Generator().manual_seed(4)
+    teachers = [
+        torch.randn(s.n - s.answer_start, 512, generator=g, dtype=torch.float64) if objective == "distill" else None
+        for s in samples
+    ]
+
+    def grads():
+        out = [p.grad.clone() for p in params]
+        for p in params:
+            p.grad = None
+        return out
+
+    batched = batch_loss(arch, samples, links, objective, teachers)
+    batched.backward()
+    g_batched = grads()
+    accumulated = 0.0
+    for s, t in zip(samples, teachers):
+        loss = sample_loss(arch, s, links, objective, t) / len(samples)
+        loss.backward()
+        accumulated += float(loss.detach())
+    g_accumulated = grads()
+    assert float(batched.detach()) == pytest.approx(accumulated, rel=1e-12)
+    assert all(float(x.abs().max()) > 0 for x in g_batched)  # every parameter is trained
+    for b, a in zip(g_batched, g_accumulated):
+        torch.testing.assert_close(b, a, rtol=1e-10, atol=1e-12)
+    with pytest.raises(ValueError, match="2 teacher logits for 3 samples"):
+        batch_loss(arch, samples, links, objective, teachers[:2])
 
 
 def test_kvlink_mask_is_the_papers_map():
@@ -313,6 +389,23 @@ def test_min_docs_draws_every_passage_count_and_trains_every_row(handle, data_fi
     assert set(counts) == {1, 2, 3, 4}, counts
     # Four documents reached the link table's four rows, all saved.
     assert res.meta["trained_rows"] == 4 and res.adapter.links.shape[0] == 4
+
+
+@pytest.mark.parametrize("objective", ["answer", "distill"])
+def test_batched_training_equals_accumulated_training(data_file, tmp_path, objective):
+    # float64 weights: the two differ by rounding only, which Adam's first step (about
+    # lr * sign(g)) must not turn into another update. The losses are float32 (Arch.logits
+    # returns float32 logits), summed in another order: equal to float32 rounding.
+    h64 = tiny_llama(seed=0)
+    h64.model.double()  # a handle of this test's own: kvrag loads models in float32/16 only
+    cfg = dict(data=str(data_file), steps=2, batch=2, **{**CFG, "objective": objective})
+    runs = [train_kvlink(h64, TrainConfig(**cfg, batched=b), tmp_path / str(b)) for b in (True, False)]
+    packed, accumulated = runs
+    assert packed.losses == pytest.approx(accumulated.losses, rel=1e-6)
+    assert packed.losses[1] != pytest.approx(packed.losses[0], rel=1e-3)  # the first step changed the model
+    assert packed.meta["samples_by_source"] == accumulated.meta["samples_by_source"] == {"data": 4}
+    assert packed.meta["config"]["batched"] and not accumulated.meta["config"]["batched"]
+    torch.testing.assert_close(packed.adapter.links, accumulated.adapter.links, rtol=1e-5, atol=1e-6)
 
 
 def test_source_order_keeps_the_items_order_and_the_gold_passage():
@@ -663,8 +756,11 @@ def test_cli_train_kvlink(handle, data_file, tmp_path, capsys):
     assert "loss" in capsys.readouterr().out
     assert main(argv) == 2  # refuses to overwrite without --force
     assert "already holds" in capsys.readouterr().err
-    assert main([*argv[:-4], "--init", str(out), "--out", str(tmp_path / "further"), "--threads", "1"]) == 0
-    assert json.loads((tmp_path / "further" / "kvlink.json").read_text())["init"]["path"] == str(out)
+    further = [*argv[:-4], "--init", str(out), "--out", str(tmp_path / "further"), "--threads", "1"]
+    further += ["--batch", "2", "--accumulate"]
+    assert main(further) == 0
+    meta = json.loads((tmp_path / "further" / "kvlink.json").read_text())
+    assert meta["init"]["path"] == str(out) and meta["config"]["batch"] == 2 and not meta["config"]["batched"]
     assert main([*argv[:-4], "--steps", "0", "--out", str(tmp_path / "x")]) == 2
 
 

@@ -19,10 +19,12 @@ the trainable link table is ``[max_docs, K, E]``; documents past ``max_docs`` re
 row. Only the rows training reached are saved (``trained_rows``: at most ``docs`` documents per
 sample), so a later document reuses the last *trained* row, never an untrained initial one.
 
-The forward pass is kvrag's own layer loop (``Arch.qkv`` / ``Arch.attend``) with that mask, run
-with gradients; it is the same function the fusion engine computes at query time (a test holds
-them equal). The model is adapted with LoRA (``peft``) or not at all (``lora_rank=0``:
-link embeddings only, the model — and its fingerprint and chunk caches — stay unchanged).
+The forward pass is kvrag's own layer loop (``Arch.qkv`` / ``Arch.attention`` /
+``Arch.finish_layer``) with that mask, run with gradients; it is the same function the fusion
+engine computes at query time (a test holds them equal). A step's samples run as one forward,
+their rows packed end to end, each attending to its own rows only (``forward_hidden_batch``).
+The model is adapted with LoRA (``peft``) or not at all (``lora_rank=0``: link embeddings only,
+the model — and its fingerprint and chunk caches — stay unchanged).
 
 The result is written as an adapter directory (``kvrag.policies.kvlink.adapter``).
 """
@@ -36,7 +38,9 @@ import logging
 import math
 import os
 import random
+import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -326,41 +330,112 @@ def forward_hidden(arch: Arch, sample: Sample, links: torch.Tensor | None) -> to
     """Last-layer hidden states [N, E] of ``sample`` under the KVLink mask, differentiable.
 
     links: the link table [max_docs, K, E] (ignored when the sample has no link slots)."""
+    return forward_hidden_batch(arch, [sample], links)[0]
+
+
+def forward_hidden_batch(arch: Arch, samples: Sequence[Sample], links: torch.Tensor | None) -> list[torch.Tensor]:
+    """Last-layer hidden states [N_i, E] of each of ``samples`` under its KVLink mask, from one
+    forward over their rows packed end to end ([sum N_i, E]), differentiable.
+
+    The token-wise work of a layer (norms, projections with their LoRA, MLP) runs once over
+    every row, which is what batching buys on a GPU; each sample's attention runs over its own
+    rows only, with its own mask [N_i, N_i] and RoPE tables, so no row sees another sample and
+    no padding is computed (as batched decoding does, ``kvrag.query.batch``). Each result
+    equals ``forward_hidden`` of its sample alone, up to float rounding.
+
+    links: the link table [max_docs, K, E] (ignored when no sample has link slots)."""
+    if not samples:
+        raise ValueError("forward_hidden_batch: no samples")
     dev = arch.device
-    ids, slot = sample.ids.to(dev), sample.link_slot.to(dev)
+    one = len(samples) == 1
+    ids = samples[0].ids if one else torch.cat([s.ids for s in samples])
+    slot = samples[0].link_slot if one else torch.cat([s.link_slot for s in samples])
+    ids, slot = ids.to(dev), slot.to(dev)
     hidden = arch.embed(ids)
     is_link = slot >= 0
     if bool(is_link.any()):
         assert links is not None, "a sample with link slots needs the link table"
         flat = links.reshape(-1, links.shape[-1]).to(device=dev, dtype=hidden.dtype)
         hidden = torch.where(is_link[:, None], flat[slot.clamp(min=0)], hidden)
-    private = sample.private.to(dev) if sample.private is not None else None
-    mask = kvlink_mask(sample.segment.to(dev), private)
-    positions = sample.positions if sample.positions is not None else torch.arange(sample.n)
-    positions = positions.to(dev)
-    cs = arch.cos_sin(positions)
+    masks, positions, tables = [], [], []
+    for s in samples:
+        private = s.private.to(dev) if s.private is not None else None
+        masks.append(kvlink_mask(s.segment.to(dev), private))
+        pos = (s.positions if s.positions is not None else torch.arange(s.n)).to(dev)
+        positions.append(pos)
+        # Per sample: LongRoPE / dynamic NTK choose their frequencies from the largest
+        # position of the call, which must be the sample's own.
+        tables.append(arch.cos_sin(pos))
+    cs = tables[0] if one else (torch.cat([c for c, _ in tables]), torch.cat([sn for _, sn in tables]))
+    sizes = [s.n for s in samples]
+    starts = [0]
+    for n in sizes[:-1]:
+        starts.append(starts[-1] + n)
     for layer in range(arch.n_layers):
-        q, k, v, _ = arch.qkv(layer, hidden, cs)
-        hidden = arch.attend(layer, hidden, q, k, v, arch.windowed(layer, mask, positions, positions))
-    return hidden
+        q, k, v, _ = arch.qkv(layer, hidden, cs)  # q [H, sum N_i, D], k/v [Hkv, sum N_i, D]
+        if one:
+            attn = arch.attention(q, k, v, arch.windowed(layer, masks[0], positions[0], positions[0]))
+        else:
+            attn = torch.cat(
+                [
+                    arch.attention(q[:, a : a + n], k[:, a : a + n], v[:, a : a + n], arch.windowed(layer, m, pos, pos))
+                    for a, n, m, pos in zip(starts, sizes, masks, positions)
+                ]
+            )
+        hidden = arch.finish_layer(layer, hidden, attn)
+    return [hidden] if one else list(hidden.split(sizes))
 
 
 def answer_logits(arch: Arch, sample: Sample, links: torch.Tensor | None) -> torch.Tensor:
     """Logits [T, V] predicting the T answer tokens (row t predicts ids[answer_start + t])."""
-    hidden = forward_hidden(arch, sample, links)
-    return arch.logits(hidden[sample.answer_start - 1 : sample.n - 1])
+    return answer_logits_batch(arch, [sample], links)[0]
+
+
+def answer_logits_batch(arch: Arch, samples: Sequence[Sample], links: torch.Tensor | None) -> list[torch.Tensor]:
+    """``answer_logits`` of each of ``samples`` ([T_i, V] each) from one packed forward
+    (``forward_hidden_batch``) and one LM-head call over all their answer rows."""
+    hidden = forward_hidden_batch(arch, samples, links)
+    rows = [h[s.answer_start - 1 : s.n - 1] for h, s in zip(hidden, samples)]
+    if len(rows) == 1:
+        return [arch.logits(rows[0])]
+    return list(arch.logits(torch.cat(rows)).split([r.shape[0] for r in rows]))
+
+
+def _loss(logits: torch.Tensor, sample: Sample, objective: str, teacher_logits: torch.Tensor | None) -> torch.Tensor:
+    """The loss of one sample from its answer logits [T, V] (see ``sample_loss``)."""
+    if objective == "answer":
+        return F.cross_entropy(logits, sample.ids[sample.answer_start :].to(logits.device))
+    if teacher_logits is None:
+        raise KVLinkError("objective 'distill' needs the teacher's logits of every sample")
+    logp = F.log_softmax(logits, dim=-1)
+    t_logp = F.log_softmax(teacher_logits.to(logp.device), dim=-1)
+    return F.kl_div(logp, t_logp, log_target=True, reduction="batchmean")
 
 
 def sample_loss(arch: Arch, sample: Sample, links, objective: str, teacher_logits=None) -> torch.Tensor:
     """'answer': cross-entropy on the answer tokens (the paper). 'distill': KL(teacher || model)
     per answer position, the teacher being the base model's full prefill over the same tokens
-    without link tokens — it optimises fidelity to full prefill rather than the gold answer."""
-    logits = answer_logits(arch, sample, links)
-    if objective == "answer":
-        return F.cross_entropy(logits, sample.ids[sample.answer_start :].to(logits.device))
-    logp = F.log_softmax(logits, dim=-1)
-    t_logp = F.log_softmax(teacher_logits.to(logp.device), dim=-1)
-    return F.kl_div(logp, t_logp, log_target=True, reduction="batchmean")
+    without link tokens — it optimises fidelity to full prefill rather than the gold answer.
+    Either is a mean over the sample's T answer tokens; teacher_logits [T, V]."""
+    return _loss(answer_logits(arch, sample, links), sample, objective, teacher_logits)
+
+
+def batch_loss(
+    arch: Arch,
+    samples: Sequence[Sample],
+    links,
+    objective: str,
+    teacher_logits: Sequence[torch.Tensor | None] | None = None,
+) -> torch.Tensor:
+    """The mean over ``samples`` of each one's ``sample_loss`` (a scalar), from one packed
+    forward (``forward_hidden_batch``): its gradients are those of accumulating
+    ``sample_loss / len(samples)`` sample by sample, up to float rounding. teacher_logits:
+    [T_i, V] per sample ('distill')."""
+    teachers = list(teacher_logits) if teacher_logits is not None else [None] * len(samples)
+    if len(teachers) != len(samples):
+        raise ValueError(f"batch_loss: {len(teachers)} teacher logits for {len(samples)} samples")
+    logits = answer_logits_batch(arch, samples, links)
+    return torch.stack([_loss(lg, s, objective, t) for lg, s, t in zip(logits, samples, teachers)]).mean()
 
 
 # ---- training ----------------------------------------------------------------------------
@@ -384,6 +459,9 @@ class TrainConfig:
     lr: float = 2e-4
     link_lr: float = 1e-3
     batch: int = 1
+    # True: a step's ``batch`` samples run as one packed forward (``batch_loss``); False: one
+    # forward each, gradients accumulated (less memory). The same step, up to float rounding.
+    batched: bool = True
     warmup: int = 10
     max_tokens: int = 2048
     seed: int = 0
@@ -423,6 +501,7 @@ class TrainConfig:
         need(self.objective in OBJECTIVES, f"objective must be one of {OBJECTIVES}, got {self.objective!r}")
         need(self.lr > 0 and self.link_lr > 0, "learning rates must be > 0")
         need(isinstance(self.batch, int) and self.batch >= 1, f"batch must be >= 1, got {self.batch}")
+        need(isinstance(self.batched, bool), f"batched must be True or False, got {self.batched!r}")
         need(self.warmup >= 0, f"warmup must be >= 0, got {self.warmup}")
         need(self.max_tokens >= 16, f"max_tokens must be >= 16, got {self.max_tokens}")
         need(self.max_seconds >= 0, f"max_seconds must be >= 0, got {self.max_seconds}")
@@ -447,6 +526,43 @@ def _lr_lambda(cfg: TrainConfig):
         return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, (step - cfg.warmup) / span)))
 
     return f
+
+
+class _SignalStop:
+    """While entered, SIGTERM and SIGINT only note that they came (``received``: the first
+    one's number), so the training loop can finish its step and save before it stops.
+
+    Python runs signal handlers in the main thread only, so elsewhere (a server's worker
+    thread) nothing is installed and the signals act as before. The first signal puts the
+    previous handlers back: a second one acts as it would without the trainer (a second
+    Ctrl-C stops at once). Leaving restores them in any case, also on an error."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> "_SignalStop":
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.SIGNALS:
+                # None: a handler set outside Python, which signal.signal could not put back.
+                if signal.getsignal(sig) is not None:
+                    self._previous[sig] = signal.signal(sig, self._note)
+        return self
+
+    def _note(self, signum: int, frame) -> None:
+        if self.received is None:
+            self.received = signum
+        self._restore()
+
+    def _restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def __exit__(self, *exc) -> None:
+        self._restore()
 
 
 def train_kvlink(
@@ -474,8 +590,10 @@ def train_kvlink(
     counts, hashes) goes into ``kvlink.json``. Checkpoints (:data:`CHECKPOINT_DIR` in ``out``:
     LoRA and link weights, optimizer, scheduler, both RNGs -- the RNG being the data cursor --
     step, losses) are written every ``checkpoint_every`` steps and at the end (0: neither) and
-    whenever the run stops early (``cfg.max_seconds``, ``stop_at_step``); ``resume`` continues from the one in
-    ``out``, and a resumed run computes what an uninterrupted one does. ``bar``: a tqdm
+    whenever the run stops early (``cfg.max_seconds``, ``stop_at_step``, or SIGTERM / SIGINT
+    received while training in the main thread: the step finishes, then the run saves and
+    returns); ``resume`` continues from the one in ``out``, and a resumed run computes what an
+    uninterrupted one does. ``bar``: a tqdm
     progress bar with the loss. Returns the output directory, the per-step losses and the
     loaded adapter."""
     cfg.validate()
@@ -577,16 +695,22 @@ def train_kvlink(
     opt = torch.optim.AdamW(groups, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(cfg))
 
-    def teacher(sample: Sample) -> torch.Tensor | None:
+    def teachers(samples: list[Sample]) -> list[torch.Tensor | None]:
+        """The distillation targets [T_i, V] of ``samples`` (None each for 'answer'): a
+        sampler's own, else the base model's logits over the plain prompt, one packed no-grad
+        forward for all the samples that need them."""
         if cfg.objective != "distill":
-            return None
-        if sample.teacher_logits is not None:
-            return sample.teacher_logits
-        plain = sample.without_links()
-        plain = Sample(plain.ids, plain.link_slot, torch.zeros_like(plain.segment), plain.answer_start)
-        ctx = peft_model.disable_adapter() if peft_model is not None else contextlib.nullcontext()
-        with torch.no_grad(), ctx:
-            return answer_logits(arch, plain, None)
+            return [None] * len(samples)
+        out: list[torch.Tensor | None] = [s.teacher_logits for s in samples]
+        need = [i for i, t in enumerate(out) if t is None]
+        if need:
+            plain = [samples[i].without_links() for i in need]
+            plain = [Sample(p.ids, p.link_slot, torch.zeros_like(p.segment), p.answer_start) for p in plain]
+            ctx = peft_model.disable_adapter() if peft_model is not None else contextlib.nullcontext()
+            with torch.no_grad(), ctx:
+                for i, logits in zip(need, answer_logits_batch(arch, plain, None)):
+                    out[i] = logits
+        return out
 
     losses: list[float] = []
     t0 = time.perf_counter()
@@ -637,16 +761,12 @@ def train_kvlink(
             },
         )
 
-    pbar = None
-    if bar:
-        from tqdm import tqdm
-
-        pbar = tqdm(total=cfg.steps, initial=start, unit="step", dynamic_ncols=True)
-    for step in range(start, cfg.steps):
-        opt.zero_grad(set_to_none=True)
-        total = 0.0
-        done = 0
-        while done < cfg.batch:
+    def draw() -> list[Sample]:
+        """The step's ``cfg.batch`` samples in the sampler's order (the RNG is the data cursor,
+        so the draws never depend on how the samples are then run)."""
+        nonlocal skipped, trained_rows
+        drawn: list[Sample] = []
+        while len(drawn) < cfg.batch:
             sample, source = sampler(rng)
             if sample.n > cfg.max_tokens:
                 skipped += 1
@@ -657,66 +777,93 @@ def train_kvlink(
                     )
                 continue
             trained_rows = max(trained_rows, min(int(sample.segment.max()), cfg.max_docs))
-            loss = sample_loss(arch, sample, links, cfg.objective, teacher(sample)) / cfg.batch
-            loss.backward()
-            total += float(loss.detach())
             source_counts[source] = source_counts.get(source, 0) + 1
-            done += 1
-        torch.nn.utils.clip_grad_norm_([p for g in groups for p in g["params"]], 1.0)
-        opt.step()
-        sched.step()
-        losses.append(total)
-        recent = losses[-cfg.log_every :]
-        if pbar is not None:
-            pbar.update(1)
-            pbar.set_postfix(loss=f"{sum(recent) / len(recent):.4f}")
-        elif (step + 1) % cfg.log_every == 0 or step == start or step + 1 == cfg.steps:
-            say(
-                f"step {step + 1}/{cfg.steps}  loss {sum(recent) / len(recent):.4f}  "
-                f"{(time.perf_counter() - t0) / (step + 1 - start):.2f} s/step"
-            )
-        last = step + 1 == cfg.steps
-        if stop_at_step is not None and step + 1 >= stop_at_step and not last:
-            say(f"stopping at step {step + 1} as asked; saving (resume to go on)")
-            checkpoint(step + 1)
-            break
-        if cfg.max_seconds and time.perf_counter() - t0 > cfg.max_seconds and not last:
-            say(f"time budget of {cfg.max_seconds:.0f} s reached after {step + 1} steps; saving (resume to go on)")
-            checkpoint(step + 1)
-            break
-        if checkpoint_every and (last or (step + 1) % checkpoint_every == 0):
-            checkpoint(step + 1)  # at the end too: resuming a finished run re-saves it, no error
-    if pbar is not None:
-        pbar.close()
-    sittings[-1].update(to_step=len(losses), seconds=round(time.perf_counter() - t0, 1))
+            drawn.append(sample)
+        return drawn
 
-    meta = {
-        "format": FORMAT_VERSION,
-        "base_key": adapter_key(handle),
-        "base_fingerprint": handle.fingerprint,
-        "base_source": handle.source,
-        "link_tokens": cfg.link_tokens,
-        "max_docs": cfg.max_docs,
-        "trained_rows": max(1, trained_rows),
-        "lora": _lora_record(cfg),
-        "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(cfg).items()},
-        "data_sha256": data_sha,
-        "train_examples": n_train,
-        "init": init_meta,
-        "data": data_meta,
-        "samples_by_source": source_counts,
-        "command": list(command) if command is not None else None,
-        "sittings": sittings,
-        "steps": len(losses),
-        "complete": len(losses) == cfg.steps,
-        "losses": [round(x, 6) for x in losses],
-        "train_seconds": round(sum(x.get("seconds", 0.0) for x in sittings), 1),  # every sitting
-        "torch": torch.__version__,
-        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-    }
-    save_adapter(out_dir, links.detach()[: max(1, trained_rows)], peft_model, meta)
-    say(f"saved KVLink adapter to {out_dir}")
-    return TrainResult(out_dir, losses, load_adapter(out_dir), meta)
+    # SIGTERM (`timeout`, a job scheduler) or Ctrl-C while training: finish the step, then stop
+    # as the time budget does (checkpoint and adapter, resumable).
+    with _SignalStop() as stop:
+        pbar = None
+        if bar:
+            from tqdm import tqdm
+
+            pbar = tqdm(total=cfg.steps, initial=start, unit="step", dynamic_ncols=True)
+        for step in range(start, cfg.steps):
+            opt.zero_grad(set_to_none=True)
+            samples = draw()
+            if cfg.batched and len(samples) > 1:
+                loss = batch_loss(arch, samples, links, cfg.objective, teachers(samples))
+                loss.backward()
+                total = float(loss.detach())
+            else:
+                total = 0.0
+                for sample in samples:
+                    loss = sample_loss(arch, sample, links, cfg.objective, teachers([sample])[0]) / cfg.batch
+                    loss.backward()
+                    total += float(loss.detach())
+            torch.nn.utils.clip_grad_norm_([p for g in groups for p in g["params"]], 1.0)
+            opt.step()
+            sched.step()
+            losses.append(total)
+            if step == start:  # the step that pays one-time costs (kernel choice, allocator growth)
+                sittings[-1]["first_step_seconds"] = round(time.perf_counter() - t0, 2)
+            recent = losses[-cfg.log_every :]
+            if pbar is not None:
+                pbar.update(1)
+                pbar.set_postfix(loss=f"{sum(recent) / len(recent):.4f}")
+            elif (step + 1) % cfg.log_every == 0 or step == start or step + 1 == cfg.steps:
+                say(
+                    f"step {step + 1}/{cfg.steps}  loss {sum(recent) / len(recent):.4f}  "
+                    f"{(time.perf_counter() - t0) / (step + 1 - start):.2f} s/step"
+                )
+            last = step + 1 == cfg.steps
+            if stop_at_step is not None and step + 1 >= stop_at_step and not last:
+                say(f"stopping at step {step + 1} as asked; saving (resume to go on)")
+                checkpoint(step + 1)
+                break
+            if stop.received is not None and not last:
+                name = signal.Signals(stop.received).name
+                say(f"{name} received: stopping after {step + 1} steps; saving (resume to go on)")
+                checkpoint(step + 1)
+                break
+            if cfg.max_seconds and time.perf_counter() - t0 > cfg.max_seconds and not last:
+                say(f"time budget of {cfg.max_seconds:.0f} s reached after {step + 1} steps; saving (resume to go on)")
+                checkpoint(step + 1)
+                break
+            if checkpoint_every and (last or (step + 1) % checkpoint_every == 0):
+                checkpoint(step + 1)  # at the end too: resuming a finished run re-saves it, no error
+        if pbar is not None:
+            pbar.close()
+        sittings[-1].update(to_step=len(losses), seconds=round(time.perf_counter() - t0, 1))
+
+        meta = {
+            "format": FORMAT_VERSION,
+            "base_key": adapter_key(handle),
+            "base_fingerprint": handle.fingerprint,
+            "base_source": handle.source,
+            "link_tokens": cfg.link_tokens,
+            "max_docs": cfg.max_docs,
+            "trained_rows": max(1, trained_rows),
+            "lora": _lora_record(cfg),
+            "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(cfg).items()},
+            "data_sha256": data_sha,
+            "train_examples": n_train,
+            "init": init_meta,
+            "data": data_meta,
+            "samples_by_source": source_counts,
+            "command": list(command) if command is not None else None,
+            "sittings": sittings,
+            "steps": len(losses),
+            "complete": len(losses) == cfg.steps,
+            "losses": [round(x, 6) for x in losses],
+            "train_seconds": round(sum(x.get("seconds", 0.0) for x in sittings), 1),  # every sitting
+            "torch": torch.__version__,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        }
+        save_adapter(out_dir, links.detach()[: max(1, trained_rows)], peft_model, meta)
+        say(f"saved KVLink adapter to {out_dir}")
+        return TrainResult(out_dir, losses, load_adapter(out_dir), meta)
 
 
 def _lora_record(cfg: TrainConfig) -> dict | None:
@@ -793,9 +940,9 @@ def _warm_start(ad: KVLinkAdapter, peft_model, links: torch.nn.Parameter) -> Non
 CHECKPOINT_DIR = "checkpoint"
 _CKPT_FILE = "state.pt"
 _CKPT_CONFIG = "config.json"
-# Options a resumed sitting may change: they decide when a sitting stops or what it prints,
-# not what a step computes.
-_PER_SITTING = ("max_seconds", "log_every")
+# Options a resumed sitting may change: they decide when a sitting stops, what it prints or
+# how a step is run (``batched``: the same step, up to float rounding), not what it computes.
+_PER_SITTING = ("max_seconds", "log_every", "batched")
 
 
 def _resumable_config(cfg: TrainConfig) -> dict:
