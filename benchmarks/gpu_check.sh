@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # kvrag on a CUDA GPU, as one run that fits a short device lease (about 9 minutes):
-#   1. the device invariants: tests/unit/test_device.py with KVRAG_TEST_DEVICE=cuda;
+#   1. the device invariants: tests/unit/test_device.py and test_a2ats_device.py with
+#      KVRAG_TEST_DEVICE=cuda;
 #   2. benchmarks/gpu_floor.py: every policy's TTFT beside its floor on random-weight Llamas of
 #      Llama-3-8B's shape, then Llama-3.2-1B's, built on the GPU, bfloat16, at 16k/8k/32k/4k
 #      tokens (chunks of 512), with the chunks served from GPU memory, page-locked host RAM and
@@ -36,7 +37,8 @@ start=$(date +%s)
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm --format=csv 2>/dev/null
 df -h "$OUT" | tail -1
 KVRAG_TEST_DEVICE="$DEVICE" timeout "${TEST_TIMEOUT:-150}" "$PY" -m pytest -q -p no:cacheprovider \
-    --import-mode=importlib -o pythonpath="tests tests/unit" tests/unit/test_device.py > "$OUT/test_device.log" 2>&1
+    --import-mode=importlib -o pythonpath="tests tests/unit" tests/unit/test_device.py tests/unit/test_a2ats_device.py \
+    > "$OUT/test_device.log" 2>&1
 echo "test_device: rc=$? in $(($(date +%s) - start)) s: $(tail -1 "$OUT/test_device.log")"
 
 "$PY" benchmarks/gpu_floor.py "$OUT/floor" --device "$DEVICE" --dtype "$DTYPE" --shapes "$SHAPES" \
