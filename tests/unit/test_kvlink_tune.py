@@ -151,6 +151,57 @@ def test_teacher_targets_are_the_base_models_own_full_prefill_answer(handle, mon
     assert short.sample(task).n > s.answer_start
 
 
+def test_teacher_answers_generated_together_equal_each_generated_alone():
+    """``TaskSampler.samples`` generates the teacher answers of several prompts of different
+    lengths in one left-padded generation: each sample equals its task's ``sample`` alone
+    (float64: the same answer tokens, logits to rounding), and ``draw`` takes the tasks the
+    calls one at a time would take, from the same RNG state."""
+    from kvrag.testing import tiny_llama
+
+    h64 = tiny_llama(seed=0)
+    h64.model.double()  # a handle of this test's own: kvrag loads models in float32/16 only
+    mix = D.Mixture({"text": _pool()}, min_docs=1, max_docs=3)
+    sampler = D.TaskSampler(h64, mix, link_tokens=2, max_docs=4, answer_tokens=6)
+    rng = random.Random(5)
+    tasks = [mix.task(rng) for _ in range(4)]
+    together = sampler.samples(tasks)
+    alone = [sampler.sample(t) for t in tasks]
+    assert len({s.answer_start for s in alone}) > 1  # prompts of different lengths: padding ran
+    for a, b in zip(together, alone):
+        assert a.ids.tolist() == b.ids.tolist() and a.answer_start == b.answer_start
+        assert a.teacher_logits is not None and a.teacher_logits.dtype == torch.float32
+        torch.testing.assert_close(a.teacher_logits, b.teacher_logits, rtol=1e-5, atol=1e-5)
+    drawn = sampler.draw(random.Random(5), 4)
+    assert [s.ids.tolist() for s, _ in drawn] == [s.ids.tolist() for s in alone]
+    assert [src for _, src in drawn] == [t.source for t in tasks]
+
+
+def test_a_packed_step_draws_its_samples_together_and_trains_as_one_at_a_time(handle, tmp_path, monkeypatch):
+    """With batch > 1 the trainer asks a sampler that can (``draw``) for the samples a step
+    still needs, in rounds: the same samples, skips and sources as drawing one at a time."""
+    sampler, mix = _sampler(handle)
+    rounds = []  # samples asked for per round; a lone one is a call
+    many, one = sampler.draw, D.TaskSampler.__call__
+    monkeypatch.setattr(sampler, "draw", lambda rng, n: rounds.append(n) or many(rng, n))
+    monkeypatch.setattr(D.TaskSampler, "__call__", lambda self, rng: rounds.append(1) or one(self, rng))
+    cfg = dict(CFG, steps=3, batch=3, max_tokens=200)  # about a third of these samples are longer
+    packed = train_kvlink(handle, TrainConfig(**cfg), tmp_path / "a", sampler=sampler, data_meta=mix.describe())
+    # Rounds of what is still missing: a skipped sample is drawn again in a smaller round.
+    assert rounds[0] == 3 and max(rounds) == 3 and sum(rounds) > 9
+    monkeypatch.setattr(D.TaskSampler, "__call__", one)
+    calls = []
+
+    def one_at_a_time(rng):
+        calls.append(1)
+        return sampler(rng)
+
+    single = train_kvlink(handle, TrainConfig(**cfg), tmp_path / "b", sampler=one_at_a_time, data_meta=mix.describe())
+    assert len(calls) == sum(rounds)  # the same draws, skips included
+    assert packed.meta["samples_by_source"] == single.meta["samples_by_source"]
+    assert sum(packed.meta["samples_by_source"].values()) == 9
+    assert packed.losses == pytest.approx(single.losses, rel=1e-4)
+
+
 # ---- resumable training -------------------------------------------------------------------------
 CFG = dict(
     data="mixture",

@@ -412,43 +412,87 @@ class TaskSampler:
         return sum(len(p[0]) + (len(p[2]) + per_doc if p[1] else 0) for p in pieces)
 
     def sample(self, task: Task):
-        import torch
+        """The training sample of ``task`` (its teacher answer generated alone)."""
+        return self.samples([task])[0]
 
+    def samples(self, tasks: Sequence[Task]) -> list:
+        """The training samples of ``tasks``, in order. The teacher answers of all that need
+        one come from one greedy generation over their prompts, left-padded: on a GPU a
+        generation step of one prompt is launch-bound, so B prompts cost about what one does.
+        Each sample equals ``sample`` of its task alone up to float rounding (a lone prompt is
+        generated unpadded, exactly as alone)."""
         from kvrag.policies.kvlink.train import answer_ids, build_sample, prompt_pieces, rag_prompt, truncate_passage
 
         h = self.handle
-        passages = list(
-            dict.fromkeys(p for p in (truncate_passage(p, self.max_passage_chars) for p in task.passages) if p.strip())
-        )
-        prompt = rag_prompt(h, passages, task.question)
-        pieces = prompt_pieces(h, prompt, passages)
         eos = h.tokenizer.eos_token_id
-        logits = None
-        if task.target == "gold":
-            ans = answer_ids(h, task.answers[0])
-        elif self.max_tokens is not None and self._prompt_tokens(pieces) >= self.max_tokens:
-            ans = [eos if eos is not None else 0]  # over the limit already: the caller skips it
-        else:
-            ids = torch.tensor([[t for piece in pieces for t in piece[0]]], device=h.device)
-            with torch.no_grad():
-                out = h.model.generate(
-                    ids,
-                    attention_mask=torch.ones_like(ids),
-                    max_new_tokens=self.answer_tokens,
-                    do_sample=False,
-                    eos_token_id=eos,
-                    pad_token_id=eos if eos is not None else 0,
-                    output_logits=True,
-                    return_dict_in_generate=True,
-                )
-            ans = out.sequences[0, ids.shape[1] :].tolist()
-            # Row t of the generation's logits predicts answer token t over the plain prompt:
-            # the distillation target, so training need not run the teacher again.
-            logits = torch.cat(out.logits, dim=0)[: len(ans)].float() if ans else None
-            ans = ans or ([eos] if eos is not None else [0])
-        sample = build_sample(pieces, ans, self.link_tokens, self.max_docs, h.anchor_ids())
-        sample.teacher_logits = logits
-        return sample
+        laid: list[tuple[list, list[int] | None]] = []  # (pieces, answer ids; None: the teacher's)
+        for task in tasks:
+            cut = (truncate_passage(p, self.max_passage_chars) for p in task.passages)
+            passages = list(dict.fromkeys(p for p in cut if p.strip()))
+            prompt = rag_prompt(h, passages, task.question)
+            pieces = prompt_pieces(h, prompt, passages)
+            if task.target == "gold":
+                laid.append((pieces, answer_ids(h, task.answers[0])))
+            elif self.max_tokens is not None and self._prompt_tokens(pieces) >= self.max_tokens:
+                laid.append((pieces, [eos if eos is not None else 0]))  # over the limit already: the caller skips it
+            else:
+                laid.append((pieces, None))
+        prompts = [[t for piece in pieces for t in piece[0]] for pieces, ans in laid if ans is None]
+        answers = iter(self._teacher_answers(prompts) if prompts else [])
+        out = []
+        for pieces, ans in laid:
+            logits = None
+            if ans is None:
+                ans, logits = next(answers)
+            sample = build_sample(pieces, ans, self.link_tokens, self.max_docs, h.anchor_ids())
+            sample.teacher_logits = logits
+            out.append(sample)
+        return out
+
+    def _teacher_answers(self, prompts: list[list[int]]) -> list[tuple[list[int], object]]:
+        """The base model's greedy answer to each prompt (``answer_tokens`` at most, through
+        the end-of-turn token) with its logits [T_i, V] float32 (row t predicts answer token t
+        over the plain prompt: the distillation target, so training need not run the teacher
+        again), from one ``generate`` over the prompts left-padded."""
+        import torch
+
+        h = self.handle
+        eos = h.tokenizer.eos_token_id
+        pad = eos if eos is not None else 0
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, p in enumerate(prompts):  # left padding: every prompt ends where generation starts
+            ids[i, width - len(p) :] = torch.tensor(p)
+            mask[i, width - len(p) :] = 1
+        with torch.no_grad():
+            out = h.model.generate(
+                ids.to(h.device),
+                attention_mask=mask.to(h.device),
+                max_new_tokens=self.answer_tokens,
+                do_sample=False,
+                eos_token_id=eos,
+                pad_token_id=pad,
+                output_logits=True,
+                return_dict_in_generate=True,
+            )
+        steps = torch.stack(out.logits, dim=1) if out.logits else None  # [B, T, V]
+        result = []
+        for i, row in enumerate(out.sequences[:, width:].tolist()):
+            # A row that ended is padded with the end token while the others go on: its answer
+            # stops at its first end token, as a lone generation does.
+            if eos is not None and eos in row:
+                row = row[: row.index(eos) + 1]
+            logits = steps[i, : len(row)].float() if row and steps is not None else None
+            result.append((row or [pad], logits))
+        return result
+
+    def draw(self, rng: random.Random, n: int) -> list:
+        """``n`` calls at once, ``[(Sample, source)]``: the same tasks in the same order as
+        ``n`` calls (the RNG is the data cursor), their teacher answers generated together
+        (``samples``)."""
+        tasks = [self.mixture.task(rng) for _ in range(n)]
+        return list(zip(self.samples(tasks), (t.source for t in tasks)))
 
     def __call__(self, rng: random.Random):
         task = self.mixture.task(rng)

@@ -761,24 +761,31 @@ def train_kvlink(
             },
         )
 
+    # A sampler that can draw several samples at once (``TaskSampler.draw``: their teacher
+    # answers generated together) serves a packed step; the others are called once a sample.
+    draw_many = getattr(sampler, "draw", None) if cfg.batched else None
+
     def draw() -> list[Sample]:
         """The step's ``cfg.batch`` samples in the sampler's order (the RNG is the data cursor,
-        so the draws never depend on how the samples are then run)."""
+        so the draws never depend on how the samples are then run). Drawn in rounds of as many
+        as are still missing, so the samples drawn, skipped included, are those one at a time
+        would give."""
         nonlocal skipped, trained_rows
         drawn: list[Sample] = []
         while len(drawn) < cfg.batch:
-            sample, source = sampler(rng)
-            if sample.n > cfg.max_tokens:
-                skipped += 1
-                if skipped > 100 * cfg.steps:
-                    raise KVLinkError(
-                        f"almost every example exceeds max_tokens={cfg.max_tokens}; "
-                        "use fewer docs or --max-passage-chars"
-                    )
-                continue
-            trained_rows = max(trained_rows, min(int(sample.segment.max()), cfg.max_docs))
-            source_counts[source] = source_counts.get(source, 0) + 1
-            drawn.append(sample)
+            need = cfg.batch - len(drawn)
+            for sample, source in draw_many(rng, need) if draw_many is not None and need > 1 else [sampler(rng)]:
+                if sample.n > cfg.max_tokens:
+                    skipped += 1
+                    if skipped > 100 * cfg.steps:
+                        raise KVLinkError(
+                            f"almost every example exceeds max_tokens={cfg.max_tokens}; "
+                            "use fewer docs or --max-passage-chars"
+                        )
+                    continue
+                trained_rows = max(trained_rows, min(int(sample.segment.max()), cfg.max_docs))
+                source_counts[source] = source_counts.get(source, 0) + 1
+                drawn.append(sample)
         return drawn
 
     # SIGTERM (`timeout`, a job scheduler) or Ctrl-C while training: finish the step, then stop
