@@ -39,9 +39,12 @@ import subprocess
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvrag.policies.kvlink.adapter import KVLinkError
+
+if TYPE_CHECKING:  # torch is imported where the samples are made
+    import torch
 
 log = logging.getLogger("kvrag.kvlink")
 
@@ -449,7 +452,7 @@ class TaskSampler:
             out.append(sample)
         return out
 
-    def _teacher_answers(self, prompts: list[list[int]]) -> list[tuple[list[int], object]]:
+    def _teacher_answers(self, prompts: list[list[int]]) -> list[tuple[list[int], torch.Tensor | None]]:
         """The base model's greedy answer to each prompt (``answer_tokens`` at most, through
         the end-of-turn token) with its logits [T_i, V] float32 (row t predicts answer token t
         over the plain prompt: the distillation target, so training need not run the teacher
