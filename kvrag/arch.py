@@ -525,10 +525,11 @@ class Arch:
         """A residual branch's output as added to the stream (Granite scales it)."""
         return x * self.residual_multiplier if self.residual_multiplier != 1.0 else x
 
-    def _grouped_mode(self, q: torch.Tensor, keys: torch.Tensor) -> str:
+    def grouped_mode(self, q: torch.Tensor, keys: torch.Tensor) -> str:
         """The ``gqa_masked`` mode of a masked call of q [H, A, D] over keys [Hkv or H, N, D]
-        ("native" where there is nothing to group). Auto on CUDA: whichever writes fewer
-        elements, the folded mask (g A N) or the expanded K/V (2 H N D)."""
+        ("native" where there is nothing to group; see ``_grouped_for_mask``). Auto on CUDA:
+        whichever writes fewer elements, the folded mask (g A N) or the expanded K/V (2 H N D).
+        Batched decoding (``kvrag.query.batch``) folds the same way."""
         if keys.shape[0] == q.shape[0]:
             return "native"
         if self.gqa_masked is not None:
@@ -556,7 +557,7 @@ class Arch:
           far fewer when few rows attend over a long cache (the question over the chunks).
 
         The CPU's kernel takes GQA with a mask natively, and is fastest so ("native")."""
-        mode = self._grouped_mode(q, keys)
+        mode = self.grouped_mode(q, keys)
         if mode == "native":
             return q, keys, values, mask, False
         group = self.n_heads // self.n_kv_heads
@@ -647,7 +648,7 @@ class Arch:
 
     def _sdpa_planned(self, q, keys, values, mask, plan) -> torch.Tensor:
         """``_sdpa_grouped`` with its groups given (``attention_plan``)."""
-        if self._grouped_mode(q, keys) == "expand":
+        if self.grouped_mode(q, keys) == "expand":
             # Expanded once for every group (not once per group: that copy was ~10% of a GPU prefill).
             _, keys, values, _, _ = self._grouped_for_mask(q, keys, values, mask)
         outs = [

@@ -301,14 +301,20 @@ class DecodeArena:
         K, V = self._k[layer], self._v[layer]
         K[slots, :, n] = k.transpose(0, 1).to(K.dtype)
         V[slots, :, n] = v.transpose(0, 1).to(V.dtype)
+        keys, vals = K[:b, :, :top].to(q.dtype), V[:b, :, :top].to(q.dtype)
+        rows = q.transpose(0, 1).unsqueeze(2)  # [B, H, 1, D]
+        # A key-padding mask with grouped heads: CUDA's fused kernels take it only without GQA
+        # (``Arch.grouped_mode``). Folded, each request's g query heads of a KV head are g rows
+        # of that head, and the mask [B, 1, 1, top] broadcasts over them: no copy.
+        mode = self.arch.grouped_mode(q, keys[0]) if mask is not None else "native"
+        if mode == "fold":
+            rows = rows.reshape(b, keys.shape[1], -1, q.shape[-1])  # [B, Hkv, g, D]
+        elif mode == "expand":
+            group = q.shape[0] // keys.shape[1]
+            keys, vals = keys.repeat_interleave(group, 1), vals.repeat_interleave(group, 1)
         out = torch.nn.functional.scaled_dot_product_attention(
-            q.transpose(0, 1).unsqueeze(2),
-            K[:b, :, :top].to(q.dtype),
-            V[:b, :, :top].to(q.dtype),
-            attn_mask=mask,
-            scale=self.arch.scaling,
-            enable_gqa=q.shape[0] != K.shape[1],
-        )  # [B, H, 1, D]
+            rows, keys, vals, attn_mask=mask, scale=self.arch.scaling, enable_gqa=rows.shape[1] != keys.shape[1]
+        )  # [B, H, 1, D] or folded [B, Hkv, g, D]: the same order of heads
         return out.reshape(b, -1)
 
 

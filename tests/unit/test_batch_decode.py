@@ -220,6 +220,47 @@ def test_the_arena_step_equals_each_request_alone(tmp_path, model_type):
     assert [c.pos for c in pooled] == [c.pos for c in solo] and [c.n for c in pooled] == [c.n for c in solo]
 
 
+@pytest.mark.parametrize("mode", ["fold", "expand"])
+def test_the_arena_step_folds_or_expands_grouped_heads_under_its_mask(tmp_path, mode, monkeypatch):
+    """Members of different lengths (a key-padding mask) with grouped-query heads: folding each
+    KV head's query heads into rows, or expanding K/V per query head (what CUDA's fused
+    kernels need; forced here on the CPU), gives the step the kernel's own GQA gives, through
+    calls without ``enable_gqa``."""
+    rag = _arena_rag(tmp_path)
+    assert rag.arch.n_heads != rag.arch.n_kv_heads
+    pairs = [_pair(rag, i) for i in range(3)]
+    arenas = []
+    for m in (None, mode):
+        rag.arch.gqa_masked = m
+        arena = DecodeArena(rag.arch)
+        caches = [a if m is None else b for a, b in pairs]
+        assert all(arena.add(c) for c in caches) and len({c.n[0] for c in caches}) == 3
+        arenas.append((arena, caches))
+    calls = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(q, k, v, attn_mask=None, **kw):
+        calls.append((attn_mask is not None, kw["enable_gqa"], q.shape[1], k.shape[1]))
+        return sdpa(q, k, v, attn_mask=attn_mask, **kw)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    tokens = [5, 17, 300]
+    try:
+        for _ in range(3):
+            rag.arch.gqa_masked = None
+            ref = decode_step(rag.arch, arenas[0][1], tokens, arenas[0][0])
+            calls.clear()
+            rag.arch.gqa_masked = mode
+            got = decode_step(rag.arch, arenas[1][1], tokens, arenas[1][0])
+            torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+            assert got.argmax(-1).tolist() == ref.argmax(-1).tolist()
+            heads = (rag.arch.n_kv_heads,) * 2 if mode == "fold" else (rag.arch.n_heads,) * 2
+            assert calls and all(masked and not gqa and (qh, kh) == heads for masked, gqa, qh, kh in calls)
+            tokens = ref.argmax(-1).tolist()
+    finally:
+        rag.arch.gqa_masked = None
+
+
 def test_requests_join_and_leave_an_arena_between_steps(tmp_path):
     """A member leaving moves the last one into its slot; a new one joins at the end; a step of
     one member alone (the scheduler's retry after a failed step) stays on its slot's rows; the
