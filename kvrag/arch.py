@@ -525,6 +525,11 @@ class Arch:
         """A residual branch's output as added to the stream (Granite scales it)."""
         return x * self.residual_multiplier if self.residual_multiplier != 1.0 else x
 
+    def per_query_head(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
+        """K or V with its KV heads (along ``dim``) repeated for the query heads that read
+        each, [.., Hkv, ..] -> [.., H, ..]: head h reads KV head h // g."""
+        return x.repeat_interleave(self.n_heads // self.n_kv_heads, dim)
+
     def grouped_mode(self, q: torch.Tensor, keys: torch.Tensor) -> str:
         """The ``gqa_masked`` mode of a masked call of q [H, A, D] over keys [Hkv or H, N, D]
         ("native" where there is nothing to group; see ``_grouped_for_mask``). Auto on CUDA:
@@ -560,9 +565,9 @@ class Arch:
         mode = self.grouped_mode(q, keys)
         if mode == "native":
             return q, keys, values, mask, False
-        group = self.n_heads // self.n_kv_heads
         if mode == "expand":
-            return q, keys.repeat_interleave(group, 0), values.repeat_interleave(group, 0), mask, False
+            return q, self.per_query_head(keys), self.per_query_head(values), mask, False
+        group = self.n_heads // self.n_kv_heads
         hkv, a = keys.shape[0], q.shape[1]
         # Head h reads KV head h // g (the order repeat_interleave gives), so q's heads fold
         # as [Hkv, g, A, D] -> [Hkv, g A, D] with no copy.
@@ -650,7 +655,7 @@ class Arch:
         """``_sdpa_grouped`` with its groups given (``attention_plan``)."""
         if self.grouped_mode(q, keys) == "expand":
             # Expanded once for every group (not once per group: that copy was ~10% of a GPU prefill).
-            _, keys, values, _, _ = self._grouped_for_mask(q, keys, values, mask)
+            keys, values = self.per_query_head(keys), self.per_query_head(values)
         outs = [
             self._sdpa(q[:, lo:hi], keys[:, k0:k1], values[:, k0:k1], mask[lo:hi, k0:k1]) for lo, hi, k0, k1 in plan
         ]

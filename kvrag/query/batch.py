@@ -310,8 +310,7 @@ class DecodeArena:
         if mode == "fold":
             rows = rows.reshape(b, keys.shape[1], -1, q.shape[-1])  # [B, Hkv, g, D]
         elif mode == "expand":
-            group = q.shape[0] // keys.shape[1]
-            keys, vals = keys.repeat_interleave(group, 1), vals.repeat_interleave(group, 1)
+            keys, vals = self.arch.per_query_head(keys, 1), self.arch.per_query_head(vals, 1)
         out = torch.nn.functional.scaled_dot_product_attention(
             rows, keys, vals, attn_mask=mask, scale=self.arch.scaling, enable_gqa=rows.shape[1] != keys.shape[1]
         )  # [B, H, 1, D] or folded [B, Hkv, g, D]: the same order of heads

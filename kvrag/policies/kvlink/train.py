@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import itertools
 import json
 import logging
 import math
@@ -347,10 +348,7 @@ def forward_hidden_batch(arch: Arch, samples: Sequence[Sample], links: torch.Ten
     if not samples:
         raise ValueError("forward_hidden_batch: no samples")
     dev = arch.device
-    one = len(samples) == 1
-    ids = samples[0].ids if one else torch.cat([s.ids for s in samples])
-    slot = samples[0].link_slot if one else torch.cat([s.link_slot for s in samples])
-    ids, slot = ids.to(dev), slot.to(dev)
+    ids, slot = _join([s.ids for s in samples]).to(dev), _join([s.link_slot for s in samples]).to(dev)
     hidden = arch.embed(ids)
     is_link = slot >= 0
     if bool(is_link.any()):
@@ -366,24 +364,22 @@ def forward_hidden_batch(arch: Arch, samples: Sequence[Sample], links: torch.Ten
         # Per sample: LongRoPE / dynamic NTK choose their frequencies from the largest
         # position of the call, which must be the sample's own.
         tables.append(arch.cos_sin(pos))
-    cs = tables[0] if one else (torch.cat([c for c, _ in tables]), torch.cat([sn for _, sn in tables]))
+    cs = (_join([c for c, _ in tables]), _join([sn for _, sn in tables]))
     sizes = [s.n for s in samples]
-    starts = [0]
-    for n in sizes[:-1]:
-        starts.append(starts[-1] + n)
+    starts = [0, *itertools.accumulate(sizes[:-1])]
     for layer in range(arch.n_layers):
         q, k, v, _ = arch.qkv(layer, hidden, cs)  # q [H, sum N_i, D], k/v [Hkv, sum N_i, D]
-        if one:
-            attn = arch.attention(q, k, v, arch.windowed(layer, masks[0], positions[0], positions[0]))
-        else:
-            attn = torch.cat(
-                [
-                    arch.attention(q[:, a : a + n], k[:, a : a + n], v[:, a : a + n], arch.windowed(layer, m, pos, pos))
-                    for a, n, m, pos in zip(starts, sizes, masks, positions)
-                ]
-            )
-        hidden = arch.finish_layer(layer, hidden, attn)
-    return [hidden] if one else list(hidden.split(sizes))
+        parts = [
+            arch.attention(q[:, a : a + n], k[:, a : a + n], v[:, a : a + n], arch.windowed(layer, m, pos, pos))
+            for a, n, m, pos in zip(starts, sizes, masks, positions)
+        ]
+        hidden = arch.finish_layer(layer, hidden, _join(parts))
+    return list(hidden.split(sizes))
+
+
+def _join(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The samples' rows end to end (dim 0); one sample's as they are, with no copy."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def answer_logits(arch: Arch, sample: Sample, links: torch.Tensor | None) -> torch.Tensor:
@@ -396,9 +392,7 @@ def answer_logits_batch(arch: Arch, samples: Sequence[Sample], links: torch.Tens
     (``forward_hidden_batch``) and one LM-head call over all their answer rows."""
     hidden = forward_hidden_batch(arch, samples, links)
     rows = [h[s.answer_start - 1 : s.n - 1] for h, s in zip(hidden, samples)]
-    if len(rows) == 1:
-        return [arch.logits(rows[0])]
-    return list(arch.logits(torch.cat(rows)).split([r.shape[0] for r in rows]))
+    return list(arch.logits(_join(rows)).split([r.shape[0] for r in rows]))
 
 
 def _loss(logits: torch.Tensor, sample: Sample, objective: str, teacher_logits: torch.Tensor | None) -> torch.Tensor:
@@ -774,7 +768,7 @@ def train_kvlink(
         drawn: list[Sample] = []
         while len(drawn) < cfg.batch:
             need = cfg.batch - len(drawn)
-            for sample, source in draw_many(rng, need) if draw_many is not None and need > 1 else [sampler(rng)]:
+            for sample, source in draw_many(rng, need) if draw_many is not None else [sampler(rng)]:
                 if sample.n > cfg.max_tokens:
                     skipped += 1
                     if skipped > 100 * cfg.steps:
@@ -799,7 +793,7 @@ def train_kvlink(
         for step in range(start, cfg.steps):
             opt.zero_grad(set_to_none=True)
             samples = draw()
-            if cfg.batched and len(samples) > 1:
+            if cfg.batched:
                 loss = batch_loss(arch, samples, links, cfg.objective, teachers(samples))
                 loss.backward()
                 total = float(loss.detach())
