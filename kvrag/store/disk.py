@@ -342,15 +342,9 @@ class DiskStore(ChunkStore):
         try:
             found = self._read(key, pin_memory)
             if found is None:
-                # A row whose file cannot be read is a broken entry, unless a concurrent writer
-                # just replaced the file under us: read once more before calling it corrupt.
-                if key in self:
-                    found = self._read(key, pin_memory)
-                    if found is None and key in self:
-                        self._drop_corrupt(key, None, "blob file missing or unreadable")
-                        return self._miss()
-                if found is None:
-                    return self._miss()
+                found = self._read_settled(key, pin_memory)
+            if found is None:
+                return self._miss()
         except sqlite3.OperationalError as e:
             # A read also records the access (LRU order): on a full disk or a locked-out
             # database that write fails. The entry is sound; this query computes the chunk.
@@ -669,6 +663,33 @@ class DiskStore(ChunkStore):
         except sqlite3.Error as e:
             log.debug("DiskStore: access to row %s not recorded (%s)", rowid, e)
 
+    #: Reads of an entry whose file a concurrent writer keeps replacing, before this query
+    #: takes it as a miss.
+    SETTLE_READS = 8
+
+    def _read_settled(self, key: str, pin_memory: bool) -> tuple[torch.Tensor, str | None, str | None] | None:
+        """``_read`` again after a failed one. A row whose file cannot be read is a broken
+        entry, unless a concurrent writer replaced the file under us: then the row names
+        another file, and the read is tried again. Only a row that still names the file that
+        could not be read is dropped as corrupt (that version only)."""
+        for _ in range(self.SETTLE_READS):
+            stored = self._stored_file(key)
+            if stored is None:
+                return None  # no entry
+            found = self._read(key, pin_memory)
+            if found is not None:
+                return found
+            if self._stored_file(key) == stored:
+                self._drop_corrupt(key, None, "blob file missing or unreadable", stored_file=stored)
+                return None
+        return None
+
+    def _stored_file(self, key: str) -> tuple | None:
+        """What the row of ``key`` holds now, from the database alone: (row id, file name,
+        mode; diskcache never reuses a file name), or None without a row."""
+        rows = self._blobs._sql("SELECT rowid, filename, mode FROM Cache WHERE key = ?", (key,)).fetchall()
+        return tuple(rows[0]) if rows else None
+
     def _current_tag(self, key: str) -> str | None:
         handle, tag, _ = self._fetch(key)
         if handle is not None:
@@ -682,16 +703,20 @@ class DiskStore(ChunkStore):
         handle.close()
         return getattr(handle, "name", None)
 
-    def _drop_corrupt(self, key: str, name: str | None, problem: str) -> None:
+    def _drop_corrupt(self, key: str, name: str | None, problem: str, stored_file: tuple | None = None) -> None:
         """Log, count and delete a blob that failed verification. Deletes only the version
-        that was read (same file name), so a good entry another process just wrote survives."""
+        that was read (same file name, or the row still as ``stored_file`` read it), so a good
+        entry another process just wrote survives."""
         log.warning(
             "DiskStore: corrupt entry %s in %s: %s; deleted, it will be recomputed", key, self.directory, problem
         )
         with self._lock:
             self._counts["corrupt"] += 1
         with self._blobs.transact(retry=True):
-            if key in self._blobs and (name is None or self._current_name(key) == name):
+            same = (name is None or self._current_name(key) == name) and (
+                stored_file is None or self._stored_file(key) == stored_file
+            )
+            if key in self._blobs and same:
                 self._blobs.delete(key, retry=True)
             if key not in self._blobs:
                 self._index.delete(key, retry=True)
