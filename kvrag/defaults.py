@@ -19,5 +19,8 @@ DEFAULT_COMPUTE_DTYPE = "float32"
 DEFAULT_SHARED_PREFIX = "kvrag:"
 #: What chunks are precomputed behind (``KVRag(chunk_anchor=...)``): the model's own first token.
 DEFAULT_CHUNK_ANCHOR = "auto"
+#: Bytes of exact prompt-prefix K/V a ``KVRag`` keeps in memory (``KVRag(prefix_cache=...)``):
+#: a system prompt of a few hundred tokens even at an 8B shape (~128 KiB a token in bf16).
+DEFAULT_PREFIX_CACHE = 64 << 20
 #: The answer length cap of ``KVRag.generate`` when none is given.
 DEFAULT_MAX_NEW_TOKENS = 128

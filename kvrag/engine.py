@@ -27,6 +27,7 @@ from kvrag.defaults import (
     DEFAULT_COMPUTE_DTYPE,
     DEFAULT_MAX_NEW_TOKENS,
     DEFAULT_POLICY,
+    DEFAULT_PREFIX_CACHE,
     DEFAULT_STORAGE_DTYPE,
 )
 from kvrag.limits import entry_bytes_bound
@@ -41,6 +42,7 @@ from kvrag.query.align import prompt_prefix
 from kvrag.query.decode import FusedStepper, HFStepper, Sampling, TextStream, eos_ids, generate_tokens
 from kvrag.query.fusion import FusionEngine, FusionResult
 from kvrag.query.lookup import ChunkLookup
+from kvrag.query.prefix import PrefixCache
 from kvrag.query.prompt import render_prompt
 from kvrag.query.segment import Segmenter
 from kvrag.query.state import CACHED, INSERTED, FusionStats, Layout, Piece
@@ -161,6 +163,11 @@ class KVRag:
     hot_tier: where the hot tier keeps them: ``"device"`` (the compute device) or ``"host"``
     (host RAM, page-locked beside a CUDA device, copied to it at each query: larger than a
     GPU's share and still no disk read; beside a GPU, ``"auto"`` is a tenth of the machine's RAM).
+    prefix_cache: bytes of exact prompt-prefix K/V kept in memory on the compute device
+    (``kvrag.query.prefix``): the plain text before a prompt's first cached chunk (system
+    prompt, instruction, template header) is computed once and then read by every fused
+    prefill that starts with it, exactly. 0 computes it in every prefill.
+    ``FusionStats.prefix_tokens`` counts the tokens it served.
     shared: a tier that several replicas share, behind the local store: a Redis URL
     (``redis://[:password@]host:6379/0``, ``rediss://`` for TLS; keys under ``kvrag:``) or a
     ``ChunkStore`` such as ``kvrag.store.redis_store.RedisStore(url, prefix=...)``. Writes go to
@@ -188,6 +195,7 @@ class KVRag:
         chunk_anchor: str | Sequence[int] = DEFAULT_CHUNK_ANCHOR,
         hot_cache: int | str = "auto",
         hot_tier: str = "device",
+        prefix_cache: int = DEFAULT_PREFIX_CACHE,
         shared: "str | ChunkStore | None" = None,
         precompute_via: str = "local",
         **policy_params,
@@ -209,6 +217,7 @@ class KVRag:
         if hot_cache != "auto":
             resolve_budget(hot_cache, torch.device("cpu"))  # a bad value fails before the model load
         hot_device(hot_tier, torch.device("cpu"))  # likewise a bad tier
+        check_int("prefix_cache (bytes)", prefix_cache, 0)
         if query_tokens is not None:
             query_tokens = check_int("query_tokens (the last k prompt tokens are the question)", query_tokens, 1)
         if precompute_via not in ("local", "queue"):
@@ -280,6 +289,7 @@ class KVRag:
         )
         self.lookup = ChunkLookup(self.handle, self.store, self.hot, self.segmenter, self.fingerprint, refresh_s)
         self.fusion = FusionEngine(self.arch)
+        self.prefixes = PrefixCache(self.arch, prefix_cache)
 
     # ---- chunks ----------------------------------------------------------------------
     def chunk_ids(self, text: str) -> list[int]:
@@ -372,6 +382,7 @@ class KVRag:
             known, pending = len(self.segmenter), pending_in_prompt(self, text)
         layout = None
         if pol.uses_cache and has_cached:
+            pieces = self.prefixes.attach(pieces)
             layout = self.fusion.apply_insertions(pieces, pol, self.query_tokens)
             if layout.n > self.handle.max_context:
                 raise ValueError(

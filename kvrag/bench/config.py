@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvrag.bench import synthetic
+from kvrag.defaults import DEFAULT_PREFIX_CACHE
 
 log = logging.getLogger("kvrag.bench")
 
@@ -53,6 +54,7 @@ class BenchConfig:
     # model, so its runs get a KVRag of their own.
     kvlink_adapter: str | None = "default"
     hot_cache: int | str = 0  # KVRag(hot_cache=...): 0 = every run reads the disk (cold)
+    prefix_cache: int = DEFAULT_PREFIX_CACHE  # KVRag(prefix_cache=...): 0 = fused prefills compute the prompt's head
     seed: int = 0
     footprint: bool = True
     warmup: bool = True

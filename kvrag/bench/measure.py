@@ -159,6 +159,7 @@ class Measure:
                         tpot_s=(s.decode_s / (s.new_tokens - 1)) if s.new_tokens > 1 else None,
                         prompt_tokens=s.prompt_tokens,
                         cached_tokens=s.cached_tokens,
+                        prefix_tokens=s.prefix_tokens,
                         recomputed_tokens=s.recomputed_tokens,
                         computed_tokens=s.computed_tokens,
                         kept_tokens=s.kept_tokens,

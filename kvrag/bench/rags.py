@@ -51,6 +51,7 @@ def make_rags(cfg: BenchConfig, handle: ModelHandle, cache_dir: Path, runs: list
             storage_dtype=cfg.storage_dtype,
             chunk_anchor=cfg.chunk_anchor,
             hot_cache=cfg.hot_cache,
+            prefix_cache=cfg.prefix_cache,
         )
 
     rag = kvrag(base_adapter, [r.policy for r in runs])

@@ -10,7 +10,7 @@ import re
 import shlex
 
 from kvrag.cli._options import MODEL_HELP
-from kvrag.defaults import DEFAULT_COMPUTE_DTYPE, DEFAULT_STORAGE_DTYPE
+from kvrag.defaults import DEFAULT_COMPUTE_DTYPE, DEFAULT_PREFIX_CACHE, DEFAULT_STORAGE_DTYPE
 from kvrag.errors import KVRagError
 
 # Defaults of a full run, and of --quick (a smoke test: seconds per policy, tiny prompts).
@@ -192,6 +192,15 @@ def register(sub) -> None:
         "(default 0: every run reads its chunks from disk, the cold path; 'auto' = KVRag's default, "
         "then the timed runs after the warm-up are served from memory)",
     )
+    g.add_argument(
+        "--prefix-cache",
+        type=int,
+        default=DEFAULT_PREFIX_CACHE,
+        metavar="BYTES",
+        help="KVRag(prefix_cache=...): bytes of exact prompt-prefix K/V (the text before the first "
+        f"passage) kept in memory for the fused prefills (default {DEFAULT_PREFIX_CACHE}, as KVRag; "
+        "0: every fused prefill computes it; full_prefill never uses it)",
+    )
     g.add_argument("--cache-dir", help="KV store directory (default: a temporary one, deleted afterwards)")
     g.add_argument("--out", required=True, metavar="DIR", help="output directory (results.json, CSVs, plots)")
     g.add_argument(
@@ -200,6 +209,12 @@ def register(sub) -> None:
         help="markdown report path (default: DIR/benchmarks.md); plots are copied beside it under bench/",
     )
     p.set_defaults(func=run)
+
+
+def _prefix_cache(v: int) -> int:
+    if v < 0:
+        raise BenchError(f"--prefix-cache: expected a number of bytes >= 0, got {v}")
+    return v
 
 
 def _hot_cache(v: str) -> int | str:
@@ -282,6 +297,7 @@ def command_line(args) -> str:
         "chunk_anchor",
         "kvlink_adapter",
         "hot_cache",
+        "prefix_cache",
         "cache_dir",
         "out",
         "report",
@@ -295,6 +311,7 @@ def command_line(args) -> str:
             or (opt == "chunk_anchor" and v == "auto")
             or (opt == "kvlink_adapter" and v == "default")
             or (opt == "hot_cache" and v == "0")
+            or (opt == "prefix_cache" and v == DEFAULT_PREFIX_CACHE)
         ):
             continue
         parts += [f"--{opt.replace('_', '-')}", str(v)]
@@ -373,6 +390,7 @@ def config_from_args(args):
             chunk_anchor=args.chunk_anchor,
             kvlink_adapter=args.kvlink_adapter,
             hot_cache=_hot_cache(args.hot_cache),
+            prefix_cache=_prefix_cache(args.prefix_cache),
             seed=args.seed,
             footprint=not args.no_footprint,
             warmup=not args.no_warmup,

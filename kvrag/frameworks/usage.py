@@ -29,7 +29,7 @@ class UsageTotals:
             n["calls"] += 1
             n["calls_with_hit"] += stats.chunks_hit > 0
             n["prompt_tokens"] += stats.prompt_tokens
-            n["cached_tokens"] += stats.cached_tokens
+            n["cached_tokens"] += stats.read_tokens
             n["recomputed_tokens"] += stats.recomputed_tokens
             n["completion_tokens"] += stats.new_tokens
             n["chunks_hit"] += stats.chunks_hit
@@ -54,10 +54,10 @@ class UsageTotals:
 def usage_counts(stats) -> dict[str, Any]:
     """One generation's token counts in the OpenAI ``usage`` form, which LlamaIndex's
     ``TokenCountingHandler`` reads from ``raw["usage"]`` (``prompt_tokens_details.cached_tokens``:
-    prompt tokens served from the KV cache)."""
+    prompt tokens served from the KV cache: chunks and the prompt prefix)."""
     return {
         "prompt_tokens": stats.prompt_tokens,
         "completion_tokens": stats.new_tokens,
         "total_tokens": stats.prompt_tokens + stats.new_tokens,
-        "prompt_tokens_details": {"cached_tokens": stats.cached_tokens},
+        "prompt_tokens_details": {"cached_tokens": stats.read_tokens},
     }

@@ -114,8 +114,11 @@ class Policy:
 
     def initial_active(self, state: "FusionState") -> torch.Tensor:
         """bool [N]: tokens whose hidden states are computed from layer 0 on. The engine adds
-        every non-cached token and the last token (its logits are the first output)."""
-        return ~state.layout.cached
+        every token it must compute (``FusionState.required``: neither cached nor a kept
+        prefix, and the last, whose logits are the first output). A kept prefix's rows are
+        exact: a policy that activates them (to read their fresh projections) may drop them
+        when it narrows."""
+        return ~state.layout.stored
 
     def select(self, layer: int, state: "FusionState", q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         """Narrow the computed set at ``layer``.

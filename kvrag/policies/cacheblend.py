@@ -154,7 +154,9 @@ class CacheBlend(Policy):
         k_keep = int(n_cached * self.ratio_at(i))
         k_keep = min(k_keep, int(cached_rows.sum()))
         chosen = top_indices(dev, k_keep)
-        return torch.cat([chosen, (~cached_rows).nonzero().squeeze(1)]).unique()
+        # The rows it must compute stay (a kept prefix's exact rows need not).
+        required = state.required.to(active.device)[active]
+        return torch.cat([chosen, required.nonzero().squeeze(1)]).unique()
 
     def select_by_attention(self, state, q, k, v):
         """Layer 0's selection under ``deviation="attention"``: every token is active (row ==

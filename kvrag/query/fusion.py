@@ -1,8 +1,9 @@
 """The fusion engine: a layer-by-layer prefill over plain and cached segments.
 
-Cached chunks' keys (stored pre-RoPE) are rotated to their global positions; plain segments
-(template, question) and policy-inserted tokens are computed; at every layer the policy may
-narrow the set of tokens that are computed ("active"). Active tokens' fresh K/V overwrite the
+Cached chunks' keys (stored pre-RoPE) are rotated to their global positions, as are a kept
+prompt prefix's (``kvrag.query.prefix``: exact, computed only where a policy asks); plain
+segments (template, question) and policy-inserted tokens are computed; at every layer the
+policy may narrow the set of tokens that are computed ("active"). Active tokens' fresh K/V overwrite the
 cached rows, and attend to the whole fused K/V with a causal mask in *global* positions.
 The engine names no policy: it only calls the hooks of ``kvrag.policies.base.Policy``.
 
@@ -18,7 +19,7 @@ import torch
 
 from kvrag.arch import Arch, AttentionPlan, visible_keys
 from kvrag.policies.base import Policy
-from kvrag.query.state import CACHED, INSERTED, FusionState, FusionStats, Layout, Piece
+from kvrag.query.state import CACHED, INSERTED, PREFIX, FusionState, FusionStats, Layout, Piece
 
 
 @dataclass
@@ -186,9 +187,10 @@ class FusionEngine:
         return Layout.build(out, query_tokens)
 
     def cached_kv(self, layout: Layout, cos: torch.Tensor, sin: torch.Tensor):
-        """Fused K/V per layer [Hkv, N, D], the cached rows filled with the chunks' keys rotated
-        to their global positions (cos/sin [N, D]: tables of all N positions) and their values;
-        the other rows uninitialised. Returns (K, V, {piece index: entry}).
+        """Fused K/V per layer [Hkv, N, D], the stored rows (cached chunks, a kept prefix)
+        filled with their entries' keys rotated to their global positions (cos/sin [N, D]:
+        tables of all N positions) and their values; the other rows uninitialised. Returns (K,
+        V, {piece index: entry} of the cached chunks).
 
         A fixed number of ops whatever the number of chunks (each op is a kernel launch on a
         GPU, where launches, not arithmetic, dominate at RAG sizes): the chunks' entries are
@@ -206,13 +208,13 @@ class FusionEngine:
         # until the last layer's was replaced.
         K = [torch.empty(hkv, n, d, dtype=dt, device=dev) for _ in range(L)]
         V = [torch.empty(hkv, n, d, dtype=dt, device=dev) for _ in range(L)]
-        spans = layout.spans(CACHED)
-        entries = {si: layout.pieces[si].entry for si, _, _ in spans}
-        if not spans:
+        stored = [p for p in layout.pieces if p.kind in (CACHED, PREFIX)]
+        entries = {si: layout.pieces[si].entry for si, _, _ in layout.spans(CACHED)}
+        if not stored:
             return K, V, entries
-        rows = layout.cached.nonzero().squeeze(1).to(dev)  # [C], in prompt order like the spans
-        keys = join_rows([e.keys for e in entries.values()], dev, dt)  # [L, Hkv, C, D]
-        values = join_rows([e.values for e in entries.values()], dev, dt)
+        rows = layout.stored.nonzero().squeeze(1).to(dev)  # [C], in prompt order like the pieces
+        keys = join_rows([p.entry.keys for p in stored], dev, dt)  # [L, Hkv, C, D]
+        values = join_rows([p.entry.values for p in stored], dev, dt)
         keys = arch.rotate_layers(keys, (cos[rows], sin[rows]))
         for layer in range(L):
             K[layer].index_copy_(1, rows, keys[layer])
@@ -325,11 +327,13 @@ class FusionEngine:
             out_pos = positions[keep_idx]
         cached = layout.cached
         n_cached = int(cached.sum())
+        n_prefix = sum(int(p.token_ids.numel()) for p in layout.pieces if p.kind == PREFIX)
         counts = state.layer_counts[cached]
         stats = FusionStats(
             prompt_tokens=n,
             cached_tokens=n_cached,
-            computed_tokens=n - n_cached,
+            prefix_tokens=n_prefix,
+            computed_tokens=n - n_cached - n_prefix,
             inserted_tokens=int((layout.kind == INSERTED).sum()),
             recomputed_tokens=int((counts == L).sum()) if n_cached else 0,
             recompute_fraction=float(counts.sum()) / (n_cached * L) if n_cached else 0.0,

@@ -16,14 +16,20 @@ from typing import Any
 
 import torch
 
-PLAIN, CACHED, INSERTED = 0, 1, 2
+# The kinds whose K/V are read, not computed, are numbered last: ``Layout.stored`` is then one
+# comparison (every op on the layout counts toward a fused prefill's op budget).
+PLAIN, INSERTED, CACHED, PREFIX = 0, 1, 2, 3
 
 
 @dataclass
 class Piece:
     """One segment of the prompt as the engine sees it.
 
-    token_ids [T]; ``entry`` is the loaded ``ChunkEntry`` for a cached chunk, else None;
+    ``kind``: PLAIN (computed), CACHED (a chunk's stored K/V, fused under the policy),
+    INSERTED (policy-made tokens, computed) or PREFIX (the prompt's leading plain tokens, their
+    exact K/V kept from an earlier prompt: ``kvrag.query.prefix``).
+
+    token_ids [T]; ``entry`` is the loaded ``ChunkEntry`` for a cached chunk or a prefix, else None;
     ``embeds`` [T, E] for inserted tokens (policy-made), else None; ``key`` the chunk's store
     key and ``span`` the range ``(a, b)`` of the stored chunk's tokens the piece holds (the
     prompt may tokenize a chunk's edges otherwise, so only part of it is reused)."""
@@ -40,7 +46,7 @@ class Piece:
 class Layout:
     """Token layout of one fused prompt.
 
-    token_ids [N] (0 for inserted tokens), kind [N] (PLAIN/CACHED/INSERTED), segment [N]
+    token_ids [N] (0 for inserted tokens), kind [N] (PLAIN/CACHED/INSERTED/PREFIX), segment [N]
     (index into ``pieces``), positions [N] (global RoPE positions), query [Q] (indices of the
     question tokens: the trailing plain tokens after the last cached chunk by default)."""
 
@@ -66,6 +72,13 @@ class Layout:
     def cached(self) -> torch.Tensor:
         """bool [N]: token comes from a cached chunk."""
         return self.kind == CACHED
+
+    @property
+    def stored(self) -> torch.Tensor:
+        """bool [N]: token's K/V are read, not computed: a cached chunk's or an exact prefix's.
+        A prefix is not ``cached``: policies neither rank nor recompute it (it is exact), and
+        it counts in no recompute budget."""
+        return self.kind >= CACHED
 
     def spans(self, kind: int | None = None) -> list[tuple[int, int, int]]:
         """(segment index, start, end) token spans of the pieces (of one kind)."""
@@ -110,6 +123,7 @@ class FusionStats:
 
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    prefix_tokens: int = 0  # leading plain tokens whose exact K/V were kept from an earlier prompt
     computed_tokens: int = 0
     inserted_tokens: int = 0
     recomputed_tokens: int = 0
@@ -131,6 +145,12 @@ class FusionStats:
     # ``state.scratch["policy_stats"]`` by reference, so a decode-time policy (A2ATS' KV bytes
     # read per token) keeps updating them while decoding.
     policy_stats: dict = field(default_factory=dict)
+
+    @property
+    def read_tokens(self) -> int:
+        """Prompt tokens whose K/V were read, not computed: cached chunks' and a kept prefix's
+        (what OpenAI's ``usage.prompt_tokens_details.cached_tokens`` counts)."""
+        return self.cached_tokens + self.prefix_tokens
 
     #: What the chunk lookup (``kvrag.query.lookup``) counts, before any prefill runs.
     LOOKUP_FIELDS = ("chunks_missed", "chunks_unaligned", "chunks_partial", "chunks_hot", "bytes_loaded")
@@ -177,7 +197,8 @@ class FusionState:
 
     @property
     def required(self) -> torch.Tensor:
-        """bool [N]: tokens that must be computed at every layer (non-cached + last)."""
-        req = ~self.layout.cached
+        """bool [N]: tokens that must be computed at every layer (neither cached nor a kept
+        prefix, and the last)."""
+        req = ~self.layout.stored
         req[-1] = True
         return req

@@ -204,7 +204,8 @@ def now() -> int:
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
     """OpenAI's ``usage``; ``prompt_tokens_details.cached_tokens``: prompt tokens whose K/V came
-    from chunk caches (FusionStats.cached_tokens), the field OpenAI uses for its prompt cache."""
+    from chunk caches or the prompt prefix cache (``FusionStats.read_tokens``),
+    the field OpenAI uses for its prompt cache."""
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,

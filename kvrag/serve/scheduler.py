@@ -94,8 +94,9 @@ class GenerationRequest:
 class Finished:
     """How a request ended. ``finish_reason``: "stop" (EOS or a stop string), "length"
     (max_new_tokens), "cancelled" or "error" (then ``error`` is set). ``cached_tokens``: prompt
-    tokens served from chunk caches. ``ttft_s``: from ``submit`` to the first token (queueing
-    included; ``stats.ttft_s`` counts from the prefill's start), None if no token came."""
+    tokens whose K/V were read, not computed: from chunk caches and the prompt prefix cache.
+    ``ttft_s``: from ``submit`` to the first token (queueing included; ``stats.ttft_s`` counts
+    from the prefill's start), None if no token came."""
 
     text: str
     token_ids: list[int]
@@ -588,7 +589,7 @@ class Scheduler:
             reason,
             stats.prompt_tokens,
             len(r.tokens),
-            stats.cached_tokens,
+            stats.read_tokens,
             ttft,
             stats,
             error,

@@ -29,7 +29,7 @@ def test_real_model_samkv(tmp_path):
     assert out.text.strip()
     st = out.stats
     assert st.chunks_hit == 3 and st.cached_tokens > 0
-    kept_cached = st.kept_tokens - st.computed_tokens
+    kept_cached = st.kept_tokens - st.computed_tokens - st.prefix_tokens
     assert 0 < kept_cached <= 0.3 * st.cached_tokens + 1
     assert st.policy_stats["samkv.kept_fraction"] <= 0.31
     # The exact limit reproduces full prefill's answer.

@@ -40,4 +40,4 @@ def test_concurrent_chat_requests_equal_generate(tmp_path, monkeypatch):
     for r, ref, fin in zip(reqs, refs, fins):
         assert fin.error is None, r.policy
         assert fin.token_ids == ref.token_ids, r.policy
-        assert fin.text == ref.text and fin.cached_tokens == ref.stats.cached_tokens, r.policy
+        assert fin.text == ref.text and fin.cached_tokens == ref.stats.read_tokens, r.policy

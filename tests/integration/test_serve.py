@@ -21,7 +21,7 @@ import openai
 import pytest
 import torch
 from corpus_helpers import DOCS as CORPUS
-from serve_helpers import running
+from serve_helpers import head_tokens, running
 
 from kvrag.engine import KVRag
 from kvrag.serve.app import create_app
@@ -82,14 +82,14 @@ def test_openai_sync_chat_and_completion_equal_generate_with_cached_tokens(serve
     got = c.chat.completions.create(model="tiny", messages=messages(), max_tokens=8, temperature=0)
     assert got.choices[0].message.content == want.text
     assert got.choices[0].finish_reason == want.finish_reason
-    assert got.usage.prompt_tokens_details.cached_tokens == want.stats.cached_tokens
+    assert got.usage.prompt_tokens_details.cached_tokens == want.stats.read_tokens
     assert got.usage.prompt_tokens == want.stats.prompt_tokens
     assert got.usage.completion_tokens == len(want.token_ids)
     # /v1/completions takes the rendered string: the same prompt, the same answer.
     prompt = rag.render(messages())
     got = c.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0)
     assert got.choices[0].text == want.text
-    assert got.usage.prompt_tokens_details.cached_tokens == want.stats.cached_tokens
+    assert got.usage.prompt_tokens_details.cached_tokens == want.stats.read_tokens
 
 
 def test_openai_stream_with_usage_gives_generates_text(server, rag):
@@ -112,7 +112,7 @@ def test_openai_stream_with_usage_gives_generates_text(server, rag):
             usage = chunk.usage
     assert "".join(parts) == want.text
     assert finish == want.finish_reason
-    assert usage.prompt_tokens_details.cached_tokens == want.stats.cached_tokens > 0
+    assert usage.prompt_tokens_details.cached_tokens == want.stats.read_tokens > 0
     # /v1/completions streams text_completion chunks, without usage unless asked.
     chunks = list(
         client(url).completions.create(
@@ -163,7 +163,7 @@ def test_per_request_policy_through_extra_body(server, rag):
     )
     assert got.choices[0].message.content == want.text
     assert got.model_extra["kvrag"]["policy"] == "epic"
-    assert got.usage.prompt_tokens_details.cached_tokens == want.stats.cached_tokens > 0
+    assert got.usage.prompt_tokens_details.cached_tokens == want.stats.read_tokens > 0
     # "auto" is the server's own policy, as KVRag.generate(policy="auto") is the KVRag's.
     own = c.chat.completions.create(
         model="tiny", messages=messages(), max_tokens=6, temperature=0, extra_body={"kvrag": {"policy": "auto"}}
@@ -436,7 +436,8 @@ def test_chunks_posted_over_http_are_hits_on_the_first_query(handle, tmp_path):
         assert httpx.get(url + "/v1/chunks/" + "0" * 64).json() == {"key": "0" * 64, "stored": False}
         assert httpx.get(url + "/v1/chunks/not-a-key").status_code == 400
         got = client(url).chat.completions.create(model="t", messages=messages(), max_tokens=3, temperature=0)
-        assert got.usage.prompt_tokens_details.cached_tokens == sum(len(rag.chunk_ids(d)) for d in DOCS)
+        chunks = sum(len(rag.chunk_ids(d)) for d in DOCS)
+        assert got.usage.prompt_tokens_details.cached_tokens == chunks + head_tokens(rag, messages())
 
 
 def test_metrics_count_requests_ttft_and_cache_share(server):
@@ -473,7 +474,8 @@ def test_two_replicas_sharing_redis_share_chunks(handle, tmp_path, redis_url, pr
         keys = _ingest(url_a, DOCS)  # ingested through replica A only
         assert all(httpx.get(f"{url_b}/v1/chunks/{k}").json()["stored"] for k in keys)
         got = client(url_b).chat.completions.create(model="t", messages=messages(), max_tokens=3, temperature=0)
-        assert got.usage.prompt_tokens_details.cached_tokens == sum(len(b.chunk_ids(d)) for d in DOCS)
+        chunks = sum(len(b.chunk_ids(d)) for d in DOCS)
+        assert got.usage.prompt_tokens_details.cached_tokens == chunks + head_tokens(b, messages())
         assert got.choices[0].message.content == a.generate(messages(), max_new_tokens=3).text
 
 
@@ -579,7 +581,7 @@ def test_real_smollm2_greedy_answers_through_the_server_equal_generate(tmp_path)
                     extra_body={"kvrag": {"policy": policy}},
                 )
                 assert got.choices[0].message.content == want.text
-                assert got.usage.prompt_tokens_details.cached_tokens == want.stats.cached_tokens
+                assert got.usage.prompt_tokens_details.cached_tokens == want.stats.read_tokens
                 assert (want.stats.cached_tokens > 0) == (policy != "full_prefill")
 
 

@@ -12,7 +12,7 @@ import chromadb
 import httpx
 import pytest
 from chromadb.config import Settings as ChromaSettings
-from serve_helpers import running
+from serve_helpers import head_tokens, running
 
 from kvrag.engine import KVRag
 from kvrag.serve.app import create_app
@@ -149,7 +149,11 @@ def test_langchain_chatopenai_lcel_chain_over_chroma_hits_on_the_first_query(ser
 
     chain = {"context": retriever | fmt, "question": RunnablePassthrough()} | prompt | llm
     msg = chain.invoke(QUESTION)
-    cached = sum(len(rag.chunk_ids(d.page_content)) for d in fmt.docs)
+    sent = [
+        {"role": "system", "content": "Answer the question using the context. Reply with a short answer only."},
+        {"role": "user", "content": f"Context:\n\n{fmt(fmt.docs)}\n\nQuestion: {QUESTION}"},
+    ]
+    cached = sum(len(rag.chunk_ids(d.page_content)) for d in fmt.docs) + head_tokens(rag, sent)
     assert msg.usage_metadata["input_token_details"]["cache_read"] == cached > 0
     assert msg.usage_metadata["output_tokens"] == 6
     # The same chain streamed and awaited: the same answer, the usage on the stream too.

@@ -212,6 +212,19 @@ def test_bench_hot_cache_option(tmp_path):
             config_from_args(_bench_args(*out, "--hot-cache", bad))
 
 
+def test_bench_prefix_cache_option(tmp_path):
+    from kvrag.cli.bench import BenchError, command_line, config_from_args
+    from kvrag.defaults import DEFAULT_PREFIX_CACHE
+
+    out = ("--synthetic", "--out", str(tmp_path / "o"))
+    args = _bench_args(*out)
+    assert config_from_args(args).prefix_cache == DEFAULT_PREFIX_CACHE and "--prefix-cache" not in command_line(args)
+    args = _bench_args(*out, "--prefix-cache", "0")
+    assert config_from_args(args).prefix_cache == 0 and "--prefix-cache 0" in command_line(args)
+    with pytest.raises(BenchError, match="--prefix-cache"):
+        config_from_args(_bench_args(*out, "--prefix-cache", "-1"))
+
+
 def test_bench_zero_sweep_limit_means_no_sweep(tmp_path):
     from kvrag.cli.bench import config_from_args
 

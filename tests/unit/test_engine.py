@@ -9,6 +9,7 @@ from corpus_helpers import hf_greedy, prompt_for
 
 from kvrag.engine import KVRag
 from kvrag.errors import ChunkError
+from kvrag.query.state import CACHED, PLAIN
 from kvrag.testing import tiny_llama
 
 DOCS = CORPUS[:3]
@@ -329,7 +330,11 @@ def test_naive_reuse_uses_cache_and_counts(rag):
     s = out.stats
     assert s.chunks_hit == 2 and s.recompute_fraction == 0.0
     assert s.cached_tokens == sum(len(rag.chunk_ids(d)) for d in DOCS[:2])
-    assert s.computed_tokens == s.prompt_tokens - s.cached_tokens
+    # The text before the first chunk (the template's head) is read from the prefix cache.
+    pieces, _ = rag.pieces(rag.render(prompt_for(DOCS)))
+    assert pieces[0].kind == PLAIN and pieces[1].kind == CACHED
+    assert s.prefix_tokens == len(pieces[0].token_ids) > 0
+    assert s.computed_tokens == s.prompt_tokens - s.cached_tokens - s.prefix_tokens
     assert s.bytes_loaded > 0 and s.ttft_s > 0
 
 

@@ -88,7 +88,7 @@ def test_llamaindex_token_counting_handler_sees_the_real_counts(li_llm):
     assert stats.cached_tokens > 0
     assert counter.prompt_llm_token_count == stats.prompt_tokens
     assert counter.completion_llm_token_count == stats.new_tokens
-    assert resp.raw["usage"]["prompt_tokens_details"]["cached_tokens"] == stats.cached_tokens
+    assert resp.raw["usage"]["prompt_tokens_details"]["cached_tokens"] == stats.read_tokens
     li_llm.chat([ChatMessage(role="user", content=PROMPT)])
     assert counter.prompt_llm_token_count > stats.prompt_tokens  # the chat call was counted too
     totals = li_llm.usage_totals
@@ -191,7 +191,7 @@ def test_langchain_usage_tokens_and_totals(lc_llm):
     cb = Tokens()
     msg = lc_llm.invoke(PROMPT, config={"callbacks": [cb]})
     assert "".join(cb.tokens) == msg.content
-    assert msg.usage_metadata["input_token_details"]["cache_read"] == lc_llm.last_stats.cached_tokens > 0
+    assert msg.usage_metadata["input_token_details"]["cache_read"] == lc_llm.last_stats.read_tokens > 0
     # LangChain's convention: streaming=True routes invoke() through _stream.
     assert type(lc_llm)(rag=lc_llm.rag, streaming=True)._should_stream(async_api=False)
     assert lc_llm.usage_totals["calls"] == 1 and lc_llm.usage_totals["cached_tokens"] > 0

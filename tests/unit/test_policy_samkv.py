@@ -14,7 +14,7 @@ from kvrag.policies import samkv as sk
 from kvrag.policies.base import top_indices
 from kvrag.query.decode import cache_kwargs
 from kvrag.query.fusion import FusionEngine
-from kvrag.query.state import Layout
+from kvrag.query.state import CACHED, Layout
 
 BS = 4  # tiny documents need tiny blocks: 1 initial block (4 tokens) + 2 local blocks (8)
 
@@ -119,7 +119,7 @@ def _direct_q(arch, hidden_states, positions):
 def test_personalized_query_matches_eq1_computed_directly():
     model, arch, segs, layout = _setup(prefix=0, doc_lens=(40, 36, 44))
     _, info = _run(arch, layout, keep_ratio=0.4, stable_layers=(1, 2, 3))
-    spans = layout.spans(1)
+    spans = layout.spans(CACHED)
     # Generic query vector: HF's own forward of the question against a DynamicCache holding only
     # the initial + local rows of every document (keys rotated to their prompt positions).
     comp = torch.cat([torch.arange(*s) for d in info.docs for s in d.forced])
@@ -176,7 +176,7 @@ def test_original_context_attention_matches_the_models_own_weights(model_type):
         assert arch.windows[0] == 8 < 36  # the window binds inside every document
     _, info = _run(arch, layout, keep_ratio=0.4, stable_layers=(1, 2, 3))
     model.set_attn_implementation("eager")
-    for (si, start, end), d in zip(layout.spans(1), info.docs):
+    for (si, start, end), d in zip(layout.spans(CACHED), info.docs):
         ids = layout.token_ids[start:end]
         with torch.no_grad():
             att = model(ids.unsqueeze(0), output_attentions=True).attentions
@@ -351,7 +351,7 @@ def test_batched_preliminary_equals_the_per_document_passes():
             hidden = arch.attend(layer, hidden, q, keys, vals, lmask)
         torch.testing.assert_close(info.query_attn, query_attn, atol=1e-5, rtol=1e-4)
         # Each document alone through the same pass with no prompt rows (what ingestion runs).
-        for (si, start, end), d in zip(layout.spans(1), info.docs):
+        for (si, start, end), d in zip(layout.spans(CACHED), info.docs):
             e = layout.pieces[si].entry
             extras = pol.chunk_extras(arch, e.keys, e.values, e.token_ids)
             torch.testing.assert_close(info.context_attn[start:end], extras[sk.CONTEXT_KEY], atol=1e-5, rtol=1e-4)
@@ -392,7 +392,7 @@ def test_fixed_theta_limits():
     zero, info = _run(arch, layout, theta=0.0, **kw)
     kept = info.keep.nonzero().squeeze(1)
     cached_out = layout.cached[kept]
-    for si, start, end in layout.spans(1):
+    for si, start, end in layout.spans(CACHED):
         e = layout.pieces[si].entry
         rows = (kept >= start) & (kept < end)
         pos = kept[rows]

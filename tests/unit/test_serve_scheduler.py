@@ -56,7 +56,7 @@ def test_one_request_equals_generate(rag):
         fin = sched.submit(GenerationRequest(prompt, max_new_tokens=10)).result(timeout=120)
     assert fin.finish_reason == ref.finish_reason == "length"
     assert fin.token_ids == ref.token_ids and fin.text == ref.text
-    assert fin.cached_tokens == ref.stats.cached_tokens > 0
+    assert fin.cached_tokens == ref.stats.read_tokens > ref.stats.cached_tokens > 0
     assert fin.prompt_tokens == ref.stats.prompt_tokens and fin.completion_tokens == 10
     assert fin.stats.new_tokens == 10 and fin.error is None
     assert fin.ttft_s is not None and fin.ttft_s > 0
@@ -124,7 +124,7 @@ def test_concurrent_requests_under_every_policy_equal_generate(tmp_path, model_t
         assert fin.error is None, name
         assert fin.token_ids == ref.token_ids, name
         assert fin.text == ref.text and fin.finish_reason == ref.finish_reason, name
-        assert fin.cached_tokens == ref.stats.cached_tokens, name
+        assert fin.cached_tokens == ref.stats.read_tokens, name
 
 
 def test_streams_read_from_threads_and_asyncio_each_as_alone(rag):

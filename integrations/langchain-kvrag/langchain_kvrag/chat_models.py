@@ -90,13 +90,14 @@ def to_kvrag_messages(messages: Sequence[BaseMessage]) -> list[dict[str, str]]:
 
 
 def _usage(stats) -> dict[str, Any]:
-    """LangChain ``UsageMetadata``: cache_read = prompt tokens served from the KV cache;
+    """LangChain ``UsageMetadata``: cache_read = prompt tokens served from the KV cache (chunks
+    and the prompt prefix);
     recomputed = those of them the policy recomputed anyway (a kvrag-specific key)."""
     return {
         "input_tokens": stats.prompt_tokens,
         "output_tokens": stats.new_tokens,
         "total_tokens": stats.prompt_tokens + stats.new_tokens,
-        "input_token_details": {"cache_read": stats.cached_tokens, "recomputed": stats.recomputed_tokens},
+        "input_token_details": {"cache_read": stats.read_tokens, "recomputed": stats.recomputed_tokens},
     }
 
 

@@ -70,7 +70,7 @@ def test_add_documents_hook_then_lcel_chain_hits(tmp_path, embed, llm):
     msg = chain.invoke(QUESTION)
     u = msg.usage_metadata
     assert llm.last_stats.chunks_hit == 2
-    assert u["input_token_details"]["cache_read"] == llm.last_stats.cached_tokens > 0
+    assert u["input_token_details"]["cache_read"] == llm.last_stats.read_tokens > llm.last_stats.cached_tokens > 0
     assert u["input_token_details"]["recomputed"] == llm.last_stats.recomputed_tokens
     assert u["input_tokens"] == llm.last_stats.prompt_tokens and u["output_tokens"] == 6
     assert msg.response_metadata["ttft_s"] > 0 and msg.response_metadata["finish_reason"] == "length"
