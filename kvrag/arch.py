@@ -604,7 +604,7 @@ class Arch:
         soft-capped where the model caps them (Gemma 2)."""
         k = keys.to(q.dtype)
         if k.shape[0] != q.shape[0]:
-            k = k.repeat_interleave(q.shape[0] // k.shape[0], dim=0)
+            k = self.per_query_head(k)
         scores = torch.matmul(q, k.transpose(-1, -2)) * self.scaling
         if self.attn_softcap is not None:
             scores = torch.tanh(scores / self.attn_softcap) * self.attn_softcap
@@ -622,7 +622,7 @@ class Arch:
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         v = values.to(q.dtype)
         if v.shape[0] != q.shape[0]:
-            v = v.repeat_interleave(q.shape[0] // v.shape[0], dim=0)
+            v = self.per_query_head(v)
         return torch.matmul(probs, v).transpose(0, 1).reshape(q.shape[1], -1)
 
     #: Row groups of the grouped attention; more groups skip more masked work but each SDPA

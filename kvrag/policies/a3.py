@@ -180,7 +180,7 @@ class A3(Policy):
         row. q_obs [H, Q, D], keys [Hkv, N, D] -> probs [Q, N]."""
         arch = state.arch
         H, nq, D = q_obs.shape
-        k = keys.float().repeat_interleave(H // keys.shape[0], dim=0)  # [H, N, D]
+        k = arch.per_query_head(keys.float())  # [H, N, D]
         qf = q_obs.float().transpose(0, 1).reshape(nq, H * D)
         kf = k.transpose(0, 1).reshape(k.shape[1], H * D)
         scores = (qf @ kf.T) * (arch.scaling / math.sqrt(H))

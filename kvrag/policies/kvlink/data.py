@@ -427,7 +427,6 @@ class TaskSampler:
         from kvrag.policies.kvlink.train import answer_ids, build_sample, prompt_pieces, rag_prompt, truncate_passage
 
         h = self.handle
-        eos = h.tokenizer.eos_token_id
         laid: list[tuple[list, list[int] | None]] = []  # (pieces, answer ids; None: the teacher's)
         for task in tasks:
             cut = (truncate_passage(p, self.max_passage_chars) for p in task.passages)
@@ -437,7 +436,7 @@ class TaskSampler:
             if task.target == "gold":
                 laid.append((pieces, answer_ids(h, task.answers[0])))
             elif self.max_tokens is not None and self._prompt_tokens(pieces) >= self.max_tokens:
-                laid.append((pieces, [eos if eos is not None else 0]))  # over the limit already: the caller skips it
+                laid.append((pieces, [self._pad_id()]))  # over the limit already: the caller skips it
             else:
                 laid.append((pieces, None))
         prompts = [[t for piece in pieces for t in piece[0]] for pieces, ans in laid if ans is None]
@@ -452,6 +451,12 @@ class TaskSampler:
             out.append(sample)
         return out
 
+    def _pad_id(self) -> int:
+        """The id that stands in where one is needed and none is read: the end token, or 0
+        for a tokenizer without one."""
+        eos = self.handle.tokenizer.eos_token_id
+        return eos if eos is not None else 0
+
     def _teacher_answers(self, prompts: list[list[int]]) -> list[tuple[list[int], torch.Tensor | None]]:
         """The base model's greedy answer to each prompt (``answer_tokens`` at most, through
         the end-of-turn token) with its logits [T_i, V] float32 (row t predicts answer token t
@@ -461,7 +466,7 @@ class TaskSampler:
 
         h = self.handle
         eos = h.tokenizer.eos_token_id
-        pad = eos if eos is not None else 0
+        pad = self._pad_id()
         width = max(len(p) for p in prompts)
         ids = torch.full((len(prompts), width), pad, dtype=torch.long)
         mask = torch.zeros_like(ids)
