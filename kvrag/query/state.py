@@ -27,7 +27,7 @@ class Piece:
 
     ``kind``: PLAIN (computed), CACHED (a chunk's stored K/V, fused under the policy),
     INSERTED (policy-made tokens, computed) or PREFIX (the prompt's leading plain tokens, their
-    exact K/V kept from an earlier prompt: ``kvrag.query.prefix``).
+    exact K/V read from the prompt prefix cache: ``kvrag.query.prefix``).
 
     token_ids [T]; ``entry`` is the loaded ``ChunkEntry`` for a cached chunk or a prefix, else None;
     ``embeds`` [T, E] for inserted tokens (policy-made), else None; ``key`` the chunk's store
@@ -123,7 +123,7 @@ class FusionStats:
 
     prompt_tokens: int = 0
     cached_tokens: int = 0
-    prefix_tokens: int = 0  # leading plain tokens whose exact K/V were kept from an earlier prompt
+    prefix_tokens: int = 0  # leading plain tokens read from the prompt prefix cache (computed at its first use)
     computed_tokens: int = 0
     inserted_tokens: int = 0
     recomputed_tokens: int = 0
