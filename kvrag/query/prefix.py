@@ -19,16 +19,14 @@ Shapes: ``P`` prefix tokens, ``L`` layers, ``Hkv`` KV heads, ``D`` head dim.
 
 from __future__ import annotations
 
-import threading
-
 import torch
-from cachetools import LRUCache
 
 from kvrag.arch import Arch
 from kvrag.checks import check_int
 from kvrag.chunk import compute_chunk_kv
 from kvrag.query.state import PLAIN, PREFIX, Piece
 from kvrag.store.base import ChunkEntry
+from kvrag.store.lru import ByteLRU
 
 
 class PrefixCache:
@@ -41,10 +39,7 @@ class PrefixCache:
     def __init__(self, arch: Arch, budget: int) -> None:
         self.arch = arch
         self.budget = check_int("prefix_cache (bytes)", budget, 0)
-        self._entries: LRUCache[tuple[int, ...], ChunkEntry] = LRUCache(maxsize=max(1, self.budget), getsizeof=_size)
-        self._lock = threading.Lock()  # cachetools' LRU is not thread-safe
-        self.hits = 0
-        self.misses = 0
+        self._entries: ByteLRU[ChunkEntry] = ByteLRU(self.budget, _size)
 
     @property
     def enabled(self) -> bool:
@@ -56,20 +51,16 @@ class PrefixCache:
         if not self.enabled or token_ids.numel() == 0:
             return None
         ids = tuple(token_ids.tolist())
-        with self._lock:
-            hit = self._entries.get(ids)  # a hit becomes the most recently used
-            if hit is not None:
-                self.hits += 1
-                return hit
-            self.misses += 1
+        hit = self._entries.get(ids)
+        if hit is not None:
+            return hit
         a = self.arch
         if 2 * len(ids) * a.n_layers * a.n_kv_heads * a.head_dim * a.dtype.itemsize > self.budget:
             return None
         with torch.no_grad():
             ((keys, values),) = compute_chunk_kv(a, [list(ids)])
         entry = ChunkEntry("", "", token_ids.clone(), keys, values)
-        with self._lock:
-            self._entries[ids] = entry  # evicts least recently used entries down to the budget
+        self._entries.put(ids, entry)
         return entry
 
     def attach(self, pieces: list[Piece]) -> list[Piece]:
@@ -88,18 +79,11 @@ class PrefixCache:
         return [Piece(ids, PREFIX, entry=entry), *pieces[n:]]
 
     def clear(self) -> None:
-        with self._lock:
-            self._entries.clear()
+        self._entries.clear()
 
     def stats(self) -> dict:
-        with self._lock:
-            return {
-                "entries": len(self._entries),
-                "bytes": int(self._entries.currsize),
-                "budget": self.budget,
-                "hits": self.hits,
-                "misses": self.misses,
-            }
+        """entries, bytes, budget, hits, misses."""
+        return self._entries.stats()
 
 
 def _size(entry: ChunkEntry) -> int:

@@ -15,13 +15,13 @@ change what the key holds, and serving the copy gives the same answer as reading
 from __future__ import annotations
 
 import os
-import threading
+from collections.abc import Hashable
 
 import torch
-from cachetools import LRUCache
 
 from kvrag.checks import check_int
 from kvrag.store.base import ChunkEntry
+from kvrag.store.lru import ByteLRU
 
 # "auto": a fifth of the GPU's memory (the model and the prefill's activations need the
 # rest), or 1 GiB of RAM on the CPU (~40 SmolLM2 chunks of 512 tokens at float32). A host
@@ -64,7 +64,7 @@ def hot_device(tier: str, compute: torch.device) -> tuple[torch.device, bool]:
     return compute, False
 
 
-class HotCache:
+class HotCache(ByteLRU[ChunkEntry]):
     """Thread-safe LRU of ``ChunkEntry`` by store key, at most ``budget`` bytes of K/V.
 
     Entries are converted once on the way in: keys/values [L, Hkv, T, D] to ``device`` and
@@ -72,33 +72,19 @@ class HotCache:
     host tier beside a GPU); token ids and extras stay as stored."""
 
     def __init__(self, budget: int, device: torch.device, dtype: torch.dtype, pin: bool = False):
-        self.budget = budget
+        super().__init__(budget, self._size)
         self.device = device
         self.dtype = dtype
         self.pin = pin
-        # cachetools' LRU sized in bytes (getsizeof); it is not thread-safe, hence the lock.
-        self._entries: LRUCache[str, ChunkEntry] = LRUCache(maxsize=budget, getsizeof=self._size)
-        self._lock = threading.Lock()
-        self.hits = 0
-        self.misses = 0
 
     def _size(self, entry: ChunkEntry) -> int:
         """Bytes of ``entry``'s K and V once held here (in ``dtype``)."""
         return entry.keys.numel() * self.dtype.itemsize * 2
 
-    def get(self, key: str) -> ChunkEntry | None:
-        with self._lock:
-            entry = self._entries.get(key)  # a hit becomes the most recently used
-            if entry is None:
-                self.misses += 1
-                return None
-            self.hits += 1
-            return entry
-
-    def put(self, key: str, entry: ChunkEntry) -> ChunkEntry:
+    def put(self, key: Hashable, entry: ChunkEntry) -> ChunkEntry:
         """Keep ``entry`` (converted); returns the converted entry, or ``entry`` itself when it
         alone is over the budget (then nothing is kept, e.g. with budget 0)."""
-        if self._size(entry) > self.budget:
+        if not self.fits(entry):
             return entry
         # copy=True: a disk read's tensors are views of the blob's file mapping (or pinned
         # buffer); a kept view would hold a file descriptor and, once the blob is evicted, its
@@ -113,8 +99,7 @@ class HotCache:
             values,
             {k: v.clone() for k, v in entry.extras.items()},
         )
-        with self._lock:
-            self._entries[key] = hot  # evicts least recently used entries down to the budget
+        super().put(key, hot)  # evicts least recently used entries down to the budget
         return hot
 
     def _own_copy(self, t: torch.Tensor) -> torch.Tensor:
@@ -124,20 +109,3 @@ class HotCache:
             # pinned disk read) would return the read buffer itself.
             return torch.empty(t.shape, dtype=self.dtype, pin_memory=True).copy_(t)
         return t.to(device=self.device, dtype=self.dtype, non_blocking=True, copy=True)
-
-    def clear(self) -> None:
-        with self._lock:
-            self._entries.clear()
-
-    def stats(self) -> dict:
-        with self._lock:
-            return {
-                "entries": len(self._entries),
-                "bytes": int(self._entries.currsize),
-                "budget": self.budget,
-                "hits": self.hits,
-                "misses": self.misses,
-            }
-
-    def __len__(self) -> int:
-        return len(self._entries)

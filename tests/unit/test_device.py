@@ -200,7 +200,7 @@ def test_host_hot_tier_serves_page_locked_copies_with_device_tier_logits(handles
     assert sb.chunks_hot == 3 and sa.chunks_hot == 3
     torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
     pin = handle.device.type == "cuda"
-    held = list(host_tier.hot._entries.values())
+    held = host_tier.hot.values()
     assert len(held) == 3
     for entry in held:
         assert entry.keys.device.type == "cpu" and entry.keys.is_pinned() == pin and entry.values.is_pinned() == pin

@@ -587,7 +587,7 @@ def test_hot_tier_in_host_memory_and_bad_tier_names(handle, tmp_path):
     first = rag.generate(prompt, policy="naive_reuse", max_new_tokens=4)
     again = rag.generate(prompt, policy="naive_reuse", max_new_tokens=4)
     assert first.stats.chunks_hot == 0 and again.stats.chunks_hot == 3 and again.token_ids == first.token_ids
-    assert not rag.hot.pin and all(e.keys.device.type == "cpu" for e in rag.hot._entries.values())
+    assert not rag.hot.pin and all(e.keys.device.type == "cpu" for e in rag.hot.values())
     with pytest.raises(ValueError, match="hot_tier must be one of device, host, got 'gpu'"):
         KVRag("no/such/model/dir", cache_dir=tmp_path / "kv", hot_tier="gpu")
 
