@@ -2,6 +2,8 @@
 chunk is computed once, from position 0, and every later fused prefill that starts with it
 reads it instead of computing it -- exactly, so every policy answers as without it."""
 
+import os
+
 import pytest
 import torch
 from corpus_helpers import DOCS as CORPUS
@@ -12,6 +14,8 @@ from kvrag.query.state import CACHED, PLAIN, PREFIX, Piece
 from kvrag.testing import tiny_llama
 
 DOCS = CORPUS[:3]
+# benchmarks/gpu_check.sh runs the first two tests on the device (KVRAG_TEST_DEVICE=cuda).
+DEVICE = os.environ.get("KVRAG_TEST_DEVICE", "cpu")
 # Longer than the sliding windows below, so the prefix's own K/V are windowed too.
 HEAD = "You are a careful assistant who reads every passage before answering. " * 3 + "Passages:\n\n"
 
@@ -49,7 +53,7 @@ MODELS = [
 def rags(request, tmp_path_factory):
     """(with the prefix cache, without) over one model and one store."""
     model_type, overrides = request.param
-    h = tiny_llama(seed=0, model_type=model_type, **overrides)
+    h = tiny_llama(seed=0, model_type=model_type, device=DEVICE, **overrides)
     store = tmp_path_factory.mktemp("kv")
     on = KVRag(h, cache_dir=store, hot_cache=0)
     off = KVRag(h, cache_dir=store, hot_cache=0, prefix_cache=0)
