@@ -128,6 +128,24 @@ def test_one_entry_per_prefix_kept_in_its_budget(tmp_path):
     assert none.prefixes.stats()["entries"] == 0
 
 
+def test_concurrent_prefills_share_one_entry(tmp_path):
+    """Requests prefilled on several threads at once (the framework adapters' streams) read and
+    fill the cache together: one entry, every prefill as a lone one."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    rag = KVRag(tiny_llama(seed=0), cache_dir=tmp_path / "kv", hot_cache=0)
+    rag.precompute(DOCS)
+    texts = [prompt(question=q) for q in ("Where does the red fox live?", "What do foxes eat?")] * 3
+    with ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(lambda t: rag.prefill(t, "cacheblend"), texts))
+    st = rag.prefixes.stats()
+    assert st["entries"] == 1 and st["hits"] + st["misses"] == len(texts)
+    for text, res in zip(texts, got):
+        alone = rag.prefill(text, "cacheblend")
+        assert res.stats.prefix_tokens == alone.stats.prefix_tokens > 0
+        torch.testing.assert_close(res.logits, alone.logits, atol=1e-4, rtol=1e-4)
+
+
 def test_no_prefix_where_it_would_not_be_exact_or_there_is_none(tmp_path):
     # LongRoPE picks its frequencies from the sequence length: a prefix computed alone would
     # carry another length's tables.
