@@ -289,7 +289,7 @@ class KVRag:
         )
         self.lookup = ChunkLookup(self.handle, self.store, self.hot, self.segmenter, self.fingerprint, refresh_s)
         self.fusion = FusionEngine(self.arch)
-        self.prefixes = PrefixCache(self.arch, prefix_cache)
+        self.prefixes = PrefixCache(self.handle, prefix_cache)
 
     # ---- chunks ----------------------------------------------------------------------
     def chunk_ids(self, text: str) -> list[int]:

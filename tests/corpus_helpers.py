@@ -21,3 +21,13 @@ def hf_greedy(model, ids, n):
     with torch.no_grad():
         out = model.generate(t, attention_mask=torch.ones_like(t), max_new_tokens=n, do_sample=False, pad_token_id=0)
     return out[0, len(ids) :].tolist()
+
+
+def head_tokens(rag, prompt) -> int:
+    """Tokens of the rendered ``prompt`` (text or chat messages) before its first cached chunk:
+    what the prompt prefix cache serves."""
+    from kvrag.query.state import PLAIN
+
+    pieces, _ = rag.pieces(rag.render(prompt))
+    first = next(i for i, p in enumerate(pieces) if p.kind != PLAIN)
+    return sum(int(p.token_ids.numel()) for p in pieces[:first])

@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import torch
 
-from kvrag.arch import Arch
 from kvrag.checks import check_int
 from kvrag.chunk import compute_chunk_kv
+from kvrag.model import ModelHandle
 from kvrag.query.state import PLAIN, PREFIX, Piece
 from kvrag.store.base import ChunkEntry
 from kvrag.store.lru import ByteLRU
@@ -36,10 +36,14 @@ class PrefixCache:
     model's dtype on its device, computed from position 0 with nothing before it (no anchor):
     the fusion engine rotates its keys to positions 0..P-1 with the cached chunks'."""
 
-    def __init__(self, arch: Arch, budget: int) -> None:
-        self.arch = arch
-        self.budget = check_int("prefix_cache (bytes)", budget, 0)
-        self._entries: ByteLRU[ChunkEntry] = ByteLRU(self.budget, _size)
+    def __init__(self, handle: ModelHandle, budget: int) -> None:
+        self.arch = handle.arch
+        self._token_bytes = handle.kv_bytes_per_token()  # an entry's bytes per token, in the model's dtype
+        self._entries: ByteLRU[ChunkEntry] = ByteLRU(check_int("prefix_cache (bytes)", budget, 0), _size)
+
+    @property
+    def budget(self) -> int:
+        return self._entries.budget
 
     @property
     def enabled(self) -> bool:
@@ -54,11 +58,10 @@ class PrefixCache:
         hit = self._entries.get(ids)
         if hit is not None:
             return hit
-        a = self.arch
-        if 2 * len(ids) * a.n_layers * a.n_kv_heads * a.head_dim * a.dtype.itemsize > self.budget:
+        if len(ids) * self._token_bytes > self.budget:
             return None
         with torch.no_grad():
-            ((keys, values),) = compute_chunk_kv(a, [list(ids)])
+            ((keys, values),) = compute_chunk_kv(self.arch, [list(ids)])
         entry = ChunkEntry("", "", token_ids.clone(), keys, values)
         self._entries.put(ids, entry)
         return entry

@@ -12,8 +12,6 @@ import time
 
 import uvicorn
 
-from kvrag.query.state import PLAIN
-
 
 @contextlib.contextmanager
 def running(app, timeout: float = 30.0):
@@ -36,11 +34,3 @@ def running(app, timeout: float = 30.0):
         server.should_exit = True
         thread.join(timeout)
         sock.close()
-
-
-def head_tokens(rag, messages) -> int:
-    """Tokens of the rendered ``messages`` before their first passage: the prompt prefix cache
-    serves them, so the OpenAI usage counts them as cached beside the passages'."""
-    pieces, _ = rag.pieces(rag.render(messages))
-    first = next(i for i, p in enumerate(pieces) if p.kind != PLAIN)
-    return sum(int(p.token_ids.numel()) for p in pieces[:first])

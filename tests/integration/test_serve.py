@@ -21,7 +21,8 @@ import openai
 import pytest
 import torch
 from corpus_helpers import DOCS as CORPUS
-from serve_helpers import head_tokens, running
+from corpus_helpers import head_tokens
+from serve_helpers import running
 
 from kvrag.engine import KVRag
 from kvrag.serve.app import create_app

@@ -12,7 +12,8 @@ import chromadb
 import httpx
 import pytest
 from chromadb.config import Settings as ChromaSettings
-from serve_helpers import head_tokens, running
+from corpus_helpers import head_tokens
+from serve_helpers import running
 
 from kvrag.engine import KVRag
 from kvrag.serve.app import create_app

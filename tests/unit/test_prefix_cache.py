@@ -7,6 +7,7 @@ import os
 import pytest
 import torch
 from corpus_helpers import DOCS as CORPUS
+from corpus_helpers import head_tokens
 
 from kvrag import KVRag
 from kvrag.chunk import compute_chunk_kv
@@ -22,13 +23,6 @@ HEAD = "You are a careful assistant who reads every passage before answering. " 
 
 def prompt(docs=DOCS, head=HEAD, question="Where does the red fox live?"):
     return head + "\n\n".join(docs) + f"\n\nQuestion: {question}\nAnswer:"
-
-
-def head_tokens(rag, text):
-    """Tokens before the first cached chunk (every leading plain piece)."""
-    pieces, _ = rag.pieces(rag.render(text))
-    first = next(i for i, p in enumerate(pieces) if p.kind == CACHED)
-    return sum(int(p.token_ids.numel()) for p in pieces[:first])
 
 
 POLICIES = [
