@@ -24,3 +24,6 @@ DEFAULT_CHUNK_ANCHOR = "auto"
 DEFAULT_PREFIX_CACHE = 64 << 20
 #: The answer length cap of ``KVRag.generate`` when none is given.
 DEFAULT_MAX_NEW_TOKENS = 128
+#: The most alternatives per generated token ``kvrag serve`` reports (``logprobs``): OpenAI's
+#: limit for chat, read by the wire format and the scheduler.
+MAX_TOP_LOGPROBS = 20

@@ -37,6 +37,8 @@ from kvrag.serve.protocol import (
     ChatCompletionRequest,
     ChunksRequest,
     CompletionRequest,
+    chat_logprobs,
+    completion_logprobs,
     new_id,
     now,
     usage,
@@ -150,6 +152,7 @@ def create_app(
                 policy_params=params,
                 min_tokens=body.min_tokens or 0,
                 ignore_eos=bool(body.ignore_eos),
+                logprobs=body.logprob_count(),
             )
         except (ValueError, TypeError) as e:
             raise APIError(400, str(e)) from None
@@ -197,7 +200,7 @@ def create_app(
         finally:
             watcher.cancel()
         metrics.observe_finished(fin, _tpot(t_first, fin))
-        choice = {"index": 0, "finish_reason": fin.finish_reason, "logprobs": None}
+        choice = {"index": 0, "finish_reason": fin.finish_reason, "logprobs": _logprobs(fin.logprobs, chat)}
         if chat:
             choice["message"] = {"role": "assistant", "content": fin.text}
         else:
@@ -213,16 +216,28 @@ def create_app(
             "kvrag": _kvrag_info(fin),
         }
 
+    def _logprobs(entries, chat: bool, offset: int = 0) -> dict | None:
+        if entries is None:
+            return None
+        return chat_logprobs(entries) if chat else completion_logprobs(entries, offset)
+
     async def _events(ticket, rid: str, chat: bool, include_usage: bool) -> AsyncIterator[str]:
         created = now()
         kind = "chat.completion.chunk" if chat else "text_completion"
+        wants_logprobs = ticket.request.logprobs is not None
+        streamed = {"chars": 0, "entries": 0}  # what the chunks so far carried
 
-        def chunk(delta: str | None, finish: str | None = None, role: bool = False) -> str:
+        def chunk(delta: str | None, finish: str | None = None, role: bool = False, entries=None) -> str:
+            lp = None
+            if wants_logprobs and entries is not None:
+                lp = _logprobs(entries, chat, streamed["chars"])
+                streamed["entries"] += len(entries)
+            streamed["chars"] += len(delta or "")
             if chat:
                 d = {"role": "assistant", "content": ""} if role else ({} if delta is None else {"content": delta})
-                choice = {"index": 0, "delta": d, "finish_reason": finish, "logprobs": None}
+                choice = {"index": 0, "delta": d, "finish_reason": finish, "logprobs": lp}
             else:
-                choice = {"index": 0, "text": delta or "", "finish_reason": finish, "logprobs": None}
+                choice = {"index": 0, "text": delta or "", "finish_reason": finish, "logprobs": lp}
             out = {"id": rid, "object": kind, "created": created, "model": model_name, "choices": [choice]}
             if include_usage:
                 out["usage"] = None
@@ -234,10 +249,10 @@ def create_app(
             if chat:
                 yield chunk(None, role=True)
             try:
-                async for delta in ticket:
+                async for delta in ticket.adeltas():
                     if t_first is None:
                         t_first = time.perf_counter()
-                    yield chunk(delta)
+                    yield chunk(delta.text, entries=delta.logprobs)
                 fin = ticket.result(timeout=30)
             except Exception as e:
                 # Admitted, then failed (a store fault, ...): the status line is sent already,
@@ -248,7 +263,9 @@ def create_app(
                 done = True
                 return
             metrics.observe_finished(fin, _tpot(t_first, fin))
-            yield chunk(None, finish=fin.finish_reason)
+            # Tokens whose text never streamed (a stop string's) come with the last chunk.
+            rest = fin.logprobs[streamed["entries"] :] if fin.logprobs is not None else None
+            yield chunk(None, finish=fin.finish_reason, entries=rest)
             if include_usage:
                 yield _sse(
                     {

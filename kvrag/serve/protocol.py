@@ -1,7 +1,7 @@
 """The OpenAI wire format ``kvrag serve`` speaks: request and response models, the error shape.
 
 Requests are pydantic models whose fields are the ones kvrag implements, plus the fields every
-OpenAI client sends with harmless defaults (``n=1``, ``user``, ``logprobs=false``, zero
+OpenAI client sends with harmless defaults (``n=1``, ``user``, ``echo=false``, zero
 penalties, ...): those are accepted only at their no-op value, and any other value -- or a field
 kvrag does not know -- is refused with a 400 naming it, never ignored (a client asking for
 ``n=3`` or tools must learn it got neither). ``to_generation`` turns a checked request into the
@@ -13,11 +13,15 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from kvrag.defaults import AUTO_POLICY
+from kvrag.defaults import AUTO_POLICY, MAX_TOP_LOGPROBS
+
+if TYPE_CHECKING:  # pragma: no cover
+    from kvrag.serve.logprobs import TokenLogprob
 
 #: OpenAI's limit on stop sequences.
 MAX_STOP = 4
@@ -80,8 +84,6 @@ _NOOP_VALUES: dict[str, tuple] = {
     "n": (1,),
     "presence_penalty": (0, 0.0),
     "frequency_penalty": (0, 0.0),
-    "logprobs": (False, 0),
-    "top_logprobs": (0,),
     "logit_bias": ({},),
     "tools": ([],),
     "functions": ([],),
@@ -173,10 +175,37 @@ class _GenerationRequest(_Strict):
 
 class ChatCompletionRequest(_GenerationRequest):
     messages: list[Message] = Field(min_length=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    def logprob_count(self) -> int | None:
+        """Alternatives to report per token (None: no log-probabilities); OpenAI's rule: a
+        ``top_logprobs`` needs ``logprobs=true``."""
+        if not self.logprobs:
+            if self.top_logprobs:
+                raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+            return None
+        return self.top_logprobs or 0
 
 
 class CompletionRequest(_GenerationRequest):
     prompt: str | list[str]
+    #: The legacy API's form: how many alternatives per token (0: the chosen token's alone).
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    @field_validator("logprobs", mode="before")
+    @classmethod
+    def _count_not_flag(cls, v):
+        # ``false`` is what a client sends for "none"; ``true`` names no count (pydantic would
+        # read it as 1, a guess).
+        if v is False:
+            return None
+        if v is True:
+            raise ValueError(f"logprobs here is a count of alternatives per token (0 to {MAX_TOP_LOGPROBS}), not true")
+        return v
+
+    def logprob_count(self) -> int | None:
+        return self.logprobs
 
     def prompt_text(self) -> str:
         if isinstance(self.prompt, list):
@@ -200,6 +229,44 @@ def new_id(prefix: str) -> str:
 
 def now() -> int:
     return int(time.time())
+
+
+def _token_bytes(text: str) -> list[int]:
+    return list(text.encode("utf-8"))
+
+
+def chat_logprobs(entries: Sequence[TokenLogprob]) -> dict:
+    """A chat choice's ``logprobs``: ``{"content": [{token, logprob, bytes, top_logprobs}],
+    "refusal": None}``."""
+    return {
+        "content": [
+            {
+                "token": e.token,
+                "logprob": e.logprob,
+                "bytes": _token_bytes(e.token),
+                "top_logprobs": [{"token": t, "logprob": lp, "bytes": _token_bytes(t)} for t, lp in e.top],
+            }
+            for e in entries
+        ],
+        "refusal": None,
+    }
+
+
+def completion_logprobs(entries: Sequence[TokenLogprob], offset: int = 0) -> dict:
+    """A completion choice's ``logprobs`` in the legacy shape: parallel lists ``tokens``,
+    ``token_logprobs``, ``top_logprobs`` (one dict text -> logprob per token) and
+    ``text_offset`` (where each token starts in the reply; ``offset``: the characters streamed
+    before these tokens)."""
+    starts = []
+    for e in entries:
+        starts.append(offset)
+        offset += len(e.token)
+    return {
+        "tokens": [e.token for e in entries],
+        "token_logprobs": [e.logprob for e in entries],
+        "top_logprobs": [dict(e.top) for e in entries],
+        "text_offset": starts,
+    }
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:

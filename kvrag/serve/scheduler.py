@@ -49,10 +49,12 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
 from kvrag.checks import check_int
+from kvrag.defaults import MAX_TOP_LOGPROBS
 from kvrag.engine import KVRag
 from kvrag.errors import KVRagError
 from kvrag.policies import Policy, get_policy
@@ -60,6 +62,7 @@ from kvrag.query.batch import DecodeArena, DecodeCache, decode_step
 from kvrag.query.decode import FusedStepper, HFStepper, Sampling, TextStream, sample
 from kvrag.query.prompt import render_prompt
 from kvrag.query.state import FusionStats
+from kvrag.serve.logprobs import TokenLogprob, distribution, token_logprob
 
 log = logging.getLogger("kvrag.serve")
 
@@ -76,7 +79,9 @@ class GenerationRequest:
     number is a demand, refused when the prompt leaves less room. ``min_tokens`` / ``ignore_eos``
     (vLLM's sampling extras, e.g. for benchmarks at a fixed answer length): EOS cannot be drawn
     before ``min_tokens`` tokens (its logits are masked; a stop string still ends the request);
-    ``ignore_eos`` decodes past EOS up to ``max_new_tokens``."""
+    ``ignore_eos`` decodes past EOS up to ``max_new_tokens``. ``logprobs``: None, or report each
+    generated token's log-probability with that many alternatives (0 to ``MAX_TOP_LOGPROBS``;
+    ``kvrag.serve.logprobs``)."""
 
     prompt: str | list[dict]
     max_new_tokens: int | None = 128
@@ -88,6 +93,7 @@ class GenerationRequest:
     policy_params: dict = field(default_factory=dict)
     min_tokens: int = 0
     ignore_eos: bool = False
+    logprobs: int | None = None
 
 
 @dataclass
@@ -96,7 +102,9 @@ class Finished:
     (max_new_tokens), "cancelled" or "error" (then ``error`` is set). ``cached_tokens``: prompt
     tokens whose K/V were read, not computed: from chunk caches and the prompt prefix cache.
     ``ttft_s``: from ``submit`` to the first token (queueing included; ``stats.ttft_s`` counts
-    from the prefill's start), None if no token came."""
+    from the prefill's start), None if no token came. ``logprobs``: one entry per generated
+    token but an EOS that ended the reply (a stop string's tokens included), if the request
+    asked for them."""
 
     text: str
     token_ids: list[int]
@@ -107,6 +115,16 @@ class Finished:
     ttft_s: float | None
     stats: FusionStats | None
     error: BaseException | None = None
+    logprobs: list[TokenLogprob] | None = None
+
+
+class Delta(NamedTuple):
+    """A piece of a reply as it streams: its ``text`` and the ``logprobs`` entries of the
+    tokens decoded since the previous piece (empty unless the request asked for them; a
+    piece's tokens may hold text the next piece shows, such as a stop string's start)."""
+
+    text: str
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 class SchedulerFullError(KVRagError):
@@ -124,20 +142,22 @@ class SchedulerClosedError(KVRagError):
 class Ticket:
     """A submitted request: text deltas as they are decoded, then its ``Finished``.
 
-    Every iterator (sync or async) replays the deltas from the first, so a ticket may be read
-    more than once; iteration raises the request's error after the deltas it produced."""
+    Iterating it (sync or async) gives the text deltas; ``deltas`` / ``adeltas`` give them as
+    ``Delta``\\ s, with their tokens' log-probabilities. Every iterator replays the deltas from
+    the first, so a ticket may be read more than once; iteration raises the request's error
+    after the deltas it produced."""
 
     def __init__(self, scheduler: Scheduler, req: GenerationRequest):
         self._scheduler = scheduler
         self.request = req
-        self._deltas: list[str] = []
+        self._deltas: list[Delta] = []
         self._finished: Finished | None = None
         self._cond = threading.Condition()
         self._waiters: set[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = set()
         self.cancelled = False
 
     # ---- written by the worker ----------------------------------------------------------
-    def _push(self, delta: str) -> None:
+    def _push(self, delta: Delta) -> None:
         with self._cond:
             self._deltas.append(delta)
             self._cond.notify_all()
@@ -167,6 +187,16 @@ class Ticket:
         return self._finished is not None
 
     def __iter__(self) -> Iterator[str]:
+        return (d.text for d in self.deltas())
+
+    def __aiter__(self) -> AsyncIterator[str]:
+        return self._texts()
+
+    async def _texts(self) -> AsyncIterator[str]:
+        async for d in self.adeltas():
+            yield d.text
+
+    def deltas(self) -> Iterator[Delta]:
         i = 0
         while True:
             with self._cond:
@@ -182,7 +212,7 @@ class Ticket:
                     raise fin.error
                 return
 
-    async def __aiter__(self) -> AsyncIterator[str]:
+    async def adeltas(self) -> AsyncIterator[Delta]:
         loop = asyncio.get_running_loop()
         i = 0
         while True:
@@ -235,6 +265,7 @@ class _Job:
     t_submit: float
     min_tokens: int = 0
     ignore_eos: bool = False
+    logprobs: int | None = None
 
 
 @dataclass
@@ -248,6 +279,8 @@ class _Running:
     gen: torch.Generator | None
     tokens: list[int] = field(default_factory=list)
     out: str = ""
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    logprobs_sent: int = 0  # entries already pushed with a delta
     t_first: float | None = None
     t_prefill: float = 0.0
     cache: DecodeCache | None = None  # set: the request decodes in the shared batched step
@@ -339,6 +372,8 @@ class Scheduler:
         min_tokens = check_int("min_tokens", req.min_tokens, 0)
         if not isinstance(req.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be true or false, got {req.ignore_eos!r}")
+        if req.logprobs is not None and check_int("logprobs", req.logprobs, 0) > MAX_TOP_LOGPROBS:
+            raise ValueError(f"logprobs: at most {MAX_TOP_LOGPROBS} alternatives per token, got {req.logprobs}")
         if not isinstance(req.policy_params, dict):
             raise ValueError(f"policy_params must be a dict, got {type(req.policy_params).__name__}")
         pol = get_policy(req.policy if req.policy is not None else self.rag.policy, **req.policy_params)
@@ -369,7 +404,7 @@ class Scheduler:
                     f"{len(self._waiting)} requests already wait (max_queue={self.max_queue})",
                     self._retry_after(),
                 )
-            self._waiting.append(_Job(ticket, text, pol, sampling, t_submit, min_tokens, req.ignore_eos))
+            self._waiting.append(_Job(ticket, text, pol, sampling, t_submit, min_tokens, req.ignore_eos, req.logprobs))
             self._lock.notify_all()
         return ticket
 
@@ -470,7 +505,8 @@ class Scheduler:
             self._end(r, "length")
             return
         try:
-            self._accept(r, sample(self._bar_eos(logits, [r]).cpu(), s, r.gen))
+            lp = distribution(logits) if job.logprobs is not None else None
+            self._accept(r, sample(self._bar_eos(logits, [r]).cpu(), s, r.gen), lp)
             if not r.done:
                 # Rows for the tokens still to come, so a short answer never regrows its cache.
                 r.cache = DecodeCache.from_stepper(self.rag.arch, stepper, spare=min(s.max_new_tokens, 512))
@@ -491,18 +527,21 @@ class Scheduler:
             view[idx.unsqueeze(1), self._eos.to(logits.device).unsqueeze(0)] = float("-inf")
         return logits
 
-    def _accept(self, r: _Running, tok: int) -> None:
+    def _accept(self, r: _Running, tok: int, logprobs: torch.Tensor | None = None) -> None:
         """Take the request's next token: stream its text, and end the request on EOS, a stop
-        string or its token budget (the rules of ``KVRag.stream``)."""
+        string or its token budget (the rules of ``KVRag.stream``). ``logprobs`` [V]: the
+        distribution it was drawn from (``distribution``), when the request reports it."""
         if r.t_first is None:
             r.t_first = time.perf_counter()
             r.stats.ttft_s = r.t_first - r.t_prefill
+        ends = tok in self.rag.eos and not r.job.ignore_eos
+        if logprobs is not None and r.job.logprobs is not None and not ends:
+            r.logprobs.append(token_logprob(self.rag.tokenizer, r.tokens, logprobs, tok, r.job.logprobs))
         r.tokens.append(tok)
         delta = r.text.push(tok)
         if delta:
-            r.out += delta
-            r.job.ticket._push(delta)
-        if r.text.stopped or (tok in self.rag.eos and not r.job.ignore_eos):
+            self._push(r, delta)
+        if r.text.stopped or ends:
             self._end(r, "stop")
         elif len(r.tokens) >= r.job.sampling.max_new_tokens:
             self._end(r, "length")
@@ -523,8 +562,9 @@ class Scheduler:
         for r in [r for r in self._running if r.cache is None]:
             try:
                 assert r.stepper is not None  # a request without a batched cache keeps its stepper
-                logits = self._bar_eos(r.stepper.step([r.tokens[-1]])[-1], [r])
-                self._accept(r, sample(logits.cpu(), r.job.sampling, r.gen))
+                logits = r.stepper.step([r.tokens[-1]])[-1]
+                lp = distribution(logits) if r.job.logprobs is not None else None
+                self._accept(r, sample(self._bar_eos(logits, [r]).cpu(), r.job.sampling, r.gen), lp)
             except Exception as e:
                 log.debug("request failed at a decode step", exc_info=True)
                 self._end(r, "error", e)
@@ -550,17 +590,27 @@ class Scheduler:
         # drawn on the host with their own generator, as ``KVRag.stream`` draws them.
         for observe in self.step_observers:
             observe(len(batch), took)
+        # The distributions reported are the model's, read before EOS is barred for sampling.
+        wants = [i for i, r in enumerate(batch) if r.job.logprobs is not None]
+        lps = dict(zip(wants, distribution(logits[wants]))) if wants else {}
         toks = self._bar_eos(logits, batch).argmax(-1).tolist()
         sampled = [i for i, r in enumerate(batch) if r.job.sampling.temperature > 0]
         if sampled:
             rows = logits[sampled].cpu()
             for j, i in enumerate(sampled):
                 toks[i] = sample(rows[j], batch[i].job.sampling, batch[i].gen)
-        for r, tok in zip(batch, toks):
+        for i, (r, tok) in enumerate(zip(batch, toks)):
             try:
-                self._accept(r, tok)
+                self._accept(r, tok, lps.get(i))
             except Exception as e:  # detokenising this request's text
                 self._end(r, "error", e)
+
+    def _push(self, r: _Running, text: str) -> None:
+        """Stream ``text`` with the log-probabilities of the tokens decoded since the last push."""
+        r.out += text
+        entries = tuple(r.logprobs[r.logprobs_sent :])
+        r.logprobs_sent = len(r.logprobs)
+        r.job.ticket._push(Delta(text, entries))
 
     def _end(self, r: _Running, reason: str, error: BaseException | None = None) -> None:
         if r.done:
@@ -568,8 +618,7 @@ class Scheduler:
         if reason in ("stop", "length"):
             tail = r.text.flush() if not r.text.stopped else ""
             if tail:
-                r.out += tail
-                r.job.ticket._push(tail)
+                self._push(r, tail)
         now = time.perf_counter()
         stats = r.stats
         stats.new_tokens = len(r.tokens)
@@ -593,5 +642,6 @@ class Scheduler:
             ttft,
             stats,
             error,
+            list(r.logprobs) if r.job.logprobs is not None else None,
         )
         r.job.ticket._finish(fin)

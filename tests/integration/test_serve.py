@@ -194,13 +194,52 @@ def test_stop_sequence_ends_the_answer(server, rag):
     assert want.text.startswith(got.choices[0].message.content)
 
 
+def test_logprobs_through_the_openai_client_whole_and_streamed(server, rag):
+    url, _ = server
+    c = client(url)
+    want = rag.generate(messages(), max_new_tokens=6)
+    n = len(want.token_ids) - (want.finish_reason == "stop")  # an EOS that ends the reply has no entry
+    kw = dict(model="tiny", messages=messages(), max_tokens=6, temperature=0)
+    got = c.chat.completions.create(**kw, logprobs=True, top_logprobs=2)
+    content = got.choices[0].logprobs.content
+    assert got.choices[0].message.content == want.text and len(content) == n
+    assert "".join(t.token for t in content) == want.text
+    for t in content:
+        assert bytes(t.bytes).decode("utf-8") == t.token
+        assert len(t.top_logprobs) == 2 and t.top_logprobs[0].logprob >= t.top_logprobs[1].logprob
+        assert t.logprob == pytest.approx(t.top_logprobs[0].logprob) and t.logprob <= 0  # greedy: the argmax
+    streamed = [
+        t
+        for chunk in c.chat.completions.create(**kw, logprobs=True, top_logprobs=2, stream=True)
+        if chunk.choices and chunk.choices[0].logprobs
+        for t in chunk.choices[0].logprobs.content
+    ]
+    assert [(t.token, t.top_logprobs[1].token) for t in streamed] == [
+        (t.token, t.top_logprobs[1].token) for t in content
+    ]
+    assert [t.logprob for t in streamed] == pytest.approx([t.logprob for t in content], abs=1e-5)
+    assert c.chat.completions.create(**kw).choices[0].logprobs is None
+    # /v1/completions: the legacy shape, text offsets into the reply.
+    prompt = rag.render(messages())
+    lp = c.completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=0, logprobs=2).choices[0].logprobs
+    assert lp.tokens == [t.token for t in content]
+    assert lp.token_logprobs == pytest.approx([t.logprob for t in content], abs=1e-5)
+    assert [len(d) for d in lp.top_logprobs] == [len({a.token for a in t.top_logprobs}) for t in content]
+    assert lp.text_offset == [len("".join(lp.tokens[:i])) for i in range(len(lp.tokens))]
+    chunks = list(
+        c.completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=0, logprobs=0, stream=True)
+    )
+    offsets = [o for ch in chunks if ch.choices and ch.choices[0].logprobs for o in ch.choices[0].logprobs.text_offset]
+    assert offsets == lp.text_offset
+
+
 # ---- refusals in OpenAI's shape ------------------------------------------------------------
 def test_unsupported_fields_are_refused_naming_them(server):
     url, _ = server
     c = client(url)
     for kw, param in [
         ({"n": 2}, "n"),
-        ({"logprobs": True}, "logprobs"),
+        ({"top_logprobs": 2}, "top_logprobs"),  # without logprobs=true, as OpenAI refuses it
         ({"presence_penalty": 0.5}, "presence_penalty"),
         ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
         ({"extra_body": {"guided_json": {}}}, "guided_json"),
@@ -209,6 +248,23 @@ def test_unsupported_fields_are_refused_naming_them(server):
             c.chat.completions.create(model="tiny", messages=messages(), max_tokens=2, **kw)
         assert e.value.status_code == 400
         assert e.value.body["param"] == param and param in e.value.body["message"], e.value.body
+
+
+def test_logprobs_out_of_range_or_of_the_wrong_kind_are_named(server, rag):
+    url, _ = server
+    prompt = rag.render(messages())
+    for path, extra, param in [
+        ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ("/v1/completions", {"logprobs": 21}, "logprobs"),
+        ("/v1/completions", {"logprobs": True}, "logprobs"),  # a count, not a flag, on this endpoint
+    ]:
+        body = {"model": "tiny", "max_tokens": 2, **extra}
+        body.update({"messages": messages()} if "chat" in path else {"prompt": prompt})
+        r = httpx.post(url + path, json=body, timeout=60)
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == param, r.text
+    r = httpx.post(url + "/v1/completions", json={"prompt": prompt, "max_tokens": 2, "logprobs": False}, timeout=60)
+    assert r.status_code == 200 and r.json()["choices"][0]["logprobs"] is None, r.text
 
 
 def test_defaults_clients_send_are_accepted(server):

@@ -111,6 +111,23 @@ def test_llamaindex_openailike_query_engine_over_chroma_hits_on_the_first_query(
     # The two retrieved nodes' tokens came from their caches, as OpenAI's usage field says.
     assert usage.prompt_tokens_details.cached_tokens > 0
     assert chunk_hits(url) == 2
+    # LlamaIndex's own log-probabilities field, filled from the server's.
+    from llama_index.core.llms import ChatMessage
+
+    scorer = OpenAILike(
+        model="tiny",
+        api_base=url + "/v1",
+        api_key="k",
+        is_chat_model=True,
+        max_tokens=4,
+        temperature=0,
+        max_retries=0,
+        logprobs=True,
+        top_logprobs=2,
+    )
+    scored = scorer.chat([ChatMessage(role="user", content=QUESTION)])
+    assert len(scored.logprobs) == 4 and all(len(alts) == 2 for alts in scored.logprobs)
+    assert "".join(alts[0].token for alts in scored.logprobs) == scored.message.content
 
 
 def test_langchain_chatopenai_lcel_chain_over_chroma_hits_on_the_first_query(served, tmp_path):
@@ -164,3 +181,9 @@ def test_langchain_chatopenai_lcel_chain_over_chroma_hits_on_the_first_query(ser
     assert total.content == msg.content
     assert total.usage_metadata["input_token_details"]["cache_read"] == cached
     assert asyncio.run(chain.ainvoke(QUESTION)).content == msg.content
+    # Pipelines that score tokens (FLARE's active retrieval) read ChatOpenAI(logprobs=True)'s.
+    scored = (
+        {"context": retriever | fmt, "question": RunnablePassthrough()} | prompt | llm.bind(logprobs=True)
+    ).invoke(QUESTION)
+    tokens = scored.response_metadata["logprobs"]["content"]
+    assert "".join(t["token"] for t in tokens) == msg.content and all(t["logprob"] <= 0 for t in tokens)

@@ -8,6 +8,7 @@ import threading
 import time
 
 import pytest
+import torch
 from corpus_helpers import DOCS, prompt_for
 
 from kvrag.engine import KVRag
@@ -414,3 +415,73 @@ def test_a_named_token_limit_past_the_context_is_refused_an_unnamed_one_is_cut(r
         assert 0 < left < sched_mod.DEFAULT_MAX_NEW_TOKENS
         fin = sched.submit(GenerationRequest(long_prompt, max_new_tokens=None, ignore_eos=True)).result(timeout=120)
         assert fin.completion_tokens == left and fin.finish_reason == "length"
+
+
+# ---- log-probabilities ----------------------------------------------------------------------
+def _reference_logprobs(rag, prompt, tokens):
+    """log_softmax [T, V] of the model's own forward over the prompt and ``tokens``: row i is
+    the distribution token i was drawn from."""
+    ids = torch.cat([p.token_ids for p in rag.pieces(rag.render(prompt), use_cache=False)[0]])
+    full = torch.cat([ids, torch.tensor(tokens, dtype=torch.long)])
+    with torch.no_grad():
+        logits = rag.handle.model(full[None]).logits[0].float()
+    return torch.log_softmax(logits[len(ids) - 1 : len(full) - 1], dim=-1)
+
+
+def test_logprobs_are_the_models_distribution_and_spell_the_reply(handle, tmp_path):
+    rag = KVRag(handle, cache_dir=tmp_path / "kv", policy="full_prefill")
+    prompt = _prompt(2)
+    with Scheduler(rag) as sched:
+        ticket = sched.submit(GenerationRequest(prompt, max_new_tokens=8, logprobs=3))
+        lone = ticket.result(timeout=120)
+        # In one batched decode step beside a request that asks for none.
+        pair = [
+            sched.submit(GenerationRequest(prompt, max_new_tokens=8, logprobs=3)),
+            sched.submit(GenerationRequest(_prompt(1), max_new_tokens=8)),
+        ]
+        together, other = (t.result(timeout=120) for t in pair)
+    assert lone.finish_reason == "length" and len(lone.logprobs) == lone.completion_tokens == 8
+    ref = _reference_logprobs(rag, prompt, lone.token_ids)
+    for i, (e, tok) in enumerate(zip(lone.logprobs, lone.token_ids)):
+        assert e.logprob == pytest.approx(float(ref[i, tok]), abs=1e-4)
+        assert [lp for _, lp in e.top] == pytest.approx(torch.topk(ref[i], 3).values.tolist(), abs=1e-4)
+        assert e.top[0][0] == e.token and e.logprob == pytest.approx(e.top[0][1])  # greedy: the argmax
+    assert "".join(e.token for e in lone.logprobs) == lone.text
+    # Streamed: each delta carries its own tokens' entries, in order, all of them.
+    assert [e for d in ticket.deltas() for e in d.logprobs] == lone.logprobs
+    assert "".join(d.text for d in ticket.deltas()) == lone.text
+    assert together.token_ids == lone.token_ids
+    for a, b in zip(together.logprobs, lone.logprobs):
+        assert a.token == b.token and a.logprob == pytest.approx(b.logprob, abs=1e-4)
+        assert [t for t, _ in a.top] == [t for t, _ in b.top]
+    assert other.logprobs is None
+
+
+def test_logprobs_report_the_raw_distribution_and_leave_out_the_closing_eos(rag, eos_is):
+    ref = rag.generate(_prompt(0), max_new_tokens=6)
+    second, third = ref.token_ids[1], ref.token_ids[2]
+    stop = rag.tokenizer.decode([second]).strip()
+    assert stop, "the test needs a second token with visible text"
+    eos_is(third)
+    with Scheduler(rag) as sched:
+        ended = sched.submit(GenerationRequest(_prompt(0), max_new_tokens=6, logprobs=2)).result(timeout=60)
+        barred = sched.submit(GenerationRequest(_prompt(0), max_new_tokens=6, logprobs=2, min_tokens=4))
+        barred = barred.result(timeout=60)
+        # A stop string: its tokens are reported, though the reply is cut before it.
+        cut = sched.submit(GenerationRequest(_prompt(0), max_new_tokens=6, logprobs=0, stop=(stop,)))
+        cut = cut.result(timeout=60)
+    assert ended.token_ids == ref.token_ids[:3] and ended.finish_reason == "stop"
+    assert len(ended.logprobs) == 2  # the EOS that ended it has no entry
+    # min_tokens bars EOS from the draw, not from the figures: EOS stays the most likely.
+    assert third not in barred.token_ids[:4]
+    eos_text = rag.tokenizer.decode([third], skip_special_tokens=False)
+    assert barred.logprobs[2].top[0][0] == eos_text and barred.logprobs[2].top[0][1] > barred.logprobs[2].logprob
+    assert cut.finish_reason == "stop" and stop not in cut.text
+    assert len(cut.logprobs) == cut.completion_tokens == 2 and all(e.top == () for e in cut.logprobs)
+
+
+def test_bad_logprobs_fail_at_submit(rag):
+    with Scheduler(rag) as sched:
+        for bad in (-1, 21, True, 2.5):
+            with pytest.raises(ValueError, match="logprobs"):
+                sched.submit(GenerationRequest("x", logprobs=bad))
