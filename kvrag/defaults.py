@@ -27,3 +27,6 @@ DEFAULT_MAX_NEW_TOKENS = 128
 #: The most alternatives per generated token ``kvrag serve`` reports (``logprobs``): OpenAI's
 #: limit for chat, read by the wire format and the scheduler.
 MAX_TOP_LOGPROBS = 20
+#: OpenAI's ranges for its sampling adjustments: presence/frequency penalties and logit biases.
+MAX_PENALTY = 2.0
+MAX_LOGIT_BIAS = 100.0

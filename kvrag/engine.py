@@ -14,7 +14,7 @@ import dataclasses
 import logging
 import os
 import time
-from collections.abc import Generator, Iterable, Sequence
+from collections.abc import Generator, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -489,15 +489,23 @@ class KVRag:
         top_k: int = 0,
         stop: Sequence[str] = (),
         seed: int | None = None,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+        logit_bias: Mapping[int, float] | None = None,
         **policy_params,
     ) -> Stream:
         """Generate token by token; iterate for text deltas. Bad options, policy parameters
         and prompts raise here, at the call. TTFT is the work from the call to the first
         sampled token (rendering, segmentation, loading and prefill; not the time a lazily
-        read stream waits for its first ``next()``)."""
+        read stream waits for its first ``next()``). ``presence_penalty``,
+        ``frequency_penalty`` and ``logit_bias`` (token id -> bias) are OpenAI's adjustments
+        (``kvrag.query.decode.Sampling``)."""
         if "max_tokens" in policy_params:  # the name most LLM APIs use; not a policy parameter
             raise ValueError("KVRag.generate/stream take max_new_tokens, not max_tokens")
-        sampling = Sampling(max_new_tokens, temperature, top_p, top_k, stop, seed)
+        sampling = Sampling(
+            max_new_tokens, temperature, top_p, top_k, stop, seed, presence_penalty, frequency_penalty, logit_bias or {}
+        )
+        sampling.check_vocab(self.handle.config.vocab_size)
         # Bad policy options and prompts fail at the call, not at the first iteration; the
         # time this takes (rendering a chat template) still counts in TTFT and load_s.
         t_call = time.perf_counter()

@@ -13,7 +13,18 @@ from kvrag.policies import get_policy, policy_class
 
 log = logging.getLogger("kvrag.frameworks")
 
-GEN_KEYS = ("policy", "max_new_tokens", "temperature", "top_p", "top_k", "stop", "seed")
+GEN_KEYS = (
+    "policy",
+    "max_new_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "stop",
+    "seed",
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
+)
 
 
 def policy_param_names(policy) -> set[str]:

@@ -14,7 +14,7 @@ import functools
 import inspect
 import math
 import numbers
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -22,7 +22,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from kvrag.arch import Arch
-from kvrag.defaults import DEFAULT_MAX_NEW_TOKENS
+from kvrag.defaults import DEFAULT_MAX_NEW_TOKENS, MAX_LOGIT_BIAS, MAX_PENALTY
 
 # The temperatures sampling can use: logits (shifted by their maximum) divided by one of these
 # stay finite in float32; below it, 5e-324 say, the division overflows (or rounds to 0/0).
@@ -32,7 +32,13 @@ MAX_TEMPERATURE = 1e6
 
 @dataclass
 class Sampling:
-    """Decoding options. temperature 0 = greedy, else in [MIN_TEMPERATURE, MAX_TEMPERATURE]."""
+    """Decoding options. temperature 0 = greedy, else in [MIN_TEMPERATURE, MAX_TEMPERATURE].
+
+    ``presence_penalty`` / ``frequency_penalty`` / ``logit_bias``: OpenAI's adjustments, made
+    to the logits before every draw, greedy ones included (``adjust_logits``): each token
+    already generated loses ``presence_penalty`` once and ``frequency_penalty`` per time it
+    was drawn (the prompt's tokens are not counted: a RAG answer should be free to repeat its
+    context's words), and ``logit_bias`` adds a bias in [-100, 100] to the token ids it names."""
 
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     temperature: float = 0.0
@@ -40,6 +46,9 @@ class Sampling:
     top_k: int = 0
     stop: Sequence[str] = field(default_factory=tuple)
     seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: Mapping[int, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         def is_int(x) -> bool:
@@ -63,6 +72,23 @@ class Sampling:
             raise ValueError(f"top_k must be an integer >= 0 (0 = no top-k), got {self.top_k!r}")
         if self.seed is not None and not is_int(self.seed):
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            x = getattr(self, name)
+            if not is_real(x) or not -MAX_PENALTY <= x <= MAX_PENALTY:
+                raise ValueError(f"{name} must be a number in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {x!r}")
+        if self.logit_bias is None:
+            self.logit_bias = {}
+        if not isinstance(self.logit_bias, Mapping):
+            raise ValueError(f"logit_bias must map token ids to biases, got {type(self.logit_bias).__name__}")
+        for tok, bias in self.logit_bias.items():
+            if not is_int(tok) or tok < 0:
+                raise ValueError(f"logit_bias: token ids must be integers >= 0, got {tok!r}")
+            if not is_real(bias) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise ValueError(
+                    f"logit_bias: a bias must be a number in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "
+                    f"got {bias!r} for token {tok}"
+                )
+        self.logit_bias = {int(t): float(b) for t, b in self.logit_bias.items()}
         if self.stop is None:
             self.stop = ()
         elif isinstance(self.stop, str):
@@ -74,6 +100,34 @@ class Sampling:
             bad = [x for x in self.stop if not isinstance(x, str) or not x]
             if bad:
                 raise ValueError(f"stop must be a string or a sequence of non-empty strings, got {bad[0]!r} in it")
+
+    @property
+    def adjusts(self) -> bool:
+        """Whether ``adjust_logits`` changes anything."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias)
+
+    def check_vocab(self, vocab: int) -> None:
+        """Raise ValueError if ``logit_bias`` names a token id the model's ``vocab`` lacks."""
+        bad = sorted(t for t in self.logit_bias if t >= vocab)
+        if bad:
+            raise ValueError(f"logit_bias: token id(s) {bad[:5]} outside the model's vocabulary of {vocab}")
+
+
+def adjust_logits(logits: torch.Tensor, s: Sampling, generated: Sequence[int]) -> torch.Tensor:
+    """Next-token ``logits`` [V] with ``s``'s penalties over the ``generated`` token ids and
+    its ``logit_bias`` applied (a new float32 tensor; ``logits`` itself when nothing applies).
+    A token barred at -inf stays barred."""
+    if not s.adjusts:
+        return logits
+    out = logits.float().clone()
+    if generated and (s.presence_penalty or s.frequency_penalty):
+        ids = torch.tensor(list(generated), dtype=torch.long, device=out.device)
+        counts = torch.bincount(ids, minlength=out.numel())[: out.numel()].to(out.dtype)
+        out -= counts * s.frequency_penalty + (counts > 0).to(out.dtype) * s.presence_penalty
+    if s.logit_bias:
+        idx = torch.tensor(list(s.logit_bias), dtype=torch.long, device=out.device)
+        out[idx] += torch.tensor(list(s.logit_bias.values()), dtype=out.dtype, device=out.device)
+    return out
 
 
 def sample(logits: torch.Tensor, s: Sampling, gen: torch.Generator | None) -> int:
@@ -330,8 +384,10 @@ def generate_tokens(first_logits: torch.Tensor, stepper, sampling: Sampling, eos
     if sampling.seed is not None:
         gen = torch.Generator().manual_seed(sampling.seed)
     logits = first_logits
+    drawn: list[int] = []
     for i in range(sampling.max_new_tokens):
-        tok = sample(logits.cpu(), sampling, gen)
+        tok = sample(adjust_logits(logits, sampling, drawn).cpu(), sampling, gen)
+        drawn.append(tok)
         yield tok
         if tok in eos or i == sampling.max_new_tokens - 1:
             return

@@ -153,6 +153,7 @@ def create_app(
                 min_tokens=body.min_tokens or 0,
                 ignore_eos=bool(body.ignore_eos),
                 logprobs=body.logprob_count(),
+                **body.adjustments(),
             )
         except (ValueError, TypeError) as e:
             raise APIError(400, str(e)) from None

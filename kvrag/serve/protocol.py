@@ -14,11 +14,11 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from kvrag.defaults import AUTO_POLICY, MAX_TOP_LOGPROBS
+from kvrag.defaults import AUTO_POLICY, MAX_LOGIT_BIAS, MAX_PENALTY, MAX_TOP_LOGPROBS
 
 if TYPE_CHECKING:  # pragma: no cover
     from kvrag.serve.logprobs import TokenLogprob
@@ -82,9 +82,6 @@ class StreamOptions(BaseModel):
 #: ``None`` is always allowed (a client that serializes unset fields as null).
 _NOOP_VALUES: dict[str, tuple] = {
     "n": (1,),
-    "presence_penalty": (0, 0.0),
-    "frequency_penalty": (0, 0.0),
-    "logit_bias": ({},),
     "tools": ([],),
     "functions": ([],),
     "tool_choice": ("none",),
@@ -112,6 +109,13 @@ class _GenerationRequest(_Strict):
     #: before ``min_tokens`` tokens; ``ignore_eos`` decodes past EOS to the token limit.
     min_tokens: int | None = Field(default=None, ge=0)
     ignore_eos: bool | None = None
+    #: OpenAI's adjustments (``kvrag.query.decode.Sampling``): penalties in [-2, 2] on the
+    #: tokens generated so far, and biases in [-100, 100] by token id (as a string key).
+    presence_penalty: float | None = Field(default=None, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    frequency_penalty: float | None = Field(default=None, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    logit_bias: dict[str, Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]] | None = None
+    #: vLLM's extra: sample from the k most likely tokens only (0 or -1: all).
+    top_k: int | None = Field(default=None, ge=-1)
     #: kvrag's own options, sent by OpenAI clients as ``extra_body={"kvrag": {...}}``:
     #: ``{"policy": "epic", "k_head": 8}`` (the policy's parameters beside its name).
     kvrag: dict[str, Any] | None = None
@@ -134,6 +138,21 @@ class _GenerationRequest(_Strict):
         if self.stream_options is not None and not self.stream:
             return APIError(400, "stream_options is only allowed with stream=true", param="stream_options")
         return None
+
+    def adjustments(self) -> dict:
+        """``top_k``, the penalties and ``logit_bias`` (keys as token ids) as
+        ``GenerationRequest`` takes them."""
+        bias = {}
+        for key, value in (self.logit_bias or {}).items():
+            if not key.strip().isdigit():
+                raise APIError(400, f"logit_bias: keys are token ids, got {key!r}", param="logit_bias")
+            bias[int(key)] = value
+        return {
+            "top_k": max(0, self.top_k or 0),
+            "presence_penalty": self.presence_penalty or 0.0,
+            "frequency_penalty": self.frequency_penalty or 0.0,
+            "logit_bias": bias,
+        }
 
     def stops(self) -> tuple[str, ...]:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])

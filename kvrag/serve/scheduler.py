@@ -59,7 +59,7 @@ from kvrag.engine import KVRag
 from kvrag.errors import KVRagError
 from kvrag.policies import Policy, get_policy
 from kvrag.query.batch import DecodeArena, DecodeCache, decode_step
-from kvrag.query.decode import FusedStepper, HFStepper, Sampling, TextStream, sample
+from kvrag.query.decode import FusedStepper, HFStepper, Sampling, TextStream, adjust_logits, sample
 from kvrag.query.prompt import render_prompt
 from kvrag.query.state import FusionStats
 from kvrag.serve.logprobs import TokenLogprob, distribution, token_logprob
@@ -79,7 +79,9 @@ class GenerationRequest:
     number is a demand, refused when the prompt leaves less room. ``min_tokens`` / ``ignore_eos``
     (vLLM's sampling extras, e.g. for benchmarks at a fixed answer length): EOS cannot be drawn
     before ``min_tokens`` tokens (its logits are masked; a stop string still ends the request);
-    ``ignore_eos`` decodes past EOS up to ``max_new_tokens``. ``logprobs``: None, or report each
+    ``ignore_eos`` decodes past EOS up to ``max_new_tokens``. ``top_k``, ``presence_penalty``,
+    ``frequency_penalty``, ``logit_bias``: as ``kvrag.query.decode.Sampling`` takes them (applied
+    after the EOS bar). ``logprobs``: None, or report each
     generated token's log-probability with that many alternatives (0 to ``MAX_TOP_LOGPROBS``;
     ``kvrag.serve.logprobs``)."""
 
@@ -94,6 +96,24 @@ class GenerationRequest:
     min_tokens: int = 0
     ignore_eos: bool = False
     logprobs: int | None = None
+    top_k: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict = field(default_factory=dict)
+
+    def sampling(self, max_new_tokens: int) -> Sampling:
+        """The decoding options (checked: ValueError names a bad one)."""
+        return Sampling(
+            max_new_tokens,
+            self.temperature,
+            self.top_p,
+            self.top_k,
+            self.stop,
+            self.seed,
+            self.presence_penalty,
+            self.frequency_penalty,
+            self.logit_bias,
+        )
 
 
 @dataclass
@@ -368,7 +388,7 @@ class Scheduler:
         if not isinstance(req, GenerationRequest):
             raise TypeError(f"submit takes a GenerationRequest, got {type(req).__name__}")
         # Checked before the prompt is tokenized, with a stand-in for an unnamed limit.
-        Sampling(req.max_new_tokens or 0, req.temperature, req.top_p, 0, req.stop, req.seed)
+        req.sampling(req.max_new_tokens or 0).check_vocab(self.rag.handle.config.vocab_size)
         min_tokens = check_int("min_tokens", req.min_tokens, 0)
         if not isinstance(req.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be true or false, got {req.ignore_eos!r}")
@@ -391,7 +411,7 @@ class Scheduler:
             max_new = req.max_new_tokens
         if min_tokens > max_new:
             raise ValueError(f"min_tokens={min_tokens} is over the request's max_new_tokens={max_new}")
-        sampling = Sampling(max_new, req.temperature, req.top_p, 0, req.stop, req.seed)
+        sampling = req.sampling(max_new)
         ticket = Ticket(self, req)
         with self._lock:
             if self._closed or self._thread is None:
@@ -506,7 +526,7 @@ class Scheduler:
             return
         try:
             lp = distribution(logits) if job.logprobs is not None else None
-            self._accept(r, sample(self._bar_eos(logits, [r]).cpu(), s, r.gen), lp)
+            self._accept(r, self._draw(self._bar_eos(logits, [r]), r), lp)
             if not r.done:
                 # Rows for the tokens still to come, so a short answer never regrows its cache.
                 r.cache = DecodeCache.from_stepper(self.rag.arch, stepper, spare=min(s.max_new_tokens, 512))
@@ -526,6 +546,13 @@ class Scheduler:
             idx = torch.tensor(barred, device=logits.device)
             view[idx.unsqueeze(1), self._eos.to(logits.device).unsqueeze(0)] = float("-inf")
         return logits
+
+    @staticmethod
+    def _draw(logits: torch.Tensor, r: _Running) -> int:
+        """The request's next token from its (EOS-barred) logits [V]: adjusted, then sampled
+        on the host with its own generator, as ``KVRag.stream`` draws it."""
+        s = r.job.sampling
+        return sample(adjust_logits(logits, s, r.tokens).cpu(), s, r.gen)
 
     def _accept(self, r: _Running, tok: int, logprobs: torch.Tensor | None = None) -> None:
         """Take the request's next token: stream its text, and end the request on EOS, a stop
@@ -564,7 +591,7 @@ class Scheduler:
                 assert r.stepper is not None  # a request without a batched cache keeps its stepper
                 logits = r.stepper.step([r.tokens[-1]])[-1]
                 lp = distribution(logits) if r.job.logprobs is not None else None
-                self._accept(r, sample(self._bar_eos(logits, [r]).cpu(), r.job.sampling, r.gen), lp)
+                self._accept(r, self._draw(self._bar_eos(logits, [r]), r), lp)
             except Exception as e:
                 log.debug("request failed at a decode step", exc_info=True)
                 self._end(r, "error", e)
@@ -586,19 +613,20 @@ class Scheduler:
                 for r in batch:
                     self._batched([r])
             return
-        # One host read for the batch: greedy rows take the device's argmax; sampled rows are
-        # drawn on the host with their own generator, as ``KVRag.stream`` draws them.
+        # One host read for the batch: plain greedy rows take the device's argmax; sampled or
+        # adjusted rows are adjusted on the device and drawn on the host with their own
+        # generator, as ``KVRag.stream`` draws them.
         for observe in self.step_observers:
             observe(len(batch), took)
         # The distributions reported are the model's, read before EOS is barred for sampling.
         wants = [i for i, r in enumerate(batch) if r.job.logprobs is not None]
         lps = dict(zip(wants, distribution(logits[wants]))) if wants else {}
         toks = self._bar_eos(logits, batch).argmax(-1).tolist()
-        sampled = [i for i, r in enumerate(batch) if r.job.sampling.temperature > 0]
-        if sampled:
-            rows = logits[sampled].cpu()
-            for j, i in enumerate(sampled):
-                toks[i] = sample(rows[j], batch[i].job.sampling, batch[i].gen)
+        own = [i for i, r in enumerate(batch) if r.job.sampling.temperature > 0 or r.job.sampling.adjusts]
+        if own:
+            rows = torch.stack([adjust_logits(logits[i], batch[i].job.sampling, batch[i].tokens).float() for i in own])
+            for i, row in zip(own, rows.cpu()):
+                toks[i] = sample(row, batch[i].job.sampling, batch[i].gen)
         for i, (r, tok) in enumerate(zip(batch, toks)):
             try:
                 self._accept(r, tok, lps.get(i))

@@ -233,6 +233,44 @@ def test_logprobs_through_the_openai_client_whole_and_streamed(server, rag):
     assert offsets == lp.text_offset
 
 
+def test_penalties_logit_bias_and_top_k_through_the_openai_client(server, rag):
+    url, _ = server
+    c = client(url)
+    fox = rag.tokenizer.encode(" fox", add_special_tokens=False)[0]
+    got = c.chat.completions.create(
+        model="tiny", messages=messages(), max_tokens=3, temperature=0, logit_bias={str(fox): 100}
+    )
+    assert got.choices[0].message.content == " fox" * 3
+    opts = dict(presence_penalty=1.5, frequency_penalty=-0.5, logit_bias={fox: 4.0})
+    want = rag.generate(messages(), max_new_tokens=6, temperature=0.7, top_k=4, seed=5, **opts)
+    got = c.chat.completions.create(
+        model="tiny",
+        messages=messages(),
+        max_tokens=6,
+        temperature=0.7,
+        seed=5,
+        presence_penalty=1.5,
+        frequency_penalty=-0.5,
+        logit_bias={str(fox): 4.0},
+        extra_body={"top_k": 4},
+    )
+    assert got.choices[0].message.content == want.text
+    for extra, param in [
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"logit_bias": {"fox": 1}}, "logit_bias"),
+        ({"logit_bias": {"5": 101}}, "logit_bias.5"),
+        ({"logit_bias": {str(10**9): 1}}, None),  # outside the vocabulary: named in the message
+    ]:
+        r = httpx.post(
+            url + "/v1/chat/completions", json={"messages": messages(), "max_tokens": 2, **extra}, timeout=60
+        )
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == param, err
+        if param is None:
+            assert "vocabulary" in err["message"], err
+
+
 # ---- refusals in OpenAI's shape ------------------------------------------------------------
 def test_unsupported_fields_are_refused_naming_them(server):
     url, _ = server
@@ -240,7 +278,7 @@ def test_unsupported_fields_are_refused_naming_them(server):
     for kw, param in [
         ({"n": 2}, "n"),
         ({"top_logprobs": 2}, "top_logprobs"),  # without logprobs=true, as OpenAI refuses it
-        ({"presence_penalty": 0.5}, "presence_penalty"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
         ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
         ({"extra_body": {"guided_json": {}}}, "guided_json"),
     ]:

@@ -9,6 +9,7 @@ from corpus_helpers import hf_greedy, prompt_for
 
 from kvrag.engine import KVRag
 from kvrag.errors import ChunkError
+from kvrag.query.decode import Sampling, adjust_logits
 from kvrag.query.state import CACHED, PLAIN
 from kvrag.testing import tiny_llama
 
@@ -382,6 +383,11 @@ def test_stream_rejects_bad_options_at_the_call(rag):
         (dict(policy="bogus"), "bogus"),
         (dict(recompute_ratio="0.5"), "recompute_ratio"),
         (dict(stop=""), "stop"),
+        (dict(presence_penalty=2.5), "presence_penalty"),
+        (dict(frequency_penalty=float("nan")), "frequency_penalty"),
+        (dict(logit_bias={5: 101}), "logit_bias"),
+        (dict(logit_bias={-1: 1.0}), "logit_bias"),
+        (dict(logit_bias={10**9: 1.0}), "vocabulary"),
     ):
         with pytest.raises(ValueError, match=msg):
             rag.stream("Hello", **kw)
@@ -444,6 +450,33 @@ def test_stream_matches_generate_and_stops(rag):
     stop = ref.text.strip()[1:3]
     cut = rag.generate(prompt, policy="naive_reuse", max_new_tokens=16, stop=[stop])
     assert stop not in cut.text and ref.text.startswith(cut.text) and len(cut.text) < len(ref.text)
+
+
+def test_penalties_and_logit_bias_adjust_every_draw(rag):
+    """OpenAI's adjustments, greedy draws included: a bias of 100 forces its token; a frequency
+    penalty counts the reply's own tokens, never the prompt's."""
+    prompt = prompt_for(DOCS[:2])
+    ref = rag.generate(prompt, max_new_tokens=8)
+    forced = rag.tokenizer.encode(" fox", add_special_tokens=False)[0]
+    assert rag.generate(prompt, max_new_tokens=3, logit_bias={forced: 100}).token_ids == [forced] * 3
+    banned = ref.token_ids[0]
+    assert rag.generate(prompt, max_new_tokens=8, logit_bias={banned: -100}).token_ids[0] != banned
+    # The prompt's tokens are not counted: a prompt token biased to win by 1 still wins under
+    # penalties that would take 4 from it.
+    assert forced in rag.tokenizer.encode(prompt, add_special_tokens=False)
+    first = rag.prefill(prompt).logits.float()
+    bias = {forced: float(first.max() - first[forced]) + 1.0}
+    pen = rag.generate(prompt, max_new_tokens=1, logit_bias=bias, frequency_penalty=2.0, presence_penalty=2.0)
+    assert pen.token_ids == [forced] != ref.token_ids[:1]
+    logits = torch.randn(50)
+    logits[7] = float("-inf")
+    s = Sampling(presence_penalty=0.5, frequency_penalty=0.25, logit_bias={3: 1.0, 7: 100.0})
+    out = adjust_logits(logits, s, [3, 3, 4])
+    want = logits.clone()
+    want[3] += -2 * 0.25 - 0.5 + 1.0
+    want[4] += -0.25 - 0.5
+    assert torch.equal(out[torch.arange(50) != 7], want[torch.arange(50) != 7]) and out[7] == float("-inf")
+    assert adjust_logits(logits, Sampling(), [3]) is logits
 
 
 def test_bad_chunks_rejected(rag, handle):

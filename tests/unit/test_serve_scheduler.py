@@ -485,3 +485,30 @@ def test_bad_logprobs_fail_at_submit(rag):
         for bad in (-1, 21, True, 2.5):
             with pytest.raises(ValueError, match="logprobs"):
                 sched.submit(GenerationRequest("x", logprobs=bad))
+
+
+# ---- sampling adjustments -------------------------------------------------------------------
+def test_penalties_bias_and_top_k_equal_generate_alone_and_batched(rag):
+    prompt = _prompt(1)
+    fox = rag.tokenizer.encode(" fox", add_special_tokens=False)[0]
+    first = rag.prefill(prompt).logits.float()
+    narrow = float(first.max() - first[fox]) + 1.0  # wins the first draw by 1
+    options = [
+        dict(logit_bias={fox: 100.0}),
+        dict(logit_bias={fox: narrow}, frequency_penalty=2.0, presence_penalty=2.0),
+        dict(logit_bias={fox: narrow}, frequency_penalty=-2.0),
+        dict(temperature=0.8, top_k=5, seed=3, frequency_penalty=1.0, logit_bias={fox: 3.0}),
+    ]
+    want = [rag.generate(prompt, max_new_tokens=6, **o).token_ids for o in options]
+    assert want[0] == [fox] * 6 and want[1][0] == want[2][0] == fox
+    assert want[1].count(fox) < want[2].count(fox)  # penalised repeats give way, rewarded ones go on
+    with Scheduler(rag) as sched:
+        alone = [sched.submit(GenerationRequest(prompt, max_new_tokens=6, **o)).result(timeout=60) for o in options]
+        tickets = [sched.submit(GenerationRequest(prompt, max_new_tokens=6, **o)) for o in options]
+        together = [t.result(timeout=60) for t in tickets]
+        with pytest.raises(ValueError, match="vocabulary"):
+            sched.submit(GenerationRequest(prompt, logit_bias={10**9: 1.0}))
+        with pytest.raises(ValueError, match="presence_penalty"):
+            sched.submit(GenerationRequest(prompt, presence_penalty=3.0))
+    assert [f.token_ids for f in alone] == want
+    assert [f.token_ids for f in together] == want

@@ -399,6 +399,10 @@ def test_policy_settings_are_not_lost(llm, handle, tmp_path):
     assert flat.last_stats.cached_tokens > 0 and flat.last_stats.recomputed_tokens == flat.last_stats.cached_tokens
     llm.complete(prompt, formatted=True, recompute_ratio=1.0)
     assert llm.last_stats.recomputed_tokens == llm.last_stats.cached_tokens > 0
+    # OpenAI's sampling adjustments per call, as KVRag.generate takes them.
+    fox = llm.rag.tokenizer.encode(" fox", add_special_tokens=False)[0]
+    forced = llm.complete(prompt, formatted=True, max_new_tokens=3, logit_bias={fox: 100.0}, presence_penalty=0.5)
+    assert forced.text == " fox" * 3
     # A typo is an error naming it, not a silent default.
     with pytest.raises(ValueError, match=r"unknown option\(s\) \['recompute_ratoi'\].*recompute_ratio"):
         KVRagLLM(llm.rag, recompute_ratoi=1.0)
