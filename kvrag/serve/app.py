@@ -153,6 +153,7 @@ def create_app(
                 min_tokens=body.min_tokens or 0,
                 ignore_eos=bool(body.ignore_eos),
                 logprobs=body.logprob_count(),
+                n=body.n or 1,
                 **body.adjustments(),
             )
         except (ValueError, TypeError) as e:
@@ -161,7 +162,7 @@ def create_app(
     async def admit(req):
         try:
             # The scheduler checks and tokenizes the prompt in the caller's thread: off the loop.
-            return await asyncio.to_thread(scheduler.submit, req)
+            return await asyncio.to_thread(scheduler.submit_choices, req)
         except SchedulerFullError as e:
             metrics.rejected.labels("queue_full").inc()
             retry = max(1, math.ceil(getattr(e, "retry_after_s", 1.0) or 1.0))
@@ -173,48 +174,66 @@ def create_app(
         except (ValueError, TypeError, KVRagError) as e:
             metrics.rejected.labels("invalid").inc()
             code = "context_length_exceeded" if "context" in str(e) else None
-            raise APIError(400, str(e), code=code) from None
+            param = "n" if str(e).startswith("n=") else None
+            raise APIError(400, str(e), code=code, param=param) from None
+
+    def observe(fins, firsts) -> None:
+        # The prompt, its prefill and TTFT are the request's, counted once; tokens per choice.
+        for i, (fin, t_first) in enumerate(zip(fins, firsts)):
+            metrics.observe_finished(fin, _tpot(t_first, fin), choice_only=i > 0)
+
+    def total_usage(fins) -> dict:
+        return usage(fins[0].prompt_tokens, sum(f.completion_tokens for f in fins), fins[0].cached_tokens)
 
     async def respond(request: Request, body, prompt, chat: bool):
         req = generation(body, prompt)
-        ticket = await admit(req)
+        tickets = await admit(req)
         rid = new_id("chatcmpl" if chat else "cmpl")
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(
-                _events(ticket, rid, chat, include_usage),
+                _events(tickets, rid, chat, include_usage),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
-        watcher = asyncio.create_task(_cancel_on_disconnect(request, ticket))
-        t_first = None
-        try:
+        watcher = asyncio.create_task(_cancel_on_disconnect(request, tickets))
+
+        async def drain(ticket) -> float | None:
+            t_first = None
             async for _ in ticket:
                 if t_first is None:
                     t_first = time.perf_counter()
-            fin = ticket.result(timeout=30)
+            return t_first
+
+        try:
+            firsts = await asyncio.gather(*(drain(t) for t in tickets))
+            fins = [t.result(timeout=30) for t in tickets]
         except BaseException as e:
-            ticket.cancel()
+            for t in tickets:
+                t.cancel()
             if isinstance(e, Exception):
                 raise _failed(e) from None
             raise
         finally:
             watcher.cancel()
-        metrics.observe_finished(fin, _tpot(t_first, fin))
-        choice = {"index": 0, "finish_reason": fin.finish_reason, "logprobs": _logprobs(fin.logprobs, chat)}
-        if chat:
-            choice["message"] = {"role": "assistant", "content": fin.text}
-        else:
-            choice["text"] = fin.text
+        observe(fins, firsts)
+        choices = []
+        for i, fin in enumerate(fins):
+            choice = {"index": i, "finish_reason": fin.finish_reason, "logprobs": _logprobs(fin.logprobs, chat)}
+            if chat:
+                choice["message"] = {"role": "assistant", "content": fin.text}
+            else:
+                choice["text"] = fin.text
+            choices.append(choice)
         return {
             "id": rid,
             "object": "chat.completion" if chat else "text_completion",
             "created": now(),
             "model": model_name,
-            "choices": [choice],
-            "usage": usage(fin.prompt_tokens, fin.completion_tokens, fin.cached_tokens),
+            "choices": choices,
+            "usage": total_usage(fins),
             "system_fingerprint": None,
-            "kvrag": _kvrag_info(fin),
+            "kvrag": _kvrag_info(fins[0]),
         }
 
     def _logprobs(entries, chat: bool, offset: int = 0) -> dict | None:
@@ -222,51 +241,73 @@ def create_app(
             return None
         return chat_logprobs(entries) if chat else completion_logprobs(entries, offset)
 
-    async def _events(ticket, rid: str, chat: bool, include_usage: bool) -> AsyncIterator[str]:
+    async def _events(tickets, rid: str, chat: bool, include_usage: bool) -> AsyncIterator[str]:
+        """The SSE stream of a request's choices, their chunks in the order they were decoded."""
         created = now()
         kind = "chat.completion.chunk" if chat else "text_completion"
-        wants_logprobs = ticket.request.logprobs is not None
-        streamed = {"chars": 0, "entries": 0}  # what the chunks so far carried
+        wants_logprobs = tickets[0].request.logprobs is not None
+        streamed = [{"chars": 0, "entries": 0} for _ in tickets]  # what each choice's chunks carried
 
-        def chunk(delta: str | None, finish: str | None = None, role: bool = False, entries=None) -> str:
+        def chunk(i: int, delta: str | None, finish: str | None = None, role: bool = False, entries=None) -> str:
             lp = None
             if wants_logprobs and entries is not None:
-                lp = _logprobs(entries, chat, streamed["chars"])
-                streamed["entries"] += len(entries)
-            streamed["chars"] += len(delta or "")
+                lp = _logprobs(entries, chat, streamed[i]["chars"])
+                streamed[i]["entries"] += len(entries)
+            streamed[i]["chars"] += len(delta or "")
             if chat:
                 d = {"role": "assistant", "content": ""} if role else ({} if delta is None else {"content": delta})
-                choice = {"index": 0, "delta": d, "finish_reason": finish, "logprobs": lp}
+                choice = {"index": i, "delta": d, "finish_reason": finish, "logprobs": lp}
             else:
-                choice = {"index": 0, "text": delta or "", "finish_reason": finish, "logprobs": lp}
+                choice = {"index": i, "text": delta or "", "finish_reason": finish, "logprobs": lp}
             out = {"id": rid, "object": kind, "created": created, "model": model_name, "choices": [choice]}
             if include_usage:
                 out["usage"] = None
             return _sse(out)
 
-        done = False
-        t_first = None
-        try:
-            if chat:
-                yield chunk(None, role=True)
+        # Each choice's deltas, then its end (None), through one queue, as they come.
+        events: asyncio.Queue = asyncio.Queue()
+
+        async def feed(i: int, ticket) -> None:
             try:
                 async for delta in ticket.adeltas():
-                    if t_first is None:
-                        t_first = time.perf_counter()
-                    yield chunk(delta.text, entries=delta.logprobs)
-                fin = ticket.result(timeout=30)
+                    await events.put((i, delta))
             except Exception as e:
-                # Admitted, then failed (a store fault, ...): the status line is sent already,
-                # so the error travels as an SSE event, as OpenAI's API sends mid-stream errors.
-                err = _failed(e)
-                yield _sse(err.body())
-                yield "data: [DONE]\n\n"
-                done = True
+                await events.put((i, e))
                 return
-            metrics.observe_finished(fin, _tpot(t_first, fin))
-            # Tokens whose text never streamed (a stop string's) come with the last chunk.
-            rest = fin.logprobs[streamed["entries"] :] if fin.logprobs is not None else None
-            yield chunk(None, finish=fin.finish_reason, entries=rest)
+            await events.put((i, None))
+
+        feeders = [asyncio.create_task(feed(i, t)) for i, t in enumerate(tickets)]
+        done = False
+        firsts: list[float | None] = [None] * len(tickets)
+        fins: list = [None] * len(tickets)
+        try:
+            if chat:
+                for i in range(len(tickets)):
+                    yield chunk(i, None, role=True)
+            ended = 0
+            while ended < len(tickets):
+                i, item = await events.get()
+                if isinstance(item, Exception):
+                    # Admitted, then failed (a store fault, ...): the status line is sent
+                    # already, so the error travels as an SSE event, as OpenAI's API sends
+                    # mid-stream errors; the other choices stop with it.
+                    for t in tickets:
+                        t.cancel()
+                    yield _sse(_failed(item).body())
+                    yield "data: [DONE]\n\n"
+                    done = True
+                    return
+                if item is not None:
+                    if firsts[i] is None:
+                        firsts[i] = time.perf_counter()
+                    yield chunk(i, item.text, entries=item.logprobs)
+                    continue
+                ended += 1
+                fin = fins[i] = tickets[i].result(timeout=30)
+                # Tokens whose text never streamed (a stop string's) come with the last chunk.
+                rest = fin.logprobs[streamed[i]["entries"] :] if fin.logprobs is not None else None
+                yield chunk(i, None, finish=fin.finish_reason, entries=rest)
+            observe(fins, firsts)
             if include_usage:
                 yield _sse(
                     {
@@ -275,18 +316,21 @@ def create_app(
                         "created": created,
                         "model": model_name,
                         "choices": [],
-                        "usage": usage(fin.prompt_tokens, fin.completion_tokens, fin.cached_tokens),
-                        "kvrag": _kvrag_info(fin),
+                        "usage": total_usage(fins),
+                        "kvrag": _kvrag_info(fins[0]),
                     }
                 )
             yield "data: [DONE]\n\n"
             done = True
         finally:
-            # A client that went away (Starlette cancels the response) frees its decode slot
+            for f in feeders:
+                f.cancel()
+            # A client that went away (Starlette cancels the response) frees its decode slots
             # at the next step.
             if not done:
-                metrics.finished.labels("cancelled").inc()
-                ticket.cancel()
+                metrics.finished.labels("cancelled").inc(len(tickets))
+                for t in tickets:
+                    t.cancel()
 
     def _failed(e: Exception) -> APIError:
         """The answer to a request that failed after admission (counted as finished "error")."""
@@ -411,13 +455,14 @@ def _sse(obj: dict) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
 
-async def _cancel_on_disconnect(request: Request, ticket) -> None:
-    """Cancel ``ticket`` when the client of a non-streaming request goes away (its body is read
-    already, so the next ASGI message is the disconnect)."""
+async def _cancel_on_disconnect(request: Request, tickets) -> None:
+    """Cancel ``tickets`` (a request's choices) when the client of a non-streaming request goes
+    away (its body is read already, so the next ASGI message is the disconnect)."""
     while True:
         message = await request.receive()
         if message["type"] == "http.disconnect":
-            ticket.cancel()
+            for t in tickets:
+                t.cancel()
             return
 
 

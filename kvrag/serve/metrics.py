@@ -80,16 +80,22 @@ class ServeMetrics:
         with self._lock:
             return self._cached_total / self._prompt_total if self._prompt_total else 0.0
 
-    def observe_finished(self, fin, tpot_s: float | None = None) -> None:
+    def observe_finished(self, fin, tpot_s: float | None = None, choice_only: bool = False) -> None:
         """Count one finished generation (a ``Finished``); ``tpot_s``: its mean time per token
-        after the first, as the client received them."""
+        after the first, as the client received them. ``choice_only``: a further choice of a
+        request counted already: its end and its tokens, not the prompt, prefill or TTFT
+        they share."""
+        self.finished.labels(fin.finish_reason).inc()
+        self.completion_tokens.inc(fin.completion_tokens)
+        if tpot_s is not None:
+            self.tpot.observe(tpot_s)
+        if choice_only:
+            return
         with self._lock:
             self._prompt_total += fin.prompt_tokens
             self._cached_total += fin.cached_tokens
-        self.finished.labels(fin.finish_reason).inc()
         self.prompt_tokens.inc(fin.prompt_tokens)
         self.cached_tokens.inc(fin.cached_tokens)
-        self.completion_tokens.inc(fin.completion_tokens)
         if fin.ttft_s is not None:
             self.ttft.observe(fin.ttft_s)
         stats = fin.stats
@@ -97,8 +103,6 @@ class ServeMetrics:
             self.chunk_hits.inc(stats.chunks_hit)
             self.chunk_misses.inc(stats.chunks_missed)
             self.chunk_hot.inc(stats.chunks_hot)
-        if tpot_s is not None:
-            self.tpot.observe(tpot_s)
 
     def observe_step(self, batch_size: int, seconds: float) -> None:
         """One batched decode step of ``batch_size`` requests that took ``seconds``."""

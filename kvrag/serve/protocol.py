@@ -1,10 +1,10 @@
 """The OpenAI wire format ``kvrag serve`` speaks: request and response models, the error shape.
 
 Requests are pydantic models whose fields are the ones kvrag implements, plus the fields every
-OpenAI client sends with harmless defaults (``n=1``, ``user``, ``echo=false``, zero
-penalties, ...): those are accepted only at their no-op value, and any other value -- or a field
+OpenAI client sends with harmless defaults (``user``, ``echo=false``, ``best_of=1``,
+...): those are accepted only at their no-op value, and any other value -- or a field
 kvrag does not know -- is refused with a 400 naming it, never ignored (a client asking for
-``n=3`` or tools must learn it got neither). ``to_generation`` turns a checked request into the
+tools or JSON mode must learn it got neither). The app turns a checked request into the
 scheduler's :class:`kvrag.serve.scheduler.GenerationRequest`; nothing here imports torch or a
 web framework, only pydantic.
 """
@@ -81,7 +81,6 @@ class StreamOptions(BaseModel):
 #: Fields accepted only at these values (what clients send by default): name -> allowed values.
 #: ``None`` is always allowed (a client that serializes unset fields as null).
 _NOOP_VALUES: dict[str, tuple] = {
-    "n": (1,),
     "tools": ([],),
     "functions": ([],),
     "tool_choice": ("none",),
@@ -114,6 +113,8 @@ class _GenerationRequest(_Strict):
     presence_penalty: float | None = Field(default=None, ge=-MAX_PENALTY, le=MAX_PENALTY)
     frequency_penalty: float | None = Field(default=None, ge=-MAX_PENALTY, le=MAX_PENALTY)
     logit_bias: dict[str, Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]] | None = None
+    #: Choices drawn from the one prompt (each a decode slot of the server's).
+    n: int | None = Field(default=None, ge=1)
     #: vLLM's extra: sample from the k most likely tokens only (0 or -1: all).
     top_k: int | None = Field(default=None, ge=-1)
     #: kvrag's own options, sent by OpenAI clients as ``extra_body={"kvrag": {...}}``:

@@ -81,7 +81,9 @@ class GenerationRequest:
     before ``min_tokens`` tokens (its logits are masked; a stop string still ends the request);
     ``ignore_eos`` decodes past EOS up to ``max_new_tokens``. ``top_k``, ``presence_penalty``,
     ``frequency_penalty``, ``logit_bias``: as ``kvrag.query.decode.Sampling`` takes them (applied
-    after the EOS bar). ``logprobs``: None, or report each
+    after the EOS bar). ``n``: choices drawn from the one prefill (``Scheduler.submit_choices``),
+    each decoded in its own slot with its own generator (seeded ``seed + i`` for choice ``i``,
+    so choice 0 is what the same request with ``n=1`` draws). ``logprobs``: None, or report each
     generated token's log-probability with that many alternatives (0 to ``MAX_TOP_LOGPROBS``;
     ``kvrag.serve.logprobs``)."""
 
@@ -100,6 +102,7 @@ class GenerationRequest:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict = field(default_factory=dict)
+    n: int = 1
 
     def sampling(self, max_new_tokens: int) -> Sampling:
         """The decoding options (checked: ValueError names a bad one)."""
@@ -167,9 +170,11 @@ class Ticket:
     the first, so a ticket may be read more than once; iteration raises the request's error
     after the deltas it produced."""
 
-    def __init__(self, scheduler: Scheduler, req: GenerationRequest):
+    def __init__(self, scheduler: Scheduler, req: GenerationRequest, index: int = 0):
         self._scheduler = scheduler
         self.request = req
+        #: Which of the request's ``n`` choices this ticket reads.
+        self.index = index
         self._deltas: list[Delta] = []
         self._finished: Finished | None = None
         self._cond = threading.Condition()
@@ -268,17 +273,17 @@ class Ticket:
             return finished
 
     def cancel(self) -> None:
-        """Stop the request: a waiting one leaves the queue now, a running one at its next
-        decode step (its slot is then free); ``finish_reason`` is "cancelled"."""
+        """Stop the request (this choice of it): a waiting one leaves the queue now, a running
+        one at its next decode step (its slot is then free); ``finish_reason`` is "cancelled"."""
         self.cancelled = True
         self._scheduler._cancel_waiting(self)
 
 
 @dataclass
 class _Job:
-    """A queued request, checked by ``submit``."""
+    """A queued request, checked by ``submit``: one ticket per choice."""
 
-    ticket: Ticket
+    tickets: list[Ticket]
     text: str
     policy: Policy
     sampling: Sampling
@@ -293,7 +298,8 @@ class _Running:
     """A request between its prefill and its end: the decoder state the worker steps."""
 
     job: _Job
-    stepper: HFStepper | FusedStepper | None  # the prefill's own decoder; None once ``cache`` took its K/V over
+    ticket: Ticket  # the choice this decodes
+    stepper: HFStepper | FusedStepper | None  # its own decoder; None while ``cache`` holds its K/V
     stats: FusionStats
     text: TextStream
     gen: torch.Generator | None
@@ -305,6 +311,12 @@ class _Running:
     t_prefill: float = 0.0
     cache: DecodeCache | None = None  # set: the request decodes in the shared batched step
     done: bool = False
+
+
+def _width(job: _Job) -> int:
+    """Decode slots a waiting request takes: one per choice not ended (cancelled) yet, at
+    least one (a request whose choices all ended is dropped at its admission)."""
+    return max(1, sum(not t.done for t in job.tickets))
 
 
 class Scheduler:
@@ -360,7 +372,7 @@ class Scheduler:
             leftovers = list(self._waiting)
             self._waiting.clear()
         for job in leftovers:
-            self._end_unstarted(job, "cancelled")
+            self._end_unstarted(job.tickets, "cancelled")
 
     def __enter__(self) -> Scheduler:
         self.start()
@@ -381,12 +393,23 @@ class Scheduler:
 
     # ---- submission -------------------------------------------------------------------
     def submit(self, req: GenerationRequest) -> Ticket:
-        """Check ``req`` and queue it. ValueError / KVRagError name a bad option, policy or
-        prompt; SchedulerFullError when ``max_queue`` requests already wait;
+        """Check ``req`` (of one choice) and queue it. ValueError / KVRagError name a bad
+        option, policy or prompt; SchedulerFullError when ``max_queue`` requests already wait;
         SchedulerClosedError when not started or closed."""
+        if isinstance(req, GenerationRequest) and req.n != 1:
+            raise ValueError(f"n={req.n!r}: submit takes one choice; submit_choices takes several")
+        return self.submit_choices(req)[0]
+
+    def submit_choices(self, req: GenerationRequest) -> list[Ticket]:
+        """``submit`` for a request of ``req.n`` choices: one ticket per choice, all drawn from
+        one prefill. Each choice holds a decode slot, so ``n`` may not exceed
+        ``max_concurrency``."""
         t_submit = time.perf_counter()
         if not isinstance(req, GenerationRequest):
             raise TypeError(f"submit takes a GenerationRequest, got {type(req).__name__}")
+        n = check_int("n", req.n, 1)
+        if n > self.max_concurrency:
+            raise ValueError(f"n={n} choices need more than this server's {self.max_concurrency} decode slots")
         # Checked before the prompt is tokenized, with a stand-in for an unnamed limit.
         req.sampling(req.max_new_tokens or 0).check_vocab(self.rag.handle.config.vocab_size)
         min_tokens = check_int("min_tokens", req.min_tokens, 0)
@@ -412,7 +435,7 @@ class Scheduler:
         if min_tokens > max_new:
             raise ValueError(f"min_tokens={min_tokens} is over the request's max_new_tokens={max_new}")
         sampling = req.sampling(max_new)
-        ticket = Ticket(self, req)
+        tickets = [Ticket(self, req, i) for i in range(n)]
         with self._lock:
             if self._closed or self._thread is None:
                 raise SchedulerClosedError("the scheduler is not running (start() it; close() ends it)")
@@ -424,9 +447,9 @@ class Scheduler:
                     f"{len(self._waiting)} requests already wait (max_queue={self.max_queue})",
                     self._retry_after(),
                 )
-            self._waiting.append(_Job(ticket, text, pol, sampling, t_submit, min_tokens, req.ignore_eos, req.logprobs))
+            self._waiting.append(_Job(tickets, text, pol, sampling, t_submit, min_tokens, req.ignore_eos, req.logprobs))
             self._lock.notify_all()
-        return ticket
+        return tickets
 
     def _check_prompt(self, prompt) -> tuple[str, int]:
         """The prompt string (chat messages rendered) and its token count, refused when it is
@@ -455,15 +478,17 @@ class Scheduler:
 
     def _cancel_waiting(self, ticket: Ticket) -> None:
         with self._lock:
-            job = next((j for j in self._waiting if j.ticket is ticket), None)
-            if job is not None:
-                self._waiting.remove(job)
+            job = next((j for j in self._waiting if ticket in j.tickets), None)
+            if job is not None and all(t.cancelled for t in job.tickets):
+                self._waiting.remove(job)  # the whole request: it leaves the queue
         if job is not None:
-            self._end_unstarted(job, "cancelled")
+            self._end_unstarted([ticket], "cancelled")
 
-    def _end_unstarted(self, job: _Job, reason: str, error: BaseException | None = None) -> None:
-        """End a request that holds no slot (still waiting, or its prefill failed)."""
-        job.ticket._finish(Finished("", [], reason, 0, 0, 0, None, None, error))
+    @staticmethod
+    def _end_unstarted(tickets: list[Ticket], reason: str, error: BaseException | None = None) -> None:
+        """End choices that hold no slot (still waiting, or their prefill failed)."""
+        for t in tickets:
+            t._finish(Finished("", [], reason, 0, 0, 0, None, None, error))
 
     # ---- the worker -----------------------------------------------------------------------
     def _loop(self) -> None:
@@ -476,24 +501,28 @@ class Scheduler:
                         self._lock.wait()
                     if self._closed:
                         break
+                    # In arrival order, each request taking a slot per choice still to run.
                     admit: list[_Job] = []
-                    while self._waiting and len(self._running) + len(admit) < self.max_concurrency:
+                    free = self.max_concurrency - len(self._running)
+                    while self._waiting and _width(self._waiting[0]) <= free:
+                        free -= _width(self._waiting[0])
                         admit.append(self._waiting.popleft())
-                    self._admitting = len(admit)
+                    self._admitting = sum(map(_width, admit))
                 try:
                     # Prefills first (each request's first token, its TTFT, comes from its
                     # prefill), then one decode step for all that run.
                     for job in admit:
+                        width = _width(job)
                         self._admit(job)
                         with self._lock:
-                            self._admitting -= 1
+                            self._admitting -= width
                     self._decode_round()
                 except Exception as e:  # a fault of the scheduler itself: fail what it held, go on
                     log.exception("kvrag scheduler: unexpected error; the running requests end with it")
                     with self._lock:
                         self._admitting = 0
                     for job in admit:
-                        self._end_unstarted(job, "error", e)  # (no-op for those already ended)
+                        self._end_unstarted(job.tickets, "error", e)  # (no-op for those already ended)
                     for r in list(self._running):
                         self._end(r, "error", e)
             for r in list(self._running):
@@ -501,41 +530,58 @@ class Scheduler:
 
     def _admit(self, job: _Job) -> None:
         """Prefill a request through the library's query path (``KVRag.prefill``: chunk
-        lookup and fusion under its policy), sample its first token, and take its cache into
-        the batched step (unless its policy decodes on its own)."""
-        if job.ticket.done:
-            return
-        if job.ticket.cancelled:
-            self._end_unstarted(job, "cancelled")
+        lookup and fusion under its policy), draw each choice's first token from it, and take
+        each choice's cache into the batched step (a copy each). A policy that decodes on its
+        own keeps the prefill's decoder for the first choice and prefills again for each other."""
+        self._end_unstarted([t for t in job.tickets if t.cancelled], "cancelled")
+        live = [t for t in job.tickets if not t.done]
+        if not live:
             return
         t0 = time.perf_counter()
         try:
             pre = self.rag.prefill(job.text, job.policy)
-            logits, stepper, stats = pre.logits, pre.stepper, pre.stats
         except Exception as e:  # this request's own fault (a store, its prompt): it ends alone
             log.debug("request failed at its prefill", exc_info=True)
-            self._end_unstarted(job, "error", e)
+            self._end_unstarted(live, "error", e)
             return
         s = job.sampling
-        gen = torch.Generator().manual_seed(s.seed) if s.seed is not None else None
-        r = _Running(job, stepper, stats, TextStream(self.rag.tokenizer, s.stop), gen, t_prefill=t0)
+        runs = [
+            _Running(
+                job,
+                t,
+                None,
+                copy.copy(pre.stats),
+                TextStream(self.rag.tokenizer, s.stop),
+                torch.Generator().manual_seed(s.seed + t.index) if s.seed is not None else None,
+                t_prefill=t0,
+            )
+            for t in live
+        ]
         with self._lock:
-            self._running.append(r)
+            self._running.extend(runs)
         if s.max_new_tokens == 0:
-            self._end(r, "length")
+            for r in runs:
+                self._end(r, "length")
             return
-        try:
-            lp = distribution(logits) if job.logprobs is not None else None
-            self._accept(r, self._draw(self._bar_eos(logits, [r]), r), lp)
-            if not r.done:
+        lp = distribution(pre.logits) if job.logprobs is not None else None
+        # The prefill's own decoder, until a choice whose policy decodes on its own takes it.
+        stepper: HFStepper | FusedStepper | None = pre.stepper
+        for r in runs:
+            try:
+                self._accept(r, self._draw(self._bar_eos(pre.logits, [r]), r), lp)
+                if r.done:
+                    continue
                 # Rows for the tokens still to come, so a short answer never regrows its cache.
-                r.cache = DecodeCache.from_stepper(self.rag.arch, stepper, spare=min(s.max_new_tokens, 512))
+                r.cache = DecodeCache.from_stepper(self.rag.arch, pre.stepper, spare=min(s.max_new_tokens, 512))
                 if r.cache is not None:
-                    r.stepper = None  # the prefill's tensors go; the cache holds a copy
                     self._arena.add(r.cache)
-        except Exception as e:
-            log.debug("request failed after its prefill", exc_info=True)
-            self._end(r, "error", e)
+                elif stepper is not None:
+                    r.stepper, stepper = stepper, None
+                else:
+                    r.stepper = self.rag.prefill(job.text, job.policy).stepper
+            except Exception as e:
+                log.debug("request failed after its prefill", exc_info=True)
+                self._end(r, "error", e)
 
     def _bar_eos(self, logits: torch.Tensor, rows: list[_Running]) -> torch.Tensor:
         """Next-token logits [B, V] (or [V] for one request) of ``rows``, with EOS masked in
@@ -577,7 +623,7 @@ class Scheduler:
         """One decode step for every running request (one token each): the batched step for
         those whose cache it holds, then each own-decode request's stepper."""
         for r in list(self._running):
-            if r.job.ticket.cancelled:
+            if r.ticket.cancelled:
                 self._end(r, "cancelled")
         # In arena slot order, so a batch of exactly the arena's members attends in one call.
         order = {id(c): i for i, c in enumerate(self._arena.members)}
@@ -638,7 +684,7 @@ class Scheduler:
         r.out += text
         entries = tuple(r.logprobs[r.logprobs_sent :])
         r.logprobs_sent = len(r.logprobs)
-        r.job.ticket._push(Delta(text, entries))
+        r.ticket._push(Delta(text, entries))
 
     def _end(self, r: _Running, reason: str, error: BaseException | None = None) -> None:
         if r.done:
@@ -672,4 +718,4 @@ class Scheduler:
             error,
             list(r.logprobs) if r.job.logprobs is not None else None,
         )
-        r.job.ticket._finish(fin)
+        r.ticket._finish(fin)

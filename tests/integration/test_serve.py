@@ -271,12 +271,37 @@ def test_penalties_logit_bias_and_top_k_through_the_openai_client(server, rag):
             assert "vocabulary" in err["message"], err
 
 
+def test_several_choices_whole_and_streamed(server, rag):
+    url, _ = server
+    c = client(url)
+    kw = dict(model="tiny", max_tokens=5, temperature=0.9, seed=7, n=2)
+    want = [rag.generate(messages(), max_new_tokens=5, temperature=0.9, seed=7 + i) for i in range(2)]
+    got = c.chat.completions.create(messages=messages(), **kw)
+    assert [ch.index for ch in got.choices] == [0, 1]
+    assert [ch.message.content for ch in got.choices] == [w.text for w in want]
+    assert got.usage.completion_tokens == sum(len(w.token_ids) for w in want)
+    assert got.usage.prompt_tokens == want[0].stats.prompt_tokens
+    assert got.usage.prompt_tokens_details.cached_tokens == want[0].stats.read_tokens
+    texts, finish, usage = ["", ""], [None, None], None
+    for chunk in c.chat.completions.create(
+        messages=messages(), stream=True, stream_options={"include_usage": True}, **kw
+    ):
+        for ch in chunk.choices:
+            texts[ch.index] += ch.delta.content or ""
+            finish[ch.index] = ch.finish_reason or finish[ch.index]
+        usage = chunk.usage or usage
+    assert texts == [w.text for w in want] and finish == [w.finish_reason for w in want]
+    assert usage.completion_tokens == got.usage.completion_tokens
+    comp = c.completions.create(prompt=rag.render(messages()), **kw)
+    assert [ch.text for ch in comp.choices] == [w.text for w in want]
+
+
 # ---- refusals in OpenAI's shape ------------------------------------------------------------
 def test_unsupported_fields_are_refused_naming_them(server):
     url, _ = server
     c = client(url)
     for kw, param in [
-        ({"n": 2}, "n"),
+        ({"n": 3}, "n"),  # more choices than the server's 2 decode slots
         ({"top_logprobs": 2}, "top_logprobs"),  # without logprobs=true, as OpenAI refuses it
         ({"response_format": {"type": "json_object"}}, "response_format"),
         ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
@@ -439,8 +464,8 @@ def test_past_max_queue_a_503_with_retry_after(rag, monkeypatch):
 def test_a_disconnected_stream_frees_its_slot(rag, monkeypatch):
     tickets = []
     with Scheduler(rag, max_concurrency=1, max_queue=2) as sch, running(create_app(rag, sch)) as url:
-        submit = sch.submit
-        monkeypatch.setattr(sch, "submit", lambda req: tickets.append(submit(req)) or tickets[-1])
+        submit = sch.submit_choices
+        monkeypatch.setattr(sch, "submit_choices", lambda req: tickets.extend(submit(req)) or tickets[-1:])
         body = {"messages": messages(), "max_tokens": 3000, "temperature": 0, "stream": True}
         with httpx.Client(timeout=60) as h:
             with h.stream("POST", url + "/v1/chat/completions", json=body) as r:
@@ -461,8 +486,8 @@ def test_a_disconnected_stream_frees_its_slot(rag, monkeypatch):
 def test_a_non_streaming_client_that_gives_up_cancels_its_request(rag, monkeypatch):
     tickets = []
     with Scheduler(rag, max_concurrency=1, max_queue=2) as sch, running(create_app(rag, sch)) as url:
-        submit = sch.submit
-        monkeypatch.setattr(sch, "submit", lambda req: tickets.append(submit(req)) or tickets[-1])
+        submit = sch.submit_choices
+        monkeypatch.setattr(sch, "submit_choices", lambda req: tickets.extend(submit(req)) or tickets[-1:])
         body = {"messages": messages(), "max_tokens": 3000, "temperature": 0}
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(url + "/v1/chat/completions", json=body, timeout=httpx.Timeout(60, read=1.0))

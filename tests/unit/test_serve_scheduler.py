@@ -512,3 +512,58 @@ def test_penalties_bias_and_top_k_equal_generate_alone_and_batched(rag):
             sched.submit(GenerationRequest(prompt, presence_penalty=3.0))
     assert [f.token_ids for f in alone] == want
     assert [f.token_ids for f in together] == want
+
+
+# ---- several choices -----------------------------------------------------------------------
+@pytest.mark.parametrize("own_decoder", [False, True])
+def test_choices_share_one_prefill_and_each_equals_its_own_request(handle, tmp_path, monkeypatch, own_decoder):
+    """Choice i of a request of n draws what the same request of one choice draws with seed
+    + i; a policy whose decode step is the batched one prefills once, one that decodes on its
+    own (A2ATS) once per choice."""
+    rag = KVRag(handle, cache_dir=tmp_path / "kv", policy="cacheblend")
+    rag.precompute(DOCS)
+    policy, params = ("a2ats", _calibrated_a2ats(handle, tmp_path)) if own_decoder else (None, {})
+    req = dict(max_new_tokens=6, temperature=0.9, seed=7, policy=policy, policy_params=params, logprobs=1)
+    prefills = []
+    real = rag.prefill
+    monkeypatch.setattr(rag, "prefill", lambda *a, **k: prefills.append(1) or real(*a, **k))
+    with Scheduler(rag) as sched:
+        tickets = sched.submit_choices(GenerationRequest(_prompt(2), n=3, **req))
+        fins = [t.result(timeout=120) for t in tickets]
+        assert len(prefills) == (3 if own_decoder else 1)
+        alone = [
+            sched.submit(GenerationRequest(_prompt(2), **{**req, "seed": 7 + i})).result(timeout=120) for i in range(3)
+        ]
+        greedy = sched.submit_choices(GenerationRequest(_prompt(2), n=2, max_new_tokens=6))
+        greedy = [t.result(timeout=120) for t in greedy]
+    assert [t.index for t in tickets] == [0, 1, 2]
+    assert [f.token_ids for f in fins] == [f.token_ids for f in alone]
+    assert len({tuple(f.token_ids) for f in fins}) > 1  # sampled: the choices differ
+    for f, a in zip(fins, alone):
+        assert f.text == a.text and f.prompt_tokens == a.prompt_tokens and f.cached_tokens == a.cached_tokens
+        assert [e.token for e in f.logprobs] == [e.token for e in a.logprobs]
+    assert greedy[0].token_ids == greedy[1].token_ids == rag.generate(_prompt(2), max_new_tokens=6).token_ids
+
+
+def test_choices_take_a_slot_each_and_cancel_one_by_one(rag):
+    with Scheduler(rag, max_concurrency=2) as sched:
+        with pytest.raises(ValueError, match="decode slots"):
+            sched.submit_choices(GenerationRequest(_prompt(0), n=3))
+        with pytest.raises(ValueError, match="submit_choices"):
+            sched.submit(GenerationRequest(_prompt(0), n=2))
+        with pytest.raises(ValueError, match="n must be"):
+            sched.submit_choices(GenerationRequest(_prompt(0), n=0))
+        first = sched.submit(GenerationRequest(_prompt(0), max_new_tokens=4000))
+        _wait_for(lambda: sched.running == 1)
+        # Two choices need both slots: they wait until the first request ends.
+        pair = sched.submit_choices(GenerationRequest(_prompt(1), n=2, max_new_tokens=4000))
+        time.sleep(0.3)
+        assert sched.running == 1 and sched.queue_depth == 1
+        pair[1].cancel()  # one choice of a waiting request: the other still waits, for one slot
+        assert pair[1].result(timeout=5).finish_reason == "cancelled"
+        _wait_for(lambda: sched.running == 2)
+        assert sched.queue_depth == 0 and not pair[0].done
+        first.cancel()
+        pair[0].cancel()
+        assert first.result(timeout=60).finish_reason == pair[0].result(timeout=60).finish_reason == "cancelled"
+        _wait_for(lambda: sched.running == 0)
