@@ -17,6 +17,7 @@ import time
 from collections.abc import Generator, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -39,6 +40,7 @@ from kvrag.policies.model_defaults import DefaultPolicy, default_policy
 from kvrag.precompute import pending_in_prompt
 from kvrag.precompute.ingest import STORAGE_DTYPES, Ingestor, cache_fingerprint, resolve_anchor
 from kvrag.query.align import prompt_prefix
+from kvrag.query.constrain import JsonConstraint
 from kvrag.query.decode import FusedStepper, HFStepper, Sampling, TextStream, eos_ids, generate_tokens
 from kvrag.query.fusion import FusionEngine, FusionResult
 from kvrag.query.lookup import ChunkLookup
@@ -492,6 +494,7 @@ class KVRag:
         presence_penalty: float = 0.0,
         frequency_penalty: float = 0.0,
         logit_bias: Mapping[int, float] | None = None,
+        json_schema: Mapping[str, Any] | None = None,
         **policy_params,
     ) -> Stream:
         """Generate token by token; iterate for text deltas. Bad options, policy parameters
@@ -499,13 +502,16 @@ class KVRag:
         sampled token (rendering, segmentation, loading and prefill; not the time a lazily
         read stream waits for its first ``next()``). ``presence_penalty``,
         ``frequency_penalty`` and ``logit_bias`` (token id -> bias) are OpenAI's adjustments
-        (``kvrag.query.decode.Sampling``)."""
+        (``kvrag.query.decode.Sampling``); ``json_schema``: hold the answer to a JSON document
+        valid under this schema (``kvrag.query.constrain``; ``{"type": "object"}`` for any
+        object), ended when it is complete."""
         if "max_tokens" in policy_params:  # the name most LLM APIs use; not a policy parameter
             raise ValueError("KVRag.generate/stream take max_new_tokens, not max_tokens")
         sampling = Sampling(
             max_new_tokens, temperature, top_p, top_k, stop, seed, presence_penalty, frequency_penalty, logit_bias or {}
         )
         sampling.check_vocab(self.handle.config.vocab_size)
+        constraint = self.json_constraint(json_schema) if json_schema is not None else None
         # Bad policy options and prompts fail at the call, not at the first iteration; the
         # time this takes (rendering a chat template) still counts in TTFT and load_s.
         t_call = time.perf_counter()
@@ -521,7 +527,7 @@ class KVRag:
             logits, stepper, stats, prompt_ids = self._fuse(prep)
             text = TextStream(self.tokenizer, sampling.stop)
             t_first = None
-            for tok in generate_tokens(logits, stepper, sampling, self.eos):
+            for tok in generate_tokens(logits, stepper, sampling, self.eos, constraint):
                 if t_first is None:
                     t_first = time.perf_counter()
                     stats.ttft_s = t_first - t0
@@ -538,14 +544,21 @@ class KVRag:
                 yield tail
             stats.new_tokens = len(holder.token_ids)
             stats.decode_s = time.perf_counter() - (t_first or t0)
-            # EOS or a stop string wins over the token budget when both end on the same token.
+            # EOS, a stop string or a complete document wins over the token budget when both
+            # end on the same token.
             stopped = text.stopped or bool(holder.token_ids and holder.token_ids[-1] in self.eos)
+            stopped = stopped or (constraint is not None and constraint.done)
             holder.finish_reason = "stop" if stopped else "length"
             holder.stats = stats
             holder.prompt_ids = prompt_ids
 
         holder = Stream(run())
         return holder
+
+    def json_constraint(self, schema: Mapping[str, Any]) -> JsonConstraint:
+        """A matcher holding one reply to a JSON document valid under ``schema`` (ValueError
+        names a schema the grammar engine cannot compile)."""
+        return JsonConstraint(self.tokenizer, self.handle.config.vocab_size, schema)
 
     def generate(self, prompt: str | Sequence[dict], **kwargs) -> Generation:
         """Generate a whole answer (see ``stream`` for the options)."""

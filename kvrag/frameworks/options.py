@@ -24,6 +24,7 @@ GEN_KEYS = (
     "presence_penalty",
     "frequency_penalty",
     "logit_bias",
+    "json_schema",
 )
 
 

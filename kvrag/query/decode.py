@@ -23,6 +23,7 @@ from transformers.cache_utils import DynamicLayer
 
 from kvrag.arch import Arch
 from kvrag.defaults import DEFAULT_MAX_NEW_TOKENS, MAX_LOGIT_BIAS, MAX_PENALTY
+from kvrag.query.constrain import JsonConstraint
 
 # The temperatures sampling can use: logits (shifted by their maximum) divided by one of these
 # stay finite in float32; below it, 5e-324 say, the division overflows (or rounds to 0/0).
@@ -378,17 +379,26 @@ def eos_ids(model, tokenizer) -> set[int]:
     return ids
 
 
-def generate_tokens(first_logits: torch.Tensor, stepper, sampling: Sampling, eos: set[int]) -> Iterator[int]:
-    """Yield token ids: the first from ``first_logits`` [V], then one stepper call each."""
+def generate_tokens(
+    first_logits: torch.Tensor, stepper, sampling: Sampling, eos: set[int], constraint: JsonConstraint | None = None
+) -> Iterator[int]:
+    """Yield token ids: the first from ``first_logits`` [V], then one stepper call each;
+    ``constraint``: the document the reply must be (``kvrag.query.constrain``), which ends it
+    when complete."""
     gen = None
     if sampling.seed is not None:
         gen = torch.Generator().manual_seed(sampling.seed)
     logits = first_logits
     drawn: list[int] = []
     for i in range(sampling.max_new_tokens):
-        tok = sample(adjust_logits(logits, sampling, drawn).cpu(), sampling, gen)
+        logits = adjust_logits(logits, sampling, drawn)
+        if constraint is not None:
+            logits = constraint.mask(logits)
+        tok = sample(logits.cpu(), sampling, gen)
         drawn.append(tok)
+        if constraint is not None:
+            constraint.accept(tok)
         yield tok
-        if tok in eos or i == sampling.max_new_tokens - 1:
+        if tok in eos or i == sampling.max_new_tokens - 1 or (constraint is not None and constraint.done):
             return
         logits = stepper.step([tok])[-1]

@@ -154,6 +154,7 @@ def create_app(
                 ignore_eos=bool(body.ignore_eos),
                 logprobs=body.logprob_count(),
                 n=body.n or 1,
+                json_schema=body.json_schema(),
                 **body.adjustments(),
             )
         except (ValueError, TypeError) as e:

@@ -73,6 +73,23 @@ class Message(_Strict):
         return "".join(p.text for p in self.content)
 
 
+class JsonSchemaFormat(BaseModel):
+    """``response_format.json_schema``: the schema a reply is held to (``name``, ``description``
+    and ``strict`` are accepted: a reply is always held to the schema, strictly)."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
@@ -85,7 +102,6 @@ _NOOP_VALUES: dict[str, tuple] = {
     "functions": ([],),
     "tool_choice": ("none",),
     "function_call": ("none",),
-    "response_format": ({"type": "text"},),
     "echo": (False,),
     "best_of": (1,),
     "suffix": ("",),
@@ -113,6 +129,8 @@ class _GenerationRequest(_Strict):
     presence_penalty: float | None = Field(default=None, ge=-MAX_PENALTY, le=MAX_PENALTY)
     frequency_penalty: float | None = Field(default=None, ge=-MAX_PENALTY, le=MAX_PENALTY)
     logit_bias: dict[str, Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]] | None = None
+    #: Structured output: a JSON object, or a document valid under a JSON schema.
+    response_format: ResponseFormat | None = None
     #: Choices drawn from the one prompt (each a decode slot of the server's).
     n: int | None = Field(default=None, ge=1)
     #: vLLM's extra: sample from the k most likely tokens only (0 or -1: all).
@@ -139,6 +157,19 @@ class _GenerationRequest(_Strict):
         if self.stream_options is not None and not self.stream:
             return APIError(400, "stream_options is only allowed with stream=true", param="stream_options")
         return None
+
+    def json_schema(self) -> dict | None:
+        """The schema the reply is held to: None for text, any object for ``json_object``."""
+        fmt = self.response_format
+        if fmt is None or fmt.type == "text":
+            return None
+        if fmt.type == "json_object":
+            return {"type": "object"}
+        if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+            raise APIError(
+                400, "response_format json_schema needs json_schema.schema", param="response_format.json_schema"
+            )
+        return fmt.json_schema.schema_
 
     def adjustments(self) -> dict:
         """``top_k``, the penalties and ``logit_bias`` (keys as token ids) as

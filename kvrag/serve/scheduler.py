@@ -59,6 +59,7 @@ from kvrag.engine import KVRag
 from kvrag.errors import KVRagError
 from kvrag.policies import Policy, get_policy
 from kvrag.query.batch import DecodeArena, DecodeCache, decode_step
+from kvrag.query.constrain import JsonConstraint
 from kvrag.query.decode import FusedStepper, HFStepper, Sampling, TextStream, adjust_logits, sample
 from kvrag.query.prompt import render_prompt
 from kvrag.query.state import FusionStats
@@ -83,7 +84,9 @@ class GenerationRequest:
     ``frequency_penalty``, ``logit_bias``: as ``kvrag.query.decode.Sampling`` takes them (applied
     after the EOS bar). ``n``: choices drawn from the one prefill (``Scheduler.submit_choices``),
     each decoded in its own slot with its own generator (seeded ``seed + i`` for choice ``i``,
-    so choice 0 is what the same request with ``n=1`` draws). ``logprobs``: None, or report each
+    so choice 0 is what the same request with ``n=1`` draws). ``json_schema``: hold each reply to a
+    JSON document valid under it (``kvrag.query.constrain``), ended when complete. ``logprobs``:
+    None, or report each
     generated token's log-probability with that many alternatives (0 to ``MAX_TOP_LOGPROBS``;
     ``kvrag.serve.logprobs``)."""
 
@@ -103,6 +106,7 @@ class GenerationRequest:
     frequency_penalty: float = 0.0
     logit_bias: dict = field(default_factory=dict)
     n: int = 1
+    json_schema: dict | None = None
 
     def sampling(self, max_new_tokens: int) -> Sampling:
         """The decoding options (checked: ValueError names a bad one)."""
@@ -291,6 +295,7 @@ class _Job:
     min_tokens: int = 0
     ignore_eos: bool = False
     logprobs: int | None = None
+    json_schema: dict | None = None
 
 
 @dataclass
@@ -307,6 +312,7 @@ class _Running:
     out: str = ""
     logprobs: list[TokenLogprob] = field(default_factory=list)
     logprobs_sent: int = 0  # entries already pushed with a delta
+    constraint: JsonConstraint | None = None  # the document the reply must be
     t_first: float | None = None
     t_prefill: float = 0.0
     cache: DecodeCache | None = None  # set: the request decodes in the shared batched step
@@ -412,6 +418,8 @@ class Scheduler:
             raise ValueError(f"n={n} choices need more than this server's {self.max_concurrency} decode slots")
         # Checked before the prompt is tokenized, with a stand-in for an unnamed limit.
         req.sampling(req.max_new_tokens or 0).check_vocab(self.rag.handle.config.vocab_size)
+        if req.json_schema is not None:
+            self.rag.json_constraint(req.json_schema)  # compiles, or names what it cannot
         min_tokens = check_int("min_tokens", req.min_tokens, 0)
         if not isinstance(req.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be true or false, got {req.ignore_eos!r}")
@@ -447,7 +455,9 @@ class Scheduler:
                     f"{len(self._waiting)} requests already wait (max_queue={self.max_queue})",
                     self._retry_after(),
                 )
-            self._waiting.append(_Job(tickets, text, pol, sampling, t_submit, min_tokens, req.ignore_eos, req.logprobs))
+            self._waiting.append(
+                _Job(tickets, text, pol, sampling, t_submit, min_tokens, req.ignore_eos, req.logprobs, req.json_schema)
+            )
             self._lock.notify_all()
         return tickets
 
@@ -557,6 +567,9 @@ class Scheduler:
             )
             for t in live
         ]
+        if job.json_schema is not None:
+            for r in runs:
+                r.constraint = self.rag.json_constraint(job.json_schema)
         with self._lock:
             self._running.extend(runs)
         if s.max_new_tokens == 0:
@@ -593,12 +606,18 @@ class Scheduler:
             view[idx.unsqueeze(1), self._eos.to(logits.device).unsqueeze(0)] = float("-inf")
         return logits
 
+    def _draw(self, logits: torch.Tensor, r: _Running) -> int:
+        """The request's next token from its (EOS-barred) logits [V]: shaped by its options
+        (``_adjusted``), then sampled on the host with its own generator, as ``KVRag.stream``
+        draws it."""
+        return sample(self._adjusted(logits, r).cpu(), r.job.sampling, r.gen)
+
     @staticmethod
-    def _draw(logits: torch.Tensor, r: _Running) -> int:
-        """The request's next token from its (EOS-barred) logits [V]: adjusted, then sampled
-        on the host with its own generator, as ``KVRag.stream`` draws it."""
-        s = r.job.sampling
-        return sample(adjust_logits(logits, s, r.tokens).cpu(), s, r.gen)
+    def _adjusted(logits: torch.Tensor, r: _Running) -> torch.Tensor:
+        """The request's logits [V] as its options shape them before the draw: penalties and
+        biases, then what its JSON document may take next."""
+        logits = adjust_logits(logits, r.job.sampling, r.tokens)
+        return r.constraint.mask(logits) if r.constraint is not None else logits
 
     def _accept(self, r: _Running, tok: int, logprobs: torch.Tensor | None = None) -> None:
         """Take the request's next token: stream its text, and end the request on EOS, a stop
@@ -611,10 +630,12 @@ class Scheduler:
         if logprobs is not None and r.job.logprobs is not None and not ends:
             r.logprobs.append(token_logprob(self.rag.tokenizer, r.tokens, logprobs, tok, r.job.logprobs))
         r.tokens.append(tok)
+        if r.constraint is not None and not ends:
+            r.constraint.accept(tok)
         delta = r.text.push(tok)
         if delta:
             self._push(r, delta)
-        if r.text.stopped or ends:
+        if r.text.stopped or ends or (r.constraint is not None and r.constraint.done):
             self._end(r, "stop")
         elif len(r.tokens) >= r.job.sampling.max_new_tokens:
             self._end(r, "length")
@@ -668,9 +689,13 @@ class Scheduler:
         wants = [i for i, r in enumerate(batch) if r.job.logprobs is not None]
         lps = dict(zip(wants, distribution(logits[wants]))) if wants else {}
         toks = self._bar_eos(logits, batch).argmax(-1).tolist()
-        own = [i for i, r in enumerate(batch) if r.job.sampling.temperature > 0 or r.job.sampling.adjusts]
+        own = [
+            i
+            for i, r in enumerate(batch)
+            if r.job.sampling.temperature > 0 or r.job.sampling.adjusts or r.constraint is not None
+        ]
         if own:
-            rows = torch.stack([adjust_logits(logits[i], batch[i].job.sampling, batch[i].tokens).float() for i in own])
+            rows = torch.stack([self._adjusted(logits[i], batch[i]).float() for i in own])
             for i, row in zip(own, rows.cpu()):
                 toks[i] = sample(row, batch[i].job.sampling, batch[i].gen)
         for i, (r, tok) in enumerate(zip(batch, toks)):

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+from typing import Literal
 
 import httpx
 import openai
@@ -296,6 +297,51 @@ def test_several_choices_whole_and_streamed(server, rag):
     assert [ch.text for ch in comp.choices] == [w.text for w in want]
 
 
+def test_structured_output_through_the_openai_client_and_langchain(server, rag):
+    from langchain_openai import ChatOpenAI
+    from pydantic import BaseModel
+
+    url, _ = server
+    c = client(url)
+    schema = {
+        "type": "object",
+        "properties": {"answer": {"enum": ["yes", "no"]}, "confidence": {"type": "integer"}},
+        "required": ["answer", "confidence"],
+        "additionalProperties": False,
+    }
+    fmt = {"type": "json_schema", "json_schema": {"name": "verdict", "schema": schema, "strict": True}}
+    got = c.chat.completions.create(
+        model="tiny", messages=messages(), max_tokens=40, temperature=0, response_format=fmt
+    )
+    assert got.choices[0].finish_reason == "stop"
+    doc = json.loads(got.choices[0].message.content)
+    assert doc["answer"] in ("yes", "no") and isinstance(doc["confidence"], int)
+    assert got.choices[0].message.content == rag.generate(messages(), max_new_tokens=40, json_schema=schema).text
+    obj = c.chat.completions.create(
+        model="tiny", messages=messages(), max_tokens=4, temperature=0, response_format={"type": "json_object"}
+    )
+    assert obj.choices[0].message.content.startswith("{")
+
+    class Verdict(BaseModel):
+        answer: Literal["yes", "no"]
+        confidence: int
+
+    llm = ChatOpenAI(model="tiny", base_url=url + "/v1", api_key="none", max_tokens=40, temperature=0, max_retries=0)
+    verdict = llm.with_structured_output(Verdict, method="json_schema").invoke(messages()[0]["content"])
+    assert isinstance(verdict, Verdict)
+    for bad, param in [
+        ({"type": "json_schema"}, "response_format.json_schema"),
+        ({"type": "xml"}, "response_format.type"),
+        ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}, None),
+    ]:
+        r = httpx.post(
+            url + "/v1/chat/completions",
+            json={"messages": messages(), "max_tokens": 2, "response_format": bad},
+            timeout=60,
+        )
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
 # ---- refusals in OpenAI's shape ------------------------------------------------------------
 def test_unsupported_fields_are_refused_naming_them(server):
     url, _ = server
@@ -303,7 +349,7 @@ def test_unsupported_fields_are_refused_naming_them(server):
     for kw, param in [
         ({"n": 3}, "n"),  # more choices than the server's 2 decode slots
         ({"top_logprobs": 2}, "top_logprobs"),  # without logprobs=true, as OpenAI refuses it
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"extra_body": {"best_of": 2}}, "best_of"),
         ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
         ({"extra_body": {"guided_json": {}}}, "guided_json"),
     ]:

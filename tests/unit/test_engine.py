@@ -1,5 +1,6 @@
 """KVRag facade end to end on a tiny random-weight model with the real SmolLM2 tokenizer."""
 
+import json
 import os
 
 import pytest
@@ -477,6 +478,24 @@ def test_penalties_and_logit_bias_adjust_every_draw(rag):
     want[4] += -0.25 - 0.5
     assert torch.equal(out[torch.arange(50) != 7], want[torch.arange(50) != 7]) and out[7] == float("-inf")
     assert adjust_logits(logits, Sampling(), [3]) is logits
+
+
+def test_an_answer_held_to_a_json_schema_is_a_valid_document(rag):
+    prompt = prompt_for(DOCS[:2])
+    schema = {
+        "type": "object",
+        "properties": {"answer": {"enum": ["yes", "no"]}, "n": {"type": "integer"}},
+        "required": ["answer", "n"],
+        "additionalProperties": False,
+    }
+    got = rag.generate(prompt, max_new_tokens=40, json_schema=schema)
+    assert got.finish_reason == "stop"  # the document is complete: nothing may follow
+    doc = json.loads(got.text)
+    assert doc["answer"] in ("yes", "no") and isinstance(doc["n"], int)
+    assert "".join(rag.stream(prompt, max_new_tokens=40, json_schema=schema)) == got.text
+    assert rag.generate(prompt, max_new_tokens=3, json_schema={"type": "object"}).text.startswith("{")
+    with pytest.raises(ValueError, match="JSON schema"):
+        rag.stream(prompt, json_schema={"type": "nonsense"})
 
 
 def test_bad_chunks_rejected(rag, handle):

@@ -4,6 +4,7 @@ one batched decode step with others; cancel frees a slot, a failing request fail
 the queue is bounded."""
 
 import asyncio
+import json
 import threading
 import time
 
@@ -567,3 +568,26 @@ def test_choices_take_a_slot_each_and_cancel_one_by_one(rag):
         pair[0].cancel()
         assert first.result(timeout=60).finish_reason == pair[0].result(timeout=60).finish_reason == "cancelled"
         _wait_for(lambda: sched.running == 0)
+
+
+def test_a_reply_held_to_a_json_schema_equals_generate_alone_and_batched(rag):
+    schema = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}},
+        "required": ["ok"],
+        "additionalProperties": False,
+    }
+    want = rag.generate(_prompt(1), max_new_tokens=30, json_schema=schema)
+    assert want.finish_reason == "stop" and isinstance(json.loads(want.text)["ok"], bool)
+    with Scheduler(rag) as sched:
+        alone = sched.submit(GenerationRequest(_prompt(1), max_new_tokens=30, json_schema=schema)).result(timeout=60)
+        pair = [
+            sched.submit(GenerationRequest(_prompt(1), max_new_tokens=30, json_schema=schema)),
+            sched.submit(GenerationRequest(_prompt(2), max_new_tokens=30)),
+        ]
+        together = pair[0].result(timeout=60)
+        pair[1].result(timeout=60)
+        with pytest.raises(ValueError, match="JSON schema"):
+            sched.submit(GenerationRequest(_prompt(1), json_schema={"type": "nonsense"}))
+    for fin in (alone, together):
+        assert fin.token_ids == want.token_ids and fin.text == want.text and fin.finish_reason == "stop"

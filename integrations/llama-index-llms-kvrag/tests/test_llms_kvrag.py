@@ -3,6 +3,7 @@ all-MiniLM-L6-v2 embeddings; the LLM is a tiny random-weight model with SmolLM2'
 (fast), and, in the ``real`` tests, SmolLM2-135M-Instruct itself."""
 
 import asyncio
+import json
 import logging
 import pickle
 import time
@@ -403,6 +404,16 @@ def test_policy_settings_are_not_lost(llm, handle, tmp_path):
     fox = llm.rag.tokenizer.encode(" fox", add_special_tokens=False)[0]
     forced = llm.complete(prompt, formatted=True, max_new_tokens=3, logit_bias={fox: 100.0}, presence_penalty=0.5)
     assert forced.text == " fox" * 3
+    verdict = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}},
+        "required": ["ok"],
+        "additionalProperties": False,
+    }
+    structured = llm.complete(prompt, formatted=True, max_new_tokens=20, json_schema=verdict)
+    assert structured.additional_kwargs["finish_reason"] == "stop" and isinstance(
+        json.loads(structured.text)["ok"], bool
+    )
     # A typo is an error naming it, not a silent default.
     with pytest.raises(ValueError, match=r"unknown option\(s\) \['recompute_ratoi'\].*recompute_ratio"):
         KVRagLLM(llm.rag, recompute_ratoi=1.0)
