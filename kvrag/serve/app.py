@@ -134,6 +134,13 @@ def create_app(
                 param="messages" if isinstance(prompt, list) else "prompt",
                 code="context_length_exceeded",
             )
+        if body.n is not None and body.n > scheduler.max_concurrency:
+            raise APIError(
+                400,
+                f"n={body.n}: each choice decodes in a slot of its own, and this server has "
+                f"{scheduler.max_concurrency} (--max-concurrency)",
+                param="n",
+            )
         policy, params = body.policy()
         if policy is not None or params:
             try:
@@ -175,8 +182,7 @@ def create_app(
         except (ValueError, TypeError, KVRagError) as e:
             metrics.rejected.labels("invalid").inc()
             code = "context_length_exceeded" if "context" in str(e) else None
-            param = "n" if str(e).startswith("n=") else None
-            raise APIError(400, str(e), code=code, param=param) from None
+            raise APIError(400, str(e), code=code) from None
 
     def observe(fins, firsts) -> None:
         # The prompt, its prefill and TTFT are the request's, counted once; tokens per choice.

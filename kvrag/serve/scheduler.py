@@ -550,6 +550,8 @@ class Scheduler:
         t0 = time.perf_counter()
         try:
             pre = self.rag.prefill(job.text, job.policy)
+            schema = job.json_schema
+            constraints = [self.rag.json_constraint(schema) if schema is not None else None for _ in live]
         except Exception as e:  # this request's own fault (a store, its prompt): it ends alone
             log.debug("request failed at its prefill", exc_info=True)
             self._end_unstarted(live, "error", e)
@@ -564,12 +566,10 @@ class Scheduler:
                 TextStream(self.rag.tokenizer, s.stop),
                 torch.Generator().manual_seed(s.seed + t.index) if s.seed is not None else None,
                 t_prefill=t0,
+                constraint=c,
             )
-            for t in live
+            for t, c in zip(live, constraints)
         ]
-        if job.json_schema is not None:
-            for r in runs:
-                r.constraint = self.rag.json_constraint(job.json_schema)
         with self._lock:
             self._running.extend(runs)
         if s.max_new_tokens == 0:
