@@ -113,3 +113,19 @@ def test_demo_runs_every_policy_and_kvlink_trained(tmp_path, capsys, corpus):
         assert 0 <= k <= 1 and (k == 1) == (
             "= full" in next(ln for ln in out.splitlines() if ln.strip().startswith(pol) and "TTFT" in ln)
         ), row
+
+
+def test_structured_answers_are_valid_documents_under_full_prefill_and_reuse(rag, corpus):
+    msgs = rag_messages(corpus["documents"][:3], corpus["questions"][0])
+    schema = {
+        "type": "object",
+        "properties": {"museum": {"type": "string"}, "year": {"type": "integer"}},
+        "required": ["museum", "year"],
+        "additionalProperties": False,
+    }
+    for policy in ("full_prefill", "cacheblend"):
+        out = rag.generate(msgs, policy=policy, max_new_tokens=40, json_schema=schema)
+        assert out.finish_reason == "stop", out.text  # complete before the token budget
+        doc = json.loads(out.text)
+        assert set(doc) == {"museum", "year"} and doc["museum"].strip() and isinstance(doc["year"], int)
+        assert out.stats.chunks_hit == (3 if policy == "cacheblend" else 0)
