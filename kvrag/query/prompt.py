@@ -48,8 +48,9 @@ def plain_chat_prompt(messages: Sequence[dict]) -> str:
     return "\n".join(f"{m['role']}: {m.get('content') or ''}" for m in messages) + "\nassistant: "
 
 
-def render_messages(tokenizer, messages: Sequence[Mapping]) -> str:
-    """Render chat ``messages`` to the prompt string the model will see (generation prompt added).
+def render_messages(tokenizer, messages: Sequence[Mapping], tools: Sequence[Mapping] | None = None) -> str:
+    """Render chat ``messages`` to the prompt string the model will see (generation prompt
+    added); ``tools``: OpenAI-style function tools, for a template that renders them.
 
     Segmentation then runs on this string, so chunk texts must appear in it exactly as they were
     registered (a template that strips or escapes message content changes them)."""
@@ -66,8 +67,9 @@ def render_messages(tokenizer, messages: Sequence[Mapping]) -> str:
             "rendered; pass the prompt as a string instead, or set tokenizer.chat_template"
         )
     messages = list(messages)
+    extra = {"tools": list(tools)} if tools else {}
     try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra)
     except Exception as e:  # noqa: BLE001 - jinja's TemplateError, raised by the template itself
         # Some templates (Mistral-Instruct v0.1/v0.2, Gemma-style) accept no system role: the
         # instruction then goes in front of the first user message, which is what those
@@ -76,7 +78,9 @@ def render_messages(tokenizer, messages: Sequence[Mapping]) -> str:
             raise ValueError(f"the tokenizer's chat template refused these messages: {e}") from e
         merged = {**messages[1], "content": f"{messages[0].get('content', '')}\n\n{messages[1].get('content', '')}"}
         try:
-            text = tokenizer.apply_chat_template([merged, *messages[2:]], tokenize=False, add_generation_prompt=True)
+            text = tokenizer.apply_chat_template(
+                [merged, *messages[2:]], tokenize=False, add_generation_prompt=True, **extra
+            )
         except Exception as e2:  # noqa: BLE001
             raise ValueError(
                 f"the tokenizer's chat template refused these messages: {e2} "

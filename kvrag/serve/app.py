@@ -43,6 +43,7 @@ from kvrag.serve.protocol import (
     now,
     usage,
 )
+from kvrag.serve.tools import call_schema, messages_for, native, parse_calls, wire_calls
 
 log = logging.getLogger("kvrag.serve")
 
@@ -121,10 +122,15 @@ def create_app(
     auth = [Depends(authorized)]
 
     # ---- requests -> the scheduler -------------------------------------------------------
-    def generation(body, prompt) -> Any:
+    def generation(body, prompt, call: dict | None = None) -> Any:
+        """The scheduler's request for ``body`` on ``prompt``; ``call``: the schema of the tool
+        call the reply must be (``tool_choice`` "required" or named)."""
         bad = body.unsupported()
         if bad is not None:
             raise bad
+        schema = body.json_schema()
+        if call is not None and schema is not None:
+            raise APIError(400, "a required tool call and a response_format: ask for one of them", param="tool_choice")
         chars = len(prompt) if isinstance(prompt, str) else sum(len(m["content"]) for m in prompt)
         if chars > limit_chars:
             raise APIError(
@@ -161,7 +167,7 @@ def create_app(
                 ignore_eos=bool(body.ignore_eos),
                 logprobs=body.logprob_count(),
                 n=body.n or 1,
-                json_schema=body.json_schema(),
+                json_schema=call if call is not None else schema,
                 **body.adjustments(),
             )
         except (ValueError, TypeError) as e:
@@ -192,14 +198,22 @@ def create_app(
     def total_usage(fins) -> dict:
         return usage(fins[0].prompt_tokens, sum(f.completion_tokens for f in fins), fins[0].cached_tokens)
 
-    async def respond(request: Request, body, prompt, chat: bool):
-        req = generation(body, prompt)
+    def reply(fin, tools) -> tuple[dict, str]:
+        """A chat choice's ``message`` and ``finish_reason``: its calls, where it made any."""
+        content, calls = parse_calls(fin.text, tools) if tools else (fin.text, [])
+        if not calls:
+            return {"role": "assistant", "content": fin.text}, fin.finish_reason
+        return {"role": "assistant", "content": content, "tool_calls": wire_calls(calls)}, "tool_calls"
+
+    async def respond(request: Request, body, prompt, chat: bool, tools=None, call=None):
+        """Answer ``body`` on ``prompt``; ``tools``: those the reply may call (chat)."""
+        req = generation(body, prompt, call)
         tickets = await admit(req)
         rid = new_id("chatcmpl" if chat else "cmpl")
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(
-                _events(tickets, rid, chat, include_usage),
+                _events(tickets, rid, chat, include_usage, tools),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
@@ -228,7 +242,7 @@ def create_app(
         for i, fin in enumerate(fins):
             choice = {"index": i, "finish_reason": fin.finish_reason, "logprobs": _logprobs(fin.logprobs, chat)}
             if chat:
-                choice["message"] = {"role": "assistant", "content": fin.text}
+                choice["message"], choice["finish_reason"] = reply(fin, tools)
             else:
                 choice["text"] = fin.text
             choices.append(choice)
@@ -248,21 +262,31 @@ def create_app(
             return None
         return chat_logprobs(entries) if chat else completion_logprobs(entries, offset)
 
-    async def _events(tickets, rid: str, chat: bool, include_usage: bool) -> AsyncIterator[str]:
-        """The SSE stream of a request's choices, their chunks in the order they were decoded."""
+    async def _events(tickets, rid: str, chat: bool, include_usage: bool, tools=None) -> AsyncIterator[str]:
+        """The SSE stream of a request's choices, their chunks in the order they were decoded.
+        With ``tools`` a choice's reply is held back until it ends (whether it is a call is
+        known then), and sent as one chunk: its text, or its calls."""
         created = now()
         kind = "chat.completion.chunk" if chat else "text_completion"
         wants_logprobs = tickets[0].request.logprobs is not None
         streamed = [{"chars": 0, "entries": 0} for _ in tickets]  # what each choice's chunks carried
 
-        def chunk(i: int, delta: str | None, finish: str | None = None, role: bool = False, entries=None) -> str:
+        held: list[list] = [[] for _ in tickets]  # with tools: each choice's deltas, until it ends
+
+        def chunk(
+            i: int, delta: str | None, finish: str | None = None, role: bool = False, entries=None, calls=None
+        ) -> str:
             lp = None
             if wants_logprobs and entries is not None:
                 lp = _logprobs(entries, chat, streamed[i]["chars"])
                 streamed[i]["entries"] += len(entries)
             streamed[i]["chars"] += len(delta or "")
             if chat:
-                d = {"role": "assistant", "content": ""} if role else ({} if delta is None else {"content": delta})
+                d: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
+                if delta is not None:
+                    d = {"content": delta}
+                if calls:
+                    d = {"tool_calls": [{"index": k, **c} for k, c in enumerate(calls)]}
                 choice = {"index": i, "delta": d, "finish_reason": finish, "logprobs": lp}
             else:
                 choice = {"index": i, "text": delta or "", "finish_reason": finish, "logprobs": lp}
@@ -307,13 +331,23 @@ def create_app(
                 if item is not None:
                     if firsts[i] is None:
                         firsts[i] = time.perf_counter()
-                    yield chunk(i, item.text, entries=item.logprobs)
+                    if tools:
+                        held[i].append(item)
+                    else:
+                        yield chunk(i, item.text, entries=item.logprobs)
                     continue
                 ended += 1
                 fin = fins[i] = tickets[i].result(timeout=30)
+                finish = fin.finish_reason
+                if tools:
+                    message, finish = reply(fin, tools)
+                    if "tool_calls" in message:
+                        yield chunk(i, None, calls=message["tool_calls"])
+                    elif fin.text:
+                        yield chunk(i, fin.text, entries=[e for d in held[i] for e in d.logprobs])
                 # Tokens whose text never streamed (a stop string's) come with the last chunk.
                 rest = fin.logprobs[streamed[i]["entries"] :] if fin.logprobs is not None else None
-                yield chunk(i, None, finish=fin.finish_reason, entries=rest)
+                yield chunk(i, None, finish=finish, entries=rest)
             observe(fins, firsts)
             if include_usage:
                 yield _sse(
@@ -351,13 +385,21 @@ def create_app(
 
     @app.post("/v1/chat/completions", dependencies=auth)
     async def chat_completions(request: Request, body: ChatCompletionRequest):
-        messages = []
-        for i, m in enumerate(body.messages):
-            if m.role == "tool" or (m.model_extra or {}).get("tool_calls"):
-                raise APIError(400, "tool messages are not supported (kvrag serve has no tools)", param=f"messages.{i}")
+        tools, choice = body.tool_setup()
+        messages: list[dict] = []
+        for m in body.messages:
             # "developer" is OpenAI's newer name for the system role; chat templates know "system".
-            messages.append({"role": "system" if m.role == "developer" else m.role, "content": m.text()})
-        return await respond(request, body, messages, chat=True)
+            entry: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+            if m.tool_calls:
+                entry["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+            if m.role == "tool":
+                entry["tool_call_id"] = m.tool_call_id
+            messages.append(entry)
+        if tools is None and not any(m["role"] == "tool" or "tool_calls" in m for m in messages):
+            return await respond(request, body, messages, chat=True)
+        prompt = await asyncio.to_thread(_render_with_tools, rag.tokenizer, messages, tools)
+        call = call_schema(tools, choice) if tools and choice not in ("none", "auto") else None
+        return await respond(request, body, prompt, chat=True, tools=tools if choice != "none" else None, call=call)
 
     @app.post("/v1/completions", dependencies=auth)
     async def completions(request: Request, body: CompletionRequest):
@@ -441,6 +483,18 @@ def _submit_chunks(rag, pc, texts: list[str], limit_chars: int) -> list[dict]:
             item.update(status="dropped", error=str(e))
         out.append(item)
     return out
+
+
+def _render_with_tools(tokenizer, messages: list[dict], tools: list[dict] | None) -> str:
+    """The prompt of a chat with tools or tool turns (``kvrag.serve.tools``)."""
+    from kvrag.query.prompt import render_messages
+
+    try:
+        return render_messages(
+            tokenizer, messages_for(tokenizer, messages, tools), tools if native(tokenizer) else None
+        )
+    except (ValueError, TypeError) as e:
+        raise APIError(400, str(e), param="messages") from None
 
 
 def _tpot(t_first: float | None, fin) -> float | None:

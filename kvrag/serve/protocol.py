@@ -60,10 +60,24 @@ class TextPart(BaseModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str | dict[str, Any] = "{}"
+
+
+class ToolCall(BaseModel):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class Message(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    #: An assistant turn's calls, and a tool turn's answer to one (OpenAI's tool messages).
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -98,9 +112,7 @@ class StreamOptions(BaseModel):
 #: Fields accepted only at these values (what clients send by default): name -> allowed values.
 #: ``None`` is always allowed (a client that serializes unset fields as null).
 _NOOP_VALUES: dict[str, tuple] = {
-    "tools": ([],),
     "functions": ([],),
-    "tool_choice": ("none",),
     "function_call": ("none",),
     "echo": (False,),
     "best_of": (1,),
@@ -224,8 +236,50 @@ class _GenerationRequest(_Strict):
         return name, opts
 
 
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatCompletionRequest(_GenerationRequest):
     messages: list[Message] = Field(min_length=1)
+    #: Functions the model may call (``kvrag.serve.tools``), and whether it must.
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+
+    def tool_setup(self) -> tuple[list[dict] | None, str | dict]:
+        """(the tools as dicts, or None when there are none; the choice: "none", "auto",
+        "required" or a named function as a dict). OpenAI's default is "auto" with tools."""
+        tools = [t.model_dump(exclude_none=True) for t in self.tools or []] or None
+        choice = self.tool_choice
+        if isinstance(choice, NamedToolChoice):
+            if not tools or choice.function.name not in {t["function"]["name"] for t in tools}:
+                raise APIError(
+                    400, f"tool_choice names {choice.function.name!r}, not one of the tools", param="tool_choice"
+                )
+            return tools, choice.model_dump()
+        if choice == "required" and not tools:
+            raise APIError(400, "tool_choice='required' without tools", param="tool_choice")
+        return tools, choice or ("auto" if tools else "none")
+
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
 

@@ -342,6 +342,97 @@ def test_structured_output_through_the_openai_client_and_langchain(server, rag):
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
 
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "search",
+            "description": "Search the documents",
+            "parameters": {
+                "type": "object",
+                "properties": {"query": {"type": "string", "maxLength": 16}},
+                "required": ["query"],
+                "additionalProperties": False,
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "count",
+            "parameters": {
+                "type": "object",
+                "properties": {"n": {"type": "integer"}},
+                "required": ["n"],
+                "additionalProperties": False,
+            },
+        },
+    },
+]
+
+
+def test_tool_calls_required_named_streamed_and_tool_results_served_from_chunk_caches(server, rag):
+    url, _ = server
+    c = client(url)
+    kw = dict(model="tiny", messages=messages(), max_tokens=60, temperature=0, tools=TOOLS)
+    got = c.chat.completions.create(tool_choice="required", **kw).choices[0]
+    assert got.finish_reason == "tool_calls" and got.message.content is None
+    (call,) = got.message.tool_calls
+    assert call.id.startswith("call_") and call.function.name in ("search", "count")
+    args = json.loads(call.function.arguments)
+    assert set(args) == ({"query"} if call.function.name == "search" else {"n"})
+    named = c.chat.completions.create(tool_choice={"type": "function", "function": {"name": "count"}}, **kw)
+    (call,) = named.choices[0].message.tool_calls
+    assert call.function.name == "count" and isinstance(json.loads(call.function.arguments)["n"], int)
+    # Streamed: the call arrives whole, in one chunk, when the reply ends.
+    deltas = [
+        ch.choices[0] for ch in c.chat.completions.create(tool_choice="required", stream=True, **kw) if ch.choices
+    ]
+    streamed = [t for d in deltas if d.delta.tool_calls for t in d.delta.tool_calls]
+    assert len(streamed) == 1 and streamed[0].function.name == got.message.tool_calls[0].function.name
+    assert deltas[-1].finish_reason == "tool_calls"
+    # "auto": the model chooses; this random one writes text, which comes back as text.
+    auto = c.chat.completions.create(**kw).choices[0]
+    assert auto.finish_reason in ("stop", "length") and auto.message.tool_calls is None and auto.message.content
+    # The agent's next turn: its call and the tool's result, the retrieved passage verbatim.
+    turns = [
+        {"role": "user", "content": "Where does the red fox live?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "call_1", "type": "function", "function": {"name": "search", "arguments": '{"query": "fox"}'}}
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": DOCS[0]},
+    ]
+    answer = c.chat.completions.create(model="tiny", messages=turns, max_tokens=4, temperature=0, tools=TOOLS)
+    assert answer.usage.prompt_tokens_details.cached_tokens >= len(rag.chunk_ids(DOCS[0]))
+    for bad, param in [
+        ({"tool_choice": "required"}, "tool_choice"),  # without tools
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+        ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools.0.function.name"),
+    ]:
+        r = httpx.post(url + "/v1/chat/completions", json={"messages": messages(), "max_tokens": 2, **bad}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_langchain_bind_tools_gets_the_call(server):
+    from langchain_openai import ChatOpenAI
+
+    url, _ = server
+
+    # An enum: a random model given a free string may not close it within the token budget.
+    def lookup(city: Literal["Brisk", "Aldport"]) -> str:
+        """Look a city up in the atlas."""
+        return city
+
+    llm = ChatOpenAI(model="tiny", base_url=url + "/v1", api_key="none", max_tokens=40, temperature=0, max_retries=0)
+    msg = llm.bind_tools([lookup], tool_choice="required").invoke("Where is Brisk?")
+    (call,) = msg.tool_calls
+    assert call["name"] == "lookup" and call["args"]["city"] in ("Brisk", "Aldport") and call["id"].startswith("call_")
+
+
 # ---- refusals in OpenAI's shape ------------------------------------------------------------
 def test_unsupported_fields_are_refused_naming_them(server):
     url, _ = server
@@ -350,7 +441,7 @@ def test_unsupported_fields_are_refused_naming_them(server):
         ({"n": 3}, "n"),  # more choices than the server's 2 decode slots
         ({"top_logprobs": 2}, "top_logprobs"),  # without logprobs=true, as OpenAI refuses it
         ({"extra_body": {"best_of": 2}}, "best_of"),
-        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
+        ({"extra_body": {"functions": [{"name": "f", "parameters": {}}]}}, "functions"),
         ({"extra_body": {"guided_json": {}}}, "guided_json"),
     ]:
         with pytest.raises(openai.BadRequestError) as e:
