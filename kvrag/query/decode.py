@@ -396,7 +396,7 @@ def generate_tokens(
             logits = constraint.mask(logits)
         tok = sample(logits.cpu(), sampling, gen)
         drawn.append(tok)
-        if constraint is not None:
+        if constraint is not None and tok not in eos:  # EOS ends the reply: nothing to match
             constraint.accept(tok)
         yield tok
         if tok in eos or i == sampling.max_new_tokens - 1 or (constraint is not None and constraint.done):

@@ -25,10 +25,12 @@ eviction) are windowed by key position as ``FusedStepper`` windows them. A polic
 cache rows per decode step (``policy.decode_select``: ``a2ats``' top-k reads) keeps its own
 stepper and decodes unbatched, one token per round in the same loop.
 
-Sampling is per request (temperature, top-p, a ``torch.Generator`` seeded per request, as
-``KVRag.stream`` samples), with EOS and stop strings (``TextStream``) and ``max_new_tokens``:
-a request's greedy tokens are those of ``KVRag.generate`` for the same prompt and policy, up
-to float rounding of the batched rows (``tests/unit/test_serve_scheduler.py``).
+Sampling is per request (temperature, top-p, top-k, OpenAI's penalties and logit bias, a JSON
+schema the reply is held to, a ``torch.Generator`` seeded per request, as ``KVRag.stream``
+samples), with EOS and stop strings (``TextStream``) and ``max_new_tokens``: a request's greedy
+tokens are those of ``KVRag.generate`` for the same prompt and policy, up to float rounding of
+the batched rows (``tests/unit/test_serve_scheduler.py``). A request of ``n`` choices
+(``submit_choices``) is prefilled once and decodes each choice in a slot of its own.
 
 A ``Ticket`` is the caller's handle: iterate it (or ``async for``) for text deltas,
 ``result()`` for the ``Finished`` record, ``cancel()`` to stop at the next step and free the

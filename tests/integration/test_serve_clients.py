@@ -60,6 +60,7 @@ def test_llamaindex_openailike_query_engine_over_chroma_hits_on_the_first_query(
     from llama_index.core.instrumentation import get_dispatcher
     from llama_index.core.instrumentation.event_handlers import BaseEventHandler
     from llama_index.core.instrumentation.events.llm import LLMChatEndEvent
+    from llama_index.core.llms import ChatMessage
     from llama_index.core.node_parser import SentenceSplitter
     from llama_index.embeddings.huggingface import HuggingFaceEmbedding
     from llama_index.llms.openai_like import OpenAILike
@@ -91,17 +92,10 @@ def test_llamaindex_openailike_query_engine_over_chroma_hits_on_the_first_query(
 
     handler = Usage()
     get_dispatcher().add_event_handler(handler)
+    # As a deployment configures it: the server's address and key, greedy answers.
+    served_by = dict(model="tiny", api_base=url + "/v1", api_key="k", is_chat_model=True, temperature=0, max_retries=0)
     try:
-        llm = OpenAILike(
-            model="tiny",
-            api_base=url + "/v1",
-            api_key="k",
-            is_chat_model=True,
-            context_window=4096,
-            max_tokens=6,
-            temperature=0,
-            max_retries=0,
-        )
+        llm = OpenAILike(context_window=4096, max_tokens=6, **served_by)
         index = VectorStoreIndex.from_vector_store(vs, embed_model=embed)
         resp = index.as_query_engine(llm=llm, similarity_top_k=2).query(QUESTION)
     finally:
@@ -112,19 +106,7 @@ def test_llamaindex_openailike_query_engine_over_chroma_hits_on_the_first_query(
     assert usage.prompt_tokens_details.cached_tokens > 0
     assert chunk_hits(url) == 2
     # LlamaIndex's own log-probabilities field, filled from the server's.
-    from llama_index.core.llms import ChatMessage
-
-    scorer = OpenAILike(
-        model="tiny",
-        api_base=url + "/v1",
-        api_key="k",
-        is_chat_model=True,
-        max_tokens=4,
-        temperature=0,
-        max_retries=0,
-        logprobs=True,
-        top_logprobs=2,
-    )
+    scorer = OpenAILike(max_tokens=4, logprobs=True, top_logprobs=2, **served_by)
     scored = scorer.chat([ChatMessage(role="user", content=QUESTION)])
     assert len(scored.logprobs) == 4 and all(len(alts) == 2 for alts in scored.logprobs)
     assert "".join(alts[0].token for alts in scored.logprobs) == scored.message.content
