@@ -101,6 +101,26 @@ def _usage(stats) -> dict[str, Any]:
     }
 
 
+def _closed(schema: Any) -> Any:
+    """``schema`` (JSON) with every object that lists its properties closed to others
+    (``additionalProperties: false`` where it says nothing)."""
+    if isinstance(schema, list):
+        return [_closed(x) for x in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key in ("properties", "patternProperties", "$defs", "definitions") and isinstance(value, dict):
+            out[key] = {name: _closed(sub) for name, sub in value.items()}  # names -> schemas
+        elif key in ("enum", "const", "default", "examples"):
+            out[key] = value  # data, not schemas
+        else:
+            out[key] = _closed(value)
+    if "properties" in out and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
 class ChatKVRag(WrapsKVRag, BaseChatModel):
     """A LangChain chat model that answers with kvrag.
 
@@ -287,6 +307,46 @@ class ChatKVRag(WrapsKVRag, BaseChatModel):
 
     def bind_tools(self, tools, **kwargs):
         raise NotImplementedError("ChatKVRag does not support tools (tool calling): it answers from text only")
+
+    def with_structured_output(self, schema, *, include_raw: bool = False, method: str = "json_schema", **kwargs):
+        """Answers parsed into ``schema`` (a pydantic model, a TypedDict, or a JSON schema as a
+        dict), each held while it is generated to a JSON document valid under the schema
+        (``KVRag.generate(json_schema=...)``), so it always parses unless the token budget ends
+        it first. ``method``: "json_schema" (the default; "function_calling" is taken as it,
+        since the answer is the same document) or "json_mode" (any JSON object, parsed as a
+        dict). ``include_raw``: ``{"raw": AIMessage, "parsed": ..., "parsing_error": ...}``, as
+        LangChain's chat models return it."""
+        from operator import itemgetter
+
+        from langchain_core.output_parsers import JsonOutputParser, PydanticOutputParser
+        from langchain_core.runnables import RunnableMap, RunnablePassthrough
+        from langchain_core.utils.function_calling import convert_to_json_schema
+        from pydantic import BaseModel as PydanticModel
+
+        if kwargs:
+            raise ValueError(f"ChatKVRag.with_structured_output got unsupported option(s) {sorted(kwargs)}")
+        if method not in ("json_schema", "function_calling", "json_mode"):
+            raise ValueError(f"method must be 'json_schema', 'function_calling' or 'json_mode', got {method!r}")
+        pydantic = isinstance(schema, type) and issubclass(schema, PydanticModel)
+        if method == "json_mode":
+            json_schema: dict[str, Any] = {"type": "object"}
+        elif isinstance(schema, dict) and "parameters" not in schema:
+            json_schema = schema  # a JSON schema already (LangChain's converter wants a title on it)
+        else:
+            json_schema = convert_to_json_schema(schema)
+        if pydantic and method != "json_mode":
+            # A pydantic model drops fields it does not declare: barring them from the document
+            # changes no parse, and keeps a small model from adding keys until its budget ends.
+            json_schema = _closed(json_schema)
+        parser = (
+            PydanticOutputParser(pydantic_object=schema) if pydantic and method != "json_mode" else JsonOutputParser()
+        )
+        llm = self.bind(json_schema=json_schema)
+        if not include_raw:
+            return llm | parser
+        parsed = RunnablePassthrough.assign(parsed=itemgetter("raw") | parser, parsing_error=lambda _: None)
+        failed = RunnablePassthrough.assign(parsed=lambda _: None)
+        return RunnableMap(raw=llm) | parsed.with_fallbacks([failed], exception_key="parsing_error")
 
     @property
     def _llm_type(self) -> str:

@@ -342,6 +342,41 @@ def test_messages_and_misuse(llm):
         llm.bind_tools([])
 
 
+def test_structured_output_parses_into_the_schema(llm):
+    """``with_structured_output`` as LangChain's RAG tutorial uses it (query analysis into a
+    pydantic model): the answer is held to the schema while it is generated, so it parses."""
+    from typing import Literal
+
+    from pydantic import BaseModel
+
+    class Place(BaseModel):
+        page: int
+
+    class Search(BaseModel):
+        section: Literal["beginning", "middle", "end"]
+        where: Place  # a nested model: its own object in the schema's $defs
+
+    roomy = ChatKVRag(rag=llm.rag, max_new_tokens=30)
+    got = roomy.with_structured_output(Search).invoke("Which part of the book tells of the fox?")
+    assert isinstance(got, Search) and got.section in ("beginning", "middle", "end") and isinstance(got.where.page, int)
+    as_dict = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}},
+        "required": ["ok"],
+        "additionalProperties": False,
+    }
+    assert isinstance(roomy.with_structured_output(as_dict).invoke("Yes?")["ok"], bool)
+    raw = roomy.with_structured_output(Search, include_raw=True).invoke("Which part?")
+    assert raw["parsing_error"] is None and isinstance(raw["parsed"], Search)
+    assert Search.model_validate_json(raw["raw"].content) == raw["parsed"]
+    assert raw["raw"].response_metadata["finish_reason"] == "stop"  # the document was complete
+    # Cut by the token budget: the parse fails, and include_raw says so instead of raising.
+    cut = ChatKVRag(rag=llm.rag, max_new_tokens=2).with_structured_output(Search, include_raw=True).invoke("Part?")
+    assert cut["parsed"] is None and cut["parsing_error"] is not None
+    with pytest.raises(ValueError, match="method"):
+        llm.with_structured_output(Search, method="xml")
+
+
 def test_llm_cache_keys_on_the_generation_settings(llm):
     """LangChain's LLM cache keys on the model's identifying params: two models differing in
     what they generate must not share a cached answer."""
