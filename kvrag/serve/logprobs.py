@@ -42,8 +42,9 @@ def distribution(logits: torch.Tensor) -> torch.Tensor:
     return torch.log_softmax(logits.float(), dim=-1)
 
 
-def token_text(tokenizer, context: list[int], token: int, alternative: bool = False) -> str:
-    """The text ``token`` adds after the ids ``context`` (their last few are decoded).
+def token_texts(tokenizer, context: list[int], tokens: list[int], alternative: bool = False) -> list[str]:
+    """The text each of ``tokens`` would add after the ids ``context`` (their last few are
+    decoded, once for all of them).
 
     A token that ends inside a character adds nothing until the token that completes it, which
     adds the whole character: the rule the reply's own text streams by, so the chosen tokens
@@ -51,15 +52,23 @@ def token_text(tokenizer, context: list[int], token: int, alternative: bool = Fa
     instead, and spells special tokens (an EOS shows as itself) where the reply drops them."""
     skip = not alternative
     tail = context[-_CONTEXT:]
-    before = tokenizer.decode(tail, skip_special_tokens=skip) if tail else ""
-    after = tokenizer.decode(tail + [token], skip_special_tokens=skip)
     # A trailing U+FFFD is a character whose bytes are not all there yet.
-    before = before.rstrip("\ufffd")
-    if not alternative:
-        after = after.rstrip("\ufffd")
-    if after.startswith(before):
-        return after[len(before) :]
-    return tokenizer.decode([token], skip_special_tokens=skip)
+    before = tokenizer.decode(tail, skip_special_tokens=skip).rstrip("\ufffd") if tail else ""
+    out = []
+    for token in tokens:
+        after = tokenizer.decode(tail + [token], skip_special_tokens=skip)
+        if not alternative:
+            after = after.rstrip("\ufffd")
+        if after.startswith(before):
+            out.append(after[len(before) :])
+        else:
+            out.append(tokenizer.decode([token], skip_special_tokens=skip))
+    return out
+
+
+def token_text(tokenizer, context: list[int], token: int, alternative: bool = False) -> str:
+    """``token_texts`` of one token."""
+    return token_texts(tokenizer, context, [token], alternative)[0]
 
 
 def token_logprob(tokenizer, context: list[int], logprobs: torch.Tensor, token: int, k: int) -> TokenLogprob:
@@ -69,8 +78,6 @@ def token_logprob(tokenizer, context: list[int], logprobs: torch.Tensor, token: 
     chosen = float(logprobs[token])
     alternatives: tuple[tuple[str, float], ...] = ()
     if top is not None:
-        alternatives = tuple(
-            (token_text(tokenizer, context, i, alternative=True), v)
-            for i, v in zip(top.indices.tolist(), top.values.tolist())
-        )
+        texts = token_texts(tokenizer, context, top.indices.tolist(), alternative=True)
+        alternatives = tuple(zip(texts, top.values.tolist()))
     return TokenLogprob(token_text(tokenizer, context, token), chosen, alternatives)

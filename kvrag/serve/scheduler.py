@@ -516,10 +516,10 @@ class Scheduler:
                     # In arrival order, each request taking a slot per choice still to run.
                     admit: list[_Job] = []
                     free = self.max_concurrency - len(self._running)
-                    while self._waiting and _width(self._waiting[0]) <= free:
-                        free -= _width(self._waiting[0])
+                    while self._waiting and (width := _width(self._waiting[0])) <= free:
+                        free -= width
                         admit.append(self._waiting.popleft())
-                    self._admitting = sum(map(_width, admit))
+                    self._admitting = self.max_concurrency - len(self._running) - free
                 try:
                     # Prefills first (each request's first token, its TTFT, comes from its
                     # prefill), then one decode step for all that run.
