@@ -23,7 +23,7 @@ from importlib import resources
 from pathlib import Path
 
 from kvrag import KVRag
-from kvrag.query.prompt import rag_messages
+from kvrag.layout.prompt import rag_messages
 from kvrag.serve.scheduler import GenerationRequest, Scheduler
 
 #: An answer as a document: a free string and a number, the shapes RAG extraction asks for.
@@ -44,7 +44,7 @@ SETTINGS = {
 def per_token(sched: Scheduler, prompt, tokens: int, options: dict) -> tuple[float, int]:
     """(seconds per token after the first, tokens) of one request alone."""
     fixed = {} if "json_schema" in options else {"ignore_eos": True, "min_tokens": tokens}
-    ticket = sched.submit(GenerationRequest(prompt, max_new_tokens=tokens, temperature=0.0, **fixed, **options))
+    ticket = sched.submit(GenerationRequest.of(prompt, max_new_tokens=tokens, temperature=0.0, **fixed, **options))
     t_first = None
     for _ in ticket:
         if t_first is None:

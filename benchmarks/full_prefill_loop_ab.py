@@ -23,9 +23,9 @@ import torch
 
 from kvrag import KVRag
 from kvrag.bench.examples import load_examples
+from kvrag.layout.prompt import rag_prompt
+from kvrag.layout.state import Layout, Piece
 from kvrag.policies import get_policy
-from kvrag.query.prompt import rag_prompt
-from kvrag.query.state import Layout, Piece
 
 
 def seconds(fn) -> float:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # kvrag on a CUDA GPU, as one run that fits a short device lease (about 9 minutes):
-#   1. the device invariants: tests/unit/test_device.py, test_a2ats_device.py and the prompt
-#      prefix cache's equalities (test_prefix_cache.py's first two tests) with
+#   1. the device invariants: tests/unit/test_device_invariants.py, policies/test_a2ats_device.py and the prompt
+#      prefix cache's equalities (query/test_prefix.py's first two tests) with
 #      KVRAG_TEST_DEVICE=cuda;
 #   2. benchmarks/gpu_floor.py: every policy's TTFT beside its floor on random-weight Llamas of
 #      Llama-3-8B's shape, then Llama-3.2-1B's, built on the GPU, bfloat16, at 16k/8k/32k/4k
@@ -38,9 +38,9 @@ start=$(date +%s)
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm --format=csv 2>/dev/null
 df -h "$OUT" | tail -1
 KVRAG_TEST_DEVICE="$DEVICE" timeout "${TEST_TIMEOUT:-150}" "$PY" -m pytest -q -p no:cacheprovider \
-    --import-mode=importlib -o pythonpath="tests tests/unit" tests/unit/test_device.py tests/unit/test_a2ats_device.py \
-    "tests/unit/test_prefix_cache.py::test_every_policy_prefills_as_without_it" \
-    "tests/unit/test_prefix_cache.py::test_exact_limits_still_generate_as_full_prefill" \
+    --import-mode=importlib -o pythonpath="tests" tests/unit/test_device_invariants.py tests/unit/policies/test_a2ats_device.py \
+    "tests/unit/query/test_prefix.py::test_every_policy_prefills_as_without_it" \
+    "tests/unit/query/test_prefix.py::test_exact_limits_still_generate_as_full_prefill" \
     > "$OUT/test_device.log" 2>&1
 echo "test_device: rc=$? in $(($(date +%s) - start)) s: $(tail -1 "$OUT/test_device.log")"
 

@@ -42,12 +42,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvrag import KVRag  # noqa: E402
 from kvrag.arch import GQA_MASKED  # noqa: E402
-from kvrag.bench import synthetic  # noqa: E402
 from kvrag.bench.config import Run  # noqa: E402
 from kvrag.bench.examples import examples_from_items  # noqa: E402
 from kvrag.bench.floor import FLOOR_FIELDS, measure_floor  # noqa: E402
+from kvrag.layout.prompt import rag_prompt  # noqa: E402
 from kvrag.model import ModelHandle  # noqa: E402
-from kvrag.query.prompt import rag_prompt  # noqa: E402
+from kvrag.qa import synthetic  # noqa: E402
 from kvrag.testing import TINY_DIMS, smollm2_tokenizer  # noqa: E402
 
 SHAPES = {

@@ -356,7 +356,7 @@ def run():
     else:
         try:
             from kvrag import KVRag
-            from kvrag.query.prompt import rag_messages
+            from kvrag.layout.prompt import rag_messages
 
             t = time.time()
             passages = ["The red fox lives in the northern forest and hunts small rodents at dawn.",

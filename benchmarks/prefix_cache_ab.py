@@ -23,8 +23,8 @@ from pathlib import Path
 
 from kvrag import KVRag
 from kvrag.bench.examples import load_examples
+from kvrag.layout.prompt import rag_prompt
 from kvrag.policies import Policy
-from kvrag.query.prompt import rag_prompt
 
 
 def timed(rag: KVRag, prompt, policy: str) -> tuple[float, int]:

@@ -30,8 +30,8 @@ def main() -> int:
     import yardstick_set as Y
 
     from kvrag import KVRag
+    from kvrag.layout.prompt import rag_prompt
     from kvrag.policies import get_policy
-    from kvrag.query.prompt import rag_prompt
 
     n, specs = int(sys.argv[1]), sys.argv[2:]
     variants = []

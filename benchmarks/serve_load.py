@@ -169,7 +169,7 @@ async def one_request(http, url: str, body: dict, timeout: float) -> dict:
                         deltas += 1
                         if ttft is None:
                             ttft = time.perf_counter() - t0
-    except Exception as e:  # a bounded benchmark records a failed request and goes on
+    except Exception as e:  # noqa: BLE001 - a bounded benchmark records a failed request and goes on
         return {"ok": False, "status": status, "error": f"{type(e).__name__}: {e}"[:200]}
     tokens = usage["completion_tokens"] if usage else deltas
     cached = ((usage or {}).get("prompt_tokens_details") or {}).get("cached_tokens")
@@ -309,8 +309,8 @@ def record(out: Path, rec: dict) -> None:
 
 
 def build_prompts(rag, a) -> tuple[list, list[str]]:
-    from kvrag.bench.synthetic import generate
-    from kvrag.query.prompt import rag_prompt
+    from kvrag.layout.prompt import rag_prompt
+    from kvrag.qa.synthetic import generate
 
     count = lambda t: len(rag.tokenizer(t, add_special_tokens=False)["input_ids"])  # noqa: E731
     items = generate(a.items, seed=0, n_passages=a.passages, passage_tokens=a.passage_tokens, count_tokens=count)
@@ -415,7 +415,7 @@ def run(a) -> int:
             server = makers[name]()
             print(f"starting {name} ...", flush=True)
             server.start(a.start_timeout)
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - a server that cannot start is a row of the report
             record(out, {"phase": "unavailable", "server": name, "reason": str(e)[:1000]})
             print(f"{name}: not run: {str(e)[:300]}", flush=True)
             continue

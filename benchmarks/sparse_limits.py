@@ -53,7 +53,7 @@ def main() -> int:
     from kvrag.bench.examples import load_examples
     from kvrag.bench.metrics import mean_logprob
     from kvrag.engine import KVRag
-    from kvrag.query.prompt import rag_prompt
+    from kvrag.layout.prompt import rag_prompt
 
     items = load_examples(a.data, limit=a.n, passages=a.passages)
     rows: list[dict] = []

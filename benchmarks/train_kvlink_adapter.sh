@@ -47,7 +47,7 @@ mkdir -p "$OUT"
 export HF_HUB_OFFLINE=1
 .venv/bin/python - "$OUT/train.json" "${MODEL%-long}" "$PASSAGES" "$SEED" <<'PY'
 import json, sys
-from kvrag.bench import synthetic
+from kvrag.qa import synthetic
 from kvrag.model import default_tokenizer
 
 out, model, passages, seed = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])

@@ -13,7 +13,7 @@ town" relation, 0 of 4, was dropped for a ship's captain.)
 
 Held out by construction: every name (people's surnames, places, ships, horses) is invented
 from its own syllable tables, and the templates, filler and subjects are this script's own,
-not those of ``kvrag.bench.synthetic`` (whose generator the KVLink adapter trains on), so no
+not those of ``kvrag.qa.synthetic`` (whose generator the KVLink adapter trains on), so no
 training set or tuning of kvrag has seen these passages. The same ``--seed`` always gives the
 same items: each item draws from ``random.Random`` seeded by a string (hashed with SHA-512,
 not with the per-process ``hash()``).

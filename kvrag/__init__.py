@@ -27,7 +27,7 @@ _EXPORTS = {
     "PrecomputeFailure": "kvrag.precompute",
     "QueueFullError": "kvrag.precompute",
     "PrecomputerClosedError": "kvrag.precompute",
-    "FusionStats": "kvrag.query.state",
+    "FusionStats": "kvrag.layout.state",
     "KVRagError": "kvrag.errors",
     "ModelLoadError": "kvrag.errors",
     "ChunkError": "kvrag.errors",
@@ -39,6 +39,7 @@ __all__ = [*_EXPORTS, "__version__"]
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from kvrag.engine import Generation, KVRag, Prefill, Stream
     from kvrag.errors import ChunkError, KVRagError, ModelLoadError, StoreError
+    from kvrag.layout.state import FusionStats
     from kvrag.precompute import (
         PrecomputeFailure,
         PrecomputeProgress,
@@ -46,7 +47,6 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
         PrecomputerClosedError,
         QueueFullError,
     )
-    from kvrag.query.state import FusionStats
 
 
 def __getattr__(name: str):

@@ -10,9 +10,11 @@ from __future__ import annotations
 #: ``"auto"`` is the model's own default, chosen from its held-out benchmarks
 #: (``kvrag.policies.model_defaults``), and CacheBlend for a model without any.
 AUTO_POLICY = "auto"
-DEFAULT_POLICY = AUTO_POLICY
-#: The dtype stored K/V are kept in (``KVRag(storage_dtype=...)``, ``--storage-dtype``).
+#: The format stored K/V are kept in (``KVRag(storage_dtype=...)``, ``--storage-dtype``).
 DEFAULT_STORAGE_DTYPE = "float16"
+#: Every storage format: float dtypes, and packed codes with per-group scales
+#: (``kvrag.store.kv_format``, which defines them).
+STORAGE_DTYPES = ("float16", "bfloat16", "float32", "int8", "int4", "float8_e4m3fn")
 #: The compute dtype a model is loaded in (``KVRag(dtype=...)``, ``--dtype``).
 DEFAULT_COMPUTE_DTYPE = "float32"
 #: The key prefix of a shared (Redis) store (``RedisStore(prefix=...)``, ``--prefix``).
@@ -22,8 +24,9 @@ DEFAULT_CHUNK_ANCHOR = "auto"
 #: Bytes of exact prompt-prefix K/V a ``KVRag`` keeps in memory (``KVRag(prefix_cache=...)``):
 #: a system prompt of a few hundred tokens even at an 8B shape (~128 KiB a token in bf16).
 DEFAULT_PREFIX_CACHE = 64 << 20
-#: The answer length cap of ``KVRag.generate`` when none is given.
-DEFAULT_MAX_NEW_TOKENS = 128
+#: The answer length cap when none is named (the library, the server and the framework
+#: wrappers alike), cut to the room the prompt leaves in the model's context (``Sampling.budget``).
+DEFAULT_MAX_NEW_TOKENS = 256
 #: The most alternatives per generated token ``kvrag serve`` reports (``logprobs``): OpenAI's
 #: limit for chat, read by the wire format and the scheduler.
 MAX_TOP_LOGPROBS = 20

@@ -10,7 +10,6 @@ Integrations (LlamaIndex, LangChain) and the CLI talk to this class only::
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import time
@@ -26,11 +25,13 @@ from kvrag.defaults import (
     AUTO_POLICY,
     DEFAULT_CHUNK_ANCHOR,
     DEFAULT_COMPUTE_DTYPE,
-    DEFAULT_MAX_NEW_TOKENS,
-    DEFAULT_POLICY,
     DEFAULT_PREFIX_CACHE,
     DEFAULT_STORAGE_DTYPE,
 )
+from kvrag.layout.align import prompt_prefix, prompt_tokens
+from kvrag.layout.prompt import render_prompt
+from kvrag.layout.segment import Segmenter
+from kvrag.layout.state import CACHED, INSERTED, FusionStats, Layout, Piece
 from kvrag.limits import entry_bytes_bound
 from kvrag.model import ModelHandle
 from kvrag.paths import default_store_dir
@@ -38,21 +39,22 @@ from kvrag.policies import Policy, get_policy
 from kvrag.policies.kvlink.adapter import KVLinkAdapter, adapt_model
 from kvrag.policies.model_defaults import DefaultPolicy, default_policy
 from kvrag.precompute import pending_in_prompt
-from kvrag.precompute.ingest import STORAGE_DTYPES, Ingestor, cache_fingerprint, resolve_anchor
-from kvrag.query.align import prompt_prefix
+from kvrag.precompute.ingest import Ingestor, cache_fingerprint, resolve_anchor
 from kvrag.query.constrain import JsonConstraint
-from kvrag.query.decode import FusedStepper, HFStepper, Sampling, TextStream, eos_ids, generate_tokens
+from kvrag.query.decode import SAMPLING_OPTIONS, Decoder, FusedStepper, HFStepper, Sampling, eos_ids
 from kvrag.query.fusion import FusionEngine, FusionResult
 from kvrag.query.lookup import ChunkLookup
 from kvrag.query.prefix import PrefixCache
-from kvrag.query.prompt import render_prompt
-from kvrag.query.segment import Segmenter
-from kvrag.query.state import CACHED, INSERTED, FusionStats, Layout, Piece
 from kvrag.store import ChunkStore, open_shared, open_store
 from kvrag.store.factory import check_cache_dir
 from kvrag.store.hot import HotCache, hot_device, resolve_budget
+from kvrag.store.kv_format import check_format, format_fingerprint, storage_itemsize
 
 log = logging.getLogger("kvrag")
+
+#: A prompt string's tokens as the prefill reads them (``KVRag.tokenize``): their ids, their
+#: character spans and the spans' starts (``kvrag.layout.align.prompt_tokens``).
+PromptTokens = tuple[list[int], list[tuple[int, int]], list[int]]
 
 
 @dataclass
@@ -185,7 +187,7 @@ class KVRag:
         model: ModelHandle | str | None = None,
         *,
         cache_dir: str | os.PathLike | None = None,
-        policy: str | Policy = DEFAULT_POLICY,
+        policy: str | Policy = AUTO_POLICY,
         storage_dtype: str = DEFAULT_STORAGE_DTYPE,
         size_limit: int | None = None,
         dtype: str = DEFAULT_COMPUTE_DTYPE,
@@ -198,7 +200,7 @@ class KVRag:
         hot_cache: int | str = "auto",
         hot_tier: str = "device",
         prefix_cache: int = DEFAULT_PREFIX_CACHE,
-        shared: "str | ChunkStore | None" = None,
+        shared: str | ChunkStore | None = None,
         precompute_via: str = "local",
         **policy_params,
     ) -> None:
@@ -214,8 +216,7 @@ class KVRag:
             )
         pol = None if auto else get_policy(policy, **policy_params)
         check_cache_dir(cache_dir)
-        if storage_dtype not in STORAGE_DTYPES:
-            raise ValueError(f"storage_dtype must be one of {sorted(STORAGE_DTYPES)}, got {storage_dtype!r}")
+        check_format(storage_dtype)
         if hot_cache != "auto":
             resolve_budget(hot_cache, torch.device("cpu"))  # a bad value fails before the model load
         hot_device(hot_tier, torch.device("cpu"))  # likewise a bad tier
@@ -255,18 +256,32 @@ class KVRag:
         self.anchor = resolve_anchor(self.handle, chunk_anchor)
         # Chunk K/V depend on the anchor they were computed behind: it is part of the cache
         # fingerprint, so a store shared by differently configured instances never mixes them.
-        self.fingerprint = cache_fingerprint(self.handle.fingerprint, self.anchor)
+        # A packed storage format has keys of its own (``kvrag.store.kv_format``).
+        self.fingerprint = format_fingerprint(cache_fingerprint(self.handle.fingerprint, self.anchor), storage_dtype)
+        #: The format stored K/V are kept in (``storage_dtype``).
+        self.storage_dtype = storage_dtype
         #: The local store's directory (also with a shared tier in front of which it sits).
         self.cache_dir = Path(cache_dir) if cache_dir is not None else default_store_dir()
         self.store: ChunkStore = open_store(self.cache_dir, shared=far, size_limit=size_limit)
         if far is not None and hasattr(far, "limit_entry_bytes"):  # fetch nothing larger than this model writes
-            itemsize = STORAGE_DTYPES[storage_dtype].itemsize
+            itemsize = storage_itemsize(storage_dtype)
             far.limit_entry_bytes(entry_bytes_bound(self.arch, self.handle.max_context, itemsize))
         self.queue = None
         if far is not None and precompute_via == "queue":
             from kvrag.precompute.redis_queue import RedisQueue
+            from kvrag.precompute.worker import worker_command
 
-            self.queue = RedisQueue(far, self.fingerprint)
+            self.queue = RedisQueue.for_store(far, self.fingerprint)
+            # Said now, not after a wait in vain: a stream no worker serves is never computed.
+            self.queue.announce(
+                worker_command(
+                    self.handle,
+                    far,
+                    storage_dtype=storage_dtype,
+                    ingest_policies=[p.name for p in ingest],
+                    chunk_anchor=chunk_anchor,
+                )
+            )
         hot_at, pin = hot_device(hot_tier, self.handle.device)
         budget = resolve_budget(hot_cache, hot_at, beside_gpu=hot_at != self.handle.device)
         self.hot = HotCache(budget, hot_at, self.handle.dtype, pin=pin)
@@ -276,7 +291,7 @@ class KVRag:
         self.eos = eos_ids(self.handle.model, self.tokenizer)
         self._warned: set[str] = set()  # causes _note_no_reuse warned about (once each)
         # Partial matches: a chunk the framework cut or whose edge whitespace it trimmed is
-        # still served for the tokens the prompt shares with it (kvrag.query.segment). One
+        # still served for the tokens the prompt shares with it (kvrag.layout.segment). One
         # segmenter for both paths: what ingestion stores, the next query finds.
         self.segmenter = Segmenter(partial=True)
         self.ingestor = Ingestor(
@@ -286,7 +301,7 @@ class KVRag:
             self.segmenter,
             anchor=self.anchor,
             fingerprint=self.fingerprint,
-            storage_dtype=STORAGE_DTYPES[storage_dtype],
+            storage_dtype=storage_dtype,
             policies=ingest,
         )
         self.lookup = ChunkLookup(self.handle, self.store, self.hot, self.segmenter, self.fingerprint, refresh_s)
@@ -325,11 +340,25 @@ class KVRag:
         text = self.render(prompt)
         return len(prompt_prefix(self.handle, text)) + len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
-    def pieces(self, prompt: str, use_cache: bool = True) -> tuple[list[Piece], FusionStats]:
-        """The prompt as plain pieces and cached chunks (``kvrag.query.lookup.ChunkLookup.pieces``)."""
-        return self.lookup.pieces(prompt, use_cache)
+    def tokenize(self, text: str, tokenizer=None) -> PromptTokens:
+        """A prompt string's tokens as the prefill reads them (``kvrag.layout.align.prompt_tokens``;
+        BOS ids not included), by ``tokenizer`` (a copy of this model's, for a thread of its
+        own: a fast tokenizer is not safe to share) or this model's. ``prepare(...,
+        prompt_tokens=)`` takes them, so a prompt tokenized to be checked is not tokenized again."""
+        return prompt_tokens(self.tokenizer if tokenizer is None else tokenizer, text)
 
-    def _note_no_reuse(self, prep: "Prepared") -> None:
+    def count_prompt(self, text: str, tokens: PromptTokens) -> int:
+        """Tokens the model reads for the prompt string ``text`` of ``tokens``: theirs and the BOS ids."""
+        return len(prompt_prefix(self.handle, text)) + len(tokens[0])
+
+    def pieces(
+        self, prompt: str, use_cache: bool = True, tokens: PromptTokens | None = None
+    ) -> tuple[list[Piece], FusionStats]:
+        """The prompt as plain pieces and cached chunks (``kvrag.query.lookup.ChunkLookup.pieces``);
+        ``tokens``: the prompt's ``tokenize``, when it was tokenized already."""
+        return self.lookup.pieces(prompt, use_cache, tokens)
+
+    def _note_no_reuse(self, prep: Prepared) -> None:
         """Say why a reuse policy got a prompt with no cached chunk, while chunks are cached
         or being computed: the speed-up is lost silently otherwise (chunks still queued for
         background precompute, a framework that rewrites the chunk texts, a store another
@@ -368,14 +397,14 @@ class KVRag:
         self._warned.add(cause)
         log.log(level, msg, *args)
 
-    def _prepare(self, text: str, pol: Policy, t0: float) -> "Prepared":
+    def _prepare(self, text: str, pol: Policy, t0: float, tokens: PromptTokens | None = None) -> Prepared:
         """Everything of a prefill that can reject the request: the policy against this model,
         tokenization and the context limit, segmentation and chunk reads, the policy's inserted
         tokens (KVLink's link tokens count toward the context too) and its check of the
         layout. ``stream`` runs this at the call, so bad input fails there. ``t0``: perf_counter
         when the request arrived (rendering a chat template counts toward load_s and TTFT)."""
         pol.check_model(self.arch)
-        pieces, seg_stats = self.pieces(text, use_cache=pol.uses_cache)
+        pieces, seg_stats = self.pieces(text, pol.uses_cache, tokens)
         has_cached = any(p.kind == CACHED for p in pieces)
         known = pending = 0
         if pol.uses_cache and not has_cached and self._note_would_show():
@@ -394,30 +423,12 @@ class KVRag:
             pol.check_layout(layout, self.arch)
         return Prepared(pol, pieces, seg_stats, layout, t0, time.perf_counter(), known, pending)
 
-    def _fit_context(self, sampling: Sampling, prep: "Prepared") -> Sampling:
-        """``sampling`` with ``max_new_tokens`` clamped (with a warning) so that the prompt and
-        the answer fit in the model's context: positions past it were never trained, and
-        decoding there degenerates silently. ValueError if the prompt leaves no room."""
-        n = prep.layout.n if prep.layout is not None else sum(int(p.token_ids.numel()) for p in prep.pieces)
-        room = self.handle.max_context - n
-        if room < 1 and sampling.max_new_tokens:
-            raise ValueError(
-                f"prompt of {n} tokens leaves no room to generate in the model context "
-                f"({self.handle.max_context} tokens); shorten the prompt"
-            )
-        if sampling.max_new_tokens <= room:
-            return sampling
-        log.warning(
-            "max_new_tokens=%d does not fit after a %d-token prompt in the model context (%d tokens); "
-            "generating at most %d",
-            sampling.max_new_tokens,
-            n,
-            self.handle.max_context,
-            room,
-        )
-        return dataclasses.replace(sampling, max_new_tokens=room)
+    @staticmethod
+    def _prompt_tokens(prep: Prepared) -> int:
+        """Tokens the prefill of ``prep`` fills the context with (inserted ones included)."""
+        return prep.layout.n if prep.layout is not None else sum(int(p.token_ids.numel()) for p in prep.pieces)
 
-    def _fuse(self, prep: "Prepared"):
+    def _fuse(self, prep: Prepared):
         """The prefill itself, after ``_prepare``: (logits [V], stepper, stats, prompt ids)."""
         pol, pieces, seg_stats, layout = prep.policy, prep.pieces, prep.seg_stats, prep.layout
         t_fuse = time.perf_counter()
@@ -461,63 +472,75 @@ class KVRag:
             return get_policy(self.policy, **policy_params)
         return get_policy(policy, **policy_params)
 
-    def prepare(self, prompt: str | Sequence[dict], policy: str | Policy | None = None, **policy_params) -> Prepared:
+    def prepare(
+        self,
+        prompt: str | Sequence[dict],
+        policy: str | Policy | None = None,
+        *,
+        prompt_tokens: PromptTokens | None = None,
+        **policy_params,
+    ) -> Prepared:
         """The first half of ``prefill``: render, check, segment and read the cached chunks of a
-        prompt under ``policy`` (the KVRag's own when None), and lay them out; no model forward.
-        Bad input raises here. ``fuse`` runs the prefill on the result; measuring the two apart
-        (e.g. counting the fused prefill's ops without the chunk reads) is what this is for."""
+        prompt under ``policy`` (the KVRag's own when None; a ``Policy`` instance is run as is),
+        and lay them out; no model forward. Bad input raises here. ``fuse`` runs the prefill on
+        the result; measuring the two apart (e.g. counting the fused prefill's ops without the
+        chunk reads) is what this is for. ``prompt_tokens``: the rendered prompt's ``tokenize``,
+        when the caller tokenized it already (the server's scheduler, which checks it at submit)."""
         t0 = time.perf_counter()
         pol = self._call_policy(policy, policy_params)
-        return self._prepare(self.render(prompt), pol, t0)
+        return self._prepare(self.render(prompt), pol, t0, prompt_tokens)
 
     def fuse(self, prepared: Prepared) -> Prefill:
         """The second half of ``prefill``: the fused (or full) prefill of a ``prepare``d request."""
         logits, stepper, stats, prompt_ids = self._fuse(prepared)
         return Prefill(logits, stepper, stats, prompt_ids, prepared.t0)
 
-    def prefill(self, prompt: str | Sequence[dict], policy: str | Policy | None = None, **policy_params) -> Prefill:
+    def prefill(
+        self,
+        prompt: str | Sequence[dict],
+        policy: str | Policy | None = None,
+        *,
+        prompt_tokens: PromptTokens | None = None,
+        **policy_params,
+    ) -> Prefill:
         """Fused prefill of a prompt under ``policy`` (the KVRag's own when None):
-        ``fuse(prepare(prompt, policy, **policy_params))``."""
-        return self.fuse(self.prepare(prompt, policy, **policy_params))
+        ``fuse(prepare(prompt, policy, prompt_tokens=prompt_tokens, **policy_params))``."""
+        return self.fuse(self.prepare(prompt, policy, prompt_tokens=prompt_tokens, **policy_params))
 
     def stream(
         self,
         prompt: str | Sequence[dict],
         *,
         policy: str | Policy | None = None,
-        max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        stop: Sequence[str] = (),
-        seed: int | None = None,
-        presence_penalty: float = 0.0,
-        frequency_penalty: float = 0.0,
-        logit_bias: Mapping[int, float] | None = None,
-        json_schema: Mapping[str, Any] | None = None,
-        **policy_params,
+        sampling: Sampling | None = None,
+        **options,
     ) -> Stream:
-        """Generate token by token; iterate for text deltas. Bad options, policy parameters
-        and prompts raise here, at the call. TTFT is the work from the call to the first
-        sampled token (rendering, segmentation, loading and prefill; not the time a lazily
-        read stream waits for its first ``next()``). ``presence_penalty``,
-        ``frequency_penalty`` and ``logit_bias`` (token id -> bias) are OpenAI's adjustments
-        (``kvrag.query.decode.Sampling``); ``json_schema``: hold the answer to a JSON document
-        valid under this schema (``kvrag.query.constrain``; ``{"type": "object"}`` for any
-        object), ended when it is complete."""
-        if "max_tokens" in policy_params:  # the name most LLM APIs use; not a policy parameter
+        """Generate token by token; iterate for text deltas. ``options``: the generation
+        options, ``kvrag.query.decode.Sampling``'s fields (``max_new_tokens``, ``temperature``,
+        ``top_p``, ``top_k``, ``stop``, ``seed``, ``presence_penalty``, ``frequency_penalty``,
+        ``logit_bias``, ``min_tokens``, ``ignore_eos``, ``json_schema``), or a ``Sampling`` of
+        them as ``sampling``; any other keyword is a parameter of the policy. An unnamed
+        ``max_new_tokens`` is ``DEFAULT_MAX_NEW_TOKENS`` cut to the room the prompt leaves in
+        the model's context; a named one that does not fit raises (``Sampling.budget``).
+
+        Bad options, policy parameters and prompts raise here, at the call. TTFT is the work
+        from the call to the first sampled token (rendering, segmentation, loading and
+        prefill; not the time a lazily read stream waits for its first ``next()``)."""
+        if "max_tokens" in options:  # the name most LLM APIs use; not a policy parameter
             raise ValueError("KVRag.generate/stream take max_new_tokens, not max_tokens")
-        sampling = Sampling(
-            max_new_tokens, temperature, top_p, top_k, stop, seed, presence_penalty, frequency_penalty, logit_bias or {}
-        )
+        given = {k: options.pop(k) for k in SAMPLING_OPTIONS & options.keys()}
+        if sampling is None:
+            sampling = Sampling(**given)
+        elif given:
+            raise ValueError(f"pass the generation options in sampling= or as keywords, not both: {sorted(given)}")
         sampling.check_vocab(self.handle.config.vocab_size)
-        constraint = self.json_constraint(json_schema) if json_schema is not None else None
+        constraint = self.json_constraint(sampling.json_schema) if sampling.json_schema is not None else None
         # Bad policy options and prompts fail at the call, not at the first iteration; the
         # time this takes (rendering a chat template) still counts in TTFT and load_s.
         t_call = time.perf_counter()
-        pol = self._call_policy(policy, policy_params)
+        pol = self._call_policy(policy, options)
         prep = self._prepare(self.render(prompt), pol, t_call)
-        sampling = self._fit_context(sampling, prep)
+        budget = sampling.budget(self._prompt_tokens(prep), self.handle.max_context)
         prep_s = time.perf_counter() - t_call
         holder: Stream
 
@@ -525,30 +548,27 @@ class KVRag:
             # TTFT counts the call's work and this one's, not the wait for the first next().
             t0 = time.perf_counter() - prep_s
             logits, stepper, stats, prompt_ids = self._fuse(prep)
-            text = TextStream(self.tokenizer, sampling.stop)
+            decoder = Decoder(sampling, budget, self.tokenizer, self.eos, constraint)
             t_first = None
-            for tok in generate_tokens(logits, stepper, sampling, self.eos, constraint):
+            while not decoder.done:
+                tok = decoder.draw(logits)
                 if t_first is None:
                     t_first = time.perf_counter()
                     stats.ttft_s = t_first - t0
                 holder.token_ids.append(tok)
-                delta = text.push(tok)
+                delta = decoder.accept(tok)
                 if delta:
                     holder.text += delta
                     yield delta
-                if text.stopped:
-                    break
-            tail = text.flush() if not text.stopped else ""
+                if not decoder.done:
+                    logits = stepper.step([tok])[-1]
+            tail = decoder.flush()
             if tail:
                 holder.text += tail
                 yield tail
             stats.new_tokens = len(holder.token_ids)
             stats.decode_s = time.perf_counter() - (t_first or t0)
-            # EOS, a stop string or a complete document wins over the token budget when both
-            # end on the same token.
-            stopped = text.stopped or bool(holder.token_ids and holder.token_ids[-1] in self.eos)
-            stopped = stopped or (constraint is not None and constraint.done)
-            holder.finish_reason = "stop" if stopped else "length"
+            holder.finish_reason = decoder.finish_reason
             holder.stats = stats
             holder.prompt_ids = prompt_ids
 

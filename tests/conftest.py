@@ -1,6 +1,5 @@
-"""Fixtures shared by the unit and the integration tests (helpers shared with the integration
-packages' tests -- corpus_helpers, fusion_helpers, stream_helpers -- are on pytest's
-``pythonpath``, pyproject.toml)."""
+"""Fixtures shared by the unit and the integration tests (the helpers that are not fixtures, shared
+with the integration packages' tests too, are the package tests/helpers/)."""
 
 import os
 
@@ -23,6 +22,22 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture
+def isolated_home(tmp_path, monkeypatch):
+    """A fresh kvrag home for one test, so no adapter, codebook or store of the user's leaks in,
+    that shares the user's converted models: a real-model test then loads the packaged GGUF's
+    safetensors copy instead of converting it again (20 s for SmolLM2, more for Gemma 3)."""
+    from kvrag.paths import default_home
+
+    models = default_home() / "models"  # read before KVRAG_HOME points elsewhere
+    models.mkdir(parents=True, exist_ok=True)
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "models").symlink_to(models, target_is_directory=True)
+    monkeypatch.setenv("KVRAG_HOME", str(home))
+    return home
 
 
 @pytest.fixture(scope="module")

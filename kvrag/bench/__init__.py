@@ -1,6 +1,7 @@
 """Benchmark and evaluation: ``kvrag bench``.
 
-* :mod:`kvrag.bench.config` – ``BenchConfig``, ``Run``; :mod:`kvrag.bench.examples` – the QA examples;
+* :mod:`kvrag.bench.config` – ``BenchConfig``, ``Run``; :mod:`kvrag.bench.examples` – the QA examples
+  (:mod:`kvrag.qa`'s, their passages as the prompt shows them);
 * :mod:`kvrag.bench.runner` – ``Bench``: the driver (config checks, model per device, scenarios in turn);
 * :mod:`kvrag.bench.measure` – ``Measure``: interleaved timed runs, teacher-forced quality, records;
 * :mod:`kvrag.bench.scenarios` – one module per scenario (qa, scaling, floor, sweep, check, footprint);
@@ -9,7 +10,6 @@
 * :mod:`kvrag.bench.journal` – the QA scenario's resume journal;
 * :mod:`kvrag.bench.summary` – per-policy summary rows, precompute throughput;
 * :mod:`kvrag.bench.metrics` – answer F1/EM, fidelity, teacher-forced log-likelihood, top-1/KL;
-* :mod:`kvrag.bench.synthetic` – seeded synthetic multi-document QA;
 * :mod:`kvrag.bench.report` – CSV, plots, the markdown report with PASS/FAIL targets;
 * :mod:`kvrag.bench.ops`, :mod:`kvrag.bench.floor` – op counts, the TTFT floor.
 """

@@ -7,8 +7,8 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvrag.bench import synthetic
 from kvrag.defaults import DEFAULT_PREFIX_CACHE
+from kvrag.qa import synthetic
 
 log = logging.getLogger("kvrag.bench")
 

@@ -1,29 +1,14 @@
-"""The benchmark's examples: QA items (a file or the synthetic set) as question, passages, gold
-answers."""
+"""The benchmark's examples: QA items (a file or the synthetic set) as ``QAExample`` s whose
+passages are what the prompt shows, each precomputed as one chunk."""
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import replace
 from typing import Any
 
-from kvrag import qa_data
-
-log = logging.getLogger("kvrag.bench")
-
-log = logging.getLogger("kvrag.bench")
-
-
-@dataclass
-class Example:
-    """One QA example: passages in prompt order (each precomputed as one chunk)."""
-
-    id: str
-    question: str
-    answers: list[str]
-    passages: list[str]
-    qtype: str = ""
+from kvrag.qa import files
+from kvrag.qa.example import QAExample, rendered
 
 
 def examples_from_items(
@@ -33,26 +18,26 @@ def examples_from_items(
     limit: int | None = None,
     passages: int | None = None,
     passage_words: int | None = None,
-) -> list[Example]:
-    """Validate QA examples (any format :mod:`kvrag.qa_data` reads) and turn them into
-    ``Example`` s: each passage is ``title\ntext`` (or the text alone), empty passages dropped."""
+) -> list[QAExample[str]]:
+    """Validate QA examples (any format :mod:`kvrag.qa.files` reads) and turn them into the
+    benchmark's: the first ``passages`` of each (all if None) as the prompt shows them
+    (:func:`kvrag.qa.example.passage_text`: ``title\\ntext``, or the text alone), each cut to
+    its first ``passage_words`` words if given, empty passages dropped."""
     if not isinstance(items, list):
         raise ValueError(f"{source}: expected a JSON list of examples, got {type(items).__name__}")
     out = []
-    for i, rec in enumerate(qa_data.parse_items(items[: limit if limit is not None else None], source)):
-        texts = [
-            f"{title.strip()}\n{text.strip()}" if title.strip() else text.strip()
-            for title, text in rec.passages[: passages if passages else None]
-        ]
+    for i, read in enumerate(files.parse_items(items[: limit if limit is not None else None], source)):
+        ex = rendered(read)
+        texts = ex.passages[: passages if passages else None]
         if passage_words:
             texts = [" ".join(t.split(" ")[:passage_words]) for t in texts]
         texts = [t for t in texts if t.strip()]
         if not texts:
             raise ValueError(f"{source}: example {i}: every passage is empty")
-        out.append(Example(rec.id, rec.question, rec.answers, texts, rec.type))
+        out.append(replace(ex, passages=texts))
     return out
 
 
-def load_examples(path: str, **kw) -> list[Example]:
-    """Examples from a QA file (``musique_dev.json``'s format, or another :mod:`kvrag.qa_data` reads)."""
-    return examples_from_items(qa_data.read_items(path), source=str(path), **kw)
+def load_examples(path: str, **kw) -> list[QAExample[str]]:
+    """Examples from a QA file (``musique_dev.json``'s format, or another :mod:`kvrag.qa.files` reads)."""
+    return examples_from_items(files.read_items(path), source=str(path), **kw)

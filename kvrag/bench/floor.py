@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from kvrag.bench.ops import plain_forward, prefilled_cache, query_ops
-from kvrag.query.state import CACHED, FusionStats, Piece
+from kvrag.layout.state import CACHED, FusionStats, Piece
 
 REFERENCE = "full_prefill"
 
@@ -89,17 +89,17 @@ def floor_parts(rag, prompt, repeats: int, before_run: Callable[[], object] | No
         if before_run is not None:
             before_run()
         read: list[list[Piece]] = []
-        reads.append(_timed(lambda: read.append(rag.pieces(text)[0]), dev))
+        reads.append(_timed(lambda: read.append(rag.pieces(text)[0]), dev))  # noqa: B023 - run at once
         pieces = read[0]
         entries = [p.entry for p in pieces if p.kind == CACHED]
         moves.append(
             _timed(
-                lambda: [
+                lambda: [  # noqa: B023 - run at once, in this iteration
                     (
                         e.keys.to(device=dev, dtype=dt, non_blocking=True),
                         e.values.to(device=dev, dtype=dt, non_blocking=True),
                     )
-                    for e in entries
+                    for e in entries  # noqa: B023
                 ],
                 dev,
             )
@@ -119,7 +119,7 @@ def forward_s(model, n_cached: int, n_new: int, repeats: int, device) -> float:
     ts = []
     for _ in range(repeats):
         cache = prefilled_cache(model, n_cached)
-        ts.append(_timed(lambda: plain_forward(model, n_cached, n_new, cache), device))
+        ts.append(_timed(lambda: plain_forward(model, n_cached, n_new, cache), device))  # noqa: B023 - run at once
     return statistics.median(ts)
 
 
@@ -160,7 +160,7 @@ def measure_floor(
                 before_run()
             try:
                 out: dict[str, Any] = {}
-                t = _timed(lambda: out.setdefault("r", rag.prefill(prompt, run.policy, **run.params)), device)
+                t = _timed(lambda: out.setdefault("r", rag.prefill(prompt, run.policy, **run.params)), device)  # noqa: B023
             except Exception as e:  # noqa: BLE001 - a failing policy is a result
                 errors[run.label] = f"{type(e).__name__}: {e}"
                 continue

@@ -10,7 +10,7 @@ import re
 from pathlib import Path
 
 from kvrag.bench.config import BenchConfig, Run
-from kvrag.bench.examples import Example
+from kvrag.qa.example import QAExample
 
 #: A scenario's journal (QA, sweep): one JSON line per finished example, after a header naming the
 #: configuration, so an interrupted run (hours on a CPU) continues with ``resume`` instead of
@@ -49,7 +49,7 @@ def journal_identity(cfg: BenchConfig, device: str, dataset: str, model_info: di
     return json.loads(json.dumps(ident, default=str))  # as it reads back: tuples are lists
 
 
-def journal_key(i: int, ex: Example) -> str:
+def journal_key(i: int, ex: QAExample[str]) -> str:
     """The journal's key of the ``i``-th example ``ex`` of a dataset."""
     return f"{i}:{ex.id}"
 

@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING
 
 from kvrag.bench import metrics as M
 from kvrag.bench.config import REFERENCE, STOP, BenchConfig, Run
-from kvrag.bench.examples import Example
 from kvrag.bench.memory import PeakMemory
 from kvrag.bench.summary import median_of
 from kvrag.policies import policy_class
+from kvrag.qa.example import QAExample
 
 if TYPE_CHECKING:
     from kvrag.engine import Generation, KVRag
@@ -62,10 +62,10 @@ class Measure:
             return self.kvlink_rag
         return rag
 
-    def messages(self, ex: Example, rag) -> list[dict] | str:
-        """The example's RAG prompt (``kvrag.query.prompt.rag_prompt``: chat messages, or plain text
+    def messages(self, ex: QAExample[str], rag) -> list[dict] | str:
+        """The example's RAG prompt (``kvrag.layout.prompt.rag_prompt``: chat messages, or plain text
         for a model without a chat template)."""
-        from kvrag.query.prompt import rag_prompt
+        from kvrag.layout.prompt import rag_prompt
 
         return rag_prompt(rag.tokenizer, ex.passages, ex.question)
 
@@ -93,14 +93,14 @@ class Measure:
                 {"device": self.device, "scenario": scenario, "chunks": len(todo), "tokens": tokens, "seconds": dt}
             )
 
-    def base_record(self, scenario: str, dataset: str, ex: Example, run: Run) -> dict:
+    def base_record(self, scenario: str, dataset: str, ex: QAExample[str], run: Run) -> dict:
         """The fields of a record every scenario fills the same way (no measurement yet)."""
         return {
             "device": self.device,
             "scenario": scenario,
             "dataset": dataset,
             "example_id": ex.id,
-            "qtype": ex.qtype,
+            "qtype": ex.type,
             "policy": run.policy,
             "label": run.label,
             "params": run.params,
@@ -118,7 +118,7 @@ class Measure:
         return out, mem
 
     def time_policies(
-        self, rag, scenario, dataset, ex: Example, runs: list[Run], index: int, repeats: int, max_new: int
+        self, rag, scenario, dataset, ex: QAExample[str], runs: list[Run], index: int, repeats: int, max_new: int
     ) -> dict[str, dict]:
         """Timed, interleaved runs of every policy on one example: {label: record}."""
         msgs = self.messages(ex, rag)
@@ -201,7 +201,7 @@ class Measure:
                 rec["gold_acc"] = M.best_acc(rec["answer"], ex.answers)
         return recs
 
-    def quality(self, rag, ex: Example, recs: dict[str, dict], runs: list[Run]) -> None:
+    def quality(self, rag, ex: QAExample[str], recs: dict[str, dict], runs: list[Run]) -> None:
         """Teacher-forced metrics (untimed): gold answer log-likelihood, and top-1 / KL of the
         next-token distribution vs ``full_prefill`` over its answer's first positions."""
         fp = recs.get(REFERENCE)

@@ -45,7 +45,7 @@ class PeakMemory:
         while not self._stop.wait(self.interval):
             self.peak = max(self.peak, rss_bytes())
 
-    def __enter__(self) -> "PeakMemory":
+    def __enter__(self) -> PeakMemory:
         if self.cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()

@@ -167,7 +167,7 @@ def query_ops(rag, prompt, policy, **policy_params) -> dict:
     ``plain_forward`` of the same non-cached count over the same cached count, plus the
     layout's ``tokens``/``cached``/``chunks``. Raises ValueError when no chunk of ``prompt``
     is cached (there is no fused prefill to count)."""
-    from kvrag.query.state import CACHED
+    from kvrag.layout.state import CACHED
 
     prep = rag.prepare(prompt, policy, **policy_params)
     if prep.layout is None:

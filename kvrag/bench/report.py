@@ -577,7 +577,7 @@ def render_markdown(result: dict, files: dict, report_path: Path, assets: Path) 
     )
     L.append(
         "- prompt: the model's chat template, system = fixed instruction, user = passages + question "
-        "(`kvrag.query.prompt.rag_prompt`; the same as plain text for a model without a chat template); "
+        "(`kvrag.layout.prompt.rag_prompt`; the same as plain text for a model without a chat template); "
         f"each passage precomputed as one chunk, {behind}, before timing\n"
     )
     ad = mi.get("kvlink_adapter")

@@ -15,7 +15,7 @@ Scenarios (each one a list of records, one per example x policy):
 * ``sweep``: quality vs recompute ratio, for the policies that have a ``recompute_ratio``.
 
 The prompt is CacheBlend's (fixed instruction, passages, question) as chat messages
-(:func:`kvrag.query.prompt.rag_prompt`), rendered with the model's chat template (plain text for a
+(:func:`kvrag.layout.prompt.rag_prompt`), rendered with the model's chat template (plain text for a
 model without one); every passage is
 precomputed as one chunk and appears verbatim in the prompt. Precompute is never part of TTFT
 (its throughput is reported on its own). TTFT ratios are computed per example, within the run.
@@ -32,9 +32,8 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 
-from kvrag.bench import synthetic
 from kvrag.bench.config import REFERENCE, STOP, BenchConfig, Run
-from kvrag.bench.examples import Example, examples_from_items, load_examples
+from kvrag.bench.examples import examples_from_items, load_examples
 from kvrag.bench.journal import jsonable
 from kvrag.bench.machine import git_commit, machine_info
 from kvrag.bench.measure import Measure
@@ -42,6 +41,8 @@ from kvrag.bench.rags import add_untrained_kvlink, ensure_a2ats_codebooks, make_
 from kvrag.bench.scenarios import check, floor, footprint, qa, scaling, sweep
 from kvrag.bench.summary import summarize, throughput
 from kvrag.policies import get_policy, policy_class, policy_names
+from kvrag.qa import synthetic
+from kvrag.qa.example import QAExample
 
 log = logging.getLogger("kvrag.bench")
 
@@ -80,7 +81,7 @@ class Bench(Measure):
             else None
         )
 
-    def datasets(self, rag) -> list[tuple[str, list[Example]]]:
+    def datasets(self, rag) -> list[tuple[str, list[QAExample[str]]]]:
         """(name, examples) of the QA sets to run: the data file's, then the synthetic set's."""
         cfg = self.cfg
         out = []
@@ -98,10 +99,10 @@ class Bench(Measure):
             out.append(("synthetic", examples_from_items(items, source="synthetic")))
         return out
 
-    def warm_up(self, rag, ex: Example) -> None:
+    def warm_up(self, rag, ex: QAExample[str]) -> None:
         """One untimed run of every policy on a short prompt: one-off costs (lazy init,
         allocator growth, kernel choice) must not land on the first timed policy."""
-        short = Example(ex.id + "-warmup", ex.question, ex.answers, ex.passages[:2])
+        short = QAExample(ex.question, ex.answers, ex.passages[:2], ex.id + "-warmup")
         self.precompute(rag, short.passages, "warmup")
         self.precompute_log = [p for p in self.precompute_log if p["scenario"] != "warmup"]
         for run in self.runs:
@@ -113,7 +114,7 @@ class Bench(Measure):
                 log.debug("warm-up of %s failed: %s", run.label, e)
 
     # -- the scenarios (kvrag.bench.scenarios), run by ``run`` --
-    def run_qa(self, rag, dataset: str, examples: list[Example]) -> None:
+    def run_qa(self, rag, dataset: str, examples: list[QAExample[str]]) -> None:
         qa.run_qa(self, rag, dataset, examples)
 
     def run_scaling(self, rag) -> None:
@@ -122,7 +123,7 @@ class Bench(Measure):
     def run_floor(self, rag) -> None:
         floor.run_floor(self, rag)
 
-    def run_sweep(self, rag, datasets: dict[str, list[Example]]) -> None:
+    def run_sweep(self, rag, datasets: dict[str, list[QAExample[str]]]) -> None:
         sweep.run_sweep(self, rag, datasets, self.sweep_policies)
 
     def run_check(self, rag) -> None:
@@ -186,15 +187,15 @@ class Bench(Measure):
                     (f"qa/{name}", functools.partial(self.run_qa, rag, name, exs)) for name, exs in datasets.items()
                 ]
                 if cfg.synthetic and cfg.check_items and device == cfg.devices[0]:
-                    steps.append(("single-hop check", lambda: self.run_check(rag)))
+                    steps.append(("single-hop check", functools.partial(self.run_check, rag)))
                 if cfg.scaling:
-                    steps.append(("scaling", lambda: self.run_scaling(rag)))
+                    steps.append(("scaling", functools.partial(self.run_scaling, rag)))
                 if cfg.floor:
-                    steps.append(("floor", lambda: self.run_floor(rag)))
+                    steps.append(("floor", functools.partial(self.run_floor, rag)))
                 if self.sweep_policies and cfg.sweep_ratios and cfg.sweep_limit:
-                    steps.append(("sweep", lambda: self.run_sweep(rag, datasets)))
+                    steps.append(("sweep", functools.partial(self.run_sweep, rag, datasets)))
                 if cfg.footprint and first is not None and device == cfg.devices[0]:
-                    steps.append(("footprint", lambda: self.measure_footprint(rag, first.passages[:3])))
+                    steps.append(("footprint", functools.partial(self.measure_footprint, rag, first.passages[:3])))
                 for what, step in steps:
                     try:
                         step()

@@ -28,7 +28,7 @@ def _version() -> str:
         from importlib.metadata import version
 
         return version("kvrag")
-    except Exception:  # running from a source tree that is not installed
+    except Exception:  # noqa: BLE001 - running from a source tree that is not installed
         import kvrag
 
         return getattr(kvrag, "__version__", "unknown")

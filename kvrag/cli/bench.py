@@ -10,7 +10,7 @@ import re
 import shlex
 
 from kvrag.cli._options import MODEL_HELP
-from kvrag.defaults import DEFAULT_COMPUTE_DTYPE, DEFAULT_PREFIX_CACHE, DEFAULT_STORAGE_DTYPE
+from kvrag.defaults import DEFAULT_COMPUTE_DTYPE, DEFAULT_PREFIX_CACHE, DEFAULT_STORAGE_DTYPE, STORAGE_DTYPES
 from kvrag.errors import KVRagError
 
 # Defaults of a full run, and of --quick (a smoke test: seconds per policy, tiny prompts).
@@ -165,8 +165,8 @@ def register(sub) -> None:
     g.add_argument(
         "--storage-dtype",
         default=DEFAULT_STORAGE_DTYPE,
-        choices=("float32", "float16", "bfloat16"),
-        help="dtype the chunks' K/V are stored in (default float16)",
+        choices=STORAGE_DTYPES,
+        help="format the chunks' K/V are stored in (default float16; int8/int4/float8_e4m3fn: packed)",
     )
     g.add_argument(
         "--chunk-anchor",

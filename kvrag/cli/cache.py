@@ -63,7 +63,8 @@ def register(sub) -> None:
         metavar="URL",
         help="also report the shared Redis tier (redis://host:6379/0, redis+cluster://host:6379): listed "
         "chunks, memory, "
-        "and each precompute queue's length, pending jobs and progress",
+        "and every precompute stream: its backlog, the oldest job's age, its workers (live and gone) and "
+        "the command that serves a stream no live worker does",
     )
     s.add_argument(
         "--prefix",
@@ -175,9 +176,13 @@ def run_stats(args) -> int:
     rec, lines = {}, []
     store_dir = _store_dir(args)
     if args.shared is None or store_dir is not None:
+        from kvrag.store.kv_format import formats_held
+
         with open_existing_store(store_dir) as store:
             st = store.stats()
+            formats = formats_held([fp for _, fp in store.listed().values()])
         rec = {k: st[k] for k in ("directory", "entries", "bytes", "size_limit")}
+        rec["formats"] = formats
         lines = [
             f"store       {rec['directory']}",
             f"entries     {rec['entries']}",
@@ -185,6 +190,9 @@ def run_stats(args) -> int:
             f"size limit  {human(rec['size_limit'])} (recorded in the store, enforced after each write; "
             "`kvrag cache gc --size-limit` to change)",
         ]
+        for name, f in formats.items():
+            ratio = f" ({f['vs_float16']:.3g}x float16's bytes per token)" if "vs_float16" in f else ""
+            lines.append(f"format      {name}: {f['entries']} entries{ratio}")
     if args.shared is not None:
         rec["shared"] = shared_stats(args.shared, args.prefix)
         sh = rec["shared"]
@@ -199,17 +207,37 @@ def run_stats(args) -> int:
         if "queues_error" in sh:
             lines.append(f"  queues    not readable: {sh['queues_error']}")
         for q in sh.get("queues", []):
-            lines.append(
-                f"  queue     {q['stream']}: {q['queued']} not done ({q['pending']} in a worker), "
-                f"{q['done']} done, {q['failed']} failed, {q['consumers']} worker(s) seen"
-            )
+            lines += queue_lines(q)
     _emit(args, rec, lines)
     return 0
 
 
+def queue_lines(q: dict) -> list[str]:
+    """One precompute stream (``RedisQueue.stats()``) as text: its backlog, the oldest job's
+    age, its workers (live: a heartbeat in the last ``LIVE_S`` seconds) and, when jobs wait
+    with no live worker, the command that serves it."""
+    age = q["oldest_age_s"]
+    oldest = "" if age is None else f", oldest {age:.0f} s old"
+    live = q["live_workers"]
+    gone = {n: a for n, a in q["workers"].items() if n not in live}
+    workers = f"{len(live)} live worker(s)" + (f" ({', '.join(live)})" if live else "")
+    if gone:
+        workers += "; gone: " + ", ".join(f"{n} (last seen {a:.0f} s ago)" for n, a in gone.items())
+    lines = [
+        f"  queue     {q['stream']}",
+        f"    backlog   {q['queued']} not done ({q['pending']} in a worker){oldest}; "
+        f"{q['done']} done, {q['failed']} failed, {q['unserved']} wait(s) gave up unserved",
+        f"    consumers {workers}",
+    ]
+    if q["queued"] and not live:
+        cmd = q["worker_command"] or "a kvrag worker with the replicas' model, dtype and KVLink adapter"
+        lines.append(f"    NO LIVE WORKER serves these jobs: run `{cmd}` (docs/deploy.md)")
+    return lines
+
+
 def shared_stats(url: str, prefix: str) -> dict:
     """The shared tier's listing and memory, and every precompute queue under ``prefix``."""
-    from kvrag.precompute.redis_queue import RedisQueue, streams_key
+    from kvrag.precompute.redis_queue import queue_stats
     from kvrag.store import open_shared
 
     store = open_shared(url, prefix=prefix)
@@ -221,11 +249,10 @@ def shared_stats(url: str, prefix: str) -> dict:
             return out
         import redis
 
-        from kvrag.store.redis_store import error_cause
+        from kvrag.store.redis_connection import error_cause
 
         try:
-            fps = sorted(f.decode() for f in store.client.smembers(streams_key(prefix)))
-            out["queues"] = [RedisQueue(store, fp).progress() for fp in fps]
+            out["queues"] = queue_stats(store)
         except redis.RedisError as e:  # an error reply (a queue key of another type, ...): said, not raised
             out["queues_error"] = f"{error_cause(e)}: {e}"
         return out
@@ -235,7 +262,7 @@ def shared_stats(url: str, prefix: str) -> dict:
 
 def run_push(args) -> int:
     from kvrag.store import open_shared
-    from kvrag.store.redis_store import SharedStoreDown, redact
+    from kvrag.store.redis_connection import SharedStoreDown, redact
     from kvrag.store.tiered import push_missing
 
     with open_existing_store(_store_dir(args)) as store:

@@ -16,7 +16,7 @@ from kvrag.defaults import DEFAULT_COMPUTE_DTYPE
 
 #: The calibrator's defaults (``kvrag.policies.a2ats.calibrate`` / ``.codebook``), written out:
 #: importing those modules imports torch, and building the parser must not (``kvrag --version``,
-#: ``--help``). tests/unit/test_cli_first_hour.py checks that they agree.
+#: ``--help``). tests/unit/cli/test_first_hour.py checks that they agree.
 DEFAULTS = dict(tokens=8192, codes=512, iters=8, seq_len=512, uuid_fraction=0.2, rope_offset=2048)
 
 

@@ -114,8 +114,8 @@ def run(args) -> int:
 
 def _run(args, corpus: dict, policies: list[str], cache_dir: str) -> int:
     from kvrag.engine import KVRag
+    from kvrag.layout.prompt import DEFAULT_INSTRUCTION, rag_prompt
     from kvrag.policies.model_defaults import default_policy
-    from kvrag.query.prompt import DEFAULT_INSTRUCTION, rag_prompt
 
     print("loading model ...", flush=True)
     # The reference runs on the base model; each policy runs as a user gets it by naming it.

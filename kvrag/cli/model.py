@@ -6,7 +6,7 @@ import argparse
 import json
 
 from kvrag.cli._options import MODEL_HELP, add_home_option
-from kvrag.defaults import DEFAULT_COMPUTE_DTYPE, DEFAULT_STORAGE_DTYPE
+from kvrag.defaults import DEFAULT_COMPUTE_DTYPE, DEFAULT_STORAGE_DTYPE, STORAGE_DTYPES
 
 
 def register(subparsers) -> None:
@@ -31,8 +31,8 @@ def register(subparsers) -> None:
     info.add_argument(
         "--storage-dtype",
         default=DEFAULT_STORAGE_DTYPE,
-        choices=("float16", "bfloat16", "float32"),
-        help="dtype the KV store holds (KVRag's storage_dtype; default float16)",
+        choices=STORAGE_DTYPES,
+        help="format the KV store holds (KVRag's storage_dtype; default float16)",
     )
     add_home_option(info)
     info.add_argument("--json", action="store_true", help="print one JSON object instead of text")
@@ -65,6 +65,7 @@ def _info(args: argparse.Namespace) -> int:
     from kvrag.policies.kvlink.adapter import adapt_model
     from kvrag.policies.model_defaults import default_policy
     from kvrag.precompute.ingest import cache_fingerprint, resolve_anchor
+    from kvrag.store.kv_format import bytes_per_token, format_fingerprint
 
     handle = ModelHandle.load(args.model, dtype=args.dtype, device=args.device, cache_dir=args.home)
     d = handle.describe()
@@ -73,16 +74,20 @@ def _info(args: argparse.Namespace) -> int:
     # hold K/V in the storage dtype, not the compute dtype.
     d["model_fingerprint"] = d.pop("fingerprint")
     anchor = resolve_anchor(handle, "auto")
-    d["cache_fingerprint"] = cache_fingerprint(handle.fingerprint, anchor)
+    fmt = args.storage_dtype
+    d["cache_fingerprint"] = format_fingerprint(cache_fingerprint(handle.fingerprint, anchor), fmt)
     # The default policy, and the fingerprint its KVRag keys entries by: a default measured
     # with a LoRA KVLink adapter runs an adapted copy of the model, with entries of its own.
     default = default_policy(handle)
     d["default_policy"], d["default_policy_why"] = default.label, default.why
     runs = adapt_model(handle, "default", default.policy) if default.needs_adapter else handle
-    d["default_cache_fingerprint"] = cache_fingerprint(runs.fingerprint, anchor)
+    d["default_cache_fingerprint"] = format_fingerprint(cache_fingerprint(runs.fingerprint, anchor), fmt)
     d["compute_kv_bytes_per_token"] = d.pop("kv_bytes_per_token")
     d["storage_dtype"] = args.storage_dtype
-    d["kv_bytes_per_token"] = handle.kv_bytes_per_token(args.storage_dtype)
+    # Packed formats: per token of a chunk of whole scale groups (kvrag.store.kv_format.GROUP).
+    shape = (handle.n_layers, handle.n_kv_heads, handle.head_dim)
+    d["kv_bytes_per_token_by_format"] = {f: round(bytes_per_token(f, *shape)) for f in STORAGE_DTYPES}
+    d["kv_bytes_per_token"] = d["kv_bytes_per_token_by_format"][fmt]
     if args.json:
         print(json.dumps(d, indent=2))
         return 0
@@ -111,6 +116,13 @@ def _info(args: argparse.Namespace) -> int:
             f"{kv} ({kv / 1024:.1f} KiB stored as {d['storage_dtype']}; 2 x {d['layers']} layers x "
             f"{d['kv_heads']} KV heads x {d['head_dim']} dims; {d['compute_kv_bytes_per_token']} "
             f"in the {d['dtype']} compute dtype)",
+        ),
+        (
+            "KV bytes/token by format",
+            ", ".join(
+                f"{f} {n} ({n / d['kv_bytes_per_token_by_format']['float16']:.3g}x float16)"
+                for f, n in d["kv_bytes_per_token_by_format"].items()
+            ),
         ),
     ]
     width = max(len(k) for k, _ in lines)

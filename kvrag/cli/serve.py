@@ -5,10 +5,13 @@ Registering imports neither torch nor the web stack: they load when the command 
 
 from __future__ import annotations
 
+import logging
 import os
+import signal
+import threading
 
 from kvrag.cli._options import MODEL_HELP
-from kvrag.defaults import AUTO_POLICY, DEFAULT_POLICY
+from kvrag.defaults import AUTO_POLICY
 from kvrag.errors import KVRagError
 
 API_KEY_ENV = "KVRAG_API_KEY"
@@ -43,7 +46,7 @@ def register(sub) -> None:
     )
     p.add_argument(
         "--policy",
-        default=DEFAULT_POLICY,
+        default=AUTO_POLICY,
         help="default reuse policy (requests may name another); auto: the model's own default, "
         "chosen from its held-out benchmarks (see kvrag policies)",
     )
@@ -72,7 +75,22 @@ def register(sub) -> None:
     )
     p.add_argument("--max-concurrency", type=int, default=8, help="requests decoding at once (default 8)")
     p.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond those; past it: 503 (default 64)")
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="on SIGTERM: stop admitting (503, /ready false) and let the requests in flight finish for up to "
+        "this long, then end the rest and exit 0 (default 30; a second SIGTERM ends the drain at once)",
+    )
     p.add_argument("--log-level", default="info", help="uvicorn's log level (default info)")
+    p.add_argument(
+        "--embedding-model",
+        default=None,
+        metavar="PATH_OR_NAME",
+        help="a sentence-transformers model (a folder, or a name in the local Hugging Face cache) that "
+        "answers POST /v1/embeddings, on --device; without it that endpoint answers 404",
+    )
     p.set_defaults(func=run)
 
 
@@ -95,6 +113,8 @@ def run(args) -> int:
         raise KVRagError(f"--max-queue must be >= 0, got {args.max_queue}")
     if args.threads is not None and args.threads < 1:
         raise KVRagError(f"--threads must be >= 1, got {args.threads}")
+    if not args.drain_timeout >= 0:
+        raise KVRagError(f"--drain-timeout must be >= 0 seconds, got {args.drain_timeout}")
     if not 0 <= args.port <= 65535:
         raise KVRagError(f"--port must be in [0, 65535], got {args.port}")
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
@@ -118,8 +138,15 @@ def run(args) -> int:
     from kvrag.engine import KVRag
     from kvrag.precompute import Precomputer
     from kvrag.serve.app import create_app
+    from kvrag.serve.lifecycle import Lifecycle
     from kvrag.serve.scheduler import Scheduler
 
+    # Loaded first: a model name that does not resolve fails before the long model load.
+    embedder = None
+    if args.embedding_model:
+        from kvrag.serve.serving_embeddings import Embedder
+
+        embedder = Embedder.load(args.embedding_model, device=args.device)
     shared = None
     if args.shared:
         from kvrag.store import open_shared
@@ -137,7 +164,8 @@ def run(args) -> int:
     )
     name = args.served_model_name or _model_name(args.model)
     with Scheduler(rag, max_concurrency=args.max_concurrency, max_queue=args.max_queue) as scheduler:
-        app = create_app(rag, scheduler, model_name=name, api_key=api_key)
+        lifecycle = Lifecycle("starting")
+        app = create_app(rag, scheduler, model_name=name, api_key=api_key, lifecycle=lifecycle, embedder=embedder)
         print(
             f"kvrag serve: {name} (policy {rag.policy.name}) on http://{args.host}:{args.port}/v1"
             + ("" if api_key is None else " (API key required)"),
@@ -145,8 +173,15 @@ def run(args) -> int:
         )
         if rag.policy_default is not None:
             print(f"policy {rag.policy_default.label}: {rag.policy_default.why}", flush=True)
+        if embedder is not None:
+            print(f"embeddings: {embedder.name} ({embedder.dimensions} dimensions) on /v1/embeddings", flush=True)
         try:
-            uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+            # Once drained, the connections still open (idle keep-alives, a client stalled
+            # mid-request) get a few seconds to close: the exit stays bounded.
+            config = uvicorn.Config(
+                app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5
+            )
+            _draining_server(config, rag, scheduler, lifecycle, args.drain_timeout).run()
         finally:
             pc = Precomputer.for_rag(rag, create=False)
             if pc is not None:
@@ -159,3 +194,51 @@ def _model_name(model: str | None) -> str:
         return "smollm2"
     base = os.path.basename(os.path.normpath(model))
     return base[: -len(".gguf")] if base.endswith(".gguf") else base
+
+
+def _draining_server_class():
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        """uvicorn's server, readied after a warm-up and drained on SIGTERM: the lifecycle turns
+        "draining" (``/ready`` and new requests: 503), the requests in flight get up to
+        ``drain_s`` seconds, then uvicorn shuts down as usual and the process exits 0. SIGINT
+        and a second SIGTERM keep uvicorn's own handling (exit now)."""
+
+        def __init__(self, config, rag, scheduler, lifecycle, drain_s: float):
+            super().__init__(config)
+            self.rag, self.scheduler, self.lifecycle, self.drain_s = rag, scheduler, lifecycle, drain_s
+            self._drain: threading.Thread | None = None
+
+        async def startup(self, sockets=None) -> None:
+            await super().startup(sockets)
+            threading.Thread(target=self._warm_up, name="kvrag-warm-up", daemon=True).start()
+
+        def _warm_up(self) -> None:
+            # The grammar engine's view of the vocabulary (built once, a few hundred ms): the
+            # first structured-output request does not pay it. /ready says 503 until done.
+            try:
+                self.rag.json_constraint({"type": "object"})
+            except Exception:  # a warm-up is an optimization: the server serves without it
+                logging.getLogger("kvrag.serve").warning("kvrag serve: warm-up failed", exc_info=True)
+            self.lifecycle.mark_ready()
+
+        def handle_exit(self, sig, frame) -> None:
+            if sig != signal.SIGTERM or self._drain is not None:
+                return super().handle_exit(sig, frame)
+            print(f"kvrag serve: SIGTERM: draining (up to {self.drain_s:g} s)", flush=True)
+
+            def drain() -> None:
+                self.lifecycle.drain(self.scheduler, self.drain_s)
+                self.should_exit = True
+
+            self._drain = threading.Thread(target=drain, name="kvrag-drain", daemon=True)
+            self._drain.start()
+
+    return DrainingServer
+
+
+def _draining_server(config, rag, scheduler, lifecycle, drain_s: float):
+    """A uvicorn server for ``kvrag serve`` (its class is built on first use: uvicorn loads
+    only when the command runs)."""
+    return _draining_server_class()(config, rag, scheduler, lifecycle, drain_s)

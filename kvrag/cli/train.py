@@ -148,7 +148,7 @@ def add_training_options(k) -> None:
 def config_from_args(args, data: str):
     """The checked ``TrainConfig`` of the parsed options (errors name the option)."""
     from kvrag.policies.kvlink.adapter import KVLinkError
-    from kvrag.policies.kvlink.train import TrainConfig
+    from kvrag.policies.kvlink.config import TrainConfig
 
     if args.threads is not None and args.threads < 1:
         raise KVLinkError(f"--threads must be >= 1, got {args.threads}")
@@ -208,7 +208,8 @@ def run_kvlink(args) -> int:
     from kvrag.outpaths import check_dir
     from kvrag.paths import default_home
     from kvrag.policies.kvlink.adapter import META_FILE, KVLinkError
-    from kvrag.policies.kvlink.train import command_line, load_qa, train_kvlink
+    from kvrag.policies.kvlink.data import load_qa
+    from kvrag.policies.kvlink.train import command_line, train_kvlink
 
     # Every check before the model load (and long before the adapter is saved).
     cfg = config_from_args(args, args.data)

@@ -50,7 +50,7 @@ def register(sub) -> None:
         "--qa",
         default=None,
         metavar="FILE",
-        help="labelled QA file (kvrag.qa_data formats); trains on its 'train' half by question hash",
+        help="labelled QA file (kvrag.qa.files formats); trains on its 'train' half by question hash",
     )
     g.add_argument(
         "--musique",
@@ -292,19 +292,17 @@ def run(args) -> int:
 def eval_sets(args, held: dict[str, list[str]], out: Path) -> list[tuple[str, Path, str]]:
     """(name, QA file, what it is) of every held-out set: the "eval" half of ``--musique`` /
     ``--qa``, cloze questions on the held-out passages of each text source, ``--eval-data``."""
-    from kvrag import qa_data
     from kvrag.policies.kvlink import data as D
+    from kvrag.qa.files import parse_items, read_items
 
     d = out / "eval"
     d.mkdir(parents=True, exist_ok=True)
     sets = []
     for name, path in (("musique", args.musique), ("qa", args.qa)):
         if path:
-            raw = qa_data.read_items(path)
+            raw = read_items(path)
             # Split by the parsed question, exactly as training's qa_items did.
-            items = [
-                it for it, rec in zip(raw, qa_data.parse_items(raw, str(path))) if D.split_of(rec.question) == "eval"
-            ]
+            items = [it for it, rec in zip(raw, parse_items(raw, str(path))) if D.split_of(rec.question) == "eval"]
             f = d / f"{name}_eval.json"
             f.write_text(json.dumps(items), encoding="utf-8")
             sets.append((name, f, f"the 'eval' half of {path} by question hash ({len(items)} items)"))

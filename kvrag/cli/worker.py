@@ -4,6 +4,12 @@ Run any number of them, on any machine that has the model: they share the queue 
 Redis consumer group, and a job a worker was on when it died is taken over by another once
 it has been idle ``--claim-idle`` seconds. Stop one with Ctrl-C / SIGTERM: its unfinished
 jobs stay pending for the others.
+
+The queue is one stream per cache fingerprint, and one model has several: the base model's,
+and a KVLink-adapted copy's (an adapter with LoRA weights, shipped, trained into
+``$KVRAG_HOME`` or named with ``--kvlink-adapter``), used by replicas whose policy is
+``kvlink``. By default (``--serve all``) a worker serves every one of them, so replicas of any
+policy get their chunks; ``--serve policy`` serves only the fingerprint of ``--policy``.
 """
 
 from __future__ import annotations
@@ -13,7 +19,14 @@ import signal
 import threading
 
 from kvrag.cli._options import MODEL_HELP
-from kvrag.defaults import DEFAULT_POLICY, DEFAULT_SHARED_PREFIX, DEFAULT_STORAGE_DTYPE
+from kvrag.defaults import (
+    AUTO_POLICY,
+    DEFAULT_CHUNK_ANCHOR,
+    DEFAULT_COMPUTE_DTYPE,
+    DEFAULT_SHARED_PREFIX,
+    DEFAULT_STORAGE_DTYPE,
+    STORAGE_DTYPES,
+)
 
 
 def register(sub) -> None:
@@ -38,15 +51,43 @@ def register(sub) -> None:
     p.add_argument("--model", default=None, help=f"{MODEL_HELP}; the replicas' model: jobs are per model fingerprint")
     p.add_argument(
         "--policy",
-        default=DEFAULT_POLICY,
-        help="the replicas' default policy (default auto): a default that runs the model's KVLink "
-        "adapter (kvlink) has chunks of its own, so the worker must compute those",
+        default=AUTO_POLICY,
+        help="the policy the worker's first KVRag is built with (default auto): its chunk extras are "
+        "stored, and with --serve policy its fingerprint is the only one served",
+    )
+    p.add_argument(
+        "--serve",
+        choices=("all", "policy"),
+        default="all",
+        help="all (default): the jobs of every cache fingerprint the model can produce -- the base "
+        "model's and its KVLink-adapted copy's (a LoRA adapter found for the model or given with "
+        "--kvlink-adapter) -- so replicas of any policy get their chunks; policy: only --policy's",
+    )
+    p.add_argument(
+        "--kvlink-adapter",
+        default=None,
+        metavar="DIR",
+        help="also serve the replicas built with KVRag(kvlink_adapter=DIR) (default: the adapter found "
+        "for the model, $KVRAG_HOME/kvlink/<key>/ or the one shipped)",
+    )
+    p.add_argument(
+        "--dtype",
+        default=DEFAULT_COMPUTE_DTYPE,
+        help=f"compute dtype, as the replicas' KVRag(dtype=...) (default {DEFAULT_COMPUTE_DTYPE}): part of "
+        "the cache fingerprint",
+    )
+    p.add_argument("--device", default="cpu", help="where the model runs (cpu, cuda, cuda:1, ...)")
+    p.add_argument(
+        "--chunk-anchor",
+        default=DEFAULT_CHUNK_ANCHOR,
+        help="as the replicas' KVRag(chunk_anchor=...): auto (default), none, or comma-separated token ids",
     )
     p.add_argument("--cache-dir", default=None, help="the worker's local store (default: $KVRAG_HOME/store)")
     p.add_argument(
         "--storage-dtype",
         default=DEFAULT_STORAGE_DTYPE,
-        help=f"dtype of stored K/V, as the replicas' ({DEFAULT_STORAGE_DTYPE})",
+        choices=STORAGE_DTYPES,
+        help=f"format of stored K/V, as the replicas' ({DEFAULT_STORAGE_DTYPE})",
     )
     p.add_argument(
         "--ingest-policies",
@@ -65,28 +106,71 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
-def run(args) -> int:
+def _anchor(text: str):
+    if text in ("auto", "none"):
+        return text
+    try:
+        return [int(t) for t in text.split(",")]
+    except ValueError:
+        raise ValueError(f"--chunk-anchor must be auto, none or comma-separated token ids, got {text!r}") from None
+
+
+def serving_rags(args, far) -> list:
+    """The KVRags of every cache fingerprint the worker serves (one per fingerprint): the one
+    ``--policy`` builds, then (``--serve all``) the base model's and the KVLink-adapted copy's."""
     from kvrag.engine import KVRag
+    from kvrag.model import ModelHandle
+    from kvrag.policies.kvlink.adapter import find_adapter
+    from kvrag.policies.model_defaults import fallback
+
+    handle = ModelHandle.load(args.model, dtype=args.dtype, device=args.device)
+    common = dict(
+        cache_dir=args.cache_dir,
+        storage_dtype=args.storage_dtype,
+        ingest_policies=[p for p in args.ingest_policies.split(",") if p],
+        chunk_anchor=_anchor(args.chunk_anchor),
+        shared=far,
+    )
+    adapter = args.kvlink_adapter or "default"
+    rags: dict[str, KVRag] = {}
+
+    def add(policy: str, kvlink_adapter) -> None:
+        rag = KVRag(handle, policy=policy, kvlink_adapter=kvlink_adapter, **common)
+        rags.setdefault(rag.fingerprint, rag)
+
+    add(args.policy, adapter)
+    if args.serve == "all":
+        # The base model: a policy that applies no LoRA (the fallback default; links-only
+        # adapters change no fingerprint) ...
+        add(fallback().policy, "links")
+        # ... and the adapted copy, when there is an adapter to apply.
+        if args.kvlink_adapter is not None or find_adapter(handle) is not None:
+            add("kvlink", adapter)
+    return list(rags.values())
+
+
+def run(args) -> int:
+    from kvrag.policies.kvlink.policy import ADAPTER_ATTR
     from kvrag.precompute.worker import Worker
     from kvrag.store import open_shared
 
     if args.batch < 1 or args.claim_idle <= 0:
         raise ValueError("--batch must be >= 1 and --claim-idle > 0")
+    _anchor(args.chunk_anchor)  # a bad value fails before the model load
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    policies = [p for p in args.ingest_policies.split(",") if p]
-    rag = KVRag(
-        args.model,
-        cache_dir=args.cache_dir,
-        policy=args.policy,
-        storage_dtype=args.storage_dtype,
-        ingest_policies=policies,
-        shared=open_shared(args.redis, prefix=args.prefix),
-    )
-    worker = Worker(rag, name=args.name, batch=args.batch, claim_idle_s=args.claim_idle)
+    rags = serving_rags(args, open_shared(args.redis, prefix=args.prefix))
+    worker = Worker(rags, name=args.name, batch=args.batch, claim_idle_s=args.claim_idle)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    print(f"kvrag worker {worker.name}: consuming {worker.queue.stream}", flush=True)
+    for lane in worker.lanes:
+        ad = getattr(lane.rag.handle.model, ADAPTER_ATTR, None)
+        what = f"KVLink adapter {ad.path}" if ad is not None and ad.has_lora else "the base model"
+        print(
+            f"kvrag worker {worker.name}: consuming {lane.queue.stream} ({what}, fingerprint "
+            f"{lane.rag.fingerprint[:16]}...)",
+            flush=True,
+        )
     done = worker.run(stop, until_idle=args.until_idle)
     print(f"kvrag worker {worker.name}: {done} job(s) done", flush=True)
     return 0

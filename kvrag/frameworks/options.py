@@ -4,28 +4,84 @@ framework adapter)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
-from collections.abc import Iterable, Mapping
+import operator
+import types
+import typing
+from collections import abc
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
-from kvrag.defaults import AUTO_POLICY, DEFAULT_POLICY
+from kvrag.defaults import AUTO_POLICY
 from kvrag.policies import get_policy, policy_class
+from kvrag.query.decode import Sampling
 
 log = logging.getLogger("kvrag.frameworks")
 
-GEN_KEYS = (
-    "policy",
-    "max_new_tokens",
-    "temperature",
-    "top_p",
-    "top_k",
-    "stop",
-    "seed",
-    "presence_penalty",
-    "frequency_penalty",
-    "logit_bias",
-    "json_schema",
-)
+#: The per-call options a wrapper takes: the policy and every generation option, ``Sampling``'s
+#: fields (a new option there is a new option here and in every wrapper).
+GEN_KEYS: tuple[str, ...] = ("policy", *(f.name for f in dataclasses.fields(Sampling)))
+
+
+@dataclass(frozen=True)
+class OptionField:
+    """A generation option as a wrapper's settings hold it: ``Sampling``'s field ``name`` with a
+    JSON-friendly ``annotation`` (a list for a sequence, a dict for a mapping: what a wrapper's
+    serialized settings load back as) and its ``default`` (or ``default_factory``)."""
+
+    name: str
+    annotation: Any
+    default: Any = None
+    default_factory: Callable[[], Any] | None = None
+
+
+def _json_type(tp: Any) -> Any:
+    """``tp`` with abstract containers made concrete: Sequence[X] -> list[X], Mapping[K, V] -> dict[K, V]."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (types.UnionType, typing.Union):
+        return functools.reduce(operator.or_, [_json_type(a) for a in args])
+    concrete: Any = {abc.Sequence: list, abc.Mapping: dict}.get(origin)
+    return tp if concrete is None else concrete[args]
+
+
+def option_fields() -> list[OptionField]:
+    """Every generation option (``Sampling``'s fields, in order) as a wrapper's setting."""
+    hints = typing.get_type_hints(Sampling)
+    out = []
+    for f in dataclasses.fields(Sampling):
+        if f.default_factory is not dataclasses.MISSING:
+            empty = f.default_factory()
+            factory = list if isinstance(empty, tuple) else type(empty)
+            # (None is taken too, as ``Sampling`` takes it: no stop strings, no biases.)
+            out.append(OptionField(f.name, _json_type(hints[f.name]) | None, default_factory=factory))
+        else:
+            out.append(OptionField(f.name, _json_type(hints[f.name]), f.default))
+    return out
+
+
+def pydantic_option_fields() -> dict[str, Any]:
+    """``option_fields`` as pydantic field definitions (``pydantic.create_model(**them)``): the
+    settings of a framework's LLM class (LlamaIndex's and LangChain's are pydantic models).
+    The values are checked by ``Sampling`` when a generation starts, with its messages."""
+    from pydantic import Field
+
+    return {
+        o.name: (o.annotation, Field(default_factory=o.default_factory) if o.default_factory else o.default)
+        for o in option_fields()
+    }
+
+
+def check_options(settings: Any) -> None:
+    """ValueError naming a bad generation option among a wrapper's settings (``Sampling``'s
+    checks, at the wrapper's construction rather than at its first call)."""
+    Sampling(**{k: getattr(settings, k) for k in GEN_KEYS if k != "policy"})
+
+
+def option_defaults(settings: Any) -> dict[str, Any]:
+    """A wrapper's own generation options (its ``GEN_KEYS`` attributes), as ``call_options`` takes them."""
+    return {k: getattr(settings, k) for k in GEN_KEYS}
 
 
 def policy_param_names(policy) -> set[str]:
@@ -56,7 +112,7 @@ def resolve_policy(policy, policy_params: dict | None, flat: dict[str, Any], rag
     if policy is None and has_own:
         policy, params = rag_policy(rag)
     elif policy is None:
-        policy = DEFAULT_POLICY
+        policy = AUTO_POLICY
     if policy == AUTO_POLICY:
         given = sorted({**(policy_params or {}), **flat})
         if given:

@@ -19,7 +19,7 @@ def shared_settings(rag) -> dict[str, Any]:
     url = getattr(far, "url", None)
     if far is None or not isinstance(url, str):
         return {"shared": None, "shared_prefix": None, "precompute_via": "local"}
-    from kvrag.store.redis_store import public_url  # imports no redis
+    from kvrag.store.redis_connection import public_url  # imports no redis
 
     return {
         "shared": public_url(url),
@@ -46,7 +46,7 @@ def check_shared_matches(given: dict[str, Any], rag, owner: str) -> None:
     rebuilt wrapper passes them back), else it is the 'pass either rag or settings' mistake."""
     given = {k: v for k, v in given.items() if v not in (None, "local")}
     if isinstance(given.get("shared"), str):
-        from kvrag.store.redis_store import public_url
+        from kvrag.store.redis_connection import public_url
 
         given["shared"] = public_url(given["shared"])
     have = shared_settings(rag)

@@ -6,11 +6,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-from collections.abc import AsyncIterator, Callable, Generator, Iterator
+from collections.abc import AsyncGenerator, Callable, Generator, Iterator
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import Any, TypeVar
 
 from kvrag.precompute import Precomputer
+
+T = TypeVar("T")
 
 #: Returned by a step when the stream is over.
 END = object()
@@ -65,7 +67,7 @@ class ThreadStepper:
     already executing" (replacing the CancelledError, and leaving the generator open). So
     ``close`` only marks it while a step runs; that step closes it when it returns."""
 
-    def __init__(self, it: Generator):
+    def __init__(self, it: Iterator):
         self._it = it
         self._lock = threading.Lock()
         self._running = False
@@ -83,14 +85,20 @@ class ThreadStepper:
                 self._running = False
                 close = self._closed
             if close:
-                self._it.close()
+                self._close_it()
 
     def close(self) -> None:
         with self._lock:
             self._closed = True
             if self._running:
                 return  # the running step closes it
-        self._it.close()
+        self._close_it()
+
+    def _close_it(self) -> None:
+        # A generator runs its cleanup (the stream's ``finally``) on close; a plain iterator has none.
+        close = getattr(self._it, "close", None)
+        if close is not None:
+            close()
 
 
 async def arun_stream(stream: Generator, foreground: Callable[[], AbstractContextManager]) -> None:
@@ -105,7 +113,7 @@ async def arun_stream(stream: Generator, foreground: Callable[[], AbstractContex
             pass
 
 
-async def aiter_in_thread(it: Generator) -> AsyncIterator:
+async def aiter_in_thread(it: Iterator[T]) -> AsyncGenerator[T, None]:
     """An async generator stepping a sync generator in a worker thread (one step per item).
     Cancelled mid-step, it raises CancelledError and ``it`` is closed once that step returns."""
     stepper = ThreadStepper(it)

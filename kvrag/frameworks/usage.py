@@ -44,7 +44,7 @@ class UsageTotals:
         with self._lock:
             self._n = dict.fromkeys(self.FIELDS, 0)
 
-    def __deepcopy__(self, memo: dict) -> "UsageTotals":
+    def __deepcopy__(self, memo: dict) -> UsageTotals:
         new = UsageTotals()
         new._n = self.snapshot()
         del new._n["cache_hit_rate"]

@@ -202,7 +202,7 @@ class ModelHandle:
         dtype: str | torch.dtype = "float32",
         device: str | torch.device = "cpu",
         cache_dir: str | os.PathLike | None = None,
-    ) -> "ModelHandle":
+    ) -> ModelHandle:
         """Load an HF model directory, a ``.gguf`` file, a name of ``MODEL_NAMES``
         (``"gemma3-270m"``), a Hugging Face repo id (``"org/name"``, ``"org/name@revision"``),
         or (``path=None``) the default SmolLM2.
@@ -263,7 +263,7 @@ class ModelHandle:
         )
 
     @classmethod
-    def from_objects(cls, model, tokenizer) -> "ModelHandle":
+    def from_objects(cls, model, tokenizer) -> ModelHandle:
         """Wrap an in-memory model + tokenizer (tests, tiny random models); the weight digest
         is a hash of the state_dict bytes."""
         return cls(model, tokenizer, weight_digest=state_dict_digest(model), source=None)
@@ -307,7 +307,7 @@ class ModelHandle:
         if getattr(tok, "chat_template", None):
             try:
                 text = tok.apply_chat_template([{"role": "user", "content": "kvrag"}], tokenize=False)
-            except Exception:  # a template that needs other roles/fields: no anchor
+            except Exception:  # noqa: BLE001 - a template that needs other roles/fields: no anchor
                 return []
             ids = self.encode(text) if isinstance(text, str) else []
             if ids:

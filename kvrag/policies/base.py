@@ -31,7 +31,7 @@ from kvrag.checks import check_real
 
 if TYPE_CHECKING:  # pragma: no cover
     from kvrag.arch import Arch
-    from kvrag.query.state import FusionState, Layout
+    from kvrag.layout.state import FusionState, Layout
 
 
 @dataclass
@@ -72,14 +72,14 @@ class Policy:
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.params})"
 
-    def check_model(self, arch: "Arch") -> None:
+    def check_model(self, arch: Arch) -> None:
         """Raise (ValueError, or a KVRagError naming the fix) if this policy cannot run on
         ``arch``'s model: a layer it names that the model lacks, a per-model artefact it needs.
         ``prepare`` runs it on every fused prefill; a ``KVRag`` also runs it when it adopts the
         policy as its default, so a misconfiguration fails at construction rather than at the
         first prompt with a cached chunk (prompts without one never reach the policy)."""
 
-    def check_layout(self, layout: "Layout", arch: "Arch") -> None:
+    def check_layout(self, layout: Layout, arch: Arch) -> None:
         """Raise ValueError if this policy cannot serve ``layout`` (A3: an eviction budget
         smaller than the tokens it always keeps). Runs before the prefill, so a ``stream``
         fails at the call; ``prepare`` runs it too. Default: every layout is fine."""
@@ -92,7 +92,7 @@ class Policy:
 
     # ---- ingestion -------------------------------------------------------------------
     def chunk_extras(
-        self, arch: "Arch", keys: torch.Tensor, values: torch.Tensor, token_ids: torch.Tensor
+        self, arch: Arch, keys: torch.Tensor, values: torch.Tensor, token_ids: torch.Tensor
     ) -> dict[str, torch.Tensor]:
         """Extra per-chunk tensors to store with the chunk. keys/values: [L, Hkv, T, D] (keys
         pre-RoPE) as stored, i.e. already rounded to the storage dtype, so extras match what a
@@ -101,18 +101,18 @@ class Policy:
         return {}
 
     # ---- query time ------------------------------------------------------------------
-    def insertions(self, layout: "Layout", arch: "Arch") -> dict[int, torch.Tensor]:
+    def insertions(self, layout: Layout, arch: Arch) -> dict[int, torch.Tensor]:
         """Tokens to insert: {segment index: embeddings [m, E]} placed right after that
         segment, computed at query time like plain tokens."""
         return {}
 
-    def prepare(self, state: "FusionState") -> None:
+    def prepare(self, state: FusionState) -> None:
         """Called once before layer 0; may set ``state.keep`` or stash data in ``state.scratch``.
         The default runs ``check_model`` and ``check_layout``."""
         self.check_model(state.arch)
         self.check_layout(state.layout, state.arch)
 
-    def initial_active(self, state: "FusionState") -> torch.Tensor:
+    def initial_active(self, state: FusionState) -> torch.Tensor:
         """bool [N]: tokens whose hidden states are computed from layer 0 on. The engine adds
         every token it must compute (``FusionState.required``: neither cached nor a kept
         prefix, and the last, whose logits are the first output). A kept prefix's rows are
@@ -120,7 +120,7 @@ class Policy:
         when it narrows."""
         return ~state.layout.stored
 
-    def select(self, layer: int, state: "FusionState", q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    def select(self, layer: int, state: FusionState, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         """Narrow the computed set at ``layer``.
 
         q [H, A, D], k/v [Hkv, A, D] are the active tokens' fresh (rotated) projections;
@@ -130,11 +130,11 @@ class Policy:
         All active K/V rows are written back whatever is returned."""
         return None
 
-    def extra_mask(self, state: "FusionState", rows: torch.Tensor) -> torch.Tensor | None:
+    def extra_mask(self, state: FusionState, rows: torch.Tensor) -> torch.Tensor | None:
         """bool [A, N] AND-ed with the causal/keep mask for the active query ``rows`` [A]."""
         return None
 
-    def after_prefill(self, state: "FusionState") -> None:
+    def after_prefill(self, state: FusionState) -> None:
         """Called after the last layer, before the cache is handed to the decoder."""
 
     #: Set to a method ``decode_select(layer, q, state) -> LongTensor | None`` (q [H, 1, D];

@@ -41,9 +41,9 @@ from dataclasses import dataclass
 import torch
 
 from kvrag.checks import check_int, check_real, check_seq
+from kvrag.layout.state import CACHED
 from kvrag.policies.base import Policy, RecomputeParams, param
 from kvrag.policies.registry import register
-from kvrag.query.state import CACHED
 
 FUSIONS = ("mean", "max")
 

@@ -48,16 +48,16 @@ from dataclasses import dataclass
 import torch
 
 from kvrag.checks import check_int, check_real, check_seq
+from kvrag.layout.state import CACHED
 from kvrag.policies.base import Policy, RecomputeParams, order_by_score, param, rank_keys, top_indices
 from kvrag.policies.registry import register
-from kvrag.query.state import CACHED
 
 NORMALIZATIONS = ("minmax", "zscore", "none")
 #: Per-chunk memo of the query-independent preliminary results (local Q, original-context
 #: attention): small ([L, H, D] + [T] floats a chunk), so a few thousand chunks cost little.
 DOC_MEMO_SIZE = 4096
 _MEMO_LOCK = threading.Lock()
-_DOC_MEMO: "OrderedDict[tuple, tuple[torch.Tensor, torch.Tensor]]" = OrderedDict()
+_DOC_MEMO: OrderedDict[tuple, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
 UPDATES = ("fusion", "overwrite")
 #: Per-chunk extras stored at ingestion (``SamKV.chunk_extras``): the document's mean local Q
 #: float32 [L, H*D] (flat, so ``ChunkEntry.span`` never mistakes D for the token axis) at chunk

@@ -17,11 +17,10 @@ import torch
 from kvrag.checks import check_int, check_texts_iterable, check_token_ids, validate_chunk_text
 from kvrag.chunk import compute_chunk_kv, pack
 from kvrag.errors import ChunkError
+from kvrag.layout.align import spell_chunk
 from kvrag.limits import check_chunk_chars, max_chunk_chars
-from kvrag.query.align import spell_chunk
 from kvrag.store.base import ChunkEntry, make_key
-
-STORAGE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+from kvrag.store.kv_format import FLOAT_FORMATS, check_format, decode, encode, is_packed
 
 
 def resolve_anchor(handle, anchor: str | Sequence[int]) -> list[int]:
@@ -60,7 +59,7 @@ class Ingestor:
         *,
         anchor: Sequence[int],
         fingerprint: str,
-        storage_dtype: torch.dtype,
+        storage_dtype: str,
         policies: Sequence = (),
     ) -> None:
         self.handle = handle
@@ -69,7 +68,8 @@ class Ingestor:
         self.segmenter = segmenter
         self.anchor = list(anchor)
         self.fingerprint = fingerprint
-        self.storage_dtype = storage_dtype
+        #: The storage format (``kvrag.store.kv_format``): a float dtype's name or a packed format.
+        self.storage_dtype = check_format(storage_dtype)
         self.policies = list(policies)
         self.newline_ids = handle.encode("\n")
 
@@ -148,20 +148,39 @@ class Ingestor:
         return keys
 
     def put(self, key: str, text: str, ids: Sequence[int], k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store one chunk's K/V (k, v [L, Hkv, T, D], pre-RoPE keys) in the storage dtype,
-        with the ingest policies' extras, and register its text."""
+        """Store one chunk's K/V (k, v [L, Hkv, T, D], pre-RoPE keys) in the storage format,
+        with the ingest policies' extras, and register its text. ``self.fingerprint`` is the
+        format's (``kv_format.format_fingerprint``)."""
         token_ids = torch.tensor(ids, dtype=torch.long)
-        k, v = k.to(self.storage_dtype), v.to(self.storage_dtype)
-        if not (bool(torch.isfinite(k).all()) and bool(torch.isfinite(v).all())):
+        fmt = self.storage_dtype
+        overflow = ChunkError(
             # Served, an inf/NaN would silently wreck every answer that reads the chunk.
-            raise ChunkError(
-                f"chunk {text[:60]!r}: its K/V are not finite in {str(self.storage_dtype).removeprefix('torch.')} "
-                "(the model's activations overflow it?); not stored -- use storage_dtype='bfloat16' or 'float32'"
-            )
+            f"chunk {text[:60]!r}: its K/V are not finite in {fmt} "
+            "(the model's activations overflow it?); not stored -- use storage_dtype='bfloat16' or 'float32'"
+        )
+        scales: dict[str, torch.Tensor] = {}
+        if is_packed(fmt):
+            try:
+                (kc, ks), (vc, vs) = encode(k, fmt, "keys"), encode(v, fmt, "values")
+            except ValueError:
+                raise overflow from None
+            scales = {
+                **{f"keys.{n}": t.cpu() for n, t in ks.items()},
+                **{f"values.{n}": t.cpu() for n, t in vs.items()},
+            }
+            # What a query reads back, for the policies' extras: the expanded codes.
+            dev, dt, d = k.device, self.handle.dtype, k.shape[3]
+            k_read, v_read = decode(kc, ks, fmt, "keys", d, dev, dt), decode(vc, vs, fmt, "values", d, dev, dt)
+            k, v = kc, vc
+        else:
+            k, v = k.to(FLOAT_FORMATS[fmt]), v.to(FLOAT_FORMATS[fmt])
+            if not (bool(torch.isfinite(k).all()) and bool(torch.isfinite(v).all())):
+                raise overflow
+            # From the stored (rounded) K/V in the compute dtype: what a query reads back.
+            k_read, v_read = k.to(self.handle.dtype), v.to(self.handle.dtype)
         extras = {}
         for p in self.policies:
-            # From the stored (rounded) K/V in the compute dtype: what a query reads back.
-            extras.update(p.chunk_extras(self.arch, k.to(self.handle.dtype), v.to(self.handle.dtype), token_ids))
+            extras.update(p.chunk_extras(self.arch, k_read, v_read, token_ids))
         entry = ChunkEntry(
             fingerprint=self.fingerprint,
             text=text,
@@ -169,6 +188,8 @@ class Ingestor:
             keys=k.cpu(),
             values=v.cpu(),
             extras=extras,
+            kv_format=fmt if is_packed(fmt) else "",
+            scales=scales,
         )
         self.store.put(key, entry)
         self.segmenter.add(key, text)

@@ -29,101 +29,30 @@ Guarantees:
 Threads and torch: PyTorch's intra-op thread count is process-global by default. With
 ``num_threads=None`` (default) the worker uses torch's setting and nothing is changed. With
 ``num_threads=n`` the worker thread sets *its own* OpenMP thread count to ``n`` and the global
-default is restored at once, so the caller's threads keep theirs (see :func:`_set_worker_threads`).
+default is restored at once, so the caller's threads keep theirs (see ``worker_threads``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import atexit
 import logging
 import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import CancelledError, Future
-from dataclasses import dataclass
-from typing import Any, Callable, Literal, overload
+from typing import Any, Literal, overload
 
 from kvrag.checks import check_int, check_texts_iterable, validate_chunk_text
 from kvrag.errors import ChunkError, KVRagError
+from kvrag.precompute.packs import compute_pack
+from kvrag.precompute.progress import PrecomputeFailure, PrecomputeProgress, PrecomputerClosedError, QueueFullError
+from kvrag.precompute.worker_threads import register_exit, set_worker_threads, unregister_exit
 
-__all__ = [
-    "Precomputer",
-    "PrecomputeProgress",
-    "PrecomputeFailure",
-    "QueueFullError",
-    "PrecomputerClosedError",
-]
+__all__ = ["Precomputer", "pending_in_prompt"]
 
 log = logging.getLogger("kvrag.precompute")
-
-
-class QueueFullError(KVRagError):
-    """``submit`` could not queue a text: the queue holds ``max_queued`` texts (back-pressure)."""
-
-
-class PrecomputerClosedError(KVRagError):
-    """``submit`` after ``shutdown``: the precomputer takes no new work."""
-
-
-@dataclass(frozen=True)
-class PrecomputeProgress:
-    """A snapshot of the precomputer's counters (all since it was created).
-
-    submitted: texts accepted as new work; deduplicated: submissions merged into work already
-    queued/in flight (same text) or computed in the same pass (same store key); queued: waiting;
-    in_flight: taken by a worker, not finished; computed: chunks computed and stored;
-    already_cached: found in the store (nothing computed); failed: finished with an error;
-    rejected: submissions refused as invalid (empty, not a str, bad Unicode); dropped:
-    submissions refused because the queue was full; tokens_computed: tokens prefilled;
-    busy_s: worker time spent computing."""
-
-    submitted: int = 0
-    deduplicated: int = 0
-    queued: int = 0
-    in_flight: int = 0
-    computed: int = 0
-    already_cached: int = 0
-    failed: int = 0
-    rejected: int = 0
-    dropped: int = 0
-    tokens_computed: int = 0
-    busy_s: float = 0.0
-
-    @property
-    def done(self) -> int:
-        """Texts finished (computed, already cached or failed)."""
-        return self.computed + self.already_cached + self.failed
-
-    @property
-    def idle(self) -> bool:
-        return self.queued == 0 and self.in_flight == 0
-
-    def as_dict(self) -> dict[str, Any]:
-        return {**self.__dict__, "done": self.done, "idle": self.idle}
-
-
-@dataclass(frozen=True)
-class PrecomputeFailure:
-    """One text whose precompute failed: the text (kept whole, so nothing is lost), its store
-    key if tokenization got that far, the exception, and when (``time.time()``)."""
-
-    text: str
-    key: str | None
-    error: BaseException
-    when: float
-
-    @property
-    def retryable(self) -> bool:
-        """False for errors the text itself causes (a ChunkError: too long for the model);
-        True for the environment's (disk full, store unwritable, ...)."""
-        return not isinstance(self.error, ChunkError)
-
-    @property
-    def message(self) -> str:
-        return f"{type(self.error).__name__}: {self.error}"
 
 
 class _Job:
@@ -153,23 +82,6 @@ def pending_in_prompt(rag, prompt: str) -> int:
 
 def _preview(text: str, n: int = 60) -> str:
     return repr(text[:n] + ("..." if len(text) > n else ""))
-
-
-def _set_worker_threads(n: int) -> None:
-    """Give the calling (worker) thread ``n`` intra-op threads (half of a two-step dance).
-
-    ``torch.set_num_threads`` sets the calling thread's OpenMP thread count *and* the global
-    default that threads created later start with. Restoring the default from this same thread
-    would undo both, so the thread that created the precomputer restores it (see
-    ``Precomputer.start``): with OpenMP builds the worker keeps ``n`` and everyone else keeps
-    theirs; with a native thread pool the setting is global and the restore makes this a
-    no-op — never a silent global change."""
-    import torch
-
-    # First let torch do its lazy per-thread init (it copies the global default into this
-    # thread once); done later, it would overwrite our setting with the restored default.
-    torch.get_num_threads()
-    torch.set_num_threads(n)
 
 
 class Precomputer:
@@ -249,17 +161,17 @@ class Precomputer:
             tokens_computed=0,
         )
         self._busy_s = 0.0
-        self._atexit_ref = None
+        self._atexit_ref: Callable[[], None] | None = None
         with Precomputer._of_rag_lock:
             Precomputer._of_rag.setdefault(rag, weakref.WeakSet()).add(self)
         if start:
             self.start()
 
     # ---- shared instances ---------------------------------------------------------------
-    _shared: "weakref.WeakKeyDictionary[Any, Precomputer]" = weakref.WeakKeyDictionary()
+    _shared: weakref.WeakKeyDictionary[Any, Precomputer] = weakref.WeakKeyDictionary()
     _shared_lock = threading.Lock()
     #: Every live precomputer of a KVRag (shared or not): what ``pending_in_prompt`` asks.
-    _of_rag: "weakref.WeakKeyDictionary[Any, weakref.WeakSet]" = weakref.WeakKeyDictionary()
+    _of_rag: weakref.WeakKeyDictionary[Any, weakref.WeakSet] = weakref.WeakKeyDictionary()
     _of_rag_lock = threading.Lock()  # not _shared_lock: for_rag holds that while it constructs one
 
     @overload
@@ -284,19 +196,6 @@ class Precomputer:
                 pc = cls(rag, **kwargs)
                 cls._shared[rag] = pc
             return pc
-
-    @classmethod
-    def of(cls, target) -> "Precomputer":
-        """Resolve a hook's target: a Precomputer, a KVRag (its shared precomputer), or any
-        object with a ``precomputer`` attribute (the LlamaIndex / LangChain LLM adapters)."""
-        if isinstance(target, Precomputer):
-            return target
-        pc = getattr(target, "precomputer", None)
-        if isinstance(pc, Precomputer):
-            return pc
-        if hasattr(target, "precompute") and hasattr(target, "store") and hasattr(target, "chunk_ids"):
-            return cls.for_rag(target)
-        raise TypeError(f"expected a Precomputer, a KVRag or a kvrag LLM adapter, got {type(target).__name__}")
 
     # ---- lifecycle --------------------------------------------------------------------
     def start(self) -> None:
@@ -324,7 +223,7 @@ class Precomputer:
             assert prev_threads is not None  # read above whenever ``ready`` is made
             torch.set_num_threads(prev_threads)  # ... now restore the default for everyone else
         # Daemon threads die with the interpreter; drain (or report) the queue before that.
-        self._atexit_ref = _register_exit(self)
+        self._atexit_ref = register_exit(self._exit)
 
     @property
     def closed(self) -> bool:
@@ -365,7 +264,7 @@ class Precomputer:
         if not any(t.is_alive() for t in self._threads):
             # Nothing left running. Otherwise the exit hook stays registered: the workers are
             # daemon threads, killed at interpreter exit, so it must wait for them first.
-            _unregister_exit(self._atexit_ref)
+            unregister_exit(self._atexit_ref)
             self._atexit_ref = None
         for job in handed_back:
             job.future.cancel()
@@ -399,7 +298,7 @@ class Precomputer:
     def close(self) -> None:
         self.shutdown()
 
-    def __enter__(self) -> "Precomputer":
+    def __enter__(self) -> Precomputer:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -556,7 +455,7 @@ class Precomputer:
                 self._cond.wait(0.5 if remaining is None else min(0.5, remaining))
             return True
 
-    def foreground(self) -> "_Foreground":
+    def foreground(self) -> _Foreground:
         """Context manager marking a query in progress: no new pack starts meanwhile."""
         return _Foreground(self)
 
@@ -615,7 +514,7 @@ class Precomputer:
         if ready is not None:
             try:
                 assert self.num_threads is not None  # ``ready`` is only made with a thread count
-                _set_worker_threads(self.num_threads)
+                set_worker_threads(self.num_threads)
             except Exception:
                 log.exception("kvrag precompute: could not set the worker's torch thread count")
             finally:
@@ -671,7 +570,7 @@ class Precomputer:
         try:
             job.ids = ingestor.chunk_ids(job.text)
             job.key = ingestor.key(job.ids)
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - the job's own error, handed to its future
             self._finish(job, error=e)
             return False
         with self._cond:
@@ -684,7 +583,7 @@ class Precomputer:
             self._inflight_keys[job.key] = job
         try:
             cached = job.key in ingestor.store and ingestor.ensure_listed(job.key, job.text)
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - the job's own error, handed to its future
             self._finish(job, error=e)
             return False
         if cached:
@@ -694,22 +593,7 @@ class Precomputer:
 
     def _compute(self, pack: list[_Job]) -> None:
         t0 = time.perf_counter()
-        try:
-            self.rag.precompute([j.text for j in pack], batch_tokens=self.batch_tokens)
-            errors = {}
-        except Exception as e:
-            if len(pack) == 1:
-                errors = {0: e}
-            else:
-                # Find the culprit(s): what got stored is done, the rest is tried alone.
-                errors = {}
-                for i, j in enumerate(pack):
-                    if j.key in self.rag.store:
-                        continue
-                    try:
-                        self.rag.precompute([j.text], batch_tokens=self.batch_tokens)
-                    except Exception as e1:
-                        errors[i] = e1
+        errors = compute_pack(self.rag, [j.text for j in pack], [j.key for j in pack], self.batch_tokens)
         busy = time.perf_counter() - t0
         with self._cond:
             self._busy_s += busy
@@ -764,7 +648,7 @@ class Precomputer:
                     j.future.set_exception(error)
                 else:
                     j.future.set_result(job.key)
-            except Exception:  # InvalidStateError: cancelled concurrently
+            except Exception:  # noqa: BLE001 - InvalidStateError: cancelled concurrently
                 pass
 
 
@@ -786,24 +670,6 @@ class _Foreground:
                 self.pc._hold_until = 0.0  # the query a retriever hook deferred for is over
             self.pc._cond.notify_all()
         return False
-
-
-# ---- interpreter exit ------------------------------------------------------------------
-def _register_exit(pc: Precomputer):
-    ref = weakref.ref(pc)  # running workers keep ``pc`` alive; an idle, dropped one needs nothing
-
-    def at_exit() -> None:
-        p = ref()
-        if p is not None:
-            p._exit()
-
-    atexit.register(at_exit)
-    return at_exit
-
-
-def _unregister_exit(fn) -> None:
-    if fn is not None:
-        atexit.unregister(fn)
 
 
 # Re-exported for callers that wait on futures.

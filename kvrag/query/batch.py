@@ -65,7 +65,7 @@ class DecodeCache:
         # the window of every key, no mask is built (nor read back from the device).
         self._kmin: dict[int, int] = {}
         spare = max(1, int(spare))
-        for layer, (k, v) in enumerate(zip(K, V)):
+        for k, v in zip(K, V):
             kb = k.new_empty((k.shape[0], k.shape[1] + spare, k.shape[2]))
             vb = v.new_empty((v.shape[0], v.shape[1] + spare, v.shape[2]))
             kb[:, : k.shape[1]] = k

@@ -26,8 +26,6 @@ import torch
 if TYPE_CHECKING:  # pragma: no cover
     from llguidance._lib import JsonCompileOptions
 
-#: A JSON object of any content: what ``response_format={"type": "json_object"}`` asks for.
-ANY_OBJECT: dict[str, Any] = {"type": "object"}
 _OPTIONS: JsonCompileOptions = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 #: Tokenizers converted for the grammar engine, kept for the next reply (a process serves one
@@ -76,6 +74,14 @@ class JsonConstraint:
         if error := self._matcher.get_error():
             raise ValueError(f"JSON schema: {error}")
 
+    def copy(self) -> JsonConstraint:
+        """A matcher of the same schema at the same point, without compiling it again: each of
+        a request's choices decodes with its own copy of the one compiled at submit."""
+        twin = object.__new__(JsonConstraint)
+        twin.vocab = self.vocab
+        twin._matcher = self._matcher.deep_copy()
+        return twin
+
     @property
     def done(self) -> bool:
         return bool(self._matcher.is_stopped())
@@ -95,6 +101,13 @@ class JsonConstraint:
         return logits.float().masked_fill(~self.allowed().to(logits.device), float("-inf"))
 
     def accept(self, token: int) -> None:
-        """Advance by the drawn ``token`` (one ``mask`` allowed)."""
+        """Advance by the drawn ``token`` (one ``mask`` allowed). GrammarGaveUp when the
+        engine cannot carry the document past it."""
         if not self._matcher.consume_token(int(token)):
-            raise RuntimeError(f"token {token} does not continue the JSON document: {self._matcher.get_error()}")
+            raise GrammarGaveUp(f"token {token} does not continue the JSON document: {self._matcher.get_error()}")
+
+
+class GrammarGaveUp(RuntimeError):
+    """The grammar engine stopped holding a reply to its schema mid-document: past one of its
+    resource limits (a recursive schema whose every document nests without end makes it
+    search forever for the tokens it forces), the reply cannot go on under the schema."""

@@ -1,4 +1,6 @@
-"""Decoding after a prefill: sampling, stop conditions, streaming.
+"""Decoding after a prefill: the options of a generation (``Sampling``), the one per-reply
+decoder that applies them (``Decoder``: drawing, accepting a token, the finish reason, the
+token budget), and the steppers that continue the model.
 
 Two back-ends continue from a prefilled cache:
 * ``HFStepper`` hands the fused K/V to a transformers ``DynamicCache`` and calls the model's
@@ -10,12 +12,14 @@ Two back-ends continue from a prefilled cache:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import math
 import numbers
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from transformers import DynamicCache
@@ -23,7 +27,7 @@ from transformers.cache_utils import DynamicLayer
 
 from kvrag.arch import Arch
 from kvrag.defaults import DEFAULT_MAX_NEW_TOKENS, MAX_LOGIT_BIAS, MAX_PENALTY
-from kvrag.query.constrain import JsonConstraint
+from kvrag.query.constrain import GrammarGaveUp, JsonConstraint
 
 # The temperatures sampling can use: logits (shifted by their maximum) divided by one of these
 # stay finite in float32; below it, 5e-324 say, the division overflows (or rounds to 0/0).
@@ -33,15 +37,26 @@ MAX_TEMPERATURE = 1e6
 
 @dataclass
 class Sampling:
-    """Decoding options. temperature 0 = greedy, else in [MIN_TEMPERATURE, MAX_TEMPERATURE].
+    """The options of one generation, every one of them: what ``KVRag.stream`` takes, what a
+    served request holds (``GenerationRequest.sampling``) and what the framework wrappers
+    expose as fields and per-call options (``kvrag.frameworks.options``). Checked here, at
+    construction (ValueError names the bad option); ``kvrag.query.decoder.Decoder`` applies them.
 
+    ``max_new_tokens``: None (unnamed) = ``DEFAULT_MAX_NEW_TOKENS`` cut to the room the prompt
+    leaves in the model's context; a number is a demand, refused when the prompt leaves less
+    (``budget``). ``temperature`` 0 = greedy, else in [MIN_TEMPERATURE, MAX_TEMPERATURE].
     ``presence_penalty`` / ``frequency_penalty`` / ``logit_bias``: OpenAI's adjustments, made
     to the logits before every draw, greedy ones included (``adjust_logits``): each token
     already generated loses ``presence_penalty`` once and ``frequency_penalty`` per time it
     was drawn (the prompt's tokens are not counted: a RAG answer should be free to repeat its
-    context's words), and ``logit_bias`` adds a bias in [-100, 100] to the token ids it names."""
+    context's words), and ``logit_bias`` adds a bias in [-100, 100] to the token ids it names.
+    ``min_tokens`` / ``ignore_eos`` (vLLM's extras, e.g. for benchmarks at a fixed answer
+    length): EOS cannot be drawn before ``min_tokens`` tokens (a stop string still ends the
+    reply); ``ignore_eos`` decodes past EOS up to the token budget. ``json_schema``: hold the
+    reply to a JSON document valid under this schema (``kvrag.query.constrain``;
+    ``{"type": "object"}`` for any object), ended when it is complete."""
 
-    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
+    max_new_tokens: int | None = None
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
@@ -50,6 +65,9 @@ class Sampling:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: Mapping[int, float] = field(default_factory=dict)
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    json_schema: Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
         def is_int(x) -> bool:
@@ -58,8 +76,11 @@ class Sampling:
         def is_real(x) -> bool:  # NaN and inf fail every range check below by being excluded here
             return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
 
-        if not is_int(self.max_new_tokens) or self.max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be an integer >= 0, got {self.max_new_tokens!r}")
+        if self.max_new_tokens is not None and (not is_int(self.max_new_tokens) or self.max_new_tokens < 0):
+            raise ValueError(
+                f"max_new_tokens must be an integer >= 0 (or None: the default, cut to the room the prompt "
+                f"leaves), got {self.max_new_tokens!r}"
+            )
         if not is_real(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if self.temperature and not MIN_TEMPERATURE <= self.temperature <= MAX_TEMPERATURE:
@@ -101,6 +122,40 @@ class Sampling:
             bad = [x for x in self.stop if not isinstance(x, str) or not x]
             if bad:
                 raise ValueError(f"stop must be a string or a sequence of non-empty strings, got {bad[0]!r} in it")
+        if not is_int(self.min_tokens) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+        if self.max_new_tokens is not None and self.min_tokens > self.max_new_tokens:
+            raise ValueError(f"min_tokens={self.min_tokens} is over the request's max_new_tokens={self.max_new_tokens}")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
+        if self.json_schema is not None and not isinstance(self.json_schema, Mapping):
+            raise ValueError(f"a JSON schema must be a JSON object, got {type(self.json_schema).__name__}")
+
+    def budget(self, prompt_tokens: int, context: int) -> int:
+        """The tokens this generation may draw after a prompt of ``prompt_tokens`` in a context
+        of ``context`` tokens: the one rule of the library and the server alike. Positions past
+        the context were never trained, and decoding there degenerates silently, so an unnamed
+        limit is ``DEFAULT_MAX_NEW_TOKENS`` cut to the room left, while a named one that does
+        not fit is refused (ValueError), as OpenAI and vLLM refuse it. A prompt that leaves no
+        room is refused unless no token is asked for."""
+        room = context - prompt_tokens
+        if self.max_new_tokens is None:
+            if room < 1:
+                raise ValueError(
+                    f"prompt of {prompt_tokens} tokens leaves no room to generate in the model context "
+                    f"({context} tokens); shorten the prompt (context exceeded)"
+                )
+            budget = min(DEFAULT_MAX_NEW_TOKENS, room)
+        elif self.max_new_tokens > room:
+            raise ValueError(
+                f"the model's context is {context} tokens; the prompt takes {prompt_tokens} and "
+                f"max_new_tokens={self.max_new_tokens} asks for more than the {max(room, 0)} left (context exceeded)"
+            )
+        else:
+            budget = self.max_new_tokens
+        if self.min_tokens > budget:
+            raise ValueError(f"min_tokens={self.min_tokens} is over the request's max_new_tokens={budget}")
+        return budget
 
     @property
     def adjusts(self) -> bool:
@@ -112,6 +167,11 @@ class Sampling:
         bad = sorted(t for t in self.logit_bias if t >= vocab)
         if bad:
             raise ValueError(f"logit_bias: token id(s) {bad[:5]} outside the model's vocabulary of {vocab}")
+
+
+#: The names of the generation options (``Sampling``'s fields): what ``KVRag.stream`` takes
+#: as keywords beside the policy's parameters, and what the framework wrappers expose.
+SAMPLING_OPTIONS: frozenset[str] = frozenset(f.name for f in dataclasses.fields(Sampling))
 
 
 def adjust_logits(logits: torch.Tensor, s: Sampling, generated: Sequence[int]) -> torch.Tensor:
@@ -379,26 +439,114 @@ def eos_ids(model, tokenizer) -> set[int]:
     return ids
 
 
-def generate_tokens(
-    first_logits: torch.Tensor, stepper, sampling: Sampling, eos: set[int], constraint: JsonConstraint | None = None
-) -> Iterator[int]:
-    """Yield token ids: the first from ``first_logits`` [V], then one stepper call each;
-    ``constraint``: the document the reply must be (``kvrag.query.constrain``), which ends it
-    when complete."""
-    gen = None
-    if sampling.seed is not None:
-        gen = torch.Generator().manual_seed(sampling.seed)
-    logits = first_logits
-    drawn: list[int] = []
-    for i in range(sampling.max_new_tokens):
-        logits = adjust_logits(logits, sampling, drawn)
-        if constraint is not None:
-            logits = constraint.mask(logits)
-        tok = sample(logits.cpu(), sampling, gen)
-        drawn.append(tok)
-        if constraint is not None and tok not in eos:  # EOS ends the reply: nothing to match
-            constraint.accept(tok)
-        yield tok
-        if tok in eos or i == sampling.max_new_tokens - 1 or (constraint is not None and constraint.done):
-            return
-        logits = stepper.step([tok])[-1]
+class Decoder:
+    """One reply's decoding rules, the one place they live: drawing each token (``Sampling``'s
+    options: EOS barred before ``min_tokens``, penalties and biases, the JSON document's mask,
+    then greedy or sampled with the reply's own generator), accepting it (its text, stop
+    strings, the document it advances) and deciding when and why the reply ends. ``KVRag.stream``
+    drives one over its stepper; the server's scheduler drives one per request and choice,
+    drawing a whole batched step's tokens with ``draw_batch``.
+
+    ``budget``: tokens it may draw (``Sampling.budget``); ``eos``: the model's end ids;
+    ``constraint``: this reply's matcher for ``sampling.json_schema`` (a fresh one each: it
+    holds the reply's state); ``choice``: which of a request's choices this is (its generator
+    is seeded ``seed + choice``, so choice 0 draws what a lone request draws)."""
+
+    def __init__(
+        self,
+        sampling: Sampling,
+        budget: int,
+        tokenizer,
+        eos: set[int],
+        constraint: JsonConstraint | None = None,
+        choice: int = 0,
+    ):
+        self.sampling = sampling
+        self.budget = budget
+        self.eos = eos
+        self._eos_ids = torch.tensor(sorted(eos), dtype=torch.long)
+        self.constraint = constraint
+        self.gen = torch.Generator().manual_seed(sampling.seed + choice) if sampling.seed is not None else None
+        self.text = TextStream(tokenizer, sampling.stop)
+        #: The tokens drawn so far, an EOS that ended the reply included.
+        self.tokens: list[int] = []
+        #: "stop" (EOS, a stop string or a complete document) or "length" once the reply ended.
+        self.finish_reason: str | None = None if budget > 0 else "length"
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def plain_greedy(self) -> bool:
+        """Whether the next draw is the argmax of the (EOS-barred) logits: no sampling, no
+        adjustment, no document mask (the batched step then takes the device's argmax)."""
+        s = self.sampling
+        return s.temperature == 0 and not s.adjusts and self.constraint is None
+
+    def bar_eos(self, logits: torch.Tensor) -> torch.Tensor:
+        """``logits`` [V] with EOS at -inf, in place, while the reply is short of ``min_tokens``."""
+        if len(self.tokens) < self.sampling.min_tokens and len(self._eos_ids):
+            logits[self._eos_ids.to(logits.device)] = float("-inf")
+        return logits
+
+    def shape(self, logits: torch.Tensor) -> torch.Tensor:
+        """The (EOS-barred) next-token logits [V] as the options shape them before the draw:
+        penalties and biases, then what the JSON document may take next."""
+        logits = adjust_logits(logits, self.sampling, self.tokens)
+        return self.constraint.mask(logits) if self.constraint is not None else logits
+
+    def draw(self, logits: torch.Tensor) -> int:
+        """The next token from the model's next-token logits [V] (any device; EOS is barred in
+        place when ``min_tokens`` asks it)."""
+        return sample(self.shape(self.bar_eos(logits)).cpu(), self.sampling, self.gen)
+
+    def accept(self, tok: int) -> str:
+        """Take the drawn token: its text (the delta to show, maybe ''), and the end of the
+        reply on EOS (unless ``ignore_eos``), a stop string, a complete document or the token
+        budget -- "stop" winning over "length" when both end on the same token."""
+        ends = self.ends_reply(tok)
+        self.tokens.append(tok)
+        cut = False
+        if self.constraint is not None and not ends:  # EOS ends the reply: nothing to match
+            try:
+                self.constraint.accept(tok)
+            except GrammarGaveUp:
+                # The document cannot go on: the reply ends here, cut short as a token limit
+                # cuts it ("length"), rather than failing the request after its tokens streamed.
+                cut = True
+        delta = self.text.push(tok)
+        if cut:
+            self.finish_reason = "length"
+        elif self.text.stopped or ends or (self.constraint is not None and self.constraint.done):
+            self.finish_reason = "stop"
+        elif len(self.tokens) >= self.budget:
+            self.finish_reason = "length"
+        return delta
+
+    def ends_reply(self, tok: int) -> bool:
+        """Whether ``tok`` is an EOS that ends the reply (not part of its text, nor of its
+        reported log-probabilities)."""
+        return tok in self.eos and not self.sampling.ignore_eos
+
+    def flush(self) -> str:
+        """The text held back (a possible stop string's start), once the reply ended without one."""
+        return self.text.flush() if not self.text.stopped else ""
+
+
+def draw_batch(decoders: Sequence[Decoder], logits: torch.Tensor) -> list[int]:
+    """The next token of each reply of a batched step from its logits [B, V] (row ``i`` for
+    ``decoders[i]``; EOS is barred in place where ``min_tokens`` asks it), each drawn as its
+    ``Decoder.draw`` would. One host read for the batch: plain greedy rows take the device's
+    argmax; sampled, adjusted or constrained rows are shaped on the device and drawn on the
+    host with their own generators."""
+    for i, d in enumerate(decoders):
+        if len(d.tokens) < d.sampling.min_tokens:
+            d.bar_eos(logits[i])
+    toks = logits.argmax(-1).tolist()
+    own = [i for i, d in enumerate(decoders) if not d.plain_greedy]
+    if own:
+        rows = torch.stack([decoders[i].shape(logits[i]).float() for i in own])
+        for i, row in zip(own, rows.cpu()):
+            toks[i] = sample(row, decoders[i].sampling, decoders[i].gen)
+    return toks

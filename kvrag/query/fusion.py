@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import torch
 
 from kvrag.arch import Arch, AttentionPlan, visible_keys
+from kvrag.layout.state import CACHED, INSERTED, PREFIX, FusionState, FusionStats, Layout, Piece
 from kvrag.policies.base import Policy
-from kvrag.query.state import CACHED, INSERTED, PREFIX, FusionState, FusionStats, Layout, Piece
 
 
 @dataclass
@@ -237,7 +237,6 @@ class FusionEngine:
         state = FusionState(
             arch=arch,
             layout=layout,
-            policy=policy,
             K=K,
             V=V,
             keep=torch.ones(n, dtype=torch.bool, device=dev),

@@ -1,6 +1,8 @@
-"""The cached chunks of a prompt: find their texts in it (``kvrag.query.segment``), read their
+"""The cached chunks of a prompt: find their texts in it (``kvrag.layout.segment``), read their
 entries from the tiers that hold them (the in-memory hot tier, then the store) and align them
-with the prompt's own tokenization (``kvrag.query.align``).
+with the prompt's own tokenization (``kvrag.layout.align``) -- built, where that is proved,
+from the chunks' stored ids and the plain text around them, without tokenizing the chunks
+(``kvrag.query.splice``).
 
 The result is the prompt as ``Piece``\\ s: plain token runs and cached chunks, in order, whose
 token ids concatenated are exactly the tokenizer's ids of the whole prompt (after the BOS ids
@@ -13,14 +15,16 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
 from kvrag.errors import StoreError
-from kvrag.query.align import chunk_spans, place_chunks, prompt_prefix, prompt_tokens, token_inside
-from kvrag.query.segment import Segmenter
-from kvrag.query.state import CACHED, PLAIN, FusionStats, Piece
+from kvrag.layout.align import Placement, chunk_spans, place_chunks, prompt_prefix, prompt_tokens, token_inside
+from kvrag.layout.segment import Segmenter
+from kvrag.layout.state import CACHED, PLAIN, FusionStats, Piece
+from kvrag.query.splice import seam_merges, splice_ids
 
 log = logging.getLogger("kvrag")
 
@@ -79,7 +83,7 @@ class ChunkLookup:
             k: self._readers.submit(self.store.get, k, self.fingerprint, pin_memory=pin) for k in dict.fromkeys(keys)
         }
 
-    def pieces(self, prompt: str, use_cache: bool = True) -> tuple[list[Piece], FusionStats]:
+    def pieces(self, prompt: str, use_cache: bool = True, tokens=None) -> tuple[list[Piece], FusionStats]:
         """The prompt's token ids, split into plain pieces and cached chunks: ([Piece], stats
         with hits/misses).
 
@@ -99,22 +103,23 @@ class ChunkLookup:
         prefix = prompt_prefix(self.handle, prompt)
         if prefix:
             pieces.append(Piece(torch.tensor(prefix, dtype=torch.long)))
-        ids, offsets, starts = prompt_tokens(self.tokenizer, prompt)
         tok = 0  # first token not yet placed in a piece
-        if use_cache:
+        if not use_cache:
+            # ``tokens``: ``prompt_tokens`` of this prompt, when its caller tokenized it already.
+            ids = (tokens if tokens is not None else prompt_tokens(self.tokenizer, prompt))[0]
+        else:
             self.refresh()
             spans = list(chunk_spans(self.segmenter.split(prompt)))
             hot_entries = {seg.key: e for seg, _, _ in spans if (e := self.hot.get(seg.key)) is not None}
-            # Reads start at once, all of them, for every span a prompt token lies in.
-            disk = self.read_entries(
-                [
-                    seg.key
-                    for seg, start, end in spans
-                    if seg.key not in hot_entries and token_inside(starts, offsets, start, end, 0)
-                ]
-            )
+            disk: dict[str, Future] = {}
+            read_once: dict[str, tuple | None] = {}
 
             def read(seg):
+                if seg.key not in read_once:  # the splice and the alignment may both ask
+                    read_once[seg.key] = read_entry(seg)
+                return read_once[seg.key]
+
+            def read_entry(seg):
                 entry = hot_entries.get(seg.key)
                 hot = entry is not None
                 if not hot:
@@ -126,7 +131,8 @@ class ChunkLookup:
                         return None
                 return entry.token_ids.tolist(), entry.text, (entry, hot)
 
-            for pl in place_chunks(self.tokenizer, self.newline_ids, ids, offsets, starts, spans, read):
+            ids, placements = self._place(prompt, spans, hot_entries, disk, read, tokens)
+            for pl in placements:
                 if pl.status == "unaligned":
                     stats.chunks_unaligned += 1
                     continue
@@ -140,6 +146,8 @@ class ChunkLookup:
                     stats.chunks_hot += 1
                 else:
                     entry = self.hot.put(pl.segment.key, entry)
+                # A packed entry (kept packed in every tier) expands on the compute device.
+                entry = entry.expanded(self.handle.device, self.handle.dtype)
                 if m < entry.token_ids.numel():
                     entry = entry.span(k, k + m)
                 stats.bytes_loaded += entry.nbytes
@@ -155,3 +163,57 @@ class ChunkLookup:
         if total > self.handle.max_context:
             raise ValueError(f"prompt of {total} tokens exceeds the model context ({self.handle.max_context})")
         return pieces, stats
+
+    def _place(
+        self, prompt: str, spans: list, hot_entries: dict, disk: dict, read, tokens
+    ) -> tuple[list[int], Iterable[Placement]]:
+        """The prompt's ids and its chunks' ``Placement``\\ s, in prompt order; ``disk`` (key ->
+        read future) is filled here, for ``read``.
+
+        The chunks found whole, readable and with seams that may hold are spliced: their stored
+        ids between the plain text, tokenized in context (``kvrag.query.splice``), each seam
+        proved. The other chunks (cut, unreadable, inside words) are aligned in the tokens of
+        the plain text around them as in the whole prompt's (``place_chunks``): where every
+        seam holds, those tokens are the whole prompt's. Where one does not, or with no chunk
+        to splice, the whole prompt is tokenized (or ``tokens``, its caller's tokenization,
+        read) and every chunk aligned in it."""
+        if tokens is None:
+            whole = [
+                sp for sp in spans if not sp[0].partial and not sp[0].offset and not seam_merges(prompt, sp[1], sp[2])
+            ]
+            # Reads start at once, all of them (the other chunks' once their tokens are known).
+            disk.update(self.read_entries([seg.key for seg, _, _ in whole if seg.key not in hot_entries]))
+            good = [(sp, g) for sp in whole if (g := read(sp[0])) is not None and g[1] == sp[0].text]
+            spliced = splice_ids(self.tokenizer, prompt, [(a, b, g[0]) for (_, a, b), g in good]) if good else None
+            if spliced is not None:
+                ids, offsets = spliced.ids, spliced.offsets
+                # Each spliced chunk placed whole where the splice put it: what ``place_chunks``
+                # finds in the whole prompt's tokenization, equal to the splice.
+                placed = {
+                    id(sp): Placement(sp[0], "placed", g[2], j, 0, len(g[0]))
+                    for (sp, g), j in zip(good, spliced.starts, strict=True)
+                }
+                rest = [sp for sp in spans if id(sp) not in placed]
+                if not rest:
+                    return ids, [placed[id(sp)] for sp in spans]
+                starts = [a for a, _ in offsets]
+                self._read_inside(rest, hot_entries, disk, offsets, starts)
+                aligned = place_chunks(self.tokenizer, self.newline_ids, ids, offsets, starts, rest, read)
+                return ids, (placed[id(sp)] if id(sp) in placed else next(aligned) for sp in spans)
+        ids, offsets, starts = tokens if tokens is not None else prompt_tokens(self.tokenizer, prompt)
+        self._read_inside(spans, hot_entries, disk, offsets, starts)
+        return ids, place_chunks(self.tokenizer, self.newline_ids, ids, offsets, starts, spans, read)
+
+    def _read_inside(self, spans: list, hot_entries: dict, disk: dict, offsets, starts) -> None:
+        """Start the reads, all at once, of the chunks of ``spans`` a prompt token lies in."""
+        disk.update(
+            self.read_entries(
+                [
+                    seg.key
+                    for seg, start, end in spans
+                    if seg.key not in hot_entries
+                    and seg.key not in disk
+                    and token_inside(starts, offsets, start, end, 0)
+                ]
+            )
+        )

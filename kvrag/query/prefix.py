@@ -23,8 +23,8 @@ import torch
 
 from kvrag.checks import check_int
 from kvrag.chunk import compute_chunk_kv
+from kvrag.layout.state import PLAIN, PREFIX, Piece
 from kvrag.model import ModelHandle
-from kvrag.query.state import PLAIN, PREFIX, Piece
 from kvrag.store.base import ChunkEntry
 from kvrag.store.lru import ByteLRU
 

@@ -2,6 +2,12 @@
 
 Each app has its own ``CollectorRegistry``: two apps in one process (tests, replicas in one
 process) never mix their counts, and the process-wide default registry stays the host's.
+
+Where vLLM charts the same quantity, the name is vLLM's with ``kvrag_`` for ``vllm:``
+(``kvrag_time_to_first_token_seconds``, ``kvrag_inter_token_latency_seconds``,
+``kvrag_e2e_request_latency_seconds``, ``kvrag_prefix_cache_queries_total`` /
+``kvrag_prefix_cache_hits_total``), so a vLLM dashboard's panels read a kvrag server by that
+substitution; docs/serve.md lists the counterparts.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 # thousands of tokens on a CPU).
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+_E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
 
 class ServeMetrics:
@@ -40,6 +47,26 @@ class ServeMetrics:
             "Mean time per generated token after the first, per request",
             buckets=_TPOT_BUCKETS,
             registry=r,
+        )
+        self.itl = Histogram(
+            "kvrag_inter_token_latency_seconds",
+            "Time to each generated token after the first: the batched decode step that produced it",
+            buckets=_TPOT_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "kvrag_e2e_request_latency_seconds",
+            "From the request's admission to its last generated token",
+            buckets=_E2E_BUCKETS,
+            registry=r,
+        )
+        # vLLM's prefix-cache pair, in tokens as vLLM counts them: prompt tokens looked up, and
+        # those whose K/V was read (chunk caches and the prompt prefix cache) instead of computed.
+        self.cache_queries = Counter(
+            "kvrag_prefix_cache_queries", "Prompt tokens looked up in the chunk and prefix caches", registry=r
+        )
+        self.cache_hits = Counter(
+            "kvrag_prefix_cache_hits", "Prompt tokens read from the chunk and prefix caches", registry=r
         )
         self.prompt_tokens = Counter("kvrag_prompt_tokens", "Prompt tokens of finished requests", registry=r)
         self.cached_tokens = Counter(
@@ -96,18 +123,24 @@ class ServeMetrics:
             self._cached_total += fin.cached_tokens
         self.prompt_tokens.inc(fin.prompt_tokens)
         self.cached_tokens.inc(fin.cached_tokens)
+        self.cache_queries.inc(fin.prompt_tokens)
+        self.cache_hits.inc(fin.cached_tokens)
+        stats = fin.stats
         if fin.ttft_s is not None:
             self.ttft.observe(fin.ttft_s)
-        stats = fin.stats
+            self.e2e.observe(fin.ttft_s + (stats.decode_s if stats is not None else 0.0))
         if stats is not None:
             self.chunk_hits.inc(stats.chunks_hit)
             self.chunk_misses.inc(stats.chunks_missed)
             self.chunk_hot.inc(stats.chunks_hot)
 
     def observe_step(self, batch_size: int, seconds: float) -> None:
-        """One batched decode step of ``batch_size`` requests that took ``seconds``."""
+        """One batched decode step of ``batch_size`` requests that took ``seconds``: one token
+        for each of them, each that long in coming."""
         self.decode_batch.observe(batch_size)
         self.decode_step.observe(seconds)
+        for _ in range(batch_size):
+            self.itl.observe(seconds)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

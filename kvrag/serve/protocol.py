@@ -4,9 +4,10 @@ Requests are pydantic models whose fields are the ones kvrag implements, plus th
 OpenAI client sends with harmless defaults (``user``, ``echo=false``, ``best_of=1``,
 ...): those are accepted only at their no-op value, and any other value -- or a field
 kvrag does not know -- is refused with a 400 naming it, never ignored (a client asking for
-tools or JSON mode must learn it got neither). The app turns a checked request into the
-scheduler's :class:`kvrag.serve.scheduler.GenerationRequest`; nothing here imports torch or a
-web framework, only pydantic.
+tools or JSON mode must learn it got neither). ``generation_options`` maps a checked body onto
+the generation options (``kvrag.query.decode.Sampling``); the serving classes
+(``kvrag.serve.serving``) build the scheduler's request from it. Importing this module imports
+no torch and no web framework, only pydantic.
 """
 
 from __future__ import annotations
@@ -21,10 +22,15 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from kvrag.defaults import AUTO_POLICY, MAX_LOGIT_BIAS, MAX_PENALTY, MAX_TOP_LOGPROBS
 
 if TYPE_CHECKING:  # pragma: no cover
+    from kvrag.query.decode import Sampling
     from kvrag.serve.logprobs import TokenLogprob
 
 #: OpenAI's limit on stop sequences.
 MAX_STOP = 4
+#: OpenAI's limit on ``logit_bias`` entries.
+MAX_LOGIT_BIAS_ENTRIES = 300
+#: ``seed``'s range: a signed 64-bit integer, as OpenAI and torch's generators take it.
+SEED_RANGE = (-(2**63), 2**63 - 1)
 
 
 class APIError(Exception):
@@ -122,13 +128,23 @@ _NOOP_VALUES: dict[str, tuple] = {
 _IGNORABLE = ("user", "metadata", "store", "service_tier", "parallel_tool_calls", "prompt_cache_key")
 
 
-class _GenerationRequest(_Strict):
+class GenerationBody(_Strict):
+    """What both generating endpoints take: the sampling options (``generation_options``
+    maps them), the choices, streaming, and kvrag's own ``kvrag`` extension.
+
+    Types are strict, as OpenAI's API checks them: ``true`` is no integer, ``"5"`` no number,
+    ``1`` no boolean -- a request means what its JSON says or is refused naming the field --
+    and the whole body is checked here, before anything is queued, so a streamed request is
+    refused exactly as a whole one is."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
     stop: str | list[str] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
@@ -137,7 +153,8 @@ class _GenerationRequest(_Strict):
     min_tokens: int | None = Field(default=None, ge=0)
     ignore_eos: bool | None = None
     #: OpenAI's adjustments (``kvrag.query.decode.Sampling``): penalties in [-2, 2] on the
-    #: tokens generated so far, and biases in [-100, 100] by token id (as a string key).
+    #: tokens generated so far, and biases in [-100, 100] by token id (as a string key), at
+    #: most ``MAX_LOGIT_BIAS_ENTRIES`` of them.
     presence_penalty: float | None = Field(default=None, ge=-MAX_PENALTY, le=MAX_PENALTY)
     frequency_penalty: float | None = Field(default=None, ge=-MAX_PENALTY, le=MAX_PENALTY)
     logit_bias: dict[str, Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]] | None = None
@@ -151,6 +168,14 @@ class _GenerationRequest(_Strict):
     #: ``{"policy": "epic", "k_head": 8}`` (the policy's parameters beside its name).
     kvrag: dict[str, Any] | None = None
 
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _few_biases(cls, v):
+        # Counted before the entries are checked one by one: a million of them cost seconds.
+        if isinstance(v, dict) and len(v) > MAX_LOGIT_BIAS_ENTRIES:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS_ENTRIES} entries (token id -> bias), got {len(v):,}")
+        return v
+
     def unsupported(self) -> APIError | None:
         """The first field this server does not implement, as the 400 to answer, or None."""
         for name, value in (self.model_extra or {}).items():
@@ -159,7 +184,8 @@ class _GenerationRequest(_Strict):
             allowed = _NOOP_VALUES.get(name)
             if allowed is None:
                 return APIError(400, f"unsupported field {name!r}: kvrag serve does not implement it", param=name)
-            if value not in allowed or (isinstance(value, bool) and not any(isinstance(a, bool) for a in allowed)):
+            # Equal and of the same JSON type: 0 is no false, true no 1, 1.0 no 1.
+            if not any(type(a) is type(value) and a == value for a in allowed):
                 shown = " or ".join(repr(a) for a in allowed)
                 return APIError(
                     400,
@@ -170,53 +196,10 @@ class _GenerationRequest(_Strict):
             return APIError(400, "stream_options is only allowed with stream=true", param="stream_options")
         return None
 
-    def json_schema(self) -> dict | None:
-        """The schema the reply is held to: None for text, any object for ``json_object``."""
-        fmt = self.response_format
-        if fmt is None or fmt.type == "text":
-            return None
-        if fmt.type == "json_object":
-            return {"type": "object"}
-        if fmt.json_schema is None or fmt.json_schema.schema_ is None:
-            raise APIError(
-                400, "response_format json_schema needs json_schema.schema", param="response_format.json_schema"
-            )
-        return fmt.json_schema.schema_
-
-    def adjustments(self) -> dict:
-        """``top_k``, the penalties and ``logit_bias`` (keys as token ids) as
-        ``GenerationRequest`` takes them."""
-        bias = {}
-        for key, value in (self.logit_bias or {}).items():
-            if not key.strip().isdigit():
-                raise APIError(400, f"logit_bias: keys are token ids, got {key!r}", param="logit_bias")
-            bias[int(key)] = value
-        return {
-            "top_k": max(0, self.top_k or 0),
-            "presence_penalty": self.presence_penalty or 0.0,
-            "frequency_penalty": self.frequency_penalty or 0.0,
-            "logit_bias": bias,
-        }
-
-    def stops(self) -> tuple[str, ...]:
-        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        if len(stop) > MAX_STOP:
-            raise APIError(400, f"stop: at most {MAX_STOP} sequences, got {len(stop)}", param="stop")
-        if any(not s for s in stop):
-            raise APIError(400, "stop: sequences must be non-empty strings", param="stop")
-        return tuple(stop)
-
-    def max_new_tokens(self) -> int | None:
-        """The token limit the request names, or None: the server's default, cut to what the
-        context leaves (OpenAI's default is "up to the context"; a RAG answer rarely needs
-        more, and an unbounded default would let one request hold a slot for thousands of
-        steps). A named limit past the context is refused (OpenAI and vLLM answer 400)."""
-        if self.max_tokens is not None and self.max_completion_tokens is not None:
-            if self.max_tokens != self.max_completion_tokens:
-                raise APIError(
-                    400, "max_tokens and max_completion_tokens disagree: send one of them", param="max_tokens"
-                )
-        return self.max_completion_tokens or self.max_tokens
+    def logprob_count(self) -> int | None:
+        """Alternatives to report per generated token (None: no log-probabilities), read from
+        the endpoint's own form of the field."""
+        raise NotImplementedError
 
     def policy(self) -> tuple[str | None, dict]:
         """(policy name or None for the server's own, its parameters) from ``kvrag``;
@@ -259,7 +242,7 @@ class NamedToolChoice(BaseModel):
     function: NamedFunction
 
 
-class ChatCompletionRequest(_GenerationRequest):
+class ChatCompletionRequest(GenerationBody):
     messages: list[Message] = Field(min_length=1)
     #: Functions the model may call (``kvrag.serve.tools``), and whether it must.
     tools: list[Tool] | None = None
@@ -293,7 +276,7 @@ class ChatCompletionRequest(_GenerationRequest):
         return self.top_logprobs or 0
 
 
-class CompletionRequest(_GenerationRequest):
+class CompletionRequest(GenerationBody):
     prompt: str | list[str]
     #: The legacy API's form: how many alternatives per token (0: the chosen token's alone).
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
@@ -320,6 +303,63 @@ class CompletionRequest(_GenerationRequest):
                 )
             return self.prompt[0]
         return self.prompt
+
+
+def generation_options(body: GenerationBody, call: dict | None = None) -> Sampling:
+    """The one mapping from OpenAI's body onto the generation options
+    (:class:`kvrag.query.decode.Sampling`, whose construction checks them: ValueError names a
+    bad one). OpenAI's defaults where a field is absent (temperature 1, top-p 1, the server's
+    own answer length); ``call``: the schema of the tool call the reply must be (chat), which
+    excludes a ``response_format``.
+
+    An unnamed token limit is the server's default, cut to what the context leaves (OpenAI's
+    default is "up to the context"; a RAG answer rarely needs more, and an unbounded default
+    would let one request hold a slot for thousands of steps); a named limit past the context
+    is refused (OpenAI and vLLM answer 400)."""
+    from kvrag.query.decode import Sampling
+
+    schema = _json_schema(body.response_format)
+    if call is not None and schema is not None:
+        raise APIError(400, "a required tool call and a response_format: ask for one of them", param="tool_choice")
+    if body.max_tokens is not None and body.max_completion_tokens is not None:
+        if body.max_tokens != body.max_completion_tokens:
+            raise APIError(400, "max_tokens and max_completion_tokens disagree: send one of them", param="max_tokens")
+    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    if len(stop) > MAX_STOP:
+        raise APIError(400, f"stop: at most {MAX_STOP} sequences, got {len(stop)}", param="stop")
+    if any(not s for s in stop):
+        raise APIError(400, "stop: sequences must be non-empty strings", param="stop")
+    bias = {}
+    for key, value in (body.logit_bias or {}).items():
+        if not key.strip().isdigit():
+            raise APIError(400, f"logit_bias: keys are token ids, got {key!r}", param="logit_bias")
+        bias[int(key)] = value
+    return Sampling(
+        max_new_tokens=body.max_completion_tokens or body.max_tokens,
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        top_k=max(0, body.top_k or 0),  # vLLM's -1, as 0: every token
+        stop=tuple(stop),
+        seed=body.seed,
+        presence_penalty=body.presence_penalty or 0.0,
+        frequency_penalty=body.frequency_penalty or 0.0,
+        logit_bias=bias,
+        min_tokens=body.min_tokens or 0,
+        ignore_eos=bool(body.ignore_eos),
+        json_schema=call if call is not None else schema,
+    )
+
+
+def _json_schema(fmt: ResponseFormat | None) -> dict | None:
+    """The schema ``response_format`` holds the reply to: None for text, any object for
+    ``json_object``."""
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return {"type": "object"}
+    if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+        raise APIError(400, "response_format json_schema needs json_schema.schema", param="response_format.json_schema")
+    return fmt.json_schema.schema_
 
 
 class ChunksRequest(BaseModel):

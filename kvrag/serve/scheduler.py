@@ -1,15 +1,15 @@
 """The request scheduler behind ``kvrag serve``: many requests, one model, one thread.
 
-``Scheduler.submit`` checks a ``GenerationRequest`` in the caller's thread (decoding options,
-the policy and its parameters against the model, the prompt's tokens against the model's
-context) and queues it; it never waits for the model. One worker thread owns the model and
+``Scheduler.submit`` checks a ``GenerationRequest`` in the caller's thread, each thing once
+(its policy resolved, its prompt tokenized, its JSON schema compiled, its token budget set by
+``Sampling.budget``) and queues it; it never waits for the model. One worker thread owns the model and
 runs rounds:
 
 1. **Admission** (continuous batching): while fewer than ``max_concurrency`` requests run,
    waiting ones are admitted in arrival order. Each prompt is prefilled through the library's
    own query path, ``KVRag.prefill`` (segmentation, chunk lookup, fusion under the request's
-   policy: nothing of it is re-implemented here), and its first token is sampled at once (its
-   TTFT). Prefills run between decode steps, before the next one.
+   policy, on the tokens ``submit`` made: nothing of it is re-implemented here), and its first
+   token is drawn at once (its TTFT). Prefills run between decode steps, before the next one.
 2. **One decode step** for every running request. Its cache is taken out of the prefill's
    stepper into a ``kvrag.query.batch.DecodeCache``, and ``decode_step`` runs the token-wise
    work of every layer (norms, q/k/v/o projections, MLP, final norm, LM head: nearly all the
@@ -25,11 +25,12 @@ eviction) are windowed by key position as ``FusedStepper`` windows them. A polic
 cache rows per decode step (``policy.decode_select``: ``a2ats``' top-k reads) keeps its own
 stepper and decodes unbatched, one token per round in the same loop.
 
-Sampling is per request (temperature, top-p, top-k, OpenAI's penalties and logit bias, a JSON
-schema the reply is held to, a ``torch.Generator`` seeded per request, as ``KVRag.stream``
-samples), with EOS and stop strings (``TextStream``) and ``max_new_tokens``: a request's greedy
-tokens are those of ``KVRag.generate`` for the same prompt and policy, up to float rounding of
-the batched rows (``tests/unit/test_serve_scheduler.py``). A request of ``n`` choices
+Every request and choice decodes with its own ``kvrag.query.decode.Decoder``, the one that
+``KVRag.stream`` drives: the draw (its ``Sampling``'s options, its own seeded generator), the
+tokens it accepts, stop strings, EOS and the token budget are its rules, not this module's
+(``draw_batch`` draws a batched step's tokens with one host read). So a request's greedy tokens
+are those of ``KVRag.generate`` for the same prompt and policy, up to float rounding of the
+batched rows (``tests/unit/serve/test_scheduler.py``). A request of ``n`` choices
 (``submit_choices``) is prefilled once and decodes each choice in a slot of its own.
 
 A ``Ticket`` is the caller's handle: iterate it (or ``async for``) for text deltas,
@@ -43,117 +44,76 @@ estimate.
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import copy
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 import torch
 
 from kvrag.checks import check_int
 from kvrag.defaults import MAX_TOP_LOGPROBS
-from kvrag.engine import KVRag
+from kvrag.engine import KVRag, Prefill, PromptTokens
 from kvrag.errors import KVRagError
+from kvrag.layout.prompt import render_prompt
+from kvrag.layout.state import FusionStats
 from kvrag.policies import Policy, get_policy
 from kvrag.query.batch import DecodeArena, DecodeCache, decode_step
 from kvrag.query.constrain import JsonConstraint
-from kvrag.query.decode import FusedStepper, HFStepper, Sampling, TextStream, adjust_logits, sample
-from kvrag.query.prompt import render_prompt
-from kvrag.query.state import FusionStats
+from kvrag.query.decode import Decoder, FusedStepper, HFStepper, Sampling, draw_batch
 from kvrag.serve.logprobs import TokenLogprob, distribution, token_logprob
+from kvrag.serve.ticket import Delta, Finished, Ticket
 
 log = logging.getLogger("kvrag.serve")
 
-#: Tokens a request may generate when it names no limit (cut to what the context leaves).
-DEFAULT_MAX_NEW_TOKENS = 256
+
+class RequestError(ValueError):
+    """A request ``submit`` refuses: ``param`` names the wire field at fault where the server
+    answers with one ("n", "kvrag.policy"; None where the message names it), ``code`` the
+    error code where one applies ("context_length_exceeded")."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.param = param
+        self.code = code
 
 
 @dataclass(frozen=True)
 class GenerationRequest:
     """One generation: a prompt string or chat messages (``KVRag.render`` makes the string),
-    decoding options as ``KVRag.stream`` takes them, and the reuse policy (None: the KVRag's).
+    its options (``sampling``: every generation option, ``kvrag.query.decode.Sampling``, checked
+    when it is built), and the reuse policy: a name (None: the KVRag's) with ``policy_params``,
+    or a ``Policy`` already resolved (taken as is).
 
-    ``max_new_tokens``: None takes ``DEFAULT_MAX_NEW_TOKENS`` cut to what the context leaves; a
-    number is a demand, refused when the prompt leaves less room. ``min_tokens`` / ``ignore_eos``
-    (vLLM's sampling extras, e.g. for benchmarks at a fixed answer length): EOS cannot be drawn
-    before ``min_tokens`` tokens (its logits are masked; a stop string still ends the request);
-    ``ignore_eos`` decodes past EOS up to ``max_new_tokens``. ``top_k``, ``presence_penalty``,
-    ``frequency_penalty``, ``logit_bias``: as ``kvrag.query.decode.Sampling`` takes them (applied
-    after the EOS bar). ``n``: choices drawn from the one prefill (``Scheduler.submit_choices``),
-    each decoded in its own slot with its own generator (seeded ``seed + i`` for choice ``i``,
-    so choice 0 is what the same request with ``n=1`` draws). ``json_schema``: hold each reply to a
-    JSON document valid under it (``kvrag.query.constrain``), ended when complete. ``logprobs``:
-    None, or report each
-    generated token's log-probability with that many alternatives (0 to ``MAX_TOP_LOGPROBS``;
+    ``n``: choices drawn from the one prefill (``Scheduler.submit_choices``), each decoded in
+    its own slot with its own generator (seeded ``seed + i`` for choice ``i``, so choice 0 is
+    what the same request with ``n=1`` draws). ``logprobs``: None, or report each generated
+    token's log-probability with that many alternatives (0 to ``MAX_TOP_LOGPROBS``;
     ``kvrag.serve.logprobs``)."""
 
     prompt: str | list[dict]
-    max_new_tokens: int | None = 128
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    policy: str | None = None
+    sampling: Sampling = field(default_factory=Sampling)
+    policy: str | Policy | None = None
     policy_params: dict = field(default_factory=dict)
-    min_tokens: int = 0
-    ignore_eos: bool = False
     logprobs: int | None = None
-    top_k: int = 0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict = field(default_factory=dict)
     n: int = 1
-    json_schema: dict | None = None
 
-    def sampling(self, max_new_tokens: int) -> Sampling:
-        """The decoding options (checked: ValueError names a bad one)."""
-        return Sampling(
-            max_new_tokens,
-            self.temperature,
-            self.top_p,
-            self.top_k,
-            self.stop,
-            self.seed,
-            self.presence_penalty,
-            self.frequency_penalty,
-            self.logit_bias,
-        )
-
-
-@dataclass
-class Finished:
-    """How a request ended. ``finish_reason``: "stop" (EOS or a stop string), "length"
-    (max_new_tokens), "cancelled" or "error" (then ``error`` is set). ``cached_tokens``: prompt
-    tokens whose K/V were read, not computed: from chunk caches and the prompt prefix cache.
-    ``ttft_s``: from ``submit`` to the first token (queueing included; ``stats.ttft_s`` counts
-    from the prefill's start), None if no token came. ``logprobs``: one entry per generated
-    token but an EOS that ended the reply (a stop string's tokens included), if the request
-    asked for them."""
-
-    text: str
-    token_ids: list[int]
-    finish_reason: str
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int
-    ttft_s: float | None
-    stats: FusionStats | None
-    error: BaseException | None = None
-    logprobs: list[TokenLogprob] | None = None
-
-
-class Delta(NamedTuple):
-    """A piece of a reply as it streams: its ``text`` and the ``logprobs`` entries of the
-    tokens decoded since the previous piece (empty unless the request asked for them; a
-    piece's tokens may hold text the next piece shows, such as a stop string's start)."""
-
-    text: str
-    logprobs: tuple[TokenLogprob, ...] = ()
+    @classmethod
+    def of(
+        cls,
+        prompt: str | list[dict],
+        *,
+        policy: str | Policy | None = None,
+        policy_params: dict | None = None,
+        logprobs: int | None = None,
+        n: int = 1,
+        **options,
+    ) -> GenerationRequest:
+        """A request with its generation options given as keywords (``Sampling``'s fields)."""
+        return cls(prompt, Sampling(**options), policy, dict(policy_params or {}), logprobs, n)
 
 
 class SchedulerFullError(KVRagError):
@@ -168,136 +128,20 @@ class SchedulerClosedError(KVRagError):
     """The scheduler is closed (or was never started) and takes no request."""
 
 
-class Ticket:
-    """A submitted request: text deltas as they are decoded, then its ``Finished``.
-
-    Iterating it (sync or async) gives the text deltas; ``deltas`` / ``adeltas`` give them as
-    ``Delta``\\ s, with their tokens' log-probabilities. Every iterator replays the deltas from
-    the first, so a ticket may be read more than once; iteration raises the request's error
-    after the deltas it produced."""
-
-    def __init__(self, scheduler: Scheduler, req: GenerationRequest, index: int = 0):
-        self._scheduler = scheduler
-        self.request = req
-        #: Which of the request's ``n`` choices this ticket reads.
-        self.index = index
-        self._deltas: list[Delta] = []
-        self._finished: Finished | None = None
-        self._cond = threading.Condition()
-        self._waiters: set[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = set()
-        self.cancelled = False
-
-    # ---- written by the worker ----------------------------------------------------------
-    def _push(self, delta: Delta) -> None:
-        with self._cond:
-            self._deltas.append(delta)
-            self._cond.notify_all()
-            waiters = list(self._waiters)
-        self._wake(waiters)
-
-    def _finish(self, fin: Finished) -> None:
-        with self._cond:
-            if self._finished is not None:
-                return
-            self._finished = fin
-            self._cond.notify_all()
-            waiters = list(self._waiters)
-        self._wake(waiters)
-
-    @staticmethod
-    def _wake(waiters) -> None:
-        for loop, ev in waiters:
-            try:
-                loop.call_soon_threadsafe(ev.set)
-            except RuntimeError:  # that event loop is closed: nobody waits there any more
-                pass
-
-    # ---- read by the caller ---------------------------------------------------------------
-    @property
-    def done(self) -> bool:
-        return self._finished is not None
-
-    def __iter__(self) -> Iterator[str]:
-        return (d.text for d in self.deltas())
-
-    def __aiter__(self) -> AsyncIterator[str]:
-        return self._texts()
-
-    async def _texts(self) -> AsyncIterator[str]:
-        async for d in self.adeltas():
-            yield d.text
-
-    def deltas(self) -> Iterator[Delta]:
-        i = 0
-        while True:
-            with self._cond:
-                while i >= len(self._deltas) and self._finished is None:
-                    self._cond.wait()
-                chunk = self._deltas[i:]
-                fin = self._finished  # set after the last delta was pushed: chunk has them all
-            for d in chunk:
-                yield d
-            i += len(chunk)
-            if fin is not None and i >= len(self._deltas):
-                if fin.error is not None:
-                    raise fin.error
-                return
-
-    async def adeltas(self) -> AsyncIterator[Delta]:
-        loop = asyncio.get_running_loop()
-        i = 0
-        while True:
-            ev = asyncio.Event()
-            key = (loop, ev)
-            with self._cond:
-                self._waiters.add(key)
-                chunk = self._deltas[i:]
-                fin = self._finished
-            try:
-                if not chunk and fin is None:
-                    await ev.wait()
-                    continue
-            finally:
-                with self._cond:
-                    self._waiters.discard(key)
-            for d in chunk:
-                yield d
-            i += len(chunk)
-            if fin is not None and i >= len(self._deltas):
-                if fin.error is not None:
-                    raise fin.error
-                return
-
-    def result(self, timeout: float | None = None) -> Finished:
-        """The request's ``Finished`` (also for "error": it does not raise the error);
-        TimeoutError if it has not ended within ``timeout`` seconds."""
-        with self._cond:
-            if not self._cond.wait_for(lambda: self._finished is not None, timeout):
-                raise TimeoutError(f"the request did not finish within {timeout} s")
-            finished = self._finished
-            assert finished is not None  # the wait above returned on it
-            return finished
-
-    def cancel(self) -> None:
-        """Stop the request (this choice of it): a waiting one leaves the queue now, a running
-        one at its next decode step (its slot is then free); ``finish_reason`` is "cancelled"."""
-        self.cancelled = True
-        self._scheduler._cancel_waiting(self)
-
-
 @dataclass
 class _Job:
-    """A queued request, checked by ``submit``: one ticket per choice."""
+    """A queued request, checked by ``submit``: one ticket per choice, its policy resolved,
+    its prompt tokenized and its schema compiled, each once."""
 
     tickets: list[Ticket]
     text: str
+    tokens: PromptTokens
     policy: Policy
     sampling: Sampling
+    budget: int  # tokens each choice may draw (``Sampling.budget``)
     t_submit: float
-    min_tokens: int = 0
-    ignore_eos: bool = False
     logprobs: int | None = None
-    json_schema: dict | None = None
+    constraint: JsonConstraint | None = None  # compiled; each choice decodes with a copy
 
 
 @dataclass
@@ -308,17 +152,26 @@ class _Running:
     ticket: Ticket  # the choice this decodes
     stepper: HFStepper | FusedStepper | None  # its own decoder; None while ``cache`` holds its K/V
     stats: FusionStats
-    text: TextStream
-    gen: torch.Generator | None
-    tokens: list[int] = field(default_factory=list)
+    decoder: Decoder
     out: str = ""
     logprobs: list[TokenLogprob] = field(default_factory=list)
     logprobs_sent: int = 0  # entries already pushed with a delta
-    constraint: JsonConstraint | None = None  # the document the reply must be
     t_first: float | None = None
     t_prefill: float = 0.0
     cache: DecodeCache | None = None  # set: the request decodes in the shared batched step
     done: bool = False
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.decoder.tokens
+
+
+def _checked(check, name: str, value, lo: int, param: str | None = None) -> int:
+    """``check(name, value, lo)``, its ValueError a ``RequestError`` (with ``param``)."""
+    try:
+        return check(name, value, lo)
+    except ValueError as e:
+        raise RequestError(str(e), param=param) from None
 
 
 def _width(job: _Job) -> int:
@@ -347,8 +200,6 @@ class Scheduler:
         # worker's, so the callers get a copy of their own (used under this lock).
         self._tok = copy.deepcopy(rag.tokenizer)
         self._tok_lock = threading.Lock()
-        self._prefix = len(rag.handle.prefix_ids())
-        self._eos = torch.tensor(sorted(rag.eos), dtype=torch.long)
         # The running requests' caches, padded into one buffer per layer where the model
         # allows (one attention call per layer for the whole batch); touched by the worker only.
         self._arena = DecodeArena(rag.arch)
@@ -405,46 +256,45 @@ class Scheduler:
         option, policy or prompt; SchedulerFullError when ``max_queue`` requests already wait;
         SchedulerClosedError when not started or closed."""
         if isinstance(req, GenerationRequest) and req.n != 1:
-            raise ValueError(f"n={req.n!r}: submit takes one choice; submit_choices takes several")
+            raise RequestError(f"n={req.n!r}: submit takes one choice; submit_choices takes several", param="n")
         return self.submit_choices(req)[0]
 
     def submit_choices(self, req: GenerationRequest) -> list[Ticket]:
         """``submit`` for a request of ``req.n`` choices: one ticket per choice, all drawn from
         one prefill. Each choice holds a decode slot, so ``n`` may not exceed
-        ``max_concurrency``."""
+        ``max_concurrency``.
+
+        Everything that can refuse a request is checked here, once (the options were checked
+        when its ``Sampling`` was built): the choices, the log-probabilities asked for, the
+        policy (resolved once; the prefill runs that instance), the logit biases against the
+        vocabulary, the JSON schema (compiled once; each choice decodes with a copy of it), the
+        prompt (rendered and tokenized once; the prefill reads those tokens) and the token
+        budget (``Sampling.budget``)."""
         t_submit = time.perf_counter()
         if not isinstance(req, GenerationRequest):
             raise TypeError(f"submit takes a GenerationRequest, got {type(req).__name__}")
-        n = check_int("n", req.n, 1)
+        if not isinstance(req.sampling, Sampling):
+            raise TypeError(f"GenerationRequest.sampling must be a Sampling, got {type(req.sampling).__name__}")
+        n = _checked(check_int, "n", req.n, 1, param="n")
         if n > self.max_concurrency:
-            raise ValueError(f"n={n} choices need more than this server's {self.max_concurrency} decode slots")
-        # Checked before the prompt is tokenized, with a stand-in for an unnamed limit.
-        req.sampling(req.max_new_tokens or 0).check_vocab(self.rag.handle.config.vocab_size)
-        if req.json_schema is not None:
-            self.rag.json_constraint(req.json_schema)  # compiles, or names what it cannot
-        min_tokens = check_int("min_tokens", req.min_tokens, 0)
-        if not isinstance(req.ignore_eos, bool):
-            raise ValueError(f"ignore_eos must be true or false, got {req.ignore_eos!r}")
-        if req.logprobs is not None and check_int("logprobs", req.logprobs, 0) > MAX_TOP_LOGPROBS:
-            raise ValueError(f"logprobs: at most {MAX_TOP_LOGPROBS} alternatives per token, got {req.logprobs}")
-        if not isinstance(req.policy_params, dict):
-            raise ValueError(f"policy_params must be a dict, got {type(req.policy_params).__name__}")
-        pol = get_policy(req.policy if req.policy is not None else self.rag.policy, **req.policy_params)
-        pol.check_model(self.rag.arch)
-        text, n_prompt = self._check_prompt(req.prompt)
-        room = self.rag.handle.max_context - n_prompt
-        if req.max_new_tokens is None:
-            max_new = min(DEFAULT_MAX_NEW_TOKENS, room)
-        elif req.max_new_tokens > room:
-            raise ValueError(
-                f"the model's context is {self.rag.handle.max_context} tokens; the prompt takes {n_prompt} "
-                f"and max_new_tokens={req.max_new_tokens} asks for more than the {room} left (context exceeded)"
+            raise RequestError(
+                f"n={n}: each choice decodes in a slot of its own, and this server has "
+                f"{self.max_concurrency} decode slots (--max-concurrency)",
+                param="n",
             )
-        else:
-            max_new = req.max_new_tokens
-        if min_tokens > max_new:
-            raise ValueError(f"min_tokens={min_tokens} is over the request's max_new_tokens={max_new}")
-        sampling = req.sampling(max_new)
+        if req.logprobs is not None and _checked(check_int, "logprobs", req.logprobs, 0) > MAX_TOP_LOGPROBS:
+            raise RequestError(f"logprobs: at most {MAX_TOP_LOGPROBS} alternatives per token, got {req.logprobs}")
+        s = req.sampling
+        s.check_vocab(self.rag.handle.config.vocab_size)
+        pol = self._policy(req)
+        constraint = None
+        if s.json_schema is not None:
+            constraint = self.rag.json_constraint(s.json_schema)
+        text, tokens, n_prompt = self._check_prompt(req.prompt)
+        try:
+            budget = s.budget(n_prompt, self.rag.handle.max_context)
+        except ValueError as e:
+            raise RequestError(str(e), code="context_length_exceeded") from None
         tickets = [Ticket(self, req, i) for i in range(n)]
         with self._lock:
             if self._closed or self._thread is None:
@@ -457,30 +307,40 @@ class Scheduler:
                     f"{len(self._waiting)} requests already wait (max_queue={self.max_queue})",
                     self._retry_after(),
                 )
-            self._waiting.append(
-                _Job(tickets, text, pol, sampling, t_submit, min_tokens, req.ignore_eos, req.logprobs, req.json_schema)
-            )
+            self._waiting.append(_Job(tickets, text, tokens, pol, s, budget, t_submit, req.logprobs, constraint))
             self._lock.notify_all()
         return tickets
 
-    def _check_prompt(self, prompt) -> tuple[str, int]:
-        """The prompt string (chat messages rendered) and its token count, refused when it is
-        empty or its tokens exceed the model's context (inserted tokens are checked again at
-        the prefill)."""
+    def _policy(self, req: GenerationRequest) -> Policy:
+        """The request's policy, resolved once (a ``Policy`` instance is taken as is) and
+        checked against the model."""
+        if not isinstance(req.policy_params, dict):
+            raise RequestError(f"policy_params must be a dict, got {type(req.policy_params).__name__}")
+        pol = get_policy(req.policy if req.policy is not None else self.rag.policy, **req.policy_params)
+        pol.check_model(self.rag.arch)
+        return pol
+
+    def _check_prompt(self, prompt) -> tuple[str, PromptTokens, int]:
+        """The prompt string (chat messages rendered), its tokens (what the prefill reads) and
+        their count with the BOS ids, refused when it is empty or its tokens exceed the model's
+        context (inserted tokens are checked again at the prefill)."""
         if not isinstance(prompt, (str, list)):
-            raise ValueError(f"prompt must be a string or a list of chat messages, got {type(prompt).__name__}")
+            raise RequestError(f"prompt must be a string or a list of chat messages, got {type(prompt).__name__}")
         with self._tok_lock:
             try:
                 text = render_prompt(self._tok, prompt)
             except TypeError as e:  # a malformed message list: the caller's input, not a bug
-                raise ValueError(str(e)) from None
-            n = self._prefix + len(self._tok(text, add_special_tokens=False)["input_ids"])
+                raise RequestError(str(e)) from None
+            tokens = self.rag.tokenize(text, self._tok)
+        n = self.rag.count_prompt(text, tokens)
         if n == 0:
-            raise ValueError("the prompt is empty")
+            raise RequestError("the prompt is empty")
         limit = self.rag.handle.max_context
         if n > limit:
-            raise ValueError(f"prompt of {n} tokens exceeds the model context ({limit})")
-        return text, n
+            raise RequestError(
+                f"prompt of {n} tokens exceeds the model context ({limit})", code="context_length_exceeded"
+            )
+        return text, tokens, n
 
     def _retry_after(self) -> float:
         """Seconds until a waiting slot is likely free: the queue ahead, drained
@@ -541,19 +401,19 @@ class Scheduler:
                 self._end(r, "cancelled")
 
     def _admit(self, job: _Job) -> None:
-        """Prefill a request through the library's query path (``KVRag.prefill``: chunk
-        lookup and fusion under its policy), draw each choice's first token from it, and take
-        each choice's cache into the batched step (a copy each). A policy that decodes on its
-        own keeps the prefill's decoder for the first choice and prefills again for each other."""
+        """Prefill a request through the library's query path (``KVRag.prepare``/``fuse``: chunk
+        lookup and fusion under its policy, on the tokens ``submit`` made), draw each choice's
+        first token from it, and take each choice's cache into the batched step (a copy each).
+        A policy that decodes on its own keeps the prefill's decoder for the first choice and
+        prefills again for each other."""
         self._end_unstarted([t for t in job.tickets if t.cancelled], "cancelled")
         live = [t for t in job.tickets if not t.done]
         if not live:
             return
         t0 = time.perf_counter()
         try:
-            pre = self.rag.prefill(job.text, job.policy)
-            schema = job.json_schema
-            constraints = [self.rag.json_constraint(schema) if schema is not None else None for _ in live]
+            pre = self._prefill(job)
+            constraints = [job.constraint.copy() if job.constraint is not None else None for _ in live]
         except Exception as e:  # this request's own fault (a store, its prompt): it ends alone
             log.debug("request failed at its prefill", exc_info=True)
             self._end_unstarted(live, "error", e)
@@ -565,16 +425,14 @@ class Scheduler:
                 t,
                 None,
                 copy.copy(pre.stats),
-                TextStream(self.rag.tokenizer, s.stop),
-                torch.Generator().manual_seed(s.seed + t.index) if s.seed is not None else None,
+                Decoder(s, job.budget, self.rag.tokenizer, self.rag.eos, c, choice=t.index),
                 t_prefill=t0,
-                constraint=c,
             )
             for t, c in zip(live, constraints)
         ]
         with self._lock:
             self._running.extend(runs)
-        if s.max_new_tokens == 0:
+        if job.budget == 0:
             for r in runs:
                 self._end(r, "length")
             return
@@ -583,64 +441,40 @@ class Scheduler:
         stepper: HFStepper | FusedStepper | None = pre.stepper
         for r in runs:
             try:
-                self._accept(r, self._draw(self._bar_eos(pre.logits, [r]), r), lp)
+                self._accept(r, r.decoder.draw(pre.logits), lp)
                 if r.done:
                     continue
                 # Rows for the tokens still to come, so a short answer never regrows its cache.
-                r.cache = DecodeCache.from_stepper(self.rag.arch, pre.stepper, spare=min(s.max_new_tokens, 512))
+                r.cache = DecodeCache.from_stepper(self.rag.arch, pre.stepper, spare=min(job.budget, 512))
                 if r.cache is not None:
                     self._arena.add(r.cache)
                 elif stepper is not None:
                     r.stepper, stepper = stepper, None
                 else:
-                    r.stepper = self.rag.prefill(job.text, job.policy).stepper
+                    r.stepper = self._prefill(job).stepper
             except Exception as e:
                 log.debug("request failed after its prefill", exc_info=True)
                 self._end(r, "error", e)
 
-    def _bar_eos(self, logits: torch.Tensor, rows: list[_Running]) -> torch.Tensor:
-        """Next-token logits [B, V] (or [V] for one request) of ``rows``, with EOS masked in
-        place for each request still short of its ``min_tokens`` (as vLLM bars it)."""
-        barred = [i for i, r in enumerate(rows) if len(r.tokens) < r.job.min_tokens]
-        if barred and len(self._eos):
-            view = logits.view(-1, logits.shape[-1])
-            idx = torch.tensor(barred, device=logits.device)
-            view[idx.unsqueeze(1), self._eos.to(logits.device).unsqueeze(0)] = float("-inf")
-        return logits
-
-    def _draw(self, logits: torch.Tensor, r: _Running) -> int:
-        """The request's next token from its (EOS-barred) logits [V]: shaped by its options
-        (``_adjusted``), then sampled on the host with its own generator, as ``KVRag.stream``
-        draws it."""
-        return sample(self._adjusted(logits, r).cpu(), r.job.sampling, r.gen)
-
-    @staticmethod
-    def _adjusted(logits: torch.Tensor, r: _Running) -> torch.Tensor:
-        """The request's logits [V] as its options shape them before the draw: penalties and
-        biases, then what its JSON document may take next."""
-        logits = adjust_logits(logits, r.job.sampling, r.tokens)
-        return r.constraint.mask(logits) if r.constraint is not None else logits
+    def _prefill(self, job: _Job) -> Prefill:
+        """The request's prefill, under its resolved policy, on the tokens ``submit`` made."""
+        return self.rag.prefill(job.text, job.policy, prompt_tokens=job.tokens)
 
     def _accept(self, r: _Running, tok: int, logprobs: torch.Tensor | None = None) -> None:
-        """Take the request's next token: stream its text, and end the request on EOS, a stop
-        string or its token budget (the rules of ``KVRag.stream``). ``logprobs`` [V]: the
-        distribution it was drawn from (``distribution``), when the request reports it."""
+        """Take the request's next token (its ``Decoder`` decides its text and whether the
+        reply ends), stream its text and report its log-probability. ``logprobs`` [V]: the
+        distribution it was drawn from (``distribution``), when the request reports it; an EOS
+        that ends the reply has none."""
         if r.t_first is None:
             r.t_first = time.perf_counter()
             r.stats.ttft_s = r.t_first - r.t_prefill
-        ends = tok in self.rag.eos and not r.job.ignore_eos
-        if logprobs is not None and r.job.logprobs is not None and not ends:
+        if logprobs is not None and r.job.logprobs is not None and not r.decoder.ends_reply(tok):
             r.logprobs.append(token_logprob(self.rag.tokenizer, r.tokens, logprobs, tok, r.job.logprobs))
-        r.tokens.append(tok)
-        if r.constraint is not None and not ends:
-            r.constraint.accept(tok)
-        delta = r.text.push(tok)
+        delta = r.decoder.accept(tok)
         if delta:
             self._push(r, delta)
-        if r.text.stopped or ends or (r.constraint is not None and r.constraint.done):
-            self._end(r, "stop")
-        elif len(r.tokens) >= r.job.sampling.max_new_tokens:
-            self._end(r, "length")
+        if r.decoder.finish_reason is not None:
+            self._end(r, r.decoder.finish_reason)
 
     def _decode_round(self) -> None:
         """One decode step for every running request (one token each): the batched step for
@@ -660,7 +494,7 @@ class Scheduler:
                 assert r.stepper is not None  # a request without a batched cache keeps its stepper
                 logits = r.stepper.step([r.tokens[-1]])[-1]
                 lp = distribution(logits) if r.job.logprobs is not None else None
-                self._accept(r, self._draw(self._bar_eos(logits, [r]), r), lp)
+                self._accept(r, r.decoder.draw(logits), lp)
             except Exception as e:
                 log.debug("request failed at a decode step", exc_info=True)
                 self._end(r, "error", e)
@@ -682,28 +516,16 @@ class Scheduler:
                 for r in batch:
                     self._batched([r])
             return
-        # One host read for the batch: plain greedy rows take the device's argmax; sampled or
-        # adjusted rows are adjusted on the device and drawn on the host with their own
-        # generator, as ``KVRag.stream`` draws them.
         for observe in self.step_observers:
             observe(len(batch), took)
-        # The distributions reported are the model's, read before EOS is barred for sampling.
+        # The distributions reported are the model's, read before EOS is barred for the draw.
         wants = [i for i, r in enumerate(batch) if r.job.logprobs is not None]
         lps = dict(zip(wants, distribution(logits[wants]))) if wants else {}
-        toks = self._bar_eos(logits, batch).argmax(-1).tolist()
-        own = [
-            i
-            for i, r in enumerate(batch)
-            if r.job.sampling.temperature > 0 or r.job.sampling.adjusts or r.constraint is not None
-        ]
-        if own:
-            rows = torch.stack([self._adjusted(logits[i], batch[i]).float() for i in own])
-            for i, row in zip(own, rows.cpu()):
-                toks[i] = sample(row, batch[i].job.sampling, batch[i].gen)
+        toks = draw_batch([r.decoder for r in batch], logits)  # one host read for the batch
         for i, (r, tok) in enumerate(zip(batch, toks)):
             try:
                 self._accept(r, tok, lps.get(i))
-            except Exception as e:  # detokenising this request's text
+            except Exception as e:  # noqa: BLE001 - detokenising this request's text
                 self._end(r, "error", e)
 
     def _push(self, r: _Running, text: str) -> None:
@@ -717,7 +539,7 @@ class Scheduler:
         if r.done:
             return
         if reason in ("stop", "length"):
-            tail = r.text.flush() if not r.text.stopped else ""
+            tail = r.decoder.flush()
             if tail:
                 self._push(r, tail)
         now = time.perf_counter()

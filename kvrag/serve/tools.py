@@ -29,7 +29,6 @@ import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-CHOICES = ("none", "auto", "required")
 _BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 _FENCE = re.compile(r"^```(?:json)?\s*(.*?)\s*```$", re.DOTALL)
 

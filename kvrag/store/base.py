@@ -17,9 +17,10 @@ from typing import Any
 import torch
 
 from kvrag.checks import is_integer_dtype
+from kvrag.store.kv_format import decode, head_dim_of, packed_problem
 
 # Bumped whenever the blob layout or the meaning of the stored tensors changes. The model
-# fingerprint includes it (kvrag/model.py), so a new version never even looks up old keys.
+# fingerprint includes it (kvrag/model/digests.py), so a new version never even looks up old keys.
 CACHE_FORMAT_VERSION = 1
 
 
@@ -29,7 +30,11 @@ class ChunkEntry:
 
     token_ids [T] int64; keys/values [L, Hkv, T, D] in the storage dtype (fp32/fp16/bf16),
     keys taken *before* RoPE (position-free); extras: per-policy tensors of any shape, e.g.
-    ``"a2ats.codes"`` [L, Hkv, T] int16."""
+    ``"a2ats.codes"`` [L, Hkv, T] int16.
+
+    A packed entry (``kv_format`` names a ``kvrag.store.kv_format`` packed format) holds codes
+    in keys/values and their per-group scales (and zero points) in ``scales``; it is read
+    through ``expanded`` (what the query path serves), never as float tensors itself."""
 
     fingerprint: str
     text: str
@@ -37,14 +42,37 @@ class ChunkEntry:
     keys: torch.Tensor
     values: torch.Tensor
     extras: dict[str, torch.Tensor] = field(default_factory=dict)
+    kv_format: str = ""
+    scales: dict[str, torch.Tensor] = field(default_factory=dict)
 
-    def span(self, a: int, b: int) -> "ChunkEntry":
+    @property
+    def packed(self) -> bool:
+        return bool(self.kv_format)
+
+    def expanded(self, device: torch.device, dtype: torch.dtype) -> ChunkEntry:
+        """A packed entry's K/V expanded to float ``dtype`` on ``device`` (the packed bytes
+        are moved there first, then expanded: no float copy on the host beside a GPU); a float
+        entry as it is (the fusion engine moves and converts it)."""
+        if not self.packed:
+            return self
+        d = head_dim_of(self.scales)
+
+        def part(kind: str, codes: torch.Tensor) -> torch.Tensor:
+            stats = {n.partition(".")[2]: t for n, t in self.scales.items() if n.startswith(kind + ".")}
+            return decode(codes, stats, self.kv_format, kind, d, device, dtype)
+
+        keys, values = part("keys", self.keys), part("values", self.values)
+        return ChunkEntry(self.fingerprint, self.text, self.token_ids, keys, values, self.extras)
+
+    def span(self, a: int, b: int) -> ChunkEntry:
         """The entry of the chunk's tokens ``a..b-1`` (views, no copy), for a prompt whose
         tokenization matches only part of the chunk. A prefix (a = 0) is exact: each token's
         K/V depend only on the tokens before it. Extras laid out per token like the K/V
         ([L, Hkv, T, ...], e.g. A2ATS codes) are cut the same way; the others describe the
         chunk as a whole (e.g. the codebook digest) and are kept."""
         t = self.token_ids.numel()
+        if self.packed:
+            raise ValueError("a packed entry is cut once expanded (ChunkEntry.expanded)")
         if not 0 <= a < b <= t:
             raise ValueError(f"span {a}..{b} of a {t}-token chunk")
         extras = {k: (v[:, :, a:b] if v.dim() >= 3 and v.shape[2] == t else v) for k, v in self.extras.items()}
@@ -63,6 +91,12 @@ class ChunkEntry:
         if ids.dim() != 1 or not is_integer_dtype(ids.dtype):
             return f"token_ids have shape {tuple(ids.shape)} dtype {ids.dtype}, expected [T] integers"
         want = (layout[0], layout[1], ids.numel(), layout[2])
+        if self.packed:
+            if (problem := packed_problem(self.kv_format, k, v, self.scales, ids.numel())) is not None:
+                return problem
+            if (k.shape[0], k.shape[1], head_dim_of(self.scales)) != layout:
+                return f"packed keys {tuple(k.shape)} of head dim {head_dim_of(self.scales)}, expected {list(want)}"
+            return None
         if tuple(k.shape) != want or tuple(v.shape) != want:
             return f"keys {tuple(k.shape)} / values {tuple(v.shape)}, expected [L, Hkv, T, D] = {list(want)}"
         if k.dtype != v.dtype or not k.dtype.is_floating_point:
@@ -72,7 +106,7 @@ class ChunkEntry:
     @property
     def nbytes(self) -> int:
         """Bytes held by the tensors (ids, keys, values, extras)."""
-        tensors = [self.token_ids, self.keys, self.values, *self.extras.values()]
+        tensors = [self.token_ids, self.keys, self.values, *self.extras.values(), *self.scales.values()]
         return sum(t.numel() * t.element_size() for t in tensors)
 
 
@@ -134,7 +168,7 @@ class ChunkStore(abc.ABC):
     def close(self) -> None:
         """Release files and connections; the store is unusable afterwards."""
 
-    def __enter__(self) -> "ChunkStore":
+    def __enter__(self) -> ChunkStore:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -5,6 +5,13 @@ A blob is a safetensors file holding the tensors ``token_ids`` [T] int64, ``keys
 metadata ``kvrag_format`` (= ``CACHE_FORMAT_VERSION``), ``fingerprint``, ``text`` and
 ``n_tokens``: a blob describes itself. Its tag (``checksum``) is stored beside it and checked
 before anything in it is trusted beyond the format version.
+
+A packed entry (``kvrag.store.kv_format``) is blob version ``PACKED_BLOB_VERSION``: ``keys`` and
+``values`` hold its codes, ``kv.<part>.<stat>`` its scales (and zero points), and the metadata
+``kv_format`` names the format -- which must be the one its fingerprint names, so a blob is
+never read as another format than the one its key was made for. Float entries are still
+written as version ``CACHE_FORMAT_VERSION`` (a kvrag before the packed formats reads them);
+an older kvrag skips a packed blob as "newer" (and never asks for its key anyway).
 """
 
 from __future__ import annotations
@@ -20,8 +27,14 @@ import torch
 
 from kvrag.checks import is_integer_dtype
 from kvrag.store.base import CACHE_FORMAT_VERSION, ChunkEntry
+from kvrag.store.kv_format import format_of_fingerprint, packed_problem
 
 EXTRA_PREFIX = "extras."
+SCALE_PREFIX = "kv."
+
+#: The blob version of a packed entry; float entries keep ``CACHE_FORMAT_VERSION``.
+PACKED_BLOB_VERSION = 2
+_READABLE_VERSIONS = (str(CACHE_FORMAT_VERSION), str(PACKED_BLOB_VERSION))
 
 _CRC_PREFIX = "crc32:"
 
@@ -55,9 +68,9 @@ class Corrupt(Exception):
 
 
 def is_newer_format(meta: dict[str, str]) -> bool:
-    """Whether a blob's header declares a format version newer than ``CACHE_FORMAT_VERSION``."""
+    """Whether a blob's header declares a format version newer than this kvrag reads."""
     try:
-        return int(meta.get("kvrag_format", "")) > CACHE_FORMAT_VERSION
+        return int(meta.get("kvrag_format", "")) > PACKED_BLOB_VERSION
     except (TypeError, ValueError):
         return False
 
@@ -85,8 +98,8 @@ def verified_header(
         raise Corrupt(f"blob of {len(data)} bytes, its header says {end}")
     if not checksum_matches(data, tag):
         raise Corrupt(f"checksum mismatch (stored {tag}, {len(data)} bytes)")
-    if meta.get("kvrag_format") != str(CACHE_FORMAT_VERSION):
-        raise Corrupt(f"format version {meta.get('kvrag_format')!r}, expected {CACHE_FORMAT_VERSION}")
+    if meta.get("kvrag_format") not in _READABLE_VERSIONS:
+        raise Corrupt(f"format version {meta.get('kvrag_format')!r}, expected one of {_READABLE_VERSIONS}")
     return header, start
 
 
@@ -136,11 +149,18 @@ def validate_entry(entry: ChunkEntry) -> torch.Tensor:
     if ids.numel() == 0:
         raise ValueError("empty ChunkEntry: token_ids has T == 0 tokens")
     k, v = entry.keys, entry.values
+    if entry.kv_format:
+        if (problem := packed_problem(entry.kv_format, k, v, entry.scales, ids.numel())) is not None:
+            raise ValueError(f"packed ChunkEntry: {problem}")
+        if format_of_fingerprint(entry.fingerprint) != entry.kv_format:
+            raise ValueError(f"a {entry.kv_format} ChunkEntry needs a fingerprint of that format (format_fingerprint)")
+    elif entry.scales or format_of_fingerprint(entry.fingerprint) is not None:
+        raise ValueError("a float ChunkEntry has no scales and a float format's fingerprint")
     if k.dim() != 4:
         raise ValueError(f"ChunkEntry.keys must be [L, Hkv, T, D], got shape {tuple(k.shape)}")
     if k.shape != v.shape:
         raise ValueError(f"ChunkEntry keys/values shape mismatch: keys {tuple(k.shape)} vs values {tuple(v.shape)}")
-    if k.dtype != v.dtype or not k.dtype.is_floating_point:
+    if k.dtype != v.dtype or not (k.dtype.is_floating_point or entry.kv_format):
         raise ValueError(f"ChunkEntry keys/values must share one floating dtype, got {k.dtype} / {v.dtype}")
     if k.shape[2] != ids.numel():
         raise ValueError(f"ChunkEntry has {ids.numel()} token ids but keys/values hold T={k.shape[2]} tokens")
@@ -161,12 +181,16 @@ def serialize(entry: ChunkEntry, ids: torch.Tensor) -> bytes:
     tensors = {"token_ids": cpu(ids), "keys": cpu(entry.keys), "values": cpu(entry.values)}
     for name, t in entry.extras.items():
         tensors[EXTRA_PREFIX + name] = cpu(t)
+    for name, t in entry.scales.items():
+        tensors[SCALE_PREFIX + name] = cpu(t)
     metadata = {
-        "kvrag_format": str(CACHE_FORMAT_VERSION),
+        "kvrag_format": str(PACKED_BLOB_VERSION if entry.kv_format else CACHE_FORMAT_VERSION),
         "fingerprint": entry.fingerprint,
         "text": entry.text,
         "n_tokens": str(int(ids.numel())),
     }
+    if entry.kv_format:
+        metadata["kv_format"] = entry.kv_format
     return safetensors.torch.save(tensors, metadata=metadata)
 
 
@@ -290,11 +314,27 @@ def deserialize(buf: torch.Tensor, header: dict[str, Any], start: int) -> ChunkE
         raise Corrupt(f"missing or bad field {e}") from None
     if ids.dim() != 1 or ids.dtype != torch.int64:
         raise Corrupt(f"token_ids has shape {tuple(ids.shape)} dtype {ids.dtype}, expected [T] int64")
-    if k.dim() != 4 or k.shape != v.shape or k.dtype != v.dtype or not k.dtype.is_floating_point:
+    # The format the header names must be the one the fingerprint (and so the key) was made
+    # for, and the blob version the one that format is written as: a blob never passes as
+    # another format, whatever its header claims.
+    kv_format = meta.get("kv_format", "")
+    if kv_format != (format_of_fingerprint(fingerprint) or ""):
+        raise Corrupt(f"K/V format {kv_format or 'float'!r} in a blob of fingerprint {fingerprint:.80}")
+    if meta.get("kvrag_format") != str(PACKED_BLOB_VERSION if kv_format else CACHE_FORMAT_VERSION):
+        raise Corrupt(f"format version {meta.get('kvrag_format')!r} for K/V format {kv_format or 'float'!r}")
+    scales = {n[len(SCALE_PREFIX) :]: tensors.pop(n) for n in list(tensors) if n.startswith(SCALE_PREFIX)}
+    if kv_format:
+        if (problem := packed_problem(kv_format, k, v, scales, ids.numel())) is not None:
+            raise Corrupt(problem)
+        if n_tokens != ids.numel():
+            raise Corrupt(f"token count mismatch: {ids.numel()} ids, n_tokens={n_tokens}")
+    elif k.dim() != 4 or k.shape != v.shape or k.dtype != v.dtype or not k.dtype.is_floating_point:
         raise Corrupt(
             f"keys {tuple(k.shape)} {k.dtype} / values {tuple(v.shape)} {v.dtype} are inconsistent "
             "(expected one floating dtype, [L, Hkv, T, D])"
         )
+    elif scales:
+        raise Corrupt(f"scales {sorted(scales)} in a float blob")
     if not text.strip():
         raise Corrupt("blank chunk text")
     if k.shape[2] != ids.numel() or n_tokens != ids.numel():
@@ -303,4 +343,13 @@ def deserialize(buf: torch.Tensor, header: dict[str, Any], start: int) -> ChunkE
     if unknown:
         raise Corrupt(f"unexpected tensors {unknown}")
     extras = {n[len(EXTRA_PREFIX) :]: t for n, t in tensors.items()}
-    return ChunkEntry(fingerprint=fingerprint, text=text, token_ids=ids, keys=k, values=v, extras=extras)
+    return ChunkEntry(
+        fingerprint=fingerprint,
+        text=text,
+        token_ids=ids,
+        keys=k,
+        values=v,
+        extras=extras,
+        kv_format=kv_format,
+        scales=scales,
+    )

@@ -8,10 +8,12 @@ Layout under ``directory``::
              tag   = checksum of those bytes, "crc32:<8 hex>" (verified on every load;
                      sha256-hex tags of older stores are still verified as sha256)
              eviction: least-recently-used, enforced by DiskStore itself to ``size_limit``
+                     (``kvrag.store.disk_evict``)
     index/   a second ``diskcache.Cache`` without eviction: the text index
              key   = the same key
              value = JSON string {"text", "fingerprint", "n_tokens"}
-             so the segmenter can list every chunk text without loading a blob.
+             so the segmenter can list every chunk text without loading a blob
+             (``kvrag.store.disk_index``).
 
 A blob is a safetensors file holding the tensors ``token_ids`` [T] int64, ``keys`` and
 ``values`` [L, Hkv, T, D] (storage dtype) and ``extras.<name>`` (any shape/dtype), with string
@@ -28,7 +30,9 @@ key leave one of the two complete values. Every ``get`` reads the format version
 header, hashes the bytes and compares them with the tag, then checks the tensors' shapes; a
 blob failing any check (or of an older format) is logged, deleted and counted, and ``get``
 returns None so the caller recomputes the chunk. A blob of a *newer* format (written by a newer
-kvrag sharing the store) is a miss and is left alone.
+kvrag sharing the store) is a miss and is left alone. The checks of whole files and of the
+directory against its rows (``gc(verify=True)``) are ``kvrag.store.disk_check``'s; opening the
+directory (its lock, the caches, the environment's errors) is ``kvrag.store.disk_open``'s.
 """
 
 from __future__ import annotations
@@ -50,81 +54,32 @@ import torch
 
 from kvrag.checks import check_int
 from kvrag.errors import StoreError
-from kvrag.store.base import CACHE_FORMAT_VERSION, ChunkEntry, ChunkStore, make_key
+from kvrag.store.base import CACHE_FORMAT_VERSION, ChunkEntry, ChunkStore
 from kvrag.store.blob import (
     Corrupt,
     checksum,
-    data_end,
     deserialize,
     index_record,
     index_value,
     is_newer_format,
     metadata,
-    read_file_header,
     serialize,
     validate_entry,
     verified_header,
 )
-from kvrag.store.confined import ConfinedDisk, check_db_files, sanitize_settings
+from kvrag.store.confined import ConfinedDisk
+from kvrag.store.disk_check import blob_problem, check_files, check_owner, misfit, truncation
+from kvrag.store.disk_evict import EVICTION_POLICY, evict_to_limit
+from kvrag.store.disk_index import header_metadata, listed, listing_of, own_keys
+from kvrag.store.disk_open import DirLock, environment_error, open_cache
 
 __all__ = ["CACHE_FORMAT_VERSION", "ChunkEntry", "DiskStore"]
 
 
 log = logging.getLogger(__name__)
 
-_EVICTION_POLICY = "least-recently-used"
 #: Blob-cache size limit of a new store (bytes) when none is given.
 DEFAULT_SIZE_LIMIT = 16 * 2**30
-#: gc(verify=True) removes a file that no row points at only once it is this old (seconds):
-#: diskcache writes a value's file *before* committing the row that points at it, so a young
-#: unreferenced file is most likely a write in progress in another process. A writer commits
-#: within seconds (longer only while waiting for the database lock); an hour leaves it ample
-#: time, and the files of writers that died are still reclaimed by a later gc. A file whose name
-#: shows a writer of this host that no longer runs (``ConfinedDisk.writer_is_dead``) goes at once.
-_ORPHAN_GRACE_S = 3600.0
-
-
-def _check_owner(key: str, entry: ChunkEntry) -> None:
-    """Corrupt unless ``key`` is ``make_key`` of the entry's own fingerprint and token ids: the
-    checksum only says the bytes are those written, not that they were written for this key (a
-    blob copied or forged under another chunk's key). One sha256 of T int64 ids: microseconds."""
-    try:
-        owner = make_key(entry.fingerprint, entry.token_ids)
-    except ValueError as e:
-        raise Corrupt(f"entry has no valid key: {e}") from None
-    if owner != key:
-        raise Corrupt(f"the blob's fingerprint and token ids belong to key {owner}, not to this key")
-
-
-class _DirLock:
-    """An exclusive lock between processes on the file ``path`` (flock on POSIX, msvcrt on
-    Windows), held while a store is opened (or created)."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-
-    def __enter__(self) -> "_DirLock":
-        # O_NOFOLLOW: a lock file planted as a symlink must not create or open a file elsewhere.
-        flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
-        try:
-            self._f = os.fdopen(os.open(self.path, flags, 0o644), "a+b")
-        except OSError as e:
-            raise StoreError(
-                f"cannot open the lock file {self.path} ({e.strerror}): a store directory must hold its own files"
-            ) from e
-        try:
-            import fcntl
-
-            fcntl.flock(self._f.fileno(), fcntl.LOCK_EX)
-        except ImportError:  # Windows
-            import msvcrt
-
-            self._f.seek(0)
-            msvcrt.locking(self._f.fileno(), msvcrt.LK_LOCK, 1)  # type: ignore[attr-defined]  # Windows-only module
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._f.close()  # closing the file releases the lock
 
 
 class DiskStore(ChunkStore):
@@ -165,7 +120,7 @@ class DiskStore(ChunkStore):
         # Opened under an exclusive lock: two processes creating a store at once would otherwise
         # race between "is there a store?" and diskcache writing its settings, and one could
         # record diskcache's 1 GB default limit for good.
-        with _DirLock(self.directory / ".kvstore.lock"):
+        with DirLock(self.directory / ".kvstore.lock"):
             blob_db = self.directory / "blobs" / diskcache.core.DBNAME
             blob_settings = {}
             if size_limit is not None or not blob_db.exists() or blob_db.stat().st_size == 0:
@@ -188,7 +143,7 @@ class DiskStore(ChunkStore):
             )
             try:
                 self._blobs = self._open_cache(
-                    "blobs", eviction_policy=_EVICTION_POLICY, disk_min_file_size=0, **common, **blob_settings
+                    "blobs", eviction_policy=EVICTION_POLICY, disk_min_file_size=0, **common, **blob_settings
                 )
             except sqlite3.DatabaseError as e:
                 if (err := self._environment_error(e, "open")) is not None:
@@ -207,42 +162,10 @@ class DiskStore(ChunkStore):
         self._counts = {"hits": 0, "misses": 0, "corrupt": 0, "wrong_model": 0, "evictions": 0}
 
     def _open_cache(self, name: str, **settings) -> diskcache.Cache:
-        """One of the two diskcache caches, once its files are checked to be the store's own
-        and its settings cleaned of anything diskcache would obey but never writes
-        (``kvrag.store.confined``)."""
-        path = self.directory / name
-        check_db_files(path)
-        sanitize_settings(path / diskcache.core.DBNAME, self.timeout)
-        cache = diskcache.Cache(str(path), **settings)
-        # diskcache opens this thread's connection while its own timeout is still 0 (it retries
-        # by hand during __init__): give it the store's wait for the write lock too.
-        cache._con.execute(f"PRAGMA busy_timeout = {int(self.timeout * 1000)}")
-        return cache
+        return open_cache(self.directory, name, self.timeout, **settings)
 
     def _environment_error(self, e: BaseException, doing: str) -> StoreError | None:
-        """A StoreError for a failure of the environment rather than of the store -- another
-        process holding the database lock, a full disk -- whose message says so (and does not
-        advise deleting a healthy store); None for any other error."""
-        text = str(e).lower()
-        if isinstance(e, diskcache.Timeout) or "database is locked" in text or "database is busy" in text:
-            return StoreError(
-                f"cannot {doing} the DiskStore in {self.directory}: another process has held its database "
-                f"locked for over {self.timeout:g} s ({e or 'timeout'}); the store is not damaged: retry "
-                "once that process is done, or raise DiskStore(timeout=...)"
-            )
-        if isinstance(e, PermissionError) or getattr(e, "errno", None) in (errno.EACCES, errno.EPERM, errno.EROFS):
-            where = getattr(e, "filename", None)
-            return StoreError(
-                f"cannot {doing} the KVStore in {self.directory}: permission denied"
-                f"{f' on {where}' if where else ''} ({getattr(e, 'strerror', None) or e}); make the whole directory "
-                f"writable by this user (e.g. chown -R / chmod -R u+rwX {self.directory}) or pass a writable cache_dir"
-            )
-        if getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or "disk is full" in text:
-            return StoreError(
-                f"cannot {doing} the DiskStore in {self.directory}: the disk is full ({e}); the store is "
-                "not damaged and its entries are still served: free space (or lower size_limit) and retry"
-            )
-        return None
+        return environment_error(e, doing, self.directory, self.timeout)
 
     def _open_index(self, settings: dict) -> diskcache.Cache:
         """The text index; a damaged one is moved aside and rebuilt from the blobs' own
@@ -267,11 +190,9 @@ class DiskStore(ChunkStore):
                 f"cannot open the DiskStore in {self.directory}: {e}"
             ) from e
         self._index = index
-        for key in self._keys(self._blobs):
+        for key in own_keys(self._blobs):
             self._reindex(key)
         return index
-
-    # ---- keys ----------------------------------------------------------------------
 
     # ---- write ---------------------------------------------------------------------
     def put(self, key: str, entry: ChunkEntry) -> None:
@@ -386,7 +307,7 @@ class DiskStore(ChunkStore):
                     self._counts["wrong_model"] += 1
                 return self._miss()
             entry = deserialize(buf, header, start)
-            _check_owner(key, entry)
+            check_owner(key, entry)
         except Corrupt as e:
             self._drop_corrupt(key, name, str(e))
             return self._miss()
@@ -442,22 +363,7 @@ class DiskStore(ChunkStore):
             raise StoreError(f"cannot list the DiskStore in {self.directory}: its database is damaged ({e})") from e
 
     def _listed(self) -> dict[str, tuple[str, str]]:
-        out = {}
-        for key in self._keys(self._index):
-            raw = self._index.get(key, retry=True)
-            if raw is None:
-                continue
-            rec = index_record(raw)
-            if rec is None:
-                log.warning(
-                    "DiskStore: unusable text-index entry %s; skipped (gc() or a precompute of the "
-                    "chunk rebuilds it from the blob)",
-                    key,
-                )
-                continue
-            if key in self._blobs:
-                out[key] = rec
-        return out
+        return listed(self._index, self._blobs)
 
     # ---- maintenance ---------------------------------------------------------------
     def delete(self, key) -> bool:
@@ -494,21 +400,23 @@ class DiskStore(ChunkStore):
         """Evict to the size limit, drop text-index entries whose blob is gone, re-index
         blobs missing from the text index; with ``verify``, also check both caches' files
         (rows whose file is gone are deleted, files no row points at are removed once older
-        than ``_ORPHAN_GRACE_S``) and load and check every blob (corrupt and older-format
-        ones are deleted, newer-format ones are left alone). Safe while other processes
-        write. Returns the counts."""
+        than ``disk_check.ORPHAN_GRACE_S``) and load and check every blob (corrupt and
+        older-format ones are deleted, newer-format ones are left alone). Safe while other
+        processes write. Returns the counts."""
         evicted = self._enforce_limit()
         check_warnings = 0
         if verify:
             # Before the index pass, so the text-index entries of the rows it drops go too.
-            check_warnings = self._check_files(self._blobs) + self._check_files(self._index)
+            check_warnings = sum(
+                check_files(c, blobs=self._blobs, index=self._index) for c in (self._blobs, self._index)
+            )
         dropped = 0
-        for key in self._keys(self._index):
+        for key in own_keys(self._index):
             with self._blobs.transact(retry=True):
                 if key not in self._blobs and self._index.delete(key, retry=True):
                     dropped += 1
         reindexed = corrupt = 0
-        for key in self._keys(self._blobs):
+        for key in own_keys(self._blobs):
             if verify and self._verify_one(key):
                 corrupt += 1
                 continue
@@ -527,7 +435,7 @@ class DiskStore(ChunkStore):
         self._blobs.close()
         self._index.close()
 
-    def __enter__(self) -> "DiskStore":
+    def __enter__(self) -> DiskStore:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -595,37 +503,17 @@ class DiskStore(ChunkStore):
             return None
 
     def _looks_whole(self, key: str) -> bool:
-        """Whether ``key``'s blob file has the length its own header declares (header only, no
-        checksum: cheap enough for every precompute of a cached text). A truncated or deleted
-        file is dropped here, so the caller recomputes it instead of trusting it until a query
-        reads it."""
+        """Whether ``key``'s blob file has the length its own header declares
+        (``disk_check.truncation``). A truncated or deleted file is dropped here, so the caller
+        recomputes it instead of trusting it until a query reads it."""
         handle = self._fetch(key)[0]
         if handle is None:
             return False
         name = getattr(handle, "name", None)
-        with handle:
-            try:
-                size = os.fstat(handle.fileno()).st_size
-            except (AttributeError, io.UnsupportedOperation):
-                return True  # a value held in SQLite: checked when read
-            end = None
-            try:
-                header, start = read_file_header(handle)
-                if is_newer_format(metadata(header)):
-                    return True  # not ours to judge
-                end = start + data_end(header)
-            except Corrupt:
-                pass
-        if end is None or size != end:
-            self._drop_corrupt(key, name, f"file of {size} bytes, its header says {'?' if end is None else end}")
+        if (problem := truncation(handle)) is not None:
+            self._drop_corrupt(key, name, problem)
             return False
         return True
-
-    @staticmethod
-    def _keys(cache: diskcache.Cache) -> list[str]:
-        """The keys of one of the two caches; a key kvrag never writes (pickled, not text:
-        ``ConfinedDisk`` returns None for it) is left out."""
-        return [k for k in cache.iterkeys() if isinstance(k, str)]
 
     def _fetch(self, key: str, *, touch: bool = False) -> tuple[Any, str | None, int | None]:
         """(open file of the value, tag, stored size) of ``key``'s blob, or (None, None, None)
@@ -722,31 +610,9 @@ class DiskStore(ChunkStore):
                 self._index.delete(key, retry=True)
 
     def _enforce_limit(self) -> int:
-        """Evict least-recently-used blobs, one per transaction, until the blob cache fits
-        ``size_limit``; returns how many were evicted."""
-        # diskcache has no public "evict one LRU item" call (Cache.cull removes ten at a time),
-        # so run its own policy query on its connection, inside its transaction.
-        # The row goes by its rowid (as in diskcache's own delete), so a row whose key kvrag
-        # never writes (pickled) is evicted like any other instead of being looked up by a key
-        # it cannot be found by, forever.
-        select = diskcache.core.EVICTION_POLICY[_EVICTION_POLICY]["cull"].format(
-            fields="rowid, key, raw, filename", now=0
-        )
-        evicted = 0
-        while self._blobs.volume() > self.size_limit:
-            with self._blobs._transact(retry=True) as (sql, cleanup):
-                if self._blobs.volume() <= self.size_limit:
-                    break
-                rows = sql(select, (1,)).fetchall()
-                if not rows:
-                    break
-                rowid, victim, raw, filename = rows[0]
-                sql("DELETE FROM Cache WHERE rowid = ?", (rowid,))
-                cleanup(filename)  # removed (inside the store only) once the delete commits
-                if raw and isinstance(victim, str):
-                    self._index.delete(victim, retry=True)
-            evicted += 1
-            log.debug("DiskStore: evicted %s (size limit %d)", victim, self.size_limit)
+        """Evict least-recently-used blobs until the blob cache fits ``size_limit``
+        (``kvrag.store.disk_evict``); returns how many were evicted."""
+        evicted = evict_to_limit(self._blobs, self._index, self.size_limit)
         if evicted:
             with self._lock:
                 self._counts["evictions"] += evicted
@@ -758,125 +624,45 @@ class DiskStore(ChunkStore):
         if found is None:
             return self._drop_misfit(key)
         buf, tag, name = found
-        try:
-            verified = verified_header(buf, tag)
-            if verified is not None:  # None: a newer format, left for the kvrag that wrote it
-                _check_owner(key, deserialize(buf, *verified))
-        except Corrupt as e:
-            self._drop_corrupt(key, name, str(e))
+        if (problem := blob_problem(key, buf, tag)) is not None:
+            self._drop_corrupt(key, name, problem)
             return True
         return False
 
     def _drop_misfit(self, key: str) -> bool:
-        """gc(verify=True) of a blob ``_read`` refused unread: if its file's length is not the
-        one its row records and its header declares (a file swapped or cut short), it is
-        dropped (True); absent, or held in SQLite, it is left (False)."""
+        """gc(verify=True) of a blob ``_read`` refused unread: dropped (True) if its file is
+        not the length its row and its header say (``disk_check.misfit``); absent, or held in
+        SQLite, it is left (False)."""
         handle, _, stored = self._fetch(key)
         if handle is None:
             return False
         name = getattr(handle, "name", None)
-        with handle:
-            try:
-                size = os.fstat(handle.fileno()).st_size
-            except (AttributeError, io.UnsupportedOperation, OSError):
-                return False
-            try:
-                header, start = read_file_header(handle)
-                end = start + data_end(header)
-            except Corrupt:
-                end = None
-        if size == stored and size == end:
+        if (problem := misfit(handle, stored)) is None:
             return False
-        self._drop_corrupt(key, name, f"file of {size} bytes, its row says {stored} and its header {end}")
+        self._drop_corrupt(key, name, problem)
         return True
-
-    def _check_files(self, cache: diskcache.Cache) -> int:
-        """gc(verify=True)'s consistency check of one of the two caches: SQLite's integrity
-        check, rows whose file is gone (deleted, with their text-index entry) and files that
-        no row points at (removed once older than ``_ORPHAN_GRACE_S``). Returns the number of
-        problems found.
-
-        This replaces diskcache's ``check(fix=True)``, which removes every file without a row,
-        including the file a concurrent ``set`` in another process has written but not yet
-        pointed its row at: that entry was then lost (its row pointing at a missing file)."""
-        problems = 0
-        for (message,) in cache._sql("PRAGMA integrity_check").fetchall():
-            if message != "ok":
-                log.warning("DiskStore: SQLite integrity check of %s: %s", cache.directory, message)
-                problems += 1
-        root = Path(cache.directory)
-        select = "SELECT rowid, key, raw, filename FROM Cache WHERE filename IS NOT NULL"
-        # Rows without files. A snapshot finds candidates without holding the write lock; each
-        # is confirmed inside a transaction, where its row cannot change and its file cannot
-        # legitimately vanish (diskcache removes a replaced file only after its row changed).
-        missing = [row for row in cache._sql(select).fetchall() if not cache.disk.exists(row[3])]
-        for rowid, db_key, raw, filename in missing:
-            with self._blobs.transact(retry=True), cache.transact(retry=True):
-                still = cache._sql("SELECT 1 FROM Cache WHERE rowid = ? AND filename = ?", (rowid, filename)).fetchall()
-                if not still or cache.disk.exists(filename):
-                    continue
-                # A file name outside the store counts as missing: the row goes, the file stays.
-                cache._sql("DELETE FROM Cache WHERE rowid = ?", (rowid,))
-                if cache is self._blobs and raw and isinstance(db_key, str):  # ours (never unpickle one)
-                    self._index.delete(db_key, retry=True)
-            log.warning("DiskStore: entry %s in %s lost its file %s; deleted", db_key, cache.directory, filename)
-            problems += 1
-        # Files without rows: list the files first, then the names the rows point at, so a
-        # file committed in between is seen as referenced.
-        on_disk = {}
-        for dirpath, _, files in os.walk(root):
-            for fname in files:
-                if diskcache.core.DBNAME not in fname:  # cache.db and its -wal/-shm files
-                    path = Path(dirpath) / fname
-                    on_disk[os.path.relpath(path, root)] = path
-        referenced = {name for (name,) in cache._sql("SELECT filename FROM Cache WHERE filename IS NOT NULL")}
-        now = time.time()
-        for rel, path in on_disk.items():
-            if rel in referenced:
-                continue
-            try:
-                age = now - path.lstat().st_mtime
-            except OSError:  # removed meanwhile (e.g. the old file of a replaced value)
-                continue
-            if age < _ORPHAN_GRACE_S and not cache.disk.writer_is_dead(rel):
-                log.debug("DiskStore: unreferenced file %s is %.0f s old: a write in progress, kept", path, age)
-                continue
-            log.info("DiskStore: removing %s, a file no entry points at (%.0f s old)", path, age)
-            cache.disk.remove(rel)  # also removes its directories once empty
-            problems += 1
-        return problems
 
     def _reindex(self, key: str) -> bool:
         """Recreate a missing or unreadable text-index entry from the blob's own metadata
         (a writer that died between the blob and the index write leaves one)."""
-        listed = self._index.get(key, retry=True)
-        if index_record(listed) is not None:
+        row = self._index.get(key, retry=True)
+        if index_record(row) is not None:
             return False
         handle, tag, _ = self._fetch(key)
         if handle is None:
             return False
-        with handle:
-            # Only the header is needed; the checksum is verified when the blob is loaded.
-            try:
-                meta = metadata(read_file_header(handle)[0])
-            except Corrupt:
-                meta = None
+        meta = header_metadata(handle)
         if meta and is_newer_format(meta):
             return False  # its text index is the newer kvrag's, which may lay it out differently
-        if not meta or index_record(meta) is None:
+        value = listing_of(meta)
+        if value is None:
             # A blob without a usable text is never listed (its get finds it corrupt), and an
             # unusable listing of it goes: it can only be skipped on every refresh.
-            if listed is not None:
+            if row is not None:
                 with self._blobs.transact(retry=True):
                     if self._current_tag(key) == tag:
                         self._index.delete(key, retry=True)
             return False
-        n_tokens = meta.get("n_tokens", "0")
-        value = index_value(
-            meta["text"],
-            meta["fingerprint"],
-            int(n_tokens) if n_tokens.isascii() and n_tokens.isdigit() and len(n_tokens) < 12 else 0,
-        )
         with self._blobs.transact(retry=True):
             if self._current_tag(key) != tag:
                 return False

@@ -69,7 +69,9 @@ class HotCache(ByteLRU[ChunkEntry]):
 
     Entries are converted once on the way in: keys/values [L, Hkv, T, D] to ``device`` and
     ``dtype`` (what the fusion engine computes in; ``pin``: in page-locked host memory, for a
-    host tier beside a GPU); token ids and extras stay as stored."""
+    host tier beside a GPU); token ids and extras stay as stored. A packed entry
+    (``kvrag.store.kv_format``) is kept packed -- its codes and scales moved here as they are,
+    a fraction of the float bytes -- and expanded as it is served (``ChunkEntry.expanded``)."""
 
     def __init__(self, budget: int, device: torch.device, dtype: torch.dtype, pin: bool = False):
         super().__init__(budget, self._size)
@@ -78,7 +80,9 @@ class HotCache(ByteLRU[ChunkEntry]):
         self.pin = pin
 
     def _size(self, entry: ChunkEntry) -> int:
-        """Bytes of ``entry``'s K and V once held here (in ``dtype``)."""
+        """Bytes of ``entry``'s K and V once held here (in ``dtype``; a packed entry's codes and scales)."""
+        if entry.packed:
+            return sum(t.numel() * t.element_size() for t in (entry.keys, entry.values, *entry.scales.values()))
         return entry.keys.numel() * self.dtype.itemsize * 2
 
     def put(self, key: Hashable, entry: ChunkEntry) -> ChunkEntry:
@@ -90,7 +94,8 @@ class HotCache(ByteLRU[ChunkEntry]):
         # buffer); a kept view would hold a file descriptor and, once the blob is evicted, its
         # disk space, for as long as it stays here. non_blocking: from a pinned read the copy
         # to the GPU runs asynchronously, ordered before the kernels that use it.
-        keys, values = (self._own_copy(t) for t in (entry.keys, entry.values))
+        packed = entry.packed
+        keys, values = (self._own_copy(t, packed) for t in (entry.keys, entry.values))
         hot = ChunkEntry(
             entry.fingerprint,
             entry.text,
@@ -98,14 +103,18 @@ class HotCache(ByteLRU[ChunkEntry]):
             keys,
             values,
             {k: v.clone() for k, v in entry.extras.items()},
+            entry.kv_format,
+            {k: self._own_copy(v, packed) for k, v in entry.scales.items()},
         )
         super().put(key, hot)  # evicts least recently used entries down to the budget
         return hot
 
-    def _own_copy(self, t: torch.Tensor) -> torch.Tensor:
-        """``t`` in this tier's memory and dtype, in storage of its own (see ``put``)."""
+    def _own_copy(self, t: torch.Tensor, packed: bool = False) -> torch.Tensor:
+        """``t`` in this tier's memory and dtype (``packed``: its own dtype), in storage of its
+        own (see ``put``)."""
+        dtype = t.dtype if packed else self.dtype
         if self.pin:
             # Into a fresh page-locked buffer: ``pin_memory()`` of a tensor already pinned (a
             # pinned disk read) would return the read buffer itself.
-            return torch.empty(t.shape, dtype=self.dtype, pin_memory=True).copy_(t)
-        return t.to(device=self.device, dtype=self.dtype, non_blocking=True, copy=True)
+            return torch.empty(t.shape, dtype=dtype, pin_memory=True).copy_(t)
+        return t.to(device=self.device, dtype=dtype, non_blocking=True, copy=True)

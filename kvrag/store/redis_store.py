@@ -11,11 +11,11 @@ Every key of one entry carries the entry key as a Redis hash tag (``{<key>}``), 
 index keys share the tag ``{idx}``, so each transaction touches one hash slot and the same
 layout works on one server and on a Redis Cluster:
 
-* ``<prefix>m:{<key>}``: a hash ``{ver, tag, size, part_size, parts}``, the entry's *meta*;
+* ``<prefix>m:{<key>}``: a hash ``{ver, tag, size, part_size, parts}``, the entry's *meta*
+  (``kvrag.store.redis_meta``);
 * ``<prefix>p:{<key>}:<ver>:<i>``: the blob's bytes in parts of ``part_size`` bytes;
-* ``<prefix>{idx}``: a hash ``key -> JSON {text, fingerprint, n_tokens}``, the text index
-  that segmentation reads (``texts``); ``<prefix>{idx}:v``: a counter bumped on every change
-  of it, so a replica re-reads the index only when it changed.
+* ``<prefix>{idx}`` and ``<prefix>{idx}:v``: the text index that segmentation reads
+  (``texts``) and its version counter (``kvrag.store.redis_index``).
 
 Keys written under a layout without hash tags (``m:<key>``, ``p:<key>:...``, ``idx``,
 ``idxv``) are not read: such a store is simply empty to this code -- misses, never errors --
@@ -31,22 +31,20 @@ halfway leaves nothing behind for good. The index entry is written just after th
 second transaction: another slot); a writer that dies between the two leaves an entry that is
 stored but not listed, which ``ensure_indexed`` re-lists from the blob's own header.
 
-Servers: ``redis://``/``rediss://``/``unix://`` URLs reach one server (Redis or Valkey),
-``redis+cluster://``/``rediss+cluster://`` a Redis (or Valkey) Cluster through redis-py's
-``RedisCluster``. A password is never required in the URL: without one, ``connect`` takes it
-from ``$KVRAG_REDIS_PASSWORD``, so URLs can be logged and serialized (``public_url``).
+Servers, URLs and passwords: ``kvrag.store.redis_connection`` (``redis://``, ``rediss://``,
+``unix://``, ``redis+cluster://``; the password from ``$KVRAG_REDIS_PASSWORD``).
 
 Eviction is Redis's own (``maxmemory-policy allkeys-lru``): a meta or any one part evicted
 makes the entry a miss, and its index entry is dropped when a read finds it gone.
 
 Redis unreachable: reads are misses and listing returns what was seen last, with one
-warning per outage (``kvrag.store.redis_store`` logger); writes raise ``SharedStoreDown`` (the
-tiered store catches it: the near tiers hold the entry). An error reply (OOM, READONLY,
-WRONGTYPE, NOGROUP, ...) is handled the same way -- a read is a miss, a write raises
-``SharedStoreRefused`` (a ``SharedStoreDown``) -- with one warning per cause. Every read is
-bounded before it is made (see ``_read`` and ``texts``): Redis is data, and the worst a
-crafted value may do is a miss. After a failure the store skips
-Redis for ``retry_s`` instead of paying a connect timeout on every chunk read, then tries
+warning per outage (``kvrag.store.redis_store`` logger, the whole tier's); writes raise
+``SharedStoreDown`` (the tiered store catches it: the near tiers hold the entry). An error
+reply (OOM, READONLY, WRONGTYPE, NOGROUP, ...) is handled the same way -- a read is a miss, a
+write raises ``SharedStoreRefused`` (a ``SharedStoreDown``) -- with one warning per cause.
+Every read is bounded before it is made (see ``_read`` and ``texts``): Redis is data, and the
+worst a crafted value may do is a miss. After a failure the store skips Redis for ``retry_s``
+instead of paying a connect timeout on every chunk read (``kvrag.store.outage``), then tries
 again: redis-py opens a new connection for the next command, so it reconnects by itself.
 """
 
@@ -54,7 +52,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import threading
 import time
 import uuid
@@ -63,6 +60,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvrag.checks import check_int
 from kvrag.errors import StoreError
 from kvrag.store.base import ChunkEntry, ChunkStore, make_key
 from kvrag.store.blob import (
@@ -70,208 +68,37 @@ from kvrag.store.blob import (
     Corrupt,
     checksum,
     deserialize,
-    index_record,
     index_value,
     metadata,
-    read_header,
     serialize,
     validate_entry,
     verified_header,
 )
+from kvrag.store.redis_connection import (
+    LOG_NAME,
+    RedisConnection,
+    SharedStoreDown,
+    SharedStoreRefused,
+    error_cause,
+    redact,
+    routing_error,
+)
+from kvrag.store.redis_index import MAX_INDEX_BYTES, MAX_INDEX_ENTRIES, SharedIndex, listing_from_head
+from kvrag.store.redis_meta import MAX_ENTRY_BYTES, META_FIELDS, meta_fields, part_len
 
-log = logging.getLogger("kvrag.store.redis_store")
+log = logging.getLogger(LOG_NAME)
 
 PART_SIZE = 4 * 2**20
 # A writer that dies between its parts and its meta leaves parts nobody points at: they expire.
 _PENDING_TTL_S = 600
-# A meta claiming more than this is not one kvrag wrote (and is not fetched); a KVRag lowers
-# it to the largest entry its model can produce (``limit_entry_bytes``).
-MAX_ENTRY_BYTES = 2**34
-# Redis's own limit on one string (proto-max-bulk-len): no part kvrag writes is larger.
-MAX_PART_BYTES = 2**29
 # Parts fetched per round trip: bounded in commands and in bytes, so a meta that declares
 # millions of parts costs one small batch before its first missing part ends the read.
 _PART_BATCH = 1024
 _BATCH_BYTES = 2**26
 # Parts deleted with an entry found evicted or corrupt (a 4 MiB-part entry of 16 GiB has 4,096).
 _REMOVED_PARTS = 4 * _PART_BATCH
-# The index is read only while it stays under these (entries, bytes); a larger one keeps the
-# listing last read (a crafted index must not cost every replica its memory).
-MAX_INDEX_ENTRIES = 200_000
-MAX_INDEX_BYTES = 2**26
 # The first bytes of a blob read to find its header (the rest up to its length if longer).
 _HEAD_BYTES = 2**16
-
-
-class SharedStoreDown(StoreError):
-    """The shared store's server cannot be reached (or timed out)."""
-
-
-class SharedStoreRefused(SharedStoreDown):
-    """The shared store's server answered a command with an error (OOM, READONLY, WRONGTYPE,
-    ...): for the caller, like an outage -- the write did not happen."""
-
-
-def error_cause(e: BaseException) -> str:
-    """A short name of what a Redis error reply says (``OOM``, ``READONLY``, ``WRONGTYPE``,
-    ``NOGROUP``, ...), one per kind of trouble: warnings are said once per cause."""
-    import redis
-
-    name = type(e).__name__
-    if type(e) is not redis.ResponseError and isinstance(e, redis.ResponseError):
-        return name  # redis-py's own class for the reply (ReadOnlyError, OutOfMemoryError, ...)
-    word = str(e).split(" ", 1)[0]
-    return word if word.isupper() and word.isalpha() else name
-
-
-#: URL schemes of a Redis Cluster (redis-py's ``RedisCluster``), and the plain scheme each maps to.
-CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
-#: The password of a URL that has none (so a URL never has to carry it, see ``public_url``).
-PASSWORD_ENV = "KVRAG_REDIS_PASSWORD"
-
-
-def parse_url(url: str) -> tuple[str, bool]:
-    """(the URL redis-py takes, whether it names a cluster) for a shared store URL; ValueError
-    with the accepted forms for anything else."""
-    from urllib.parse import urlsplit
-
-    forms = (
-        "redis://host:6379/0 (redis://[[user]:password@]host:port/db), rediss:// (TLS), "
-        "unix:///path.sock, or redis+cluster://host:6379 (rediss+cluster://) for a Redis Cluster"
-    )
-    if not isinstance(url, str) or "://" not in url:
-        raise ValueError(f"shared store URL must look like {forms}; got {url!r}")
-    scheme, rest = url.split("://", 1)
-    if scheme.lower() in CLUSTER_SCHEMES:
-        plain = f"{CLUSTER_SCHEMES[scheme.lower()]}://{rest}"
-        try:
-            parts = urlsplit(plain)
-            parts.port  # noqa: B018 - raises ValueError on a bad port
-        except ValueError as e:
-            raise ValueError(f"bad shared store URL {redact(url)}: {e}") from None
-        if not parts.hostname:
-            raise ValueError(f"bad shared store URL {redact(url)}: a cluster URL names one of its nodes (host:port)")
-        if parts.path.strip("/") not in ("", "0") or "db=" in parts.query:
-            raise ValueError(f"bad shared store URL {redact(url)}: a Redis Cluster has only database 0")
-        return plain, True
-    if scheme.lower() not in ("redis", "rediss", "unix"):
-        raise ValueError(f"shared store URL must look like {forms}; got scheme {scheme!r} in {redact(url)}")
-    return url, False
-
-
-def connect(url: str, *, socket_timeout: float = 2.0):
-    """A redis-py client for ``url`` (see ``parse_url``): a ``Redis``, or a ``RedisCluster``
-    for ``redis+cluster://``, which asks the node it names for the cluster's slot map (so it
-    raises ``redis.ConnectionError`` when no node answers). Imported here so kvrag without a
-    shared tier never imports redis."""
-    plain, cluster = parse_url(url)
-    try:
-        import redis
-        from redis.cluster import RedisCluster
-        from redis.exceptions import RedisClusterException
-    except ImportError as e:  # pragma: no cover - redis is a core dependency
-        raise StoreError("a shared store needs redis-py: pip install 'redis[hiredis]'") from e
-    opts: dict[str, Any] = {"socket_timeout": socket_timeout, "socket_connect_timeout": socket_timeout}
-    if os.environ.get(PASSWORD_ENV):
-        opts["password"] = os.environ[PASSWORD_ENV]  # a password in the URL wins (redis-py)
-    try:
-        if not cluster:
-            return redis.Redis.from_url(plain, health_check_interval=30, **opts)
-        try:
-            return RedisCluster.from_url(plain, **opts)
-        except RedisClusterException as e:  # no node answered: an outage like any other
-            raise redis.ConnectionError(str(e)) from e
-    except ValueError as e:
-        raise ValueError(f"bad shared store URL {redact(url)}: {e}") from None
-
-
-def redact(url: str) -> str:
-    """``url`` without its password, for messages and logs."""
-    head, sep, tail = url.partition("://")
-    if "@" in tail:
-        cred, _, host = tail.rpartition("@")
-        user = cred.split(":", 1)[0]
-        return f"{head}{sep}{user + ':' if user else ''}***@{host}"
-    return url
-
-
-def public_url(url: str) -> str:
-    """``url`` with its password removed (not masked; also a ``password=`` query option): what
-    a serialized wrapper records; the password then comes from ``$KVRAG_REDIS_PASSWORD`` when
-    the URL is used again."""
-    from urllib.parse import parse_qsl, urlencode
-
-    head, sep, tail = url.partition("://")
-    tail, q, query = tail.partition("?")
-    if "@" in tail:
-        cred, _, host = tail.rpartition("@")
-        user = cred.split(":", 1)[0]
-        tail = f"{user + '@' if user else ''}{host}"
-    kept = [(k, v) for k, v in parse_qsl(query, keep_blank_values=True) if k.lower() != "password"]
-    return f"{head}{sep}{tail}" + ("?" + urlencode(kept) if q and kept else "")
-
-
-def _routing_error(e: BaseException) -> bool:
-    """A cluster's own errors (down, moved, cross-slot, try again): not a value that is not
-    kvrag's, so never taken for one."""
-    from redis import exceptions as x
-
-    return isinstance(e, (x.ClusterError, x.AskError, x.TryAgainError, x.ClusterCrossSlotError))
-
-
-class Outage:
-    """One warning per outage of a server, and a pause before retrying it: shared by a store
-    and a queue on the same connection."""
-
-    def __init__(self, what: str, retry_s: float) -> None:
-        self.what = what
-        self.retry_s = retry_s
-        self._lock = threading.Lock()
-        self._down_since: float | None = None
-        self._retry_at = 0.0
-        self._on_recover: list = []
-
-    def on_recover(self, fn) -> None:
-        """Call ``fn()`` each time the server answers again after an outage (in the thread of
-        the command that found it back: ``fn`` must only schedule work)."""
-        self._on_recover.append(fn)
-
-    @property
-    def down(self) -> bool:
-        return self._down_since is not None
-
-    def skip(self) -> bool:
-        """True while the server failed less than ``retry_s`` ago (don't even try)."""
-        return self._down_since is not None and time.monotonic() < self._retry_at
-
-    def failed(self, e: BaseException) -> None:
-        with self._lock:
-            first = self._down_since is None
-            if first:
-                self._down_since = time.monotonic()
-            self._retry_at = time.monotonic() + self.retry_s
-        if first:
-            log.warning(
-                "%s is unreachable (%s: %s): serving from the local tiers and computing what "
-                "they lack; retrying every %g s, said once per outage",
-                self.what,
-                type(e).__name__,
-                e,
-                self.retry_s,
-            )
-
-    def ok(self) -> None:
-        if self._down_since is None:
-            return
-        with self._lock:
-            since, self._down_since = self._down_since, None
-        if since is not None:
-            log.warning("%s is reachable again (down %.1f s)", self.what, time.monotonic() - since)
-            for fn in self._on_recover:
-                try:
-                    fn()
-                except Exception as e:  # a listener must not fail the command that reconnected
-                    log.warning("%s: a reconnect listener failed: %s", self.what, e)
 
 
 class RedisStore(ChunkStore):
@@ -279,12 +106,14 @@ class RedisStore(ChunkStore):
 
     url: ``redis://[[user]:password@]host:port/db`` (``rediss://`` for TLS), or
     ``redis+cluster://host:port`` (``rediss+cluster://``) for a Redis Cluster (see
-    ``parse_url``). prefix: the key prefix of this store's keys (no ``{`` or ``}``: they make
-    the hash tags). part_size: bytes per stored part. socket_timeout: seconds per command
-    (short: a dead server must cost a query little). retry_s: after a failure, seconds during
-    which the server is not tried. max_entry_bytes: a meta declaring more is not fetched (a
-    KVRag lowers it to its model's largest entry); max_index_entries / max_index_bytes: the
-    text index is not read past these (the listing read last stays). Counters are per process."""
+    ``kvrag.store.redis_connection.parse_url``). prefix: the key prefix of this store's keys
+    (no ``{`` or ``}``: they make the hash tags). part_size: bytes per stored part.
+    socket_timeout: seconds per command (short: a dead server must cost a query little).
+    retry_s: after a failure, seconds during which the server is not tried. client: a redis-py
+    client to use instead of one made from ``url``. max_entry_bytes: a meta declaring more is
+    not fetched (a KVRag lowers it to its model's largest entry); max_index_entries /
+    max_index_bytes: the text index is not read past these (the listing read last stays).
+    Counters are per process."""
 
     def __init__(
         self,
@@ -303,28 +132,25 @@ class RedisStore(ChunkStore):
             raise ValueError(
                 f"prefix must be a non-empty string without '{{' or '}}' (kvrag's hash tags), got {prefix!r}"
             )
-        if isinstance(part_size, bool) or not isinstance(part_size, int) or part_size < 1024:
-            raise ValueError(f"part_size must be an int >= 1024 bytes, got {part_size!r}")
+        check_int("part_size", part_size, 1024)
         self.url = url
         self.prefix = prefix
         self.part_size = part_size
-        _, self.cluster = parse_url(url)  # a bad URL fails here, before any connection
-        self.socket_timeout = socket_timeout
-        self._client = client
-        if client is None and not self.cluster:
-            self._client = connect(url, socket_timeout=socket_timeout)  # connects lazily itself
-        self.outage = Outage(f"shared KV store {redact(url)}", retry_s)
+        #: The server's client and outage breaker, shared with the precompute queues on it.
+        self.connection = RedisConnection(url, socket_timeout=socket_timeout, retry_s=retry_s, client=client)
+        self.cluster = self.connection.cluster
+        self.outage = self.connection.outage
         self._lock = threading.Lock()
         for name, v in (
             ("max_entry_bytes", max_entry_bytes),
             ("max_index_entries", max_index_entries),
             ("max_index_bytes", max_index_bytes),
         ):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+            check_int(name, v, 1)
         self.max_entry_bytes = max_entry_bytes
-        self.max_index_entries = max_index_entries
-        self.max_index_bytes = max_index_bytes
+        self.index = SharedIndex(
+            self.connection, prefix, max_entries=max_index_entries, max_bytes=max_index_bytes, refused=self._refused
+        )
         self._refusals: set[str] = set()
         self._maxmemory = 0
         self._room_read_at = 0.0  # causes of error replies already warned about
@@ -336,23 +162,14 @@ class RedisStore(ChunkStore):
             "unreachable": 0,
             "error_replies": 0,
         }
-        self._index_version: bytes | None = None
-        self._index: dict[str, tuple[str, str]] = {}  # key -> (text, fingerprint), last read
-        self._index_refused: tuple | None = None  # (version, entries) of an index over a bound
 
     def __repr__(self) -> str:
         return f"RedisStore({redact(self.url)!r}, prefix={self.prefix!r})"
 
     @property
     def client(self):
-        """The redis-py client. A cluster's is made at first use (making it asks a node for
-        the slot map): a replica starts while the cluster is down, and its first command
-        then fails like any command of an outage (``redis.ConnectionError``)."""
-        if self._client is None:
-            with self._lock:
-                if self._client is None:
-                    self._client = connect(self.url, socket_timeout=self.socket_timeout)
-        return self._client
+        """The redis-py client (``RedisConnection.client``: a cluster's is made at first use)."""
+        return self.connection.client
 
     # ---- key names (layout 2: hash tags, see the module docstring) ---------------------
     def _meta(self, key: str) -> str:
@@ -363,11 +180,11 @@ class RedisStore(ChunkStore):
 
     @property
     def _idx(self) -> str:
-        return f"{self.prefix}{{idx}}"
+        return self.index.name
 
     @property
     def _idxv(self) -> str:
-        return f"{self.prefix}{{idx}}:v"
+        return self.index.version_name
 
     # ---- plumbing ------------------------------------------------------------------
     def _call(self, fn, *, default=None, write: bool = False):
@@ -449,9 +266,7 @@ class RedisStore(ChunkStore):
     def limit_entry_bytes(self, n: int) -> None:
         """Fetch no entry whose meta declares more than ``n`` bytes (the largest entry the
         reading model can produce, with margin: ``kvrag.limits.entry_bytes_bound``)."""
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise ValueError(f"entry byte limit must be an int >= 1, got {n!r}")
-        self.max_entry_bytes = min(n, MAX_ENTRY_BYTES)
+        self.max_entry_bytes = min(check_int("entry byte limit", n, 1), MAX_ENTRY_BYTES)
 
     def _count(self, name: str) -> None:
         with self._lock:
@@ -492,11 +307,11 @@ class RedisStore(ChunkStore):
                     try:
                         t.watch(self._meta(key))
                         try:
-                            old = _meta_fields(
-                                t.hmget(self._meta(key), _META_FIELDS), self.part_size, self.max_entry_bytes
+                            old = meta_fields(
+                                t.hmget(self._meta(key), META_FIELDS), self.part_size, self.max_entry_bytes
                             )
                         except redis.ResponseError as e:  # not a hash: not ours, replaced
-                            if _routing_error(e):
+                            if routing_error(e):
                                 raise
                             old = None
                         t.multi()
@@ -517,7 +332,7 @@ class RedisStore(ChunkStore):
                         break
                     except redis.WatchError:
                         continue
-            self._list(key, listing)
+            self.index.write(key, listing)
             if old is not None:
                 self._delete_parts(key, old)
 
@@ -562,9 +377,9 @@ class RedisStore(ChunkStore):
 
     def delete(self, key: str) -> bool:
         def run():
-            old = _meta_fields(self._hmget(self._meta(key)), self.part_size, self.max_entry_bytes)
+            old = meta_fields(self._hmget(self._meta(key)), self.part_size, self.max_entry_bytes)
             existed = self.client.delete(self._meta(key))
-            self._list(key, None)
+            self.index.write(key, None)
             if old is not None:
                 self._delete_parts(key, old)
             return bool(existed)
@@ -590,12 +405,12 @@ class RedisStore(ChunkStore):
             return False
         meta = found[1]
         head, listed = self._head(key, meta)
-        listing = _listing_from_head(head)
+        listing = listing_from_head(head)
         if listing is None:
             self._drop_corrupt(key, meta, "its blob's header is unreadable")
             return False
         if listed != listing.encode("utf-8"):
-            self._list(key, listing)
+            self.index.write(key, listing)
             log.warning(
                 "RedisStore: chunk %s was stored but %s; re-listed it from its blob",
                 key,
@@ -607,73 +422,9 @@ class RedisStore(ChunkStore):
         """key -> text of the listed entries of ``fingerprint`` (None: all). The index is
         re-read only when its version counter moved, and only while it stays within
         ``max_index_entries`` and ``max_index_bytes``; unreachable, refusing, or over a bound:
-        what was read last."""
-
-        def run():
-            import redis
-
-            try:
-                p = self.client.pipeline(transaction=False)
-                p.get(self._idxv)
-                p.hlen(self._idx)  # also keeps the index recently used under allkeys-lru
-                version, n = p.execute()
-            except redis.ResponseError as e:  # an index key of another type: not ours, replaced
-                if _routing_error(e):
-                    raise
-                self._repair_index()
-                raise
-            if version == self._index_version and n == len(self._index):
-                return
-            if (version, n) == self._index_refused:
-                return  # still the index found over a bound: not read again until it changes
-            if n > self.max_index_entries:
-                self._index_refused = (version, n)
-                self._refused(StoreError(f"INDEXTOOBIG the text index lists {n} entries (> {self.max_index_entries})"))
-                return
-            index = None if self._index_estimate_over() else self._read_index()
-            if index is None:
-                self._index_refused = (version, n)
-            else:
-                self._index, self._index_version = index, version
-
-        self._call(run)
-        return {k: t for k, (t, fp) in self._index.items() if fingerprint is None or fp == fingerprint}
-
-    def _index_estimate_over(self) -> bool:
-        """Whether Redis's own estimate of the index's memory (``MEMORY USAGE``, from a few
-        sampled rows: O(1)) is over twice ``max_index_bytes``: refused without reading a row.
-        Below that, ``_read_index`` counts the bytes exactly. A server without the command
-        (or refusing it) gives no estimate."""
-        import redis
-
-        try:
-            estimate = self.client.memory_usage(self._idx, samples=5)
-        except redis.ResponseError as e:
-            if _routing_error(e):
-                raise
-            return False
-        if estimate is not None and estimate > 2 * self.max_index_bytes:
-            self._refused(StoreError(f"INDEXTOOBIG the text index takes about {estimate} bytes in Redis"))
-            return True
-        return False
-
-    def _read_index(self) -> dict[str, tuple[str, str]] | None:
-        """The index, read a batch at a time (HSCAN); None once it passes ``max_index_bytes``."""
-        index: dict[str, tuple[str, str]] = {}
-        size = 0
-        for k, v in self.client.hscan_iter(self._idx, count=1000):
-            size += len(k) + len(v)
-            if size > self.max_index_bytes:
-                self._refused(StoreError(f"INDEXTOOBIG the text index holds more than {self.max_index_bytes} bytes"))
-                return None
-            # A blank text would match everywhere in a prompt, one not ours is unusable: never listed.
-            try:
-                rec = index_record(v.decode("utf-8"))
-                if rec is not None:
-                    index[k.decode("utf-8")] = rec
-            except UnicodeDecodeError:
-                continue
-        return index
+        what was read last (``SharedIndex.refresh``)."""
+        self._call(self.index.refresh)
+        return self.index.texts(fingerprint)
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
@@ -686,7 +437,7 @@ class RedisStore(ChunkStore):
             try:
                 listed = self.client.hlen(self._idx)
             except redis.ResponseError as e:  # an index of another type: the rest is still reported
-                if _routing_error(e):
+                if routing_error(e):
                     raise
                 self._refused(e)
                 listed = None
@@ -731,18 +482,13 @@ class RedisStore(ChunkStore):
                     batch = []
             if batch:
                 n += self.client.delete(*batch)
-            self._index, self._index_version = {}, None
+            self.index.forget()
             return n
 
         return self._call(run, write=True)
 
     def close(self) -> None:
-        if self._client is None:
-            return
-        try:
-            self._client.close()
-        except Exception:  # closing must not fail on a dead connection
-            pass
+        self.connection.close()
 
     # ---- internals -----------------------------------------------------------------
     def _read(self, key: str):
@@ -760,15 +506,15 @@ class RedisStore(ChunkStore):
             p = self.client.pipeline(transaction=False)
             for i in batch:
                 # One byte past the declared length: a part longer than declared shows as such.
-                p.getrange(self._part(key, meta["ver"], i), 0, _part_len(meta, i))
+                p.getrange(self._part(key, meta["ver"], i), 0, part_len(meta, i))
             got = self._execute_parts(p)
             if isinstance(got, str):
                 return "bad", meta, got
             for i, x in zip(batch, got):
                 if not x:
                     return "gone", meta
-                if len(x) != _part_len(meta, i):
-                    return "bad", meta, f"part {i} holds {len(x)}+ bytes where its meta declares {_part_len(meta, i)}"
+                if len(x) != part_len(meta, i):
+                    return "bad", meta, f"part {i} holds {len(x)}+ bytes where its meta declares {part_len(meta, i)}"
             parts.extend(got)
         return parts, meta
 
@@ -789,8 +535,8 @@ class RedisStore(ChunkStore):
             for i, n in zip(batch, got):
                 if not n:
                     return "gone", meta
-                if n != _part_len(meta, i):
-                    return "bad", meta, f"part {i} holds {n} bytes where its meta declares {_part_len(meta, i)}"
+                if n != part_len(meta, i):
+                    return "bad", meta, f"part {i} holds {n} bytes where its meta declares {part_len(meta, i)}"
         return "ok", meta
 
     def _meta_checked(self, key: str):
@@ -800,16 +546,16 @@ class RedisStore(ChunkStore):
         import redis
 
         try:
-            raw = self.client.hmget(self._meta(key), _META_FIELDS)
+            raw = self.client.hmget(self._meta(key), META_FIELDS)
         except redis.ResponseError as e:  # WRONGTYPE: someone else's value under our name
-            if _routing_error(e):
+            if routing_error(e):
                 raise
             return "bad", None, "its meta is not a hash"
         if all(v is None for v in raw):
             return None
-        meta = _meta_fields(raw, self.part_size, self.max_entry_bytes)
+        meta = meta_fields(raw, self.part_size, self.max_entry_bytes)
         if meta is None:
-            shown = {f: (v[:40] if isinstance(v, bytes) else v) for f, v in zip(_META_FIELDS, raw)}
+            shown = {f: (v[:40] if isinstance(v, bytes) else v) for f, v in zip(META_FIELDS, raw)}
             return "bad", None, f"its meta {shown} is not one kvrag writes (limit {self.max_entry_bytes} bytes)"
         return "ok", meta
 
@@ -828,7 +574,7 @@ class RedisStore(ChunkStore):
         try:
             return p.execute()
         except redis.ResponseError as e:
-            if _routing_error(e):
+            if routing_error(e):
                 raise
             return f"a part is not a string ({error_cause(e)})"
 
@@ -873,11 +619,11 @@ class RedisStore(ChunkStore):
             try:
                 t.watch(name)
                 try:
-                    raw = t.hmget(name, _META_FIELDS)
-                    now = _meta_fields(raw, self.part_size, self.max_entry_bytes)
+                    raw = t.hmget(name, META_FIELDS)
+                    now = meta_fields(raw, self.part_size, self.max_entry_bytes)
                     same = now is None if meta is None else (now is not None and now["ver"] == meta["ver"])
                 except redis.ResponseError as e:
-                    if _routing_error(e):
+                    if routing_error(e):
                         raise
                     same = meta is None  # still not a hash
                 if not same:
@@ -887,7 +633,7 @@ class RedisStore(ChunkStore):
                 t.execute()
             except redis.WatchError:
                 return
-        self._list(key, None)
+        self.index.write(key, None)
         if meta is not None:
             self._delete_parts(key, meta, _REMOVED_PARTS)
 
@@ -900,47 +646,6 @@ class RedisStore(ChunkStore):
         self._count("misses")
         self._call(lambda: self._remove(key, meta))
 
-    def _repair_index(self) -> None:
-        """Delete an index key that holds another type (or a version that is not a number):
-        it is kvrag's name, and while it holds a foreign value no chunk can be listed."""
-        p = self.client.pipeline(transaction=False)
-        p.type(self._idx)
-        p.type(self._idxv)
-        t_idx, t_ver = (x.decode() if isinstance(x, bytes) else str(x) for x in p.execute())
-        bad = [n for n, t, ok in ((self._idx, t_idx, "hash"), (self._idxv, t_ver, "string")) if t not in (ok, "none")]
-        if t_ver == "string":
-            try:
-                int(self.client.get(self._idxv) or 0)
-            except ValueError:
-                bad.append(self._idxv)
-        for n in bad:
-            self.client.delete(n)
-            log.warning("RedisStore: index key %s held a value kvrag does not write; deleted it", n)
-        if bad:
-            self._index_version = None
-
-    def _list(self, key: str, listing: str | None) -> None:
-        """Set (``listing``: its JSON) or drop (None) ``key``'s index entry and bump the index
-        version, in one transaction (both keys share the ``{idx}`` slot). An index key of
-        another type is replaced and the write tried once more."""
-        import redis
-
-        for attempt in (0, 1):
-            t = self.client.pipeline(transaction=True)
-            if listing is None:
-                t.hdel(self._idx, key)
-            else:
-                t.hset(self._idx, key, listing)
-            t.incr(self._idxv)
-            try:
-                t.execute()
-                return
-            except redis.ResponseError as e:
-                # Only a foreign value under an index name is repaired (OOM, READONLY: raised).
-                if attempt or _routing_error(e) or error_cause(e) not in ("WRONGTYPE", "ERR"):
-                    raise
-                self._repair_index()
-
     def _delete_parts(self, key: str, meta: dict[str, Any], limit: int | None = None) -> None:
         """Delete the parts of ``meta``'s version (the first ``limit`` only, if given), a
         batch of names at a time."""
@@ -949,60 +654,15 @@ class RedisStore(ChunkStore):
             self.client.delete(*(self._part(key, meta["ver"], i) for i in range(start, min(start + _PART_BATCH, n))))
 
     def _hmget(self, name: str) -> list:
-        """A meta hash's fields (``_META_FIELDS``), or [] when the key holds something else."""
+        """A meta hash's fields (``META_FIELDS``), or [] when the key holds something else."""
         import redis
 
         try:
-            return self.client.hmget(name, _META_FIELDS)
+            return self.client.hmget(name, META_FIELDS)
         except redis.ResponseError as e:
-            if _routing_error(e):
+            if routing_error(e):
                 raise
             return []
-
-
-_META_FIELDS = ("ver", "tag", "size", "part_size", "parts")
-
-
-def _meta_fields(raw, default_part: int, max_entry: int = MAX_ENTRY_BYTES) -> dict[str, Any] | None:
-    """The checked fields of a meta hash (``raw``: HGETALL's dict or HMGET's list of
-    ``_META_FIELDS``), or None if it is not one kvrag wrote: a field missing or not a number,
-    a size over ``max_entry``, a part size outside [1 KiB, 512 MiB], or a part count other
-    than the size in parts."""
-    if isinstance(raw, (list, tuple)):
-        raw = {f.encode(): v for f, v in zip(_META_FIELDS, raw) if v is not None}
-    try:
-        meta = {k.decode("ascii"): v.decode("ascii") for k, v in raw.items() if len(v) <= 64}
-        out = {
-            "ver": meta["ver"],
-            "tag": meta["tag"],
-            "size": int(meta["size"]),
-            "part_size": int(meta.get("part_size", default_part)),
-            "parts": int(meta["parts"]),
-        }
-    except (KeyError, ValueError, UnicodeDecodeError, AttributeError):
-        return None
-    if (
-        not out["ver"].isalnum()
-        or not 0 < out["size"] <= max_entry
-        or not 1024 <= out["part_size"] <= MAX_PART_BYTES
-        or out["parts"] != max(1, math.ceil(out["size"] / out["part_size"]))
-    ):
-        return None
-    return out
-
-
-def _part_len(meta: dict[str, Any], i: int) -> int:
-    """The bytes part ``i`` of ``meta``'s blob holds."""
-    return min(meta["part_size"], meta["size"] - i * meta["part_size"])
-
-
-def _listing_from_head(head: bytes) -> str | None:
-    """The index value (JSON) of a blob whose first bytes are ``head``, from its own header."""
-    try:
-        meta = metadata(read_header(head)[0])
-        return index_value(meta["text"], meta["fingerprint"], int(meta.get("n_tokens", 0)))
-    except (Corrupt, KeyError, ValueError, TypeError):
-        return None
 
 
 def _buffer(parts: list[bytes], size: int, pin_memory: bool) -> torch.Tensor:

@@ -23,6 +23,7 @@ from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from kvrag.checks import check_int
 from kvrag.errors import StoreError
 from kvrag.store.base import ChunkEntry, ChunkStore
 
@@ -36,8 +37,7 @@ class TieredStore(ChunkStore):
     to be pushed up later; beyond it the oldest are forgotten (they stay local)."""
 
     def __init__(self, near: ChunkStore, far: ChunkStore, *, max_unsynced: int = 100_000) -> None:
-        if isinstance(max_unsynced, bool) or not isinstance(max_unsynced, int) or max_unsynced < 0:
-            raise ValueError(f"max_unsynced must be an int >= 0, got {max_unsynced!r}")
+        check_int("max_unsynced", max_unsynced, 0)
         self.near = near
         self.far = far
         self.max_unsynced = max_unsynced
@@ -92,7 +92,7 @@ class TieredStore(ChunkStore):
         try:
             self.near.put(key, entry)
             self._count("promoted")
-        except Exception as e:  # a full disk must not fail the query that read the entry
+        except Exception as e:  # noqa: BLE001 - a full disk must not fail the query that read the entry
             log.warning("TieredStore: could not copy chunk %s to the local store: %s", key, e)
         finally:
             with self._lock:
@@ -154,7 +154,7 @@ class TieredStore(ChunkStore):
                         del self._unsynced[key]
         except StoreError as e:
             log.debug("TieredStore: push-up paused, the shared tier failed again: %s", e)
-        except Exception as e:  # a background thread: report, keep the list for the next try
+        except Exception as e:  # noqa: BLE001 - a background thread: report, keep the list for the next try
             log.warning("TieredStore: pushing chunks up to the shared tier failed: %s", e)
         finally:
             with self._lock:

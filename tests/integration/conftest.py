@@ -1,10 +1,10 @@
 """Integration tests: a real Redis (the machine's at 127.0.0.1:6379, else one this session
-starts; redis_helpers), real models, processes talking over TCP."""
+starts; helpers.redis_servers), real models, processes talking over TCP."""
 
 import uuid
 
 import pytest
-from redis_helpers import RedisClusterServers, RedisServer, machine_redis, redis
+from helpers.redis_servers import RedisClusterServers, RedisServer, machine_redis, redis
 
 
 @pytest.fixture(scope="session")

@@ -55,11 +55,10 @@ RECORD_KEYS = {
 
 
 @pytest.mark.real
-def test_quick_bench_end_to_end_on_smollm2(tmp_path, monkeypatch):
+def test_quick_bench_end_to_end_on_smollm2(tmp_path, isolated_home):  # only shipped adapters; no codebook
     from kvrag.cli import main
     from kvrag.model import ModelHandle
 
-    monkeypatch.setenv("KVRAG_HOME", str(tmp_path / "home"))  # only shipped adapters; no codebook leaks in
     data = tmp_path / "qa.json"
     data.write_text(json.dumps(QA_ITEMS), encoding="utf-8")
     out = tmp_path / "out"

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvrag.engine import KVRag
-from kvrag.query.prompt import rag_messages
+from kvrag.layout.prompt import rag_messages
 
 pytestmark = pytest.mark.real
 
@@ -61,7 +61,7 @@ def test_anchor_brings_naive_reuse_closer_to_full_prefill(rag, tmp_path):
     of 4 passages x 150 tokens; measured 0.32 vs 0.41 nats)."""
     import torch.nn.functional as F
 
-    from kvrag.bench import synthetic
+    from kvrag.qa import synthetic
 
     alone = KVRag(rag.handle, cache_dir=tmp_path / "kv", chunk_anchor="none", policy="cacheblend")
     items = synthetic.generate(4, 7, n_passages=4, passage_tokens=150, count_tokens=lambda s: len(rag.handle.encode(s)))

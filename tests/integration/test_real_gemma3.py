@@ -10,9 +10,9 @@ cached chunks lie wholly outside it."""
 import pytest
 import torch
 
-from kvrag.bench import synthetic
 from kvrag.engine import KVRag
-from kvrag.query.prompt import rag_prompt
+from kvrag.layout.prompt import rag_prompt
+from kvrag.qa import synthetic
 
 pytestmark = pytest.mark.real
 

@@ -6,7 +6,7 @@ import os
 
 import pytest
 import torch
-from model_helpers import differing_parts, model_logits
+from helpers.models import differing_parts, model_logits
 
 import kvrag.model.digests as kd
 import kvrag.model.gguf as kg

@@ -14,10 +14,8 @@ PASSAGES = [
 
 
 @pytest.mark.real
-def test_real_model_a2ats(tmp_path, monkeypatch):
+def test_real_model_a2ats(tmp_path, isolated_home):
     from kvrag.engine import KVRag
-
-    monkeypatch.setenv("KVRAG_HOME", str(tmp_path))
     from kvrag.model import ModelHandle
 
     handle = ModelHandle.load()

@@ -1,7 +1,7 @@
 """KVLink on the real packaged models, with the adapters shipped for them."""
 
 import pytest
-from script_helpers import benchmark_script
+from helpers.scripts import benchmark_script
 
 from kvrag.bench import metrics as M
 from kvrag.engine import KVRag
@@ -9,11 +9,9 @@ from kvrag.policies.kvlink.policy import ADAPTER_ATTR
 
 
 @pytest.mark.real
-def test_real_model_kvlink(tmp_path, monkeypatch):
+def test_real_model_kvlink(tmp_path, isolated_home):  # only the shipped adapter can be found
+    from kvrag.layout.prompt import rag_messages
     from kvrag.policies.kvlink.adapter import ASSETS_DIR
-    from kvrag.query.prompt import rag_messages
-
-    monkeypatch.setenv("KVRAG_HOME", str(tmp_path / "home"))  # only the shipped adapter can be found
 
     docs = [
         "The Arden range lies north of the capital. Its tallest peak is Mount Kelvar, 4,210 metres high.",
@@ -38,7 +36,7 @@ def _held_out_items(model: str, handle) -> list[dict]:
     (training used seed 1000), for Gemma 3 the accuracy yardstick's generator (another
     generator's templates and names), both at a short shape."""
     if model == "smollm2":
-        from kvrag.bench import synthetic
+        from kvrag.qa import synthetic
 
         return synthetic.generate(3, 7, n_passages=4, passage_tokens=120, count_tokens=lambda s: len(handle.encode(s)))
     return benchmark_script("yardstick_set").generate(3, 7, n_passages=4, words=90)
@@ -46,15 +44,14 @@ def _held_out_items(model: str, handle) -> list[dict]:
 
 @pytest.mark.real
 @pytest.mark.parametrize("model", ["smollm2", "gemma3-270m"])
-def test_shipped_adapter_brings_kvlink_closer_to_full_prefill(model, tmp_path, monkeypatch):
+def test_shipped_adapter_brings_kvlink_closer_to_full_prefill(model, tmp_path, isolated_home):
     """The adapter in kvrag/assets is what KVRag(policy="kvlink") runs on a packaged model,
     and on prompts it was not trained on its next-token distributions are closer to the base
     model's full prefill than untrained KVLink's."""
     from kvrag.bench.examples import examples_from_items
+    from kvrag.layout.prompt import rag_prompt
     from kvrag.policies.kvlink.adapter import ASSETS_DIR
-    from kvrag.query.prompt import rag_prompt
 
-    monkeypatch.setenv("KVRAG_HOME", str(tmp_path / "home"))  # only the shipped adapter can be found
     base = KVRag(model=model, cache_dir=tmp_path / "kv", kvlink_adapter=None)
     trained = KVRag(base.handle, cache_dir=tmp_path / "kv", policy="kvlink")
     ad = getattr(trained.handle.model, ADAPTER_ATTR)

@@ -6,7 +6,7 @@ import pytest
 @pytest.mark.real
 def test_real_model_samkv(tmp_path):
     from kvrag.engine import KVRag
-    from kvrag.query.prompt import rag_messages
+    from kvrag.layout.prompt import rag_messages
 
     passages = [
         "Mount Kilimanjaro is a dormant volcano in Tanzania. It has three volcanic cones: Kibo, "

@@ -8,7 +8,7 @@ from importlib import resources
 import pytest
 
 from kvrag.engine import KVRag
-from kvrag.query.prompt import rag_messages
+from kvrag.layout.prompt import rag_messages
 from kvrag.serve import scheduler as sched_mod
 from kvrag.serve.scheduler import GenerationRequest, Scheduler
 
@@ -22,7 +22,9 @@ def test_concurrent_chat_requests_equal_generate(tmp_path, monkeypatch):
     rag.precompute(docs[:4])
     policies = ["full_prefill", "cacheblend", "epic", "naive_reuse", "a3", "kvlink"]
     reqs = [
-        GenerationRequest(rag_messages(docs[: 1 + i % 4], questions[i % len(questions)]), max_new_tokens=16, policy=p)
+        GenerationRequest.of(
+            rag_messages(docs[: 1 + i % 4], questions[i % len(questions)]), max_new_tokens=16, policy=p
+        )
         for i, p in enumerate(policies)
     ]
     refs = [rag.generate(r.prompt, policy=r.policy, max_new_tokens=16) for r in reqs]

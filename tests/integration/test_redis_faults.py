@@ -14,10 +14,10 @@ import time
 
 import pytest
 import torch
-from corpus_helpers import DOCS as CORPUS
-from corpus_helpers import prompt_for
-from redis_helpers import RedisServer, free_port, redis
-from test_shared_store import FP, entry, same
+from helpers.corpus import DOCS as CORPUS
+from helpers.corpus import prompt_for
+from helpers.redis_servers import RedisServer, free_port, redis
+from helpers.shared_entries import FP, entry, same
 
 from kvrag.engine import KVRag
 from kvrag.errors import ChunkError, StoreError
@@ -345,7 +345,7 @@ def test_reingestion_restores_a_flushed_shared_tier_without_recompute(redis_url,
 
 
 # ---- generation options and the local store -----------------------------------------------
-def test_generation_options_are_checked_before_the_prefill(handle, tmp_path, caplog):
+def test_generation_options_are_checked_before_the_prefill(handle, tmp_path):
     rag = KVRag(tiny_llama(seed=0, max_position_embeddings=64), cache_dir=tmp_path / "s")
     with pytest.raises(ValueError, match="temperature"):
         rag.generate("Hello there", temperature=5e-324)
@@ -355,11 +355,15 @@ def test_generation_options_are_checked_before_the_prefill(handle, tmp_path, cap
     assert len(out.token_ids) == 3
     prompt = " ".join(["word"] * 50)
     n = len(rag.handle.encode(prompt))
-    with caplog.at_level(logging.WARNING, logger="kvrag"):
-        out = rag.generate(prompt, max_new_tokens=10**30)
-    assert len(out.token_ids) <= 64 - n and any("does not fit" in r.getMessage() for r in caplog.records)
+    # A length asked for that does not fit is refused; one left unsaid is cut to the room left.
+    with pytest.raises(ValueError, match="context exceeded"):
+        rag.generate(prompt, max_new_tokens=10**30)
+    out = rag.generate(prompt)
+    assert 0 < len(out.token_ids) <= 64 - n
     full = next(p for k in range(40, 80) if len(rag.handle.encode(p := " ".join(["word"] * k))) == 64)
     with pytest.raises(ValueError, match="no room"):
+        rag.generate(full)
+    with pytest.raises(ValueError, match="context exceeded"):
         rag.generate(full, max_new_tokens=5)
 
 

@@ -20,10 +20,9 @@ from typing import Literal
 import httpx
 import openai
 import pytest
-import torch
-from corpus_helpers import DOCS as CORPUS
-from corpus_helpers import head_tokens
-from serve_helpers import running
+from helpers.corpus import DOCS as CORPUS
+from helpers.corpus import head_tokens
+from helpers.serve import running
 
 from kvrag.engine import KVRag
 from kvrag.serve.app import create_app
@@ -768,9 +767,9 @@ def model_dir(handle, tmp_path_factory):
 
 @contextlib.contextmanager
 def serve_process(*args: str, env_extra: dict | None = None, timeout: float = 120):
-    """``python -m kvrag serve ARGS --port P`` on 127.0.0.1; yields its URL once /health
-    answers, terminates it on exit."""
-    from redis_helpers import free_port
+    """``python -m kvrag serve ARGS --port P`` on 127.0.0.1; yields its URL once /ready
+    answers 200 (warmed up), terminates it on exit."""
+    from helpers.redis_servers import free_port
 
     port = free_port()
     env = dict(os.environ, PYTHONPATH=ROOT, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", **(env_extra or {}))
@@ -782,7 +781,7 @@ def serve_process(*args: str, env_extra: dict | None = None, timeout: float = 12
         while True:
             assert p.poll() is None and time.monotonic() < deadline, p.communicate(timeout=5)
             try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                if httpx.get(url + "/ready", timeout=2).status_code == 200:
                     break
             except httpx.HTTPError:
                 time.sleep(0.2)
@@ -852,15 +851,15 @@ def test_oversized_bodies_and_chunks_are_refused_unread(rag):
 
 
 def test_hooks_server_mode_checks_its_arguments_and_names_an_unreachable_server(rag):
-    from kvrag.serve.client import ServerChunks, ServerChunksError, hook_service
+    from kvrag.frameworks import ServerChunks, ServerChunksError, hook_target
 
     with pytest.raises(TypeError, match="not both"):
-        hook_service("KVPrecompute", rag, server="http://127.0.0.1:1")
+        hook_target("KVPrecompute", rag, server="http://127.0.0.1:1")
     with pytest.raises(TypeError, match="api_key= goes with server="):
-        hook_service("KVPrecompute", rag, api_key="k")
+        hook_target("KVPrecompute", rag, api_key="k")
     with pytest.raises(ValueError, match="http"):
         ServerChunks("127.0.0.1:8000")
-    from redis_helpers import free_port
+    from helpers.redis_servers import free_port
 
     dead = ServerChunks(f"http://127.0.0.1:{free_port()}/v1", timeout=5)
     with pytest.raises(ServerChunksError, match="cannot reach the kvrag server"):
@@ -880,10 +879,9 @@ def test_vllm_min_tokens_and_ignore_eos_fix_the_answer_length(server, rag):
     """vLLM's sampling extras, as benchmarks send them through extra_body: ``ignore_eos``
     decodes to max_tokens past EOS; ``min_tokens`` bars EOS until then. The tiny model's first
     greedy tokens are made its EOS, so a plain request would stop at once."""
-    url, sch = server
+    url, _ = server
     ref = rag.generate(rag.render(messages()), max_new_tokens=6)
-    eos = sch._eos
-    sch._eos = torch.tensor([ref.token_ids[0]])
+    # Each request's decoder reads the KVRag's EOS ids when it is admitted.
     saved = set(rag.eos)
     rag.eos.clear()
     rag.eos.add(ref.token_ids[0])
@@ -901,6 +899,5 @@ def test_vllm_min_tokens_and_ignore_eos_fix_the_answer_length(server, rag):
         assert barred.choices[0].finish_reason == "length" and barred.usage.completion_tokens == 6
         assert barred.choices[0].message.content != ignored.choices[0].message.content  # EOS never drawn
     finally:
-        sch._eos = eos
         rag.eos.clear()
         rag.eos.update(saved)

@@ -12,8 +12,8 @@ import chromadb
 import httpx
 import pytest
 from chromadb.config import Settings as ChromaSettings
-from corpus_helpers import head_tokens
-from serve_helpers import running
+from helpers.corpus import head_tokens
+from helpers.serve import running
 
 from kvrag.engine import KVRag
 from kvrag.serve.app import create_app

@@ -16,8 +16,8 @@ import threading
 import time
 
 import pytest
-from corpus_helpers import DOCS as CORPUS
-from corpus_helpers import prompt_for
+from helpers.corpus import DOCS as CORPUS
+from helpers.corpus import prompt_for
 
 from kvrag.engine import KVRag
 from kvrag.precompute.redis_queue import GROUP, RedisQueue
@@ -79,11 +79,11 @@ def _finish(p: subprocess.Popen, timeout=120) -> str:
 REPLICA_A = """
 import json, sys
 from kvrag.engine import KVRag
-from kvrag.precompute import Precomputer
+from kvrag.frameworks import precomputer_of
 from kvrag.store.redis_store import RedisStore
 url, prefix, model, cache, docs = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], json.loads(sys.argv[5])
 rag = KVRag(model, cache_dir=cache, shared=RedisStore(url, prefix=prefix), precompute_via="queue")
-pc = Precomputer.of(rag)              # what the LlamaIndex / LangChain ingestion hooks call
+pc = precomputer_of(rag)              # what the LlamaIndex / LangChain ingestion hooks call
 keys = [f.result(60) for f in pc.submit_many(docs)]
 assert rag.queue.wait(keys, timeout=90), rag.queue.progress()
 print(json.dumps({"progress": rag.queue.progress(), "local_entries": rag.store.near.stats()["entries"],
@@ -118,7 +118,7 @@ def test_replica_b_serves_what_replica_a_queued(redis_url, prefix, model_dir, tm
     ref.precompute(DOCS)
     assert ref.generate(prompt_for(DOCS), max_new_tokens=8).token_ids == out.token_ids
     # A second replica queueing the same documents queues nothing (dedup).
-    q = b.queue or RedisQueue(b.store.far, b.fingerprint)
+    q = b.queue or RedisQueue.for_store(b.store.far, b.fingerprint)
     before = q.progress()["submitted"]
     q.submit(DOCS, b.ingestor)
     assert q.progress()["submitted"] == before

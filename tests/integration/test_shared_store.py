@@ -9,42 +9,14 @@ import json
 import logging
 
 import pytest
-import torch
-from redis_helpers import RedisServer, redis
+from helpers.redis_servers import RedisServer, redis
+from helpers.shared_entries import FP, entry, same
 
-from kvrag.store import ChunkEntry, DiskStore, make_key
+from kvrag.store import DiskStore
 from kvrag.store.blob import checksum, serialize
-from kvrag.store.redis_store import PART_SIZE, RedisStore, SharedStoreDown, public_url, redact
+from kvrag.store.redis_connection import SharedStoreDown, public_url, redact
+from kvrag.store.redis_store import PART_SIZE, RedisStore
 from kvrag.store.tiered import TieredStore
-
-FP = "fp-shared-test"
-
-
-def entry(seed: int, t: int = 7, fp: str = FP, text: str | None = None) -> tuple[str, ChunkEntry]:
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, 1000, (t,), generator=g)
-    k = torch.randn(2, 2, t, 8, generator=g).half()
-    e = ChunkEntry(
-        fp,
-        text or f"chunk {seed}",
-        ids,
-        k,
-        torch.randn(2, 2, t, 8, generator=g).half(),
-        {"x.codes": torch.arange(t, dtype=torch.int16).view(1, 1, t).expand(2, 2, t).contiguous()},
-    )
-    return make_key(fp, ids), e
-
-
-def same(a: ChunkEntry, b: ChunkEntry) -> bool:
-    return (
-        a.text == b.text
-        and a.fingerprint == b.fingerprint
-        and torch.equal(a.token_ids, b.token_ids)
-        and torch.equal(a.keys, b.keys)
-        and torch.equal(a.values, b.values)
-        and a.extras.keys() == b.extras.keys()
-        and all(torch.equal(a.extras[n], b.extras[n]) for n in a.extras)
-    )
 
 
 @pytest.fixture
@@ -204,7 +176,7 @@ def _tamper_cases(store, key, e):
 def test_tampered_entries_are_never_served(store, caplog):
     key, e = entry(1, t=40)
     store.put(key, e)
-    for i, (name, _) in enumerate(_tamper_cases(store, key, e)):
+    for _i, (name, _) in enumerate(_tamper_cases(store, key, e)):
         store.put(key, e)
         assert same(store.get(key, FP), e)
         action = dict(_tamper_cases(store, key, e))[name]
@@ -287,7 +259,7 @@ def test_eviction_under_maxmemory_is_misses_only(tmp_path):
         keys.reverse()
         served = [far.get(k, FP) for k, _ in keys]
         assert any(s is None for s in served) and any(s is not None for s in served)
-        for (k, e), s in zip(keys, served):
+        for (_k, e), s in zip(keys, served):
             assert s is None or same(s, e)
         assert len(far.texts(FP)) <= 40
         assert far.stats()["maxmemory_policy"] == "allkeys-lru"

@@ -5,13 +5,13 @@ import os
 
 import pytest
 import torch
-from corpus_helpers import DOCS as CORPUS
-from corpus_helpers import hf_greedy, prompt_for
+from helpers.corpus import DOCS as CORPUS
+from helpers.corpus import hf_greedy, prompt_for
 
 from kvrag.engine import KVRag
 from kvrag.errors import ChunkError
+from kvrag.layout.state import CACHED, PLAIN
 from kvrag.query.decode import Sampling, adjust_logits
-from kvrag.query.state import CACHED, PLAIN
 from kvrag.testing import tiny_llama
 
 DOCS = CORPUS[:3]
@@ -544,7 +544,7 @@ def test_bad_input_names_the_problem_and_stores_nothing(rag, handle, tmp_path):
         with pytest.raises(err, match=msg):
             rag.generate(prompt, max_new_tokens=1)
     for kw, msg in [
-        (dict(max_new_tokens=None), "max_new_tokens"),
+        (dict(max_new_tokens=-1), "max_new_tokens"),  # (None is unnamed: the default, cut to the room)
         (dict(max_new_tokens="3"), "max_new_tokens"),
         (dict(top_k=-1, temperature=1.0), "top_k"),
         (dict(temperature=float("nan")), "temperature"),

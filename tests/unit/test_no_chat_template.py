@@ -8,7 +8,7 @@ import pytest
 
 from kvrag.cli import main
 from kvrag.engine import KVRag
-from kvrag.query.prompt import DEFAULT_INSTRUCTION, plain_chat_prompt, rag_messages, rag_prompt
+from kvrag.layout.prompt import DEFAULT_INSTRUCTION, plain_chat_prompt, rag_messages, rag_prompt
 from kvrag.testing import smollm2_tokenizer, tiny_llama
 
 DOCS = [

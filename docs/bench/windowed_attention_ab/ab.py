@@ -2,13 +2,22 @@
 check over every key, windowed layers read keys from 0), 'bad199b' (check reads the keys its
 rows see; windowed groups = the causal plan's groups starting at their window), 'now' (rows cut
 into groups where they span a window)."""
-import importlib.util, json, pathlib, statistics, subprocess, sys, tempfile, time
+import importlib.util
+import json
+import pathlib
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
 import torch
+
 import kvrag.policies.cacheblend as cb
-from kvrag.query.fusion import _Rows
 from kvrag import KVRag
 from kvrag.bench.examples import load_examples
-from kvrag.query.prompt import rag_prompt
+from kvrag.layout.prompt import rag_prompt
+from kvrag.query.fusion import _Rows
 
 torch.set_num_threads(2)
 REPO = str(pathlib.Path(__file__).resolve().parents[3])

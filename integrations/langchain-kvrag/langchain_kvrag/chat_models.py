@@ -6,7 +6,7 @@ import logging
 import os
 import weakref
 from collections.abc import AsyncIterator, Iterator, Sequence
-from typing import Any, Optional
+from typing import Any, cast
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
 from langchain_core.language_models.chat_models import BaseChatModel
@@ -20,10 +20,11 @@ from langchain_core.messages import (
     SystemMessage,
     ToolMessage,
 )
+from langchain_core.messages.ai import UsageMetadata
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
-from pydantic import ConfigDict, Field, PrivateAttr, model_validator
+from pydantic import ConfigDict, Field, PrivateAttr, create_model, model_validator
 
-from kvrag.defaults import AUTO_POLICY, DEFAULT_POLICY
+from kvrag.defaults import AUTO_POLICY
 from kvrag.engine import Generation, KVRag
 from kvrag.frameworks import (
     SHARED_FIELDS,
@@ -31,17 +32,20 @@ from kvrag.frameworks import (
     WrapsKVRag,
     aiter_in_thread,
     call_options,
+    check_options,
     check_shared_matches,
     foreground_steps,
     max_tokens_alias,
     open_stream,
+    option_defaults,
+    pydantic_option_fields,
     rag_policy,
     resolve_policy,
     shared_options,
     shared_settings,
     stop_list,
 )
-from kvrag.query.prompt import has_chat_template, plain_chat_prompt
+from kvrag.layout.prompt import has_chat_template, plain_chat_prompt
 
 __all__ = ["ChatKVRag", "to_kvrag_messages"]
 
@@ -89,16 +93,20 @@ def to_kvrag_messages(messages: Sequence[BaseMessage]) -> list[dict[str, str]]:
     return out
 
 
-def _usage(stats) -> dict[str, Any]:
+def _usage(stats) -> UsageMetadata:
     """LangChain ``UsageMetadata``: cache_read = prompt tokens served from the KV cache (chunks
     and the prompt prefix);
     recomputed = those of them the policy recomputed anyway (a kvrag-specific key)."""
-    return {
-        "input_tokens": stats.prompt_tokens,
-        "output_tokens": stats.new_tokens,
-        "total_tokens": stats.prompt_tokens + stats.new_tokens,
-        "input_token_details": {"cache_read": stats.read_tokens, "recomputed": stats.recomputed_tokens},
-    }
+    # cast: the details carry a kvrag key (recomputed) beside the ones LangChain declares.
+    return cast(
+        UsageMetadata,
+        {
+            "input_tokens": stats.prompt_tokens,
+            "output_tokens": stats.new_tokens,
+            "total_tokens": stats.prompt_tokens + stats.new_tokens,
+            "input_token_details": {"cache_read": stats.read_tokens, "recomputed": stats.recomputed_tokens},
+        },
+    )
 
 
 def _closed(schema: Any) -> Any:
@@ -121,7 +129,14 @@ def _closed(schema: Any) -> Any:
     return out
 
 
-class ChatKVRag(WrapsKVRag, BaseChatModel):
+# The generation options (``kvrag.query.decode.Sampling``'s fields: ``max_new_tokens``,
+# ``temperature``, ``top_p``, ``top_k``, ``stop``, ``seed``, the penalties, ``logit_bias``,
+# ``min_tokens``, ``ignore_eos``, ``json_schema``) are settings of the chat model, derived from
+# them rather than listed here.
+_WithOptions: Any = create_model("_WithOptions", __base__=BaseChatModel, **pydantic_option_fields())
+
+
+class ChatKVRag(WrapsKVRag, _WithOptions):
     """A LangChain chat model that answers with kvrag.
 
     ``ChatKVRag(cache_dir="./kv", policy="cacheblend")`` loads the default model
@@ -143,31 +158,25 @@ class ChatKVRag(WrapsKVRag, BaseChatModel):
     rag: Any = Field(
         default=None, exclude=True, description="A kvrag.engine.KVRag (built from model/cache_dir if None)."
     )
-    model: Optional[str] = Field(
+    model: str | None = Field(
         default=None,
         description="HF model directory or .gguf (None: SmolLM2-135M-Instruct); "
         "filled in with the path the KVRag loaded (None for a model built in memory).",
     )
-    cache_dir: Optional[str] = Field(
+    cache_dir: str | None = Field(
         default=None, description="KV store directory (None: $KVRAG_HOME/store); filled in with the KVRag's store."
     )
-    shared: Optional[str] = Field(
+    shared: str | None = Field(
         default=None,
         description="The shared tier's URL, without its password (filled "
         "in; loaded again with the password from $KVRAG_REDIS_PASSWORD).",
     )
-    shared_prefix: Optional[str] = Field(default=None, description="The shared tier's key prefix (filled in).")
+    shared_prefix: str | None = Field(default=None, description="The shared tier's key prefix (filled in).")
     precompute_via: str = Field(default="local", description="'local' or 'queue' (filled in from the KVRag).")
-    policy: str = DEFAULT_POLICY
+    policy: str = AUTO_POLICY
     policy_params: dict[str, Any] = Field(default_factory=dict)
-    max_new_tokens: int = Field(default=256, gt=0)
-    temperature: float = Field(default=0.0, ge=0.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=0)
-    stop: Optional[list[str]] = None
-    seed: Optional[int] = None
     precompute_options: dict[str, Any] = Field(default_factory=dict, description="Precomputer(...) options.")
-    fingerprint: Optional[str] = Field(
+    fingerprint: str | None = Field(
         default=None,
         description="The cache fingerprint of the model "
         "(filled in; a serialized chat model checks it when loaded again).",
@@ -199,7 +208,8 @@ class ChatKVRag(WrapsKVRag, BaseChatModel):
         return data
 
     @model_validator(mode="after")
-    def _build(self) -> "ChatKVRag":
+    def _build(self) -> ChatKVRag:
+        check_options(self)
         if self.rag is None and self.model is None and self.fingerprint is not None:
             # Serialization always records the model's path; none means it was built in memory.
             raise ValueError(
@@ -277,7 +287,7 @@ class ChatKVRag(WrapsKVRag, BaseChatModel):
             }
         return out
 
-    def _get_ls_params(self, stop: Optional[list[str]] = None, **kwargs: Any):
+    def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any):
         params = super()._get_ls_params(stop=stop, **kwargs)
         params["ls_provider"] = "kvrag"
         if not isinstance(kwargs.get("model"), str):  # a per-call model= is what the trace reports
@@ -289,8 +299,9 @@ class ChatKVRag(WrapsKVRag, BaseChatModel):
         return self.precompute_options
 
     @property
-    def max_tokens(self) -> int:
-        """LangChain's name for ``max_new_tokens`` (read by its tracing)."""
+    def max_tokens(self) -> int | None:
+        """LangChain's name for ``max_new_tokens`` (read by its tracing; None: unnamed, the
+        default cut to the room the prompt leaves)."""
         return self.max_new_tokens
 
     def get_token_ids(self, text: str) -> list[int]:
@@ -298,7 +309,7 @@ class ChatKVRag(WrapsKVRag, BaseChatModel):
         which counts wrong, or nothing offline)."""
         return self.rag.handle.encode(text)
 
-    def get_num_tokens_from_messages(self, messages: list[BaseMessage], tools: Optional[Sequence] = None) -> int:
+    def get_num_tokens_from_messages(self, messages: list[BaseMessage], tools: Sequence | None = None) -> int:
         """Prompt tokens of ``messages`` as the model reads them (chat template included), so
         ``trim_messages(token_counter=llm)`` trims to the real budget."""
         if tools:
@@ -362,33 +373,19 @@ class ChatKVRag(WrapsKVRag, BaseChatModel):
             "policy": self.policy,
             "policy_params": self.policy_params,
             "fingerprint": self.rag.fingerprint[:16],
-            "max_new_tokens": self.max_new_tokens,
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "top_k": self.top_k,
-            "seed": self.seed,
             # Not "stop": LangChain overwrites that key with the call's own stop list.
-            "default_stop": self.stop,
+            **{("default_stop" if k == "stop" else k): v for k, v in option_defaults(self).items() if k != "policy"},
         }
 
     # ---- core --------------------------------------------------------------------------
-    def _options(self, stop: Optional[list[str]], kwargs: dict[str, Any]) -> dict[str, Any]:
-        defaults = dict(
-            policy=self.policy,
-            max_new_tokens=self.max_new_tokens,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            stop=stop_list(self.stop),
-            seed=self.seed,
-        )
-        opts = call_options(defaults, self.policy_params, kwargs, "ChatKVRag", log)
+    def _options(self, stop: list[str] | None, kwargs: dict[str, Any]) -> dict[str, Any]:
+        opts = call_options(option_defaults(self), self.policy_params, kwargs, "ChatKVRag", log)
         opts["stop"] = opts["stop"] + stop_list(stop)  # LangChain's per-call stop adds to ours
         return opts
 
     def _prompt(self, messages: list[BaseMessage]) -> str:
         """The prompt string: the messages rendered with the chat template, or, for a model
-        without one (a base model), as ``role: content`` lines (``kvrag.query.prompt.plain_chat_prompt``)."""
+        without one (a base model), as ``role: content`` lines (``kvrag.layout.prompt.plain_chat_prompt``)."""
         msgs = to_kvrag_messages(messages)
         if not has_chat_template(self.rag.tokenizer):
             return plain_chat_prompt(msgs)
@@ -407,8 +404,8 @@ class ChatKVRag(WrapsKVRag, BaseChatModel):
     def _iterate(
         self,
         messages: list[BaseMessage],
-        stop: Optional[list[str]],
-        run_manager: Optional[CallbackManagerForLLMRun],
+        stop: list[str] | None,
+        run_manager: CallbackManagerForLLMRun | None,
         kwargs: dict[str, Any],
         whole: bool = False,
     ) -> Iterator[tuple[str, Any]]:
@@ -437,27 +434,28 @@ class ChatKVRag(WrapsKVRag, BaseChatModel):
     def _generate(
         self,
         messages: list[BaseMessage],
-        stop: Optional[list[str]] = None,
-        run_manager: Optional[CallbackManagerForLLMRun] = None,
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> ChatResult:
         with self._foreground():  # the whole answer holds background precompute back
-            for _, gen in self._iterate(messages, stop, run_manager, kwargs, whole=True):
+            for _, gen in self._iterate(messages, stop, run_manager, kwargs, whole=True):  # noqa: B007 - the last is the answer
                 pass
         return self._result(gen)
 
     async def _agenerate(
         self,
         messages: list[BaseMessage],
-        stop: Optional[list[str]] = None,
-        run_manager: Optional[AsyncCallbackManagerForLLMRun] = None,
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> ChatResult:
         # LangChain's default runs ``_generate`` in an executor, which a cancelled ``ainvoke``
         # (a client that went away) cannot stop: it decoded up to max_new_tokens in the
         # background. Stepped here, it stops after the step in flight.
         with self._foreground():  # the whole answer holds background precompute back
-            async for _, gen in aiter_in_thread(self._iterate(messages, stop, _sync(run_manager), kwargs, whole=True)):
+            steps = aiter_in_thread(self._iterate(messages, stop, _sync(run_manager), kwargs, whole=True))
+            async for _, gen in steps:  # noqa: B007 - the last is the answer
                 pass
         return self._result(gen)
 
@@ -472,8 +470,8 @@ class ChatKVRag(WrapsKVRag, BaseChatModel):
     def _stream(
         self,
         messages: list[BaseMessage],
-        stop: Optional[list[str]] = None,
-        run_manager: Optional[CallbackManagerForLLMRun] = None,
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> Iterator[ChatGenerationChunk]:
         for delta, gen in self._iterate(messages, stop, run_manager, kwargs):
@@ -491,8 +489,8 @@ class ChatKVRag(WrapsKVRag, BaseChatModel):
     async def _astream(
         self,
         messages: list[BaseMessage],
-        stop: Optional[list[str]] = None,
-        run_manager: Optional[AsyncCallbackManagerForLLMRun] = None,
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> AsyncIterator[ChatGenerationChunk]:
         # LangChain's default steps ``_stream`` in an executor too, but a cancelled consumer
@@ -502,6 +500,6 @@ class ChatKVRag(WrapsKVRag, BaseChatModel):
             yield chunk
 
 
-def _sync(run_manager: Optional[AsyncCallbackManagerForLLMRun]) -> Optional[CallbackManagerForLLMRun]:
+def _sync(run_manager: AsyncCallbackManagerForLLMRun | None) -> CallbackManagerForLLMRun | None:
     """The sync handle of an async run manager, for the generation stepped in a worker thread."""
     return run_manager.get_sync() if run_manager is not None else None

@@ -23,16 +23,15 @@ import inspect
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from contextvars import ContextVar
-from typing import Any, Optional
+from typing import Any
 
 from langchain_core.callbacks import AsyncCallbackManagerForRetrieverRun, CallbackManagerForRetrieverRun
 from langchain_core.documents import Document
 from langchain_core.retrievers import BaseRetriever
 from pydantic import ConfigDict, Field
 
-from kvrag.frameworks import hook_target, schedule_retrieved
+from kvrag.frameworks import chunk_service, hook_target, precomputer_of, schedule_retrieved
 from kvrag.precompute import Precomputer
-from kvrag.serve.client import chunk_service, hook_service
 
 __all__ = ["KVPrecomputeHook", "precompute_on_add", "KVWarmingRetriever"]
 
@@ -93,12 +92,12 @@ class KVPrecomputeHook:
         llm: Any = None,
         rag: Any = None,
         precomputer: Any = None,
-        server: Optional[str] = None,
-        api_key: Optional[str] = None,
-        text_fn: Optional[Callable[[str], str]] = None,
+        server: str | None = None,
+        api_key: str | None = None,
+        text_fn: Callable[[str], str] | None = None,
         block: bool = True,
     ):
-        target = hook_service(
+        target = hook_target(
             "KVPrecomputeHook", target, llm=llm, rag=rag, precomputer=precomputer, server=server, api_key=api_key
         )
         chunk_service(target)  # a wrong target fails here, not at the first add_documents
@@ -224,9 +223,9 @@ def precompute_on_add(
     llm: Any = None,
     rag: Any = None,
     precomputer: Any = None,
-    server: Optional[str] = None,
-    api_key: Optional[str] = None,
-    text_fn: Optional[Callable[[str], str]] = None,
+    server: str | None = None,
+    api_key: str | None = None,
+    text_fn: Callable[[str], str] | None = None,
     block: bool = True,
     backfill: bool = False,
 ):
@@ -256,10 +255,10 @@ class KVWarmingRetriever(BaseRetriever):
 
     retriever: BaseRetriever
     target: Any = Field(exclude=True)
-    text_fn: Optional[Callable[[str], str]] = Field(default=None, exclude=True)
+    text_fn: Callable[[str], str] | None = Field(default=None, exclude=True)
     defer_s: float = Field(default=10.0, ge=0.0)
 
-    def __init__(self, retriever: Optional[BaseRetriever] = None, target: Any = None, **kwargs: Any):
+    def __init__(self, retriever: BaseRetriever | None = None, target: Any = None, **kwargs: Any):
         if retriever is not None:
             kwargs["retriever"] = retriever
         target = hook_target(
@@ -269,12 +268,13 @@ class KVWarmingRetriever(BaseRetriever):
             rag=kwargs.pop("rag", None),
             precomputer=kwargs.pop("precomputer", None),
         )
-        Precomputer.of(target)  # a wrong target fails here
-        super().__init__(target=target, **kwargs)
+        precomputer_of(target)  # a wrong target fails here
+        # ``target`` is a pydantic field of this class; mypy reads only the base's __init__ signature.
+        super().__init__(target=target, **kwargs)  # type: ignore[call-arg]
 
     @property
     def precomputer(self) -> Precomputer:
-        return Precomputer.of(self.target)  # live at each use, as KVPrecomputeHook's
+        return precomputer_of(self.target)  # live at each use, as KVPrecomputeHook's
 
     def _texts(self, docs: list[Document]) -> list[str]:
         texts = [d.page_content for d in docs]

@@ -11,7 +11,8 @@ import time
 import chromadb
 import pytest
 from chromadb.config import Settings as ChromaSettings  # noqa: E402
-from corpus_helpers import hf_greedy  # noqa: E402
+from helpers.corpus import hf_greedy  # noqa: E402
+from helpers.streams import cancel_mid_step  # noqa: E402
 from llama_index.core import Document, VectorStoreIndex  # noqa: E402
 from llama_index.core.base.llms.types import ChatMessage, ImageBlock, MessageRole, TextBlock  # noqa: E402
 from llama_index.core.ingestion import IngestionPipeline  # noqa: E402
@@ -19,7 +20,6 @@ from llama_index.core.node_parser import SentenceSplitter  # noqa: E402
 from llama_index.core.query_engine import RetrieverQueryEngine  # noqa: E402
 from llama_index.core.schema import MetadataMode, TextNode  # noqa: E402
 from llama_index.vector_stores.chroma import ChromaVectorStore  # noqa: E402
-from stream_helpers import cancel_mid_step  # noqa: E402
 
 from kvrag.engine import KVRag  # noqa: E402
 from kvrag.errors import ChunkError  # noqa: E402

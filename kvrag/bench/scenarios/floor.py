@@ -3,10 +3,10 @@ op counts, measured by ``kvrag.bench.floor.measure_floor``, into ``floor_records
 
 from __future__ import annotations
 
-from kvrag.bench import synthetic
 from kvrag.bench.examples import examples_from_items
 from kvrag.bench.floor import measure_floor
 from kvrag.bench.measure import Measure
+from kvrag.qa import synthetic
 
 
 def run_floor(m: Measure, rag) -> None:

@@ -6,12 +6,12 @@ from __future__ import annotations
 import time
 
 from kvrag.bench.config import REFERENCE
-from kvrag.bench.examples import Example
 from kvrag.bench.journal import append_to_journal, journal_identity, journal_key, journal_path, open_journal
 from kvrag.bench.measure import Measure
+from kvrag.qa.example import QAExample
 
 
-def run_qa(m: Measure, rag, dataset: str, examples: list[Example]) -> None:
+def run_qa(m: Measure, rag, dataset: str, examples: list[QAExample[str]]) -> None:
     """Every run of ``m`` on each of ``examples`` (the dataset ``dataset``), into ``m.records``."""
     journal = journal_path(m.cfg.out, m.device, dataset)
     done = open_journal(journal, journal_identity(m.cfg, m.device, dataset, m.model_info, m.runs), m.cfg.resume)

@@ -3,10 +3,10 @@
 
 from __future__ import annotations
 
-from kvrag.bench import synthetic
 from kvrag.bench.config import REFERENCE
 from kvrag.bench.examples import examples_from_items
 from kvrag.bench.measure import Measure
+from kvrag.qa import synthetic
 
 
 def run_scaling(m: Measure, rag) -> None:

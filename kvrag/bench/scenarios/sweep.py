@@ -7,12 +7,12 @@ from __future__ import annotations
 import time
 
 from kvrag.bench.config import REFERENCE, Run
-from kvrag.bench.examples import Example
 from kvrag.bench.journal import append_to_journal, journal_identity, journal_key, journal_path, open_journal
 from kvrag.bench.measure import Measure
+from kvrag.qa.example import QAExample
 
 
-def run_sweep(m: Measure, rag, datasets: dict[str, list[Example]], sweep_policies: list[str]) -> None:
+def run_sweep(m: Measure, rag, datasets: dict[str, list[QAExample[str]]], sweep_policies: list[str]) -> None:
     """``full_prefill`` and each (policy, ratio) on the first ``cfg.sweep_limit`` examples of
     the sweep's dataset (``cfg.sweep_data``), into ``m.records``."""
     cfg = m.cfg

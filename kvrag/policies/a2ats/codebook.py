@@ -230,7 +230,7 @@ class Codebooks:
         with another codebook are recognised and recomputed)."""
         return torch.tensor(list(self.digest), dtype=torch.uint8)
 
-    def to(self, device: str | torch.device) -> "Codebooks":
+    def to(self, device: str | torch.device) -> Codebooks:
         """These codebooks with the tensors that score and assign codes (codebook, chol and
         their z-space codewords) on ``device``, copied once per device and then reused; the
         probe stays where it is (it only identifies the model)."""
@@ -300,7 +300,7 @@ class Codebooks:
         return path
 
     @classmethod
-    def load(cls, path: str | os.PathLike) -> "Codebooks":
+    def load(cls, path: str | os.PathLike) -> Codebooks:
         from safetensors import safe_open
 
         path = Path(path)
@@ -328,7 +328,7 @@ def probe_ids(vocab_size: int) -> list[int]:
     return [(i * 7919 + 11) % vocab_size for i in range(1, _PROBE_TOKENS + 1)]
 
 
-_PROBES: "weakref.WeakKeyDictionary[torch.nn.Module, torch.Tensor]" = weakref.WeakKeyDictionary()
+_PROBES: weakref.WeakKeyDictionary[torch.nn.Module, torch.Tensor] = weakref.WeakKeyDictionary()
 
 
 def model_probe(arch) -> torch.Tensor:
@@ -401,7 +401,7 @@ def _header_meta(path: Path) -> dict | None:
                 return None
             shape = f.get_slice("codebook").get_shape()
         return {"shape": list(shape), **{k: json.loads(v) for k, v in raw.items() if k != "format"}}
-    except Exception:
+    except Exception:  # noqa: BLE001 - an unreadable codebook file is no codebook
         return None
 
 

@@ -29,10 +29,10 @@ from pathlib import Path
 import torch
 
 from kvrag.checks import check_int, check_real
+from kvrag.layout.state import CACHED
 from kvrag.policies.a2ats import codebook as books
 from kvrag.policies.base import Policy, param, top_k_indices
 from kvrag.policies.registry import register
-from kvrag.query.state import CACHED
 
 log = logging.getLogger("kvrag")
 
@@ -108,7 +108,7 @@ class A2ATS(Policy):
             if p.prefill == "naive"
             else get_policy("cacheblend", recompute_ratio=float(p.recompute_ratio))
         )
-        self._books: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+        self._books: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._warned = False
 
     # ---- codebooks ---------------------------------------------------------------------

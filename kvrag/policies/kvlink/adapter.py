@@ -80,7 +80,7 @@ def find_adapter(handle: ModelHandle) -> Path | None:
     return None
 
 
-def default_adapter(handle: ModelHandle, allow_lora: bool = False) -> "KVLinkAdapter | None":
+def default_adapter(handle: ModelHandle, allow_lora: bool = False) -> KVLinkAdapter | None:
     """The adapter :func:`find_adapter` finds for ``handle``, or None: none found, one with
     LoRA weights while ``allow_lora`` is False (LoRA changes the model for every policy, so
     only a caller that runs KVLink asks for it), the model already carries one, or it cannot be

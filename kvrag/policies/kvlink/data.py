@@ -9,8 +9,9 @@ hand, with targets that need no labels:
   paragraph, then sentence boundaries), and prose every machine holds: the Python standard
   library's documentation (``pydoc_data.topics``), ``/usr/share/doc/*`` READMEs, copyright
   files and changelogs, and manual pages (``man -P cat``, only where ``man`` exists);
-* **labelled QA** -- any file :mod:`kvrag.qa_data` reads (MuSiQue's paragraphs, HotpotQA, ...)
-  and :mod:`kvrag.bench.synthetic`'s generator, one source among several.
+* **labelled QA** -- any file :mod:`kvrag.qa.files` reads (MuSiQue's paragraphs, HotpotQA, ...;
+  ``kvrag train kvlink --data`` trains on such a file alone, :func:`load_qa`) and
+  :mod:`kvrag.qa.synthetic`'s generator, one source among several.
 
 A :class:`Mixture` draws one :class:`Task` at a time: 2-10 passages in shuffled order and an
 instruction after them. From a passage pool the instruction is made from one passage (the
@@ -39,18 +40,25 @@ import subprocess
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+import torch
 
 from kvrag.policies.kvlink.adapter import KVLinkError
-
-if TYPE_CHECKING:  # torch is imported where the samples are made
-    import torch
+from kvrag.policies.kvlink.samples import (
+    Sample,
+    answer_ids,
+    build_sample,
+    pick_passages,
+    prompt_pieces,
+    rag_prompt,
+    truncate_passage,
+)
+from kvrag.qa import files, synthetic
+from kvrag.qa.example import Passage, QAExample, rendered
 
 log = logging.getLogger("kvrag.kvlink")
 
-POOL_SOURCES = ("text", "store", "pydoc", "usr-share-doc", "man")
-QA_SOURCES = ("musique", "qa", "synthetic")
-SOURCES = POOL_SOURCES + QA_SOURCES
 # Sources read from the machine itself: what `kvrag tune` adds when the user names no source.
 MACHINE_SOURCES = ("pydoc", "usr-share-doc", "man")
 TASK_KINDS = ("continue", "summary", "cloze")
@@ -209,25 +217,52 @@ def man_passages(
 
 
 # ---- QA sources ------------------------------------------------------------------------------
-def qa_items(path: str | os.PathLike, split: str | None = None, eval_percent: int = EVAL_PERCENT) -> list:
-    """The QA examples of a file (:func:`kvrag.policies.kvlink.train.load_qa`) in ``split``
-    (keyed by the question text; None = all)."""
-    from kvrag.policies.kvlink.train import load_qa
+#: What separates a passage's title from its text in the prompts KVLink trains on from QA data
+#: (``kvrag.qa.example.passage_text``), where the benchmark puts the title on a line of its own:
+#: the adapters trained from titled data so far, and the checkpoints of runs in progress, were
+#: made on these prompts, and a resume checks the data file's digest, not the prompts built from
+#: it, so another separator would train a resumed run on other prompts than its first sittings.
+#: (The shipped adapters trained on untitled passages, where both read the same.)
+TRAIN_TITLE_SEP = ": "
 
+
+def _training_examples(examples: list[QAExample[Passage]], source: str) -> list[QAExample[str]]:
+    """``examples`` as training reads them: every passage must hold text (a KVLinkError names
+    the first that does not), each rendered with :data:`TRAIN_TITLE_SEP`."""
+    for ex in examples:
+        for j, (_, text) in enumerate(ex.passages):
+            if not text.strip():
+                raise KVLinkError(f"{source}: example {ex.id} ctx {j} has no 'text' string (empty)")
+    return [rendered(ex, TRAIN_TITLE_SEP) for ex in examples]
+
+
+def load_qa(path: str | os.PathLike) -> list[QAExample[str]]:
+    """QA examples from a file in any format :mod:`kvrag.qa.files` reads (MuSiQue/KVLink's
+    ``{"question", "answers", "ctxs": [{"title", "text"}]}``, HotpotQA, LongBench, SQuAD; a JSON
+    list or JSON lines), as training reads them (``title: text``, the text alone without a
+    title; an empty passage is an error)."""
+    try:
+        examples = files.read_examples(path)
+    except (OSError, ValueError) as e:
+        raise KVLinkError(f"training data: {e}") from None
+    return _training_examples(examples, str(path))
+
+
+def qa_items(
+    path: str | os.PathLike, split: str | None = None, eval_percent: int = EVAL_PERCENT
+) -> list[QAExample[str]]:
+    """The QA examples of a file (:func:`load_qa`) in ``split`` (keyed by the question text;
+    None = all)."""
     _check_split(split)
     items = load_qa(path)
     return [it for it in items if split is None or split_of(it.question, eval_percent) == split]
 
 
-def synthetic_items(n: int, seed: int, count: Callable[[str], int] | None = None) -> list:
-    """``n`` items of kvrag's synthetic generator (:mod:`kvrag.bench.synthetic`)."""
-    from kvrag.bench import synthetic
-    from kvrag.policies.kvlink.train import QAItem
-
-    return [
-        QAItem(it["question"], it["answers"], [c["text"] for c in it["ctxs"]])
-        for it in synthetic.generate(n, seed, count_tokens=count)
-    ]
+def synthetic_items(n: int, seed: int, count: Callable[[str], int] | None = None) -> list[QAExample[str]]:
+    """``n`` items of kvrag's synthetic generator (:mod:`kvrag.qa.synthetic`)."""
+    return _training_examples(
+        files.parse_items(synthetic.generate(n, seed, count_tokens=count), "synthetic"), "synthetic"
+    )
 
 
 # ---- tasks ------------------------------------------------------------------------------------
@@ -290,12 +325,10 @@ def pool_task(
     return Task(source, kind, docs, q, answers, "teacher", not without)
 
 
-def qa_task(source: str, item, rng: random.Random, n_docs: int, *, p_without: float) -> Task:
+def qa_task(source: str, item: QAExample[str], rng: random.Random, n_docs: int, *, p_without: float) -> Task:
     """A labelled task: ``n_docs`` of the item's passages, shuffled, the one holding a gold
     answer included -- or, with probability ``p_without``, left out; then the target is the
     teacher's answer (a gold answer the context does not hold would teach guessing)."""
-    from kvrag.policies.kvlink.train import pick_passages
-
     low = [a.lower() for a in item.answers]
     gold = [i for i, p in enumerate(item.passages) if any(a in p.lower() for a in low)]
     without = bool(gold) and len(item.passages) > len(gold) and rng.random() < p_without
@@ -314,12 +347,12 @@ def qa_task(source: str, item, rng: random.Random, n_docs: int, *, p_without: fl
 class Mixture:
     """Draws tasks from several sources: a source by weight (default: equal), then a task of
     ``min_docs..max_docs`` passages from it. ``pools``: source -> passages; ``qa``: source ->
-    QA items (``QAItem``). Deterministic given the ``random.Random`` passed to :meth:`task`."""
+    QA items (``QAExample[str]``). Deterministic given the ``random.Random`` passed to :meth:`task`."""
 
     def __init__(
         self,
         pools: dict[str, Sequence[str]] | None = None,
-        qa: dict[str, Sequence] | None = None,
+        qa: dict[str, Sequence[QAExample[str]]] | None = None,
         *,
         min_docs: int = 2,
         max_docs: int = 10,
@@ -414,18 +447,16 @@ class TaskSampler:
         per_doc = len(self.handle.anchor_ids()) + self.link_tokens
         return sum(len(p[0]) + (len(p[2]) + per_doc if p[1] else 0) for p in pieces)
 
-    def sample(self, task: Task):
+    def sample(self, task: Task) -> Sample:
         """The training sample of ``task`` (its teacher answer generated alone)."""
         return self.samples([task])[0]
 
-    def samples(self, tasks: Sequence[Task]) -> list:
+    def samples(self, tasks: Sequence[Task]) -> list[Sample]:
         """The training samples of ``tasks``, in order. The teacher answers of all that need
         one come from one greedy generation over their prompts, left-padded: on a GPU a
         generation step of one prompt is launch-bound, so B prompts cost about what one does.
         Each sample equals ``sample`` of its task alone up to float rounding (a lone prompt is
         generated unpadded, exactly as alone)."""
-        from kvrag.policies.kvlink.train import answer_ids, build_sample, prompt_pieces, rag_prompt, truncate_passage
-
         h = self.handle
         laid: list[tuple[list, list[int] | None]] = []  # (pieces, answer ids; None: the teacher's)
         for task in tasks:
@@ -462,8 +493,6 @@ class TaskSampler:
         the end-of-turn token) with its logits [T_i, V] float32 (row t predicts answer token t
         over the plain prompt: the distillation target, so training need not run the teacher
         again), from one ``generate`` over the prompts left-padded."""
-        import torch
-
         h = self.handle
         eos = h.tokenizer.eos_token_id
         pad = self._pad_id()
@@ -495,14 +524,14 @@ class TaskSampler:
             result.append((row or [pad], logits))
         return result
 
-    def draw(self, rng: random.Random, n: int) -> list:
+    def draw(self, rng: random.Random, n: int) -> list[tuple[Sample, str]]:
         """``n`` calls at once, ``[(Sample, source)]``: the same tasks in the same order as
         ``n`` calls (the RNG is the data cursor), their teacher answers generated together
         (``samples``)."""
         tasks = [self.mixture.task(rng) for _ in range(n)]
         return list(zip(self.samples(tasks), (t.source for t in tasks)))
 
-    def __call__(self, rng: random.Random):
+    def __call__(self, rng: random.Random) -> tuple[Sample, str]:
         task = self.mixture.task(rng)
         return self.sample(task), task.source
 
@@ -520,7 +549,7 @@ def pool_split(passages: Sequence[str], split: str | None, eval_percent: int = P
 def cloze_items(pool: Sequence[str], n: int, seed: int = 0, *, docs: int = 4) -> list[dict]:
     """``n`` labelled questions from unlabelled passages, for ``kvrag bench --data``: a cloze
     (quote the sentence after a given one) over ``docs`` shuffled passages that include the
-    one it quotes; the gold answer is that sentence. As ``qa_data`` dicts."""
+    one it quotes; the gold answer is that sentence. As QA data-file dicts (:mod:`kvrag.qa.files`)."""
     rng = random.Random(f"kvrag-cloze:{seed}")
     out: list[dict] = []
     for _ in range(20 * n):

@@ -30,11 +30,11 @@ from dataclasses import dataclass
 import torch
 
 from kvrag.checks import check_int
+from kvrag.layout.state import CACHED
 from kvrag.policies.base import Policy, param
 from kvrag.policies.cacheblend import CacheBlend, CacheBlendParams
 from kvrag.policies.epic import Epic, EpicParams
 from kvrag.policies.registry import register
-from kvrag.query.state import CACHED
 
 #: Attribute of an adapted HF model that holds its ``KVLinkAdapter`` (set by
 #: ``kvrag.policies.kvlink.adapter.apply_adapter``).

@@ -10,14 +10,14 @@ import time
 import chromadb
 import pytest
 from chromadb.config import Settings as ChromaSettings  # noqa: E402
-from corpus_helpers import hf_greedy  # noqa: E402
+from helpers.corpus import hf_greedy  # noqa: E402
+from helpers.streams import cancel_mid_step  # noqa: E402
 from langchain_chroma import Chroma  # noqa: E402
 from langchain_core.documents import Document  # noqa: E402
 from langchain_core.messages import HumanMessage, SystemMessage  # noqa: E402
 from langchain_core.output_parsers import StrOutputParser  # noqa: E402
 from langchain_core.prompts import ChatPromptTemplate  # noqa: E402
 from langchain_core.runnables import ConfigurableField, RunnablePassthrough  # noqa: E402
-from stream_helpers import cancel_mid_step  # noqa: E402
 
 from kvrag.engine import KVRag  # noqa: E402
 from kvrag.errors import ChunkError  # noqa: E402

@@ -12,7 +12,7 @@ import functools
 import logging
 import os
 from collections.abc import Iterator, Sequence
-from typing import Any, Optional
+from typing import Any
 
 from llama_index.core import Settings
 from llama_index.core.base.llms.generic_utils import messages_to_prompt as generic_messages_to_prompt
@@ -28,11 +28,11 @@ from llama_index.core.base.llms.types import (
     MessageRole,
     TextBlock,
 )
-from llama_index.core.bridge.pydantic import Field, PrivateAttr
+from llama_index.core.bridge.pydantic import Field, PrivateAttr, create_model
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.llm import LLM
 
-from kvrag.defaults import AUTO_POLICY, DEFAULT_POLICY
+from kvrag.defaults import AUTO_POLICY, DEFAULT_MAX_NEW_TOKENS
 from kvrag.engine import Generation, KVRag
 from kvrag.frameworks import (
     SHARED_FIELDS,
@@ -42,18 +42,21 @@ from kvrag.frameworks import (
     aopen_stream,
     arun_stream,
     call_options,
+    check_options,
     check_shared_matches,
     foreground_steps,
     max_tokens_alias,
     open_stream,
+    option_defaults,
+    pydantic_option_fields,
     rag_policy,
     resolve_policy,
     shared_options,
     shared_settings,
     usage_counts,
 )
+from kvrag.layout.prompt import has_chat_template
 from kvrag.precompute import Precomputer
-from kvrag.query.prompt import has_chat_template
 
 __all__ = ["KVRagLLM"]
 
@@ -158,7 +161,14 @@ IN_MEMORY = "<in-memory model>"
 
 
 # ---- the LLM -------------------------------------------------------------------------------
-class KVRagLLM(WrapsKVRag, LLM):
+# The generation options (``kvrag.query.decode.Sampling``'s fields: ``max_new_tokens``,
+# ``temperature``, ``top_p``, ``top_k``, ``stop``, ``seed``, the penalties, ``logit_bias``,
+# ``min_tokens``, ``ignore_eos``, ``json_schema``) are settings of the LLM, derived from them
+# rather than listed here.
+_WithOptions: Any = create_model("_WithOptions", __base__=LLM, **pydantic_option_fields())
+
+
+class KVRagLLM(WrapsKVRag, _WithOptions):
     """A LlamaIndex LLM backed by :class:`kvrag.engine.KVRag`.
 
     ``KVRagLLM(cache_dir="./kv", policy="cacheblend", policy_params={"recompute_ratio": 0.15})``
@@ -175,26 +185,20 @@ class KVRagLLM(WrapsKVRag, LLM):
     Per-call overrides: ``llm.complete(prompt, policy="naive_reuse", max_new_tokens=32,
     policy_params={...})``."""
 
-    policy: str = Field(default=DEFAULT_POLICY, description="kvrag reuse policy (see `kvrag policies`).")
+    policy: str = Field(default=AUTO_POLICY, description="kvrag reuse policy (see `kvrag policies`).")
     policy_params: dict[str, Any] = Field(default_factory=dict, description="Hyper-parameters of the policy.")
-    max_new_tokens: int = Field(default=256, gt=0, description="Tokens to generate at most.")
-    temperature: float = Field(default=0.0, ge=0.0, description="0 = greedy decoding.")
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=0)
-    stop: list[str] = Field(default_factory=list, description="Stop strings (not included in the output).")
-    seed: Optional[int] = Field(default=None, description="Sampling seed (temperature > 0).")
-    model: Optional[str] = Field(
+    model: str | None = Field(
         default=None,
         description="The model loaded: HF directory or .gguf path "
         "(filled in from the KVRag; what from_dict loads again).",
     )
-    cache_dir: Optional[str] = Field(default=None, description="The KV store directory (filled in from the KVRag).")
-    shared: Optional[str] = Field(
+    cache_dir: str | None = Field(default=None, description="The KV store directory (filled in from the KVRag).")
+    shared: str | None = Field(
         default=None,
         description="The shared tier's URL, without its password (filled in "
         "from the KVRag; loaded again with the password from $KVRAG_REDIS_PASSWORD).",
     )
-    shared_prefix: Optional[str] = Field(default=None, description="The shared tier's key prefix (filled in).")
+    shared_prefix: str | None = Field(default=None, description="The shared tier's key prefix (filled in).")
     precompute_via: str = Field(default="local", description="'local' or 'queue' (filled in from the KVRag).")
 
     _rag: Any = PrivateAttr(default=None)
@@ -205,13 +209,13 @@ class KVRagLLM(WrapsKVRag, LLM):
 
     def __init__(
         self,
-        rag: Optional[KVRag] = None,
+        rag: KVRag | None = None,
         *,
-        model: Optional[str] = None,
-        cache_dir: Optional[str | os.PathLike] = None,
-        precomputer: Optional[Precomputer] = None,
-        precompute_options: Optional[dict[str, Any]] = None,
-        rag_options: Optional[dict[str, Any]] = None,
+        model: str | None = None,
+        cache_dir: str | os.PathLike | None = None,
+        precomputer: Precomputer | None = None,
+        precompute_options: dict[str, Any] | None = None,
+        rag_options: dict[str, Any] | None = None,
         set_tokenizer: bool = True,
         **kwargs: Any,
     ) -> None:
@@ -252,6 +256,7 @@ class KVRagLLM(WrapsKVRag, LLM):
         kwargs["cache_dir"] = str(rag.cache_dir)
         kwargs.update(shared_settings(rag))  # never its password
         super().__init__(**kwargs)
+        check_options(self)
         if set_tokenizer:
             _install_tokenizer(rag)
         self._rag = rag
@@ -263,7 +268,7 @@ class KVRagLLM(WrapsKVRag, LLM):
         return "KVRagLLM"
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any], **kwargs: Any) -> "KVRagLLM":
+    def from_dict(cls, data: dict[str, Any], **kwargs: Any) -> KVRagLLM:
         """Rebuild from ``to_dict()``: loads ``model`` again over the store in ``cache_dir`` and
         the shared tier ``shared`` (its password from ``$KVRAG_REDIS_PASSWORD``, or pass
         ``shared=`` with it again as a keyword)."""
@@ -290,23 +295,14 @@ class KVRagLLM(WrapsKVRag, LLM):
         source = getattr(handle, "source", None)
         return LLMMetadata(
             context_window=handle.max_context,
-            num_output=self.max_new_tokens,
+            num_output=self.max_new_tokens or DEFAULT_MAX_NEW_TOKENS,
             is_chat_model=_has_chat_template(self._rag),
             model_name=f"kvrag:{os.path.basename(str(source)) if source else type(handle.model).__name__}",
         )
 
     # ---- core --------------------------------------------------------------------------
     def _options(self, kwargs: dict[str, Any]) -> dict[str, Any]:
-        defaults = dict(
-            policy=self.policy,
-            max_new_tokens=self.max_new_tokens,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            stop=list(self.stop),
-            seed=self.seed,
-        )
-        return call_options(defaults, self.policy_params, kwargs, "KVRagLLM", log)
+        return call_options(option_defaults(self), self.policy_params, kwargs, "KVRagLLM", log)
 
     def _generate(self, prompt: str, kwargs: dict[str, Any]) -> Generation:
         with self._foreground():

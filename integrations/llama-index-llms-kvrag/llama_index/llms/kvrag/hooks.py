@@ -19,16 +19,15 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import Any, Optional
+from typing import Any
 
 from llama_index.core.base.base_retriever import BaseRetriever
 from llama_index.core.bridge.pydantic import Field, PrivateAttr
 from llama_index.core.postprocessor.types import BaseNodePostprocessor
 from llama_index.core.schema import BaseNode, Document, MetadataMode, NodeWithScore, QueryBundle, TransformComponent
 
-from kvrag.frameworks import hook_target, schedule_retrieved
+from kvrag.frameworks import chunk_service, hook_target, precomputer_of, schedule_retrieved
 from kvrag.precompute import Precomputer
-from kvrag.serve.client import chunk_service, hook_service
 
 __all__ = ["KVPrecompute", "KVCacheWarmer", "KVWarmingRetriever", "node_texts"]
 
@@ -66,7 +65,7 @@ class _Unpicklable:
             "hook in the parent process"
         )
 
-    def __deepcopy__(self, memo):
+    def __deepcopy__(self: Any, memo: dict[int, Any] | None = None) -> Any:  # self: a pydantic hook model
         # A copy of a hook feeds the same service (a deep copy of a thread pool makes no sense).
         new = self.model_copy()
         new._target = self._target
@@ -104,11 +103,11 @@ class KVPrecompute(_Unpicklable, TransformComponent):
         llm: Any = None,
         rag: Any = None,
         precomputer: Any = None,
-        server: Optional[str] = None,
-        api_key: Optional[str] = None,
+        server: str | None = None,
+        api_key: str | None = None,
         **data: Any,
     ) -> None:
-        target = hook_service(
+        target = hook_target(
             "KVPrecompute", target, llm=llm, rag=rag, precomputer=precomputer, server=server, api_key=api_key
         )
         super().__init__(**data)
@@ -168,7 +167,7 @@ class KVCacheWarmer(_Unpicklable, BaseNodePostprocessor):
     ) -> None:
         target = hook_target("KVCacheWarmer", target, llm=llm, rag=rag, precomputer=precomputer)
         super().__init__(**data)
-        Precomputer.of(target)
+        precomputer_of(target)
         self._target = target
 
     @classmethod
@@ -177,10 +176,10 @@ class KVCacheWarmer(_Unpicklable, BaseNodePostprocessor):
 
     @property
     def precomputer(self) -> Precomputer:
-        return Precomputer.of(self._target)  # live at each use, as KVPrecompute's
+        return precomputer_of(self._target)  # live at each use, as KVPrecompute's
 
     def _postprocess_nodes(
-        self, nodes: list[NodeWithScore], query_bundle: Optional[QueryBundle] = None
+        self, nodes: list[NodeWithScore], query_bundle: QueryBundle | None = None
     ) -> list[NodeWithScore]:
         texts, _ = node_texts([n.node for n in nodes], self.metadata_mode, self.strip)
         schedule_retrieved(self.precomputer, texts, self.defer_s)

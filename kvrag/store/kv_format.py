@@ -1,0 +1,266 @@
+"""The formats stored K/V are kept in: a float dtype, or a packed format with per-group scales.
+
+Float formats (``float32``, ``float16``, ``bfloat16``): the tensors as computed, rounded to
+the dtype; their dtype says which, so they share one cache fingerprint (what stores written
+before the packed formats hold).
+
+Packed formats hold codes and, per group of ``GROUP`` elements, a float16 scale (and for
+``int4`` a float16 zero point). Keys are grouped per channel (each of the D channels over
+``GROUP`` consecutive tokens) and values per token (each token over ``GROUP`` consecutive
+channels): keys have outlier *channels* and values do not, so a per-token key group would
+spend its range on one channel (KIVI, Liu et al. 2024, found the same). Bounds, for an element
+``x`` of a group with stored scale ``s`` (the decoded value in float32, before its cast to the
+compute dtype):
+
+- ``int8``: symmetric absmax, ``s >= absmax / 127``; codes int8 in [-127, 127];
+  ``|x - x̂| <= s / 2``.
+- ``int4``: asymmetric min/max, ``z <= min``, ``s >= (max - z) / 15``; codes 0..15, two per
+  byte along D; ``|x - x̂| <= s / 2``.
+- ``float8_e4m3fn``: symmetric absmax scale, ``s >= absmax / 448``, codes float8 e4m3
+  (3 mantissa bits); ``|x - x̂| <= 2**-4 * |x| + 2**-10 * s`` (relative rounding of a normal
+  e4m3 number, absolute below its smallest normal).
+
+Scales are rounded *up* (zero points down) to float16, so no code is ever clamped and the bounds
+hold for the stored scale. A packed format's fingerprint is the cache fingerprint with
+``".<format>"`` appended (``format_fingerprint``): its entries have keys of their own, and a
+blob whose header names another format than its fingerprint is refused (``kvrag.store.blob``).
+
+Tensor names of a packed entry (``ChunkEntry.scales``): ``keys.scale`` [L, Hkv, ceil(T/G), D],
+``values.scale`` [L, Hkv, T, D/g] (g = ``value_group(D)``), and for ``int4`` ``keys.zero`` /
+``values.zero`` of the same shapes; codes ``keys``/``values`` [L, Hkv, T, D] (int8, float8)
+or [L, Hkv, T, ceil(D/2)] uint8 (int4).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+#: Float storage formats -> their dtype.
+FLOAT_FORMATS: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+#: Packed formats -> the dtype of their codes.
+PACKED_FORMATS: dict[str, torch.dtype] = {
+    "int8": torch.int8,
+    "int4": torch.uint8,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+}
+#: Every storage format ``KVRag(storage_dtype=...)`` and ``--storage-dtype`` accept.
+STORAGE_FORMATS: tuple[str, ...] = (*FLOAT_FORMATS, *PACKED_FORMATS)
+
+#: Elements per scale: tokens per key channel group, channels per value token group. 64 keeps
+#: the scales' overhead at 1/32 byte per element (int8: 0.516x float16's bytes, int4: 0.281x).
+GROUP = 64
+
+_QMAX = {"int8": 127.0, "float8_e4m3fn": 448.0}
+_INT4_LEVELS = 15.0
+
+
+def check_format(name: object) -> str:
+    if name not in STORAGE_FORMATS:
+        raise ValueError(f"storage_dtype must be one of {', '.join(STORAGE_FORMATS)}, got {name!r}")
+    return str(name)
+
+
+def is_packed(name: str) -> bool:
+    return name in PACKED_FORMATS
+
+
+def format_fingerprint(fingerprint: str, name: str) -> str:
+    """The cache fingerprint of entries stored as ``name``: ``fingerprint`` itself for a float
+    format (stores written before the packed formats stay readable), else with ``.<name>``."""
+    check_format(name)
+    return f"{fingerprint}.{name}" if is_packed(name) else fingerprint
+
+
+def format_of_fingerprint(fingerprint: str) -> str | None:
+    """The packed format a fingerprint names (``format_fingerprint``), or None (a float one)."""
+    tail = fingerprint.rpartition(".")[2] if "." in fingerprint else ""
+    return tail if tail in PACKED_FORMATS else None
+
+
+def value_group(head_dim: int) -> int:
+    """Channels per value scale: ``GROUP`` where it divides the head dim, else the whole head."""
+    return GROUP if head_dim % GROUP == 0 else head_dim
+
+
+def bytes_per_token(name: str, n_layers: int, n_kv_heads: int, head_dim: int, tokens: int = GROUP) -> float:
+    """Stored K/V bytes per token of a chunk of ``tokens`` tokens (the key scales are per
+    group of ``GROUP`` tokens: a shorter chunk pays a whole group's)."""
+    check_format(name)
+    n = n_layers * n_kv_heads
+    if name in FLOAT_FORMATS:
+        return 2.0 * n * head_dim * FLOAT_FORMATS[name].itemsize
+    code = math.ceil(head_dim / 2) if name == "int4" else head_dim
+    per_scale = 4 if name == "int4" else 2  # float16 scale (+ float16 zero point)
+    key_scales = math.ceil(tokens / GROUP) * head_dim * per_scale / tokens
+    value_scales = head_dim // value_group(head_dim) * per_scale
+    return n * (2 * code + key_scales + value_scales)
+
+
+def storage_itemsize(name: str) -> int:
+    """Whole bytes per stored element, scales included, rounded up: an upper bound for sizing."""
+    check_format(name)
+    return FLOAT_FORMATS[name].itemsize if name in FLOAT_FORMATS else 2
+
+
+# ---- encoding ----------------------------------------------------------------------------
+# Rounded to nearest, a float16 is within 2**-11 of a normal value and 2**-25 of a subnormal
+# one: nudged by more than that first, it lands on the wanted side. (Plain arithmetic, not
+# ``torch.nextafter``: encoding runs on whatever device computed the K/V.)
+_F16_MIN_NORMAL = 2.0**-14
+
+
+def _round_up_f16(x: torch.Tensor) -> torch.Tensor:
+    """``x`` (>= 0, float32) as a float16 >= it (at least float16's smallest normal number)."""
+    return (x.clamp(min=_F16_MIN_NORMAL) * (1 + 2.0**-10)).to(torch.float16)
+
+
+def _round_down_f16(x: torch.Tensor) -> torch.Tensor:
+    """``x`` (float32) as a float16 <= it."""
+    return (x - x.abs() * 2.0**-10 - 2.0**-24).to(torch.float16)
+
+
+def _grouped(x: torch.Tensor, kind: str) -> tuple[torch.Tensor, int]:
+    """``x`` [L, Hkv, T, D] as groups, and the dim a group spans: keys [L, Hkv, nG, G, D]
+    (T padded with copies of its last token, which change no group's min or max), values
+    [L, Hkv, T, D/g, g]."""
+    L, H, T, D = x.shape
+    if kind == "keys":
+        g = min(GROUP, T)
+        pad = -T % g
+        if pad:
+            x = torch.cat([x, x[:, :, -1:].expand(L, H, pad, D)], dim=2)
+        return x.reshape(L, H, -1, g, D), 3
+    g = value_group(D)
+    return x.reshape(L, H, T, D // g, g), 4
+
+
+def _expand_stat(s: torch.Tensor, kind: str, shape: torch.Size) -> torch.Tensor:
+    """A per-group statistic back to ``shape`` [L, Hkv, T, D] (float32)."""
+    T, D = shape[2], shape[3]
+    s = s.float()
+    if kind == "keys":
+        g = min(GROUP, T)
+        return s.repeat_interleave(g, dim=2)[:, :, :T]
+    return s.repeat_interleave(value_group(D), dim=3)
+
+
+def encode(x: torch.Tensor, name: str, kind: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """``x`` [L, Hkv, T, D] (keys or values, ``kind``) in packed format ``name`` -> (codes,
+    {"scale": ..., "zero": ...}) on ``x``'s device (shapes in the module docstring). Raises
+    ValueError if a scale is not finite in float16 (K/V beyond its range)."""
+    if not is_packed(name):
+        raise ValueError(f"{name!r} is not a packed format")
+    if kind not in ("keys", "values"):
+        raise ValueError(f"kind must be 'keys' or 'values', got {kind!r}")
+    xf = x.float()
+    xg, dim = _grouped(xf, kind)
+    if name == "int4":
+        lo, hi = xg.amin(dim), xg.amax(dim)
+        zero = _round_down_f16(lo)
+        scale = _round_up_f16((hi - zero.float()) / _INT4_LEVELS)
+        stats = {"scale": scale, "zero": zero}
+    else:
+        absmax = xg.abs().amax(dim)
+        scale = _round_up_f16(absmax / _QMAX[name])
+        stats = {"scale": scale}
+    if not all(bool(torch.isfinite(t).all()) for t in stats.values()):
+        raise ValueError(f"K/V beyond float16's range: their {name} scales are not finite")
+    s = _expand_stat(stats["scale"], kind, x.shape)
+    if name == "int4":
+        q = ((xf - _expand_stat(stats["zero"], kind, x.shape)) / s).round_().clamp_(0, _INT4_LEVELS).to(torch.uint8)
+        if q.shape[3] % 2:
+            q = torch.cat([q, torch.zeros_like(q[..., :1])], dim=3)
+        codes = q[..., 0::2] | (q[..., 1::2] << 4)
+    elif name == "int8":
+        codes = (xf / s).round_().clamp_(-127, 127).to(torch.int8)
+    else:
+        codes = (xf / s).clamp_(-448, 448).to(torch.float8_e4m3fn)
+    return codes.contiguous(), {k: v.contiguous() for k, v in stats.items()}
+
+
+def decode(
+    codes: torch.Tensor,
+    stats: dict[str, torch.Tensor],
+    name: str,
+    kind: str,
+    head_dim: int,
+    device: torch.device | str,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """Codes and scales (``encode``) -> [L, Hkv, T, D] in ``dtype`` on ``device``. The packed
+    bytes are moved first (asynchronously from pinned memory) and expanded there: a GPU gets
+    the small tensors, never a float copy made on the host."""
+    codes = codes.to(device=device, non_blocking=True)
+    stats = {k: v.to(device=device, non_blocking=True) for k, v in stats.items()}
+    if name == "int4":
+        q = torch.stack([codes & 0xF, codes >> 4], dim=-1).flatten(-2)[..., :head_dim].float()
+    else:
+        q = codes.float()
+    x = q * _expand_stat(stats["scale"], kind, q.shape)
+    if "zero" in stats:
+        x += _expand_stat(stats["zero"], kind, q.shape)
+    return x.to(dtype)
+
+
+# ---- validation --------------------------------------------------------------------------
+def stat_names(name: str) -> tuple[str, ...]:
+    """The names ``ChunkEntry.scales`` holds for packed format ``name``."""
+    kinds = ("scale", "zero") if name == "int4" else ("scale",)
+    return tuple(f"{part}.{k}" for part in ("keys", "values") for k in kinds)
+
+
+def packed_problem(
+    name: str, codes_k: torch.Tensor, codes_v: torch.Tensor, stats: dict[str, torch.Tensor], n_tokens: int
+) -> str | None:
+    """Why codes and scales cannot be a ``name`` entry of ``n_tokens`` tokens, or None: every
+    shape and dtype is checked, so an entry that passes expands without error (a crafted blob
+    with a valid checksum included)."""
+    if name not in PACKED_FORMATS:
+        return f"unknown K/V format {name!r}"
+    if sorted(stats) != sorted(stat_names(name)):
+        return f"{name} entry holds scales {sorted(stats)}, expected {sorted(stat_names(name))}"
+    want_dtype = PACKED_FORMATS[name]
+    for part, c in (("keys", codes_k), ("values", codes_v)):
+        if c.dtype != want_dtype or c.dim() != 4 or c.shape[2] != n_tokens:
+            return f"{part} codes {tuple(c.shape)} {c.dtype}, expected [L, Hkv, {n_tokens}, *] {want_dtype}"
+    if codes_k.shape != codes_v.shape:
+        return f"keys codes {tuple(codes_k.shape)} and values codes {tuple(codes_v.shape)} differ"
+    L, H, T, width = codes_k.shape
+    ks = stats["keys.scale"]
+    D = ks.shape[-1] if ks.dim() == 4 else -1
+    # int4 packs two channels a byte: the key scales (one per channel) say which of 2*width
+    # and 2*width - 1 it is; the entry's layout check pins the model's.
+    if D not in ((2 * width, 2 * width - 1) if name == "int4" else (width,)):
+        return f"{name} key scales {tuple(ks.shape)} do not fit codes {tuple(codes_k.shape)}"
+    g = min(GROUP, T)
+    want = {"keys": (L, H, -(-T // g), D), "values": (L, H, T, D // value_group(D))}
+    for n, t in stats.items():
+        if tuple(t.shape) != want[n.partition(".")[0]] or t.dtype != torch.float16:
+            return f"{name} {n} {tuple(t.shape)} {t.dtype}, expected {want[n.partition('.')[0]]} float16"
+    return None
+
+
+def head_dim_of(stats: dict[str, torch.Tensor]) -> int:
+    """The head dim D of a packed entry's scales (``packed_problem`` checked)."""
+    return int(stats["keys.scale"].shape[-1])
+
+
+def formats_held(fingerprints: list[str]) -> dict[str, dict[str, float | int]]:
+    """What ``kvrag cache stats`` says of a store's formats: per format among the entries'
+    ``fingerprints`` (``"float"``: any float dtype, which the fingerprint does not name), its
+    entries and its bytes per token as a fraction of float16's (at a head dim of 64 and
+    chunks of whole scale groups; a float store's depends on its dtype: 1 for float16)."""
+    out: dict[str, dict[str, float | int]] = {}
+    for fp in fingerprints:
+        name = format_of_fingerprint(fp) or "float"
+        rec = out.setdefault(name, {"entries": 0})
+        rec["entries"] = int(rec["entries"]) + 1
+        if name != "float":
+            rec["vs_float16"] = bytes_per_token(name, 1, 1, 64) / bytes_per_token("float16", 1, 1, 64)
+    return out
