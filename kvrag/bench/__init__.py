@@ -10,6 +10,8 @@
 * :mod:`kvrag.bench.journal` – the QA scenario's resume journal;
 * :mod:`kvrag.bench.summary` – per-policy summary rows, precompute throughput;
 * :mod:`kvrag.bench.metrics` – answer F1/EM, fidelity, teacher-forced log-likelihood, top-1/KL;
-* :mod:`kvrag.bench.report` – CSV, plots, the markdown report with PASS/FAIL targets;
+* :mod:`kvrag.bench.targets` – the targets, judged PASS/FAIL against a run; :mod:`kvrag.bench.outputs` –
+  results.json, CSV files, plots (:mod:`kvrag.bench.plots`); :mod:`kvrag.bench.report` – the markdown report
+  (its tables: :mod:`kvrag.bench.tables`);
 * :mod:`kvrag.bench.ops`, :mod:`kvrag.bench.floor` – op counts, the TTFT floor.
 """

@@ -433,7 +433,8 @@ def run(args) -> int:
     import time
     from pathlib import Path
 
-    from kvrag.bench.report import write_outputs, write_report
+    from kvrag.bench.outputs import write_outputs
+    from kvrag.bench.report import write_report
     from kvrag.bench.runner import Bench
 
     cfg = config_from_args(args)

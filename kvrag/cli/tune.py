@@ -321,7 +321,8 @@ def evaluate(args, out: Path, held: dict[str, list[str]]) -> dict:
     """Bench the adapter in ``out`` against full_prefill, naive_reuse and cacheblend on every
     held-out set; writes ``out/eval/<set>/`` (the benchmark's files) and ``out/eval.json``."""
     from kvrag.bench.config import BenchConfig
-    from kvrag.bench.report import write_outputs, write_report
+    from kvrag.bench.outputs import write_outputs
+    from kvrag.bench.report import write_report
     from kvrag.bench.runner import Bench
     from kvrag.policies.kvlink.adapter import META_FILE, KVLinkError
 

@@ -340,7 +340,7 @@ def test_summary_speedup_is_median_of_per_example_ratios():
 
 
 def test_qa_score_targets_show_the_answer_counts_they_rest_on():
-    from kvrag.bench.report import evaluate_targets
+    from kvrag.bench.targets import evaluate_targets
 
     def rec(ex, label, acc):
         return {
@@ -378,7 +378,7 @@ def test_speed_targets_are_judged_on_the_qa_prompts_when_they_are_4k_long(tokens
     """The QA and speed targets are one statement at ~4k tokens: a QA set that long gets
     a3/cacheblend speed-up rows on its own prompts; a shorter one does not (its speed-ups
     would be judged at a length the target does not name)."""
-    from kvrag.bench.report import evaluate_targets
+    from kvrag.bench.targets import evaluate_targets
 
     def rec(ex, label, ttft):
         return {
@@ -421,7 +421,7 @@ def test_cold_path_times_a_chunks_first_query(tmp_path, monkeypatch, hot_cache):
     from kvrag.bench.config import BenchConfig, Run
     from kvrag.bench.runner import Bench
     from kvrag.engine import KVRag
-    from kvrag.policies.samkv import SamKV
+    from kvrag.policies.samkv.policy import SamKV
     from kvrag.qa.example import QAExample
     from kvrag.testing import tiny_llama
 
@@ -491,7 +491,8 @@ def test_floor_scenario_measures_ttft_floor_and_ops(tmp_path):
     counts beside the plain forward's; full_prefill is the throughput reference; floor.csv and
     the report's section are written."""
     from kvrag.bench.config import BenchConfig
-    from kvrag.bench.report import render_markdown, write_outputs
+    from kvrag.bench.outputs import write_outputs
+    from kvrag.bench.report import render_markdown
     from kvrag.bench.runner import Bench
     from kvrag.engine import KVRag
     from kvrag.testing import tiny_llama

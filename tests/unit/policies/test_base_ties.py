@@ -5,8 +5,8 @@ whichever way float rounding (the order of a sum, the CPU's kernels, the device)
 import pytest
 import torch
 
-from kvrag.policies import samkv as sk
 from kvrag.policies.base import order_by_score, rank_keys, top_indices, top_k_indices
+from kvrag.policies.samkv.selection import pool_order, tie_scale
 
 ULP = torch.finfo(torch.float32).eps
 
@@ -52,6 +52,6 @@ def test_samkv_block_ties_break_by_position_whichever_way_rounding_tipped_them()
     the cross-context pool ranks tied blocks of several documents by position."""
     for noisy in ([0.0, -3e-8], [-3e-8, 0.0]):
         scores = [torch.tensor([1.5, -0.5, -1.0]), torch.tensor(noisy), torch.tensor([1.5])]
-        scale = sk.tie_scale(scores)
+        scale = tie_scale(scores)
         assert top_indices(scores[1], 1, scale).tolist() == [0]
-        assert sk.pool_order(scores, [[0], [0, 1], [0]]) == [(0, 0), (2, 0), (1, 0), (1, 1)]
+        assert pool_order(scores, [[0], [0, 1], [0]]) == [(0, 0), (2, 0), (1, 0), (1, 1)]

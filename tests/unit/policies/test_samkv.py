@@ -1,4 +1,4 @@
-"""SamKV (kvrag/policies/samkv.py) on tiny random-weight models: the exact limit, the kept
+"""SamKV (kvrag/policies/samkv/) on tiny random-weight models: the exact limit, the kept
 fraction, eq. 1 against a direct computation, block selection, eq. 2 and eq. 4."""
 
 import math
@@ -11,8 +11,16 @@ from transformers import DynamicCache
 from kvrag.arch import Arch
 from kvrag.layout.state import CACHED, Layout
 from kvrag.policies import get_policy, policy_class
-from kvrag.policies import samkv as sk
 from kvrag.policies.base import top_indices
+from kvrag.policies.samkv import policy as sk
+from kvrag.policies.samkv.selection import (
+    NORMALIZATIONS,
+    anchor_proportion,
+    doc_blocks,
+    pool_order,
+    select_blocks,
+    tie_scale,
+)
 from kvrag.query.decode import cache_kwargs
 from kvrag.query.fusion import FusionEngine
 
@@ -192,7 +200,7 @@ def test_original_context_attention_matches_the_models_own_weights(model_type):
 def test_block_selection_picks_the_block_aligned_with_the_query():
     torch.manual_seed(0)
     hkv, h, d_head = 2, 4, 16
-    docs = [sk.doc_blocks(0, 64, BS, 1, 2), sk.doc_blocks(64, 128, BS, 1, 2)]
+    docs = [doc_blocks(0, 64, BS, 1, 2), doc_blocks(64, 128, BS, 1, 2)]
     keys = torch.randn(hkv, 128, d_head)
     qhat = torch.randn(2, 1, h, d_head)
     planted, anti = docs[0].middle[5], docs[1].middle[3]
@@ -200,8 +208,8 @@ def test_block_selection_picks_the_block_aligned_with_the_query():
         # Per KV head, the direction the query heads sharing it add up to (GQA).
         qg = qhat[i, 0].reshape(hkv, -1, d_head).sum(1)
         keys[:, s:e] = sign * 3 * qg[:, None, :] / qg.norm(dim=-1, keepdim=True)[:, :, None]
-    for normalize in sk.NORMALIZATIONS:
-        sel = sk.select_blocks(qhat, [keys], docs, budget_tokens=2 * BS, normalize=normalize)
+    for normalize in NORMALIZATIONS:
+        sel = select_blocks(qhat, [keys], docs, budget_tokens=2 * BS, normalize=normalize)
         assert 5 in sel.kept[0], normalize
         assert 3 not in sel.kept[1] and 3 not in sel.candidates[1], normalize
         assert int(torch.argmax(sel.scores[0])) == 5 and int(torch.argmin(sel.scores[1])) == 3
@@ -209,7 +217,7 @@ def test_block_selection_picks_the_block_aligned_with_the_query():
     # The block score is the inner product with the block's mean key (the representative).
     s, e = docs[0].middle[2]
     qg = qhat[0, 0].reshape(hkv, -1, d_head).sum(1)
-    raw = sk.select_blocks(qhat, [keys], docs, budget_tokens=0, normalize="none")
+    raw = select_blocks(qhat, [keys], docs, budget_tokens=0, normalize="none")
     assert float(raw.scores[0][2]) == pytest.approx(float((qg * keys[:, s:e].mean(1)).sum()), rel=1e-5)
 
 
@@ -217,7 +225,7 @@ def test_anchor_proportion_eq2():
     def p(blocks, s_anc):
         b = torch.tensor(blocks, dtype=torch.float64)
         hi, lo = (b.max(), b.min()) if b.numel() else (torch.tensor(float("-inf")), torch.tensor(float("inf")))
-        return float(sk.anchor_proportion(hi, lo, torch.tensor(s_anc, dtype=torch.float64), torch.tensor(b.numel())))
+        return float(anchor_proportion(hi, lo, torch.tensor(s_anc, dtype=torch.float64), torch.tensor(b.numel())))
 
     blocks = [1.0, 2.0, 5.0]
     assert p(blocks, 2.0) == pytest.approx((5 - 2) / (5 - 1))
@@ -275,13 +283,13 @@ def _ref_select_blocks(qhat, keys, docs, budget_tokens=None, budget_blocks=None,
         sc = torch.stack(per_s).mean(0)
         ps.append(p), scores.append(sc)
     # The tie rule: scores within the tie grid of every document's scores, the earlier block.
-    scale = sk.tie_scale(scores)
+    scale = tie_scale(scores)
     for i, d in enumerate(docs):
         m = len(d.middle)
         if m:
             cands[i] = top_indices(scores[i], min(m, math.ceil(ps[i] * m - 1e-9)), scale).tolist()
     kept, used = [[] for _ in docs], 0
-    for i, b in sk.pool_order(scores, cands):  # the tie rule: equal scores on the grid, earlier first
+    for i, b in pool_order(scores, cands):  # the tie rule: equal scores on the grid, earlier first
         size = 1 if budget_blocks is not None else docs[i].middle[b][1] - docs[i].middle[b][0]
         limit = budget_blocks if budget_blocks is not None else budget_tokens
         if used + size <= limit:
@@ -292,7 +300,7 @@ def _ref_select_blocks(qhat, keys, docs, budget_tokens=None, budget_blocks=None,
     return ps, scores, cands, [sorted(k) for k in kept]
 
 
-@pytest.mark.parametrize("normalize", sk.NORMALIZATIONS)
+@pytest.mark.parametrize("normalize", NORMALIZATIONS)
 @pytest.mark.parametrize("adaptive_p", [True, False])
 def test_batched_block_selection_equals_the_per_document_one(normalize, adaptive_p):
     """Documents of every shape (no middle, one block, a short last block, no initial span)
@@ -302,13 +310,13 @@ def test_batched_block_selection_equals_the_per_document_one(normalize, adaptive
     hkv, h, d_head = 2, 4, 16
     docs, start = [], 3
     for t, bs, ini in ((40, 4, 1), (9, 3, 1), (14, 4, 1), (30, 4, 0), (57, 5, 1), (6, 4, 1)):
-        docs.append(sk.doc_blocks(start, start + t, bs, ini, 1))
+        docs.append(doc_blocks(start, start + t, bs, ini, 1))
         start += t + 2
     assert [len(d.middle) for d in docs][-1] == 0 and any(len(d.middle) == 1 for d in docs)
     keys = [torch.randn(hkv, start, d_head, generator=g) for _ in range(2)]
     qhat = torch.randn(len(docs), 2, h, d_head, generator=g)
     for budget in (dict(budget_tokens=30), dict(budget_tokens=7), dict(budget_blocks=5)):
-        sel = sk.select_blocks(qhat, keys, docs, adaptive_p=adaptive_p, normalize=normalize, **budget)
+        sel = select_blocks(qhat, keys, docs, adaptive_p=adaptive_p, normalize=normalize, **budget)
         ps, scores, cands, kept = _ref_select_blocks(
             qhat, keys, docs, adaptive_p=adaptive_p, normalize=normalize, **budget
         )

@@ -21,16 +21,10 @@ from kvrag.policies import Policy
 from kvrag.query import constrain, lookup
 from kvrag.query.decode import SAMPLING_OPTIONS, Sampling
 from kvrag.serve.scheduler import GenerationRequest, RequestError, Scheduler
-from kvrag.testing import tiny_llama
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 REPO = Path(kvrag.__file__).resolve().parent.parent
-
-
-@pytest.fixture(scope="module")
-def handle():
-    return tiny_llama(seed=0)
 
 
 @pytest.fixture

@@ -28,11 +28,6 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 QUESTIONS = ["Where does the red fox live?", "How tall?", "Which river flows east?", "Who founded Brisk?"]
 
 
-@pytest.fixture(scope="module")
-def handle():
-    return tiny_llama(seed=0)
-
-
 @pytest.fixture
 def rag(handle, tmp_path):
     r = KVRag(handle, cache_dir=tmp_path / "kv", policy="cacheblend")
