@@ -33,3 +33,7 @@ MAX_TOP_LOGPROBS = 20
 #: OpenAI's ranges for its sampling adjustments: presence/frequency penalties and logit biases.
 MAX_PENALTY = 2.0
 MAX_LOGIT_BIAS = 100.0
+
+#: Tokens per forward pass when chunks are precomputed together (``KVRag.precompute``, the
+#: ingestion path and ``kvrag worker``): packing amortises the weights' reads over chunks.
+DEFAULT_BATCH_TOKENS = 2048

@@ -23,6 +23,7 @@ import torch
 from kvrag.checks import check_int, check_seq, check_token_ids
 from kvrag.defaults import (
     AUTO_POLICY,
+    DEFAULT_BATCH_TOKENS,
     DEFAULT_CHUNK_ANCHOR,
     DEFAULT_COMPUTE_DTYPE,
     DEFAULT_PREFIX_CACHE,
@@ -319,7 +320,9 @@ class KVRag:
     def is_cached(self, text: str) -> bool:
         return self.chunk_key(text) in self.store
 
-    def precompute(self, texts: Iterable[str], *, batch_tokens: int = 2048, progress: bool = False) -> list[str]:
+    def precompute(
+        self, texts: Iterable[str], *, batch_tokens: int = DEFAULT_BATCH_TOKENS, progress: bool = False
+    ) -> list[str]:
         """Compute and store the KV of every text not cached yet; returns their keys.
 
         Chunks are packed ``batch_tokens`` at a time (one pass per pack). With

@@ -16,6 +16,7 @@ import torch
 
 from kvrag.checks import check_int, check_texts_iterable, check_token_ids, validate_chunk_text
 from kvrag.chunk import compute_chunk_kv, pack
+from kvrag.defaults import DEFAULT_BATCH_TOKENS
 from kvrag.errors import ChunkError
 from kvrag.layout.align import spell_chunk
 from kvrag.limits import check_chunk_chars, max_chunk_chars
@@ -108,7 +109,9 @@ class Ingestor:
         self.segmenter.add(key, text)
         return True
 
-    def precompute(self, texts: Iterable[str], *, batch_tokens: int = 2048, progress: bool = False) -> list[str]:
+    def precompute(
+        self, texts: Iterable[str], *, batch_tokens: int = DEFAULT_BATCH_TOKENS, progress: bool = False
+    ) -> list[str]:
         """Compute and store the K/V of every text not stored yet; returns their keys (one per
         text). Every text is checked before any work: a batch with a bad text stores nothing
         and names it. Chunks are packed ``batch_tokens`` at a time (one pass per pack)."""

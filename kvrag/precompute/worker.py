@@ -19,7 +19,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvrag.defaults import DEFAULT_BATCH_TOKENS
 from kvrag.errors import ChunkError, StoreError
+from kvrag.precompute.packs import compute_pack
 from kvrag.precompute.redis_queue import GROUP, HEARTBEAT_S, LIVE_S, RedisQueue, queue_stats
 from kvrag.store.redis_connection import error_cause, redact
 
@@ -171,15 +173,9 @@ class Worker:
             else:
                 todo.append((mid, key, text))
         errors: dict[str, BaseException] = {}
-        if todo:
-            try:
-                rag.precompute([t for _, _, t in todo])
-            except Exception:  # noqa: BLE001 - a failing batch is retried chunk by chunk
-                for _, key, text in todo:  # find the culprit(s): each alone
-                    try:
-                        rag.precompute([text])
-                    except Exception as e:  # noqa: BLE001 - this chunk's own error, reported as its job's
-                        errors[key] = e
+        if todo:  # a failing batch is retried chunk by chunk to find the culprit(s)
+            failed = compute_pack(rag, [t for _, _, t in todo], [k for _, k, _ in todo], DEFAULT_BATCH_TOKENS)
+            errors = {todo[i][1]: e for i, e in failed.items()}
         finished = 0
         for mid, key, _text in jobs:
             if key in errors:

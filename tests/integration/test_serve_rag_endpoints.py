@@ -18,7 +18,7 @@ import numpy as np
 import openai
 import pytest
 from helpers.corpus import head_tokens
-from helpers.serve import running
+from helpers.serve import llamaindex_usage, running
 
 from kvrag.engine import KVRag
 from kvrag.serve.app import create_app
@@ -137,9 +137,6 @@ def test_llamaindex_pipeline_embeds_and_generates_through_kvrag_serve(served, tm
     from chromadb.config import Settings as ChromaSettings
     from llama_index.core import Document, VectorStoreIndex
     from llama_index.core.ingestion import IngestionPipeline
-    from llama_index.core.instrumentation import get_dispatcher
-    from llama_index.core.instrumentation.event_handlers import BaseEventHandler
-    from llama_index.core.instrumentation.events.llm import LLMChatEndEvent
     from llama_index.core.node_parser import SentenceSplitter
     from llama_index.embeddings.openai_like import OpenAILikeEmbedding
     from llama_index.llms.openai_like import OpenAILike
@@ -159,31 +156,16 @@ def test_llamaindex_pipeline_embeds_and_generates_through_kvrag_serve(served, tm
     assert len(nodes) == 4 and all(len(n.embedding) == 384 for n in nodes)
     assert hook.precomputer.wait_until_idle(timeout=120)
 
-    class Usage(BaseEventHandler):
-        seen: list = []
-
-        @classmethod
-        def class_name(cls) -> str:
-            return "Usage"
-
-        def handle(self, event, **kwargs) -> None:
-            if isinstance(event, LLMChatEndEvent) and event.response is not None:
-                self.seen.append(event.response.raw.usage)
-
-    handler = Usage()
-    get_dispatcher().add_event_handler(handler)
     served_by = dict(model="tiny", api_base=url + "/v1", api_key=KEY, is_chat_model=True, max_retries=0)
-    try:
+    with llamaindex_usage() as seen:
         llm = OpenAILike(context_window=4096, max_tokens=6, temperature=0, **served_by)
         index = VectorStoreIndex.from_vector_store(vs, embed_model=embed)
         resp = index.as_query_engine(llm=llm, similarity_top_k=2).query(QUESTION)
-    finally:
-        get_dispatcher().event_handlers.remove(handler)
     # The server's embeddings retrieve the passage that answers the question, and the two
     # retrieved nodes' tokens came from their caches, as OpenAI's usage field says.
     assert TEXTS[0] in [n.node.get_content() for n in resp.source_nodes]
     assert str(resp)
-    (usage,) = handler.seen
+    (usage,) = seen
     assert usage.prompt_tokens_details.cached_tokens > 0
     text = httpx.get(url + "/metrics", timeout=30).text
     assert metric(text, "kvrag_chunk_hits_total") == 2 and metric(text, "kvrag_prefix_cache_hits_total") > 0

@@ -54,10 +54,11 @@ LAYERS: list[list[tuple[str, ...]]] = [
 ]
 
 # The in-process precompute queue: the Precomputer and the modules only it uses.
+# (packs.py, one pack computed with each chunk retried alone when it fails, is the rule both
+# queues share: the in-process queue and the Redis workers import it.)
 IN_PROCESS_QUEUE = (
     "kvrag.precompute.local",
     "kvrag.precompute.progress",
-    "kvrag.precompute.packs",
     "kvrag.precompute.worker_threads",
 )
 
