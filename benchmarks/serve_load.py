@@ -183,7 +183,12 @@ async def one_request(http, url: str, body: dict, timeout: float) -> dict:
     }
 
 
-async def load_cell(url: str, model: str, prompts: list, n: int, per_client: int, a, deadline: float) -> dict:
+async def load_cell(
+    url: str, model: str, prompts: list, n: int, per_client: int, a, deadline: float, extra: dict | None = None
+) -> dict:
+    """``n`` streaming clients, each sending ``per_client`` requests one after the other (client
+    ``i``'s ``j``-th sends ``prompts[(i * per_client + j) % len(prompts)]``); ``extra``: fields
+    added to every body (another server's options, e.g. a ``logit_bias``)."""
     import httpx
 
     limits = httpx.Limits(max_connections=n + 4, max_keepalive_connections=n + 4)
@@ -203,6 +208,7 @@ async def load_cell(url: str, model: str, prompts: list, n: int, per_client: int
                     **({"ignore_eos": True} if a.ignore_eos else {}),
                     "stream": True,
                     "stream_options": {"include_usage": True},
+                    **(extra or {}),
                 }
                 out.append({**await one_request(http, url, body, a.request_timeout), "prompt": k})
             return out

@@ -17,6 +17,10 @@ DEFAULT_STORAGE_DTYPE = "float16"
 STORAGE_DTYPES = ("float16", "bfloat16", "float32", "int8", "int4", "float8_e4m3fn")
 #: The compute dtype a model is loaded in (``KVRag(dtype=...)``, ``--dtype``).
 DEFAULT_COMPUTE_DTYPE = "float32"
+#: Whether decoding runs through the compiled step (``KVRag(compile=...)``, ``kvrag serve
+#: --compile``; ``kvrag.query.compiled``): "auto" lets the device and the process decide.
+COMPILE_CHOICES = ("auto", "on", "off")
+DEFAULT_COMPILE = "auto"
 #: The key prefix of a shared (Redis) store (``RedisStore(prefix=...)``, ``--prefix``).
 DEFAULT_SHARED_PREFIX = "kvrag:"
 #: What chunks are precomputed behind (``KVRag(chunk_anchor=...)``): the model's own first token.

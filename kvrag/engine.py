@@ -25,11 +25,12 @@ from kvrag.defaults import (
     AUTO_POLICY,
     DEFAULT_BATCH_TOKENS,
     DEFAULT_CHUNK_ANCHOR,
+    DEFAULT_COMPILE,
     DEFAULT_COMPUTE_DTYPE,
     DEFAULT_PREFIX_CACHE,
     DEFAULT_STORAGE_DTYPE,
 )
-from kvrag.layout.align import prompt_prefix, prompt_tokens
+from kvrag.layout.align import prompt_prefix
 from kvrag.layout.prompt import render_prompt
 from kvrag.layout.segment import Segmenter
 from kvrag.layout.state import CACHED, INSERTED, FusionStats, Layout, Piece
@@ -41,10 +42,12 @@ from kvrag.policies.kvlink.adapter import KVLinkAdapter, adapt_model
 from kvrag.policies.model_defaults import DefaultPolicy, default_policy
 from kvrag.precompute import pending_in_prompt
 from kvrag.precompute.ingest import Ingestor, cache_fingerprint, resolve_anchor
+from kvrag.query.batch import DecodeArena, DecodeCache, decode_step, warm_up
+from kvrag.query.compiled import CompiledStep, compile_wanted
 from kvrag.query.constrain import JsonConstraint
 from kvrag.query.decode import SAMPLING_OPTIONS, Decoder, FusedStepper, HFStepper, Sampling, eos_ids
 from kvrag.query.fusion import FusionEngine, FusionResult
-from kvrag.query.lookup import ChunkLookup
+from kvrag.query.lookup import ChunkLookup, PromptTokens
 from kvrag.query.prefix import PrefixCache
 from kvrag.store import ChunkStore, open_shared, open_store
 from kvrag.store.factory import check_cache_dir
@@ -52,10 +55,6 @@ from kvrag.store.hot import HotCache, hot_device, resolve_budget
 from kvrag.store.kv_format import check_format, format_fingerprint, storage_itemsize
 
 log = logging.getLogger("kvrag")
-
-#: A prompt string's tokens as the prefill reads them (``KVRag.tokenize``): their ids, their
-#: character spans and the spans' starts (``kvrag.layout.align.prompt_tokens``).
-PromptTokens = tuple[list[int], list[tuple[int, int]], list[int]]
 
 
 @dataclass
@@ -181,7 +180,13 @@ class KVRag:
     no server. precompute_via: ``"local"`` computes chunks in this process; ``"queue"`` (needs
     ``shared`` on Redis) hands them to ``kvrag worker`` processes through a Redis stream
     (``self.queue``, ``kvrag.precompute.redis_queue``): ``precompute`` and the ingestion hooks then return
-    once the chunks are queued."""
+    once the chunks are queued.
+    compile: ``"on"`` decodes through the compiled step (``kvrag.query.compiled``: the whole
+    decode step one ``torch.compile`` graph, built at the first answer or ``warm_up()``),
+    ``"off"`` op by op; ``"auto"`` (default): on a GPU, not in a CPU process, where the first
+    answer would wait a minute or two for the compile (``kvrag serve`` turns it on and warms
+    up at start). Models with sliding-window or soft-capped attention and length-dependent
+    RoPE decode op by op either way."""
 
     def __init__(
         self,
@@ -203,6 +208,7 @@ class KVRag:
         prefix_cache: int = DEFAULT_PREFIX_CACHE,
         shared: str | ChunkStore | None = None,
         precompute_via: str = "local",
+        compile: str | bool = DEFAULT_COMPILE,
         **policy_params,
     ) -> None:
         # Bad options fail before a model load, and before the store is opened: opening it
@@ -222,6 +228,7 @@ class KVRag:
             resolve_budget(hot_cache, torch.device("cpu"))  # a bad value fails before the model load
         hot_device(hot_tier, torch.device("cpu"))  # likewise a bad tier
         check_int("prefix_cache (bytes)", prefix_cache, 0)
+        compile_wanted(compile, torch.device(device), serving=False)  # a bad value fails before the model load
         if query_tokens is not None:
             query_tokens = check_int("query_tokens (the last k prompt tokens are the question)", query_tokens, 1)
         if precompute_via not in ("local", "queue"):
@@ -308,6 +315,21 @@ class KVRag:
         self.lookup = ChunkLookup(self.handle, self.store, self.hot, self.segmenter, self.fingerprint, refresh_s)
         self.fusion = FusionEngine(self.arch)
         self.prefixes = PrefixCache(self.handle, prefix_cache)
+        #: The compiled decode step (None: decoding runs op by op; see ``compile``).
+        self.compiled: CompiledStep | None = None
+        if compile_wanted(compile, self.arch.device, serving=False):
+            if DecodeArena.supports(self.arch) and CompiledStep.supports(self.arch):
+                self.compiled = CompiledStep(self.arch)
+            else:
+                log.info(
+                    "compile: %s decodes op by op (windowed or soft-capped attention, or length-dependent RoPE)",
+                    self.handle.config.model_type,
+                )
+
+    def warm_up(self) -> float:
+        """Build the compiled decode step's graphs now rather than at the first answer ->
+        the seconds it took (0 without a compiled step)."""
+        return warm_up(self.arch, self.compiled) if self.compiled is not None else 0.0
 
     # ---- chunks ----------------------------------------------------------------------
     def chunk_ids(self, text: str) -> list[int]:
@@ -343,12 +365,14 @@ class KVRag:
         text = self.render(prompt)
         return len(prompt_prefix(self.handle, text)) + len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
-    def tokenize(self, text: str, tokenizer=None) -> PromptTokens:
-        """A prompt string's tokens as the prefill reads them (``kvrag.layout.align.prompt_tokens``;
-        BOS ids not included), by ``tokenizer`` (a copy of this model's, for a thread of its
-        own: a fast tokenizer is not safe to share) or this model's. ``prepare(...,
-        prompt_tokens=)`` takes them, so a prompt tokenized to be checked is not tokenized again."""
-        return prompt_tokens(self.tokenizer if tokenizer is None else tokenizer, text)
+    def tokenize(self, text: str, tokenizer=None, use_cache: bool = True) -> PromptTokens:
+        """A prompt string's tokens as the prefill reads them (``ChunkLookup.tokens``: the
+        stored ids of the chunks the hot tier holds spliced in, the rest tokenized; BOS ids not
+        included), by ``tokenizer`` (a copy of this model's, for a thread of its own: a fast
+        tokenizer is not safe to share) or this model's; ``use_cache``: the policy's (False:
+        the whole prompt tokenized, nothing looked up). ``prepare(..., prompt_tokens=)`` takes
+        them, so a prompt tokenized to be checked is neither tokenized nor segmented again."""
+        return self.lookup.tokens(text, tokenizer, use_cache)
 
     def count_prompt(self, text: str, tokens: PromptTokens) -> int:
         """Tokens the model reads for the prompt string ``text`` of ``tokens``: theirs and the BOS ids."""
@@ -552,6 +576,7 @@ class KVRag:
             t0 = time.perf_counter() - prep_s
             logits, stepper, stats, prompt_ids = self._fuse(prep)
             decoder = Decoder(sampling, budget, self.tokenizer, self.eos, constraint)
+            step = self._decoding(stepper, budget)
             t_first = None
             while not decoder.done:
                 tok = decoder.draw(logits)
@@ -564,7 +589,7 @@ class KVRag:
                     holder.text += delta
                     yield delta
                 if not decoder.done:
-                    logits = stepper.step([tok])[-1]
+                    logits = step(tok)
             tail = decoder.flush()
             if tail:
                 holder.text += tail
@@ -577,6 +602,18 @@ class KVRag:
 
         holder = Stream(run())
         return holder
+
+    def _decoding(self, stepper: HFStepper | FusedStepper, budget: int):
+        """What continues a prefill by one token: ``step(token) -> logits [V]`` — the compiled
+        step over a one-request arena where there is one and the cache joins it (as
+        ``kvrag serve`` decodes), else the prefill's own stepper."""
+        if self.compiled is not None:
+            cache = DecodeCache.from_stepper(self.arch, stepper, spare=budget + 2)
+            arena = DecodeArena(self.arch)
+            if cache is not None and arena.add(cache):
+                compiled = self.compiled
+                return lambda tok: decode_step(self.arch, [cache], [tok], arena, compiled)[0]
+        return lambda tok: stepper.step([tok])[-1]
 
     def json_constraint(self, schema: Mapping[str, Any]) -> JsonConstraint:
         """A matcher holding one reply to a JSON document valid under ``schema`` (ValueError

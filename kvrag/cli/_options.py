@@ -27,12 +27,15 @@ class _StoreIsNotHome(argparse.Action):
         )
 
 
+#: ``--home``'s help, wherever it is an option.
+HOME_HELP = (
+    "kvrag home: converted models, codebooks (default $KVRAG_HOME, else the user cache directory, ~/.cache/kvrag "
+    "on Linux)"
+)
+
+
 def add_home_option(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--home",
-        metavar="DIR",
-        default=None,
-        help="kvrag home: converted models, codebooks (default $KVRAG_HOME, else the user "
-        "cache directory, ~/.cache/kvrag on Linux)",
-    )
+    """``--home``, and ``--cache-dir`` refused (see ``_StoreIsNotHome``): for a command that
+    reads the kvrag home and no store. One that reads both adds ``--home`` with ``HOME_HELP``."""
+    p.add_argument("--home", metavar="DIR", default=None, help=HOME_HELP)
     p.add_argument("--cache-dir", action=_StoreIsNotHome, help=argparse.SUPPRESS)

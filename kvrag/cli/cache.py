@@ -1,12 +1,14 @@
-"""``kvrag cache stats|gc|clear``: inspect and maintain a KV store without loading a model."""
+"""``kvrag cache stats|gc|push|plan|clear``: inspect and maintain a KV store, and size one for a corpus."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
 
-from kvrag.defaults import DEFAULT_SHARED_PREFIX
+from kvrag.cli._options import HOME_HELP, MODEL_HELP
+from kvrag.defaults import DEFAULT_COMPUTE_DTYPE, DEFAULT_SHARED_PREFIX, STORAGE_DTYPES
 from kvrag.errors import StoreError
 from kvrag.paths import default_store_dir
 
@@ -39,8 +41,9 @@ def human(n: int) -> str:
 def register(sub) -> None:
     p = sub.add_parser(
         "cache",
-        help="KV store maintenance: stats, gc, push, clear",
-        description="Inspect and maintain a kvrag KV store (no model is loaded).",
+        help="KV store maintenance: stats, gc, push, plan, clear",
+        description="Inspect and maintain a kvrag KV store, and size one for a corpus (no model is loaded "
+        "except by `plan --measure`).",
     )
     cmds = p.add_subparsers(dest="cache_command", metavar="ACTION", required=True)
 
@@ -106,6 +109,53 @@ def register(sub) -> None:
         help=f"key prefix of the shared store (default {DEFAULT_SHARED_PREFIX})",
     )
     u.set_defaults(func=run_push)
+    plan = cmds.add_parser(
+        "plan",
+        help="a corpus's bytes per storage format, chunks per GB, what fits the size limit, precompute time",
+        description="Size a corpus of N chunks of T tokens for a model, in every storage format: K/V bytes per "
+        "token, bytes per chunk and for the corpus, chunks per GB and how many fit in the store's size limit "
+        "(recorded in the store at DIR if there is one, else --size-limit or a new store's default). The model's "
+        "config is enough (no weights are loaded) unless --measure times its precompute.",
+    )
+    common(plan)
+    plan.add_argument("--chunks", type=_count, required=True, metavar="N", help="chunks in the corpus")
+    plan.add_argument("--tokens", type=_count, required=True, metavar="T", help="tokens per chunk")
+    shape = plan.add_mutually_exclusive_group()
+    shape.add_argument("--model", metavar="MODEL", default=None, help=MODEL_HELP)
+    shape.add_argument(
+        "--shape",
+        type=_shape,
+        metavar="L,HKV,D",
+        default=None,
+        help="a model's K/V shape instead of a model: layers, KV heads, head dim (e.g. 32,8,128 for an 8B Llama)",
+    )
+    plan.add_argument(
+        "--storage-dtype",
+        action="append",
+        choices=STORAGE_DTYPES,
+        default=None,
+        help="a storage format to plan for (repeat for several; default: every format)",
+    )
+    plan.add_argument(
+        "--size-limit",
+        default=None,
+        help="the store size to fit the corpus in (e.g. 64G); default: the limit recorded in the store, else a "
+        "new store's (16 GiB)",
+    )
+    plan.add_argument(
+        "--measure",
+        action="store_true",
+        help="load the model and time the precompute of one pack of chunks (random token ids): the chunk "
+        "prefill, then the encode and write of each format into a temporary store",
+    )
+    plan.add_argument(
+        "--dtype",
+        default=DEFAULT_COMPUTE_DTYPE,
+        help=f"compute dtype for --measure (default {DEFAULT_COMPUTE_DTYPE})",
+    )
+    plan.add_argument("--device", default="cpu", help="torch device for --measure (default cpu)")
+    plan.add_argument("--home", metavar="DIR", default=None, help=HOME_HELP)
+    plan.set_defaults(func=run_plan)
     c = cmds.add_parser("clear", help="delete every entry (all models)")
     common(c)
     c.add_argument("-y", "--yes", action="store_true", help="do not ask for confirmation")
@@ -340,3 +390,225 @@ def run_clear(args) -> int:
             raise StoreError(f"cannot clear {store.directory}: {e}") from e
     _emit(args, {"cleared": n, "directory": str(store.directory)}, [f"cleared {n} entries from {store.directory}"])
     return 0
+
+
+# ---- plan ------------------------------------------------------------------------------------
+# A chunk's bytes beyond its K/V: its token ids, int64 each (kvrag.store.blob).
+ID_BYTES = 8
+
+
+def _count(text: str) -> int:
+    """argparse type: a positive integer (a count of chunks or tokens)."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return n
+
+
+def _shape(text: str) -> tuple[int, int, int]:
+    """argparse type: 'L,HKV,D' -> (layers, KV heads, head dim), each a positive integer."""
+    parts = text.split(",")
+    if len(parts) != 3:
+        raise argparse.ArgumentTypeError(f"must be LAYERS,KV_HEADS,HEAD_DIM (e.g. 32,8,128), got {text!r}")
+    L, H, D = (_count(x.strip()) for x in parts)
+    return L, H, D
+
+
+def plan_corpus(
+    chunks: int, tokens: int, shape: tuple[int, int, int], formats: list[str], size_limit: int
+) -> dict[str, dict[str, float | int]]:
+    """Per storage format, for ``chunks`` chunks of ``tokens`` tokens of a model whose stored
+    token holds K/V of ``shape`` (layers, KV heads, head dim): ``kv_bytes_per_token`` (at this
+    chunk length: a packed format's key scales are per group of tokens), ``bytes_per_chunk``
+    (K/V and token ids; the header, which holds the chunk's text, and the store's SQLite row come
+    on top), ``total_bytes``, ``chunks_per_gb`` (whole chunks in 10^9 bytes) and ``chunks_fit`` of the corpus in
+    ``size_limit`` bytes, ``fraction_fit``."""
+    from kvrag.store.kv_format import bytes_per_token
+
+    out: dict[str, dict[str, float | int]] = {}
+    for f in formats:
+        per_token = bytes_per_token(f, *shape, tokens=tokens)
+        per_chunk = round(per_token * tokens) + ID_BYTES * tokens
+        fit = min(chunks, size_limit // per_chunk)
+        out[f] = {
+            "kv_bytes_per_token": round(per_token, 2),
+            "bytes_per_chunk": per_chunk,
+            "total_bytes": per_chunk * chunks,
+            "chunks_per_gb": 10**9 // per_chunk,
+            "chunks_fit": fit,
+            "fraction_fit": fit / chunks,
+        }
+    return out
+
+
+def _plan_limit(args) -> tuple[int, str]:
+    """(bytes, where they come from): --size-limit, else the limit recorded in the store named
+    (or the default store), else a new store's default."""
+    from kvrag.store.disk import DEFAULT_SIZE_LIMIT
+
+    if args.size_limit:
+        try:
+            return parse_size(args.size_limit), "--size-limit"
+        except ValueError as e:
+            raise StoreError(str(e)) from None
+    named = _store_dir(args)
+    directory = Path(named).expanduser() if named else default_store_dir()
+    if (directory / "blobs").is_dir():
+        with open_existing_store(str(directory)) as store:
+            return store.size_limit, f"recorded in the store {directory}"
+    return DEFAULT_SIZE_LIMIT, f"a new store's default: no store at {directory}"
+
+
+def measure_precompute(args, tokens: int, formats: list[str]) -> dict:
+    """Load the model and time one pack of ``tokens``-token chunks of random ids as ingestion
+    packs them (``DEFAULT_BATCH_TOKENS`` a pass): the chunk prefill after one warm-up pass, then,
+    per format, each chunk's encode and write into a temporary store (``Ingestor.put``).
+    Seconds per chunk; ``store_s_per_chunk`` per format."""
+    import tempfile
+    import time
+
+    import torch
+
+    from kvrag.chunk import compute_chunk_kv, pack
+    from kvrag.defaults import DEFAULT_BATCH_TOKENS
+    from kvrag.layout.segment import Segmenter
+    from kvrag.model import ModelHandle
+    from kvrag.precompute.ingest import Ingestor, cache_fingerprint, resolve_anchor
+    from kvrag.store import open_store
+    from kvrag.store.kv_format import format_fingerprint
+
+    handle = ModelHandle.load(args.model, dtype=args.dtype, device=args.device, cache_dir=args.home)
+    anchor = resolve_anchor(handle, "auto")
+    if tokens + len(anchor) > handle.max_context:
+        raise ValueError(f"--tokens {tokens} does not fit the model's context ({handle.max_context} tokens)")
+    n = len(next(pack([tokens] * (DEFAULT_BATCH_TOKENS // tokens + 1), DEFAULT_BATCH_TOKENS)))
+    gen = torch.Generator().manual_seed(0)
+    ids = [torch.randint(0, handle.config.vocab_size, (tokens,), generator=gen).tolist() for _ in range(n)]
+
+    def synced() -> float:
+        if handle.device.type == "cuda":
+            torch.cuda.synchronize(handle.device)
+        return time.perf_counter()
+
+    compute_chunk_kv(handle.arch, ids, anchor)  # warm-up: first-call allocations and kernel choices
+    t0 = synced()
+    kvs = compute_chunk_kv(handle.arch, ids, anchor)
+    compute_s = (synced() - t0) / n
+    store_s: dict[str, float] = {}
+    fingerprint = cache_fingerprint(handle.fingerprint, anchor)
+    with tempfile.TemporaryDirectory(prefix="kvrag-plan-") as tmp:
+        for f in formats:
+            with open_store(Path(tmp) / f) as store:
+                ing = Ingestor(
+                    handle,
+                    handle.arch,
+                    store,
+                    Segmenter(),
+                    anchor=anchor,
+                    fingerprint=format_fingerprint(fingerprint, f),
+                    storage_dtype=f,
+                )
+                t0 = synced()
+                for j, (i, (k, v)) in enumerate(zip(ids, kvs)):
+                    ing.put(ing.key(i), f"chunk {j}", i, k, v)
+                store_s[f] = (synced() - t0) / n
+    return {
+        "measured": True,
+        "model": handle.source,
+        "device": str(handle.device),
+        "dtype": str(handle.dtype).removeprefix("torch."),
+        "pack_chunks": n,
+        "compute_s_per_chunk": compute_s,
+        "store_s_per_chunk": store_s,
+    }
+
+
+def run_plan(args) -> int:
+    formats = list(dict.fromkeys(args.storage_dtype or STORAGE_DTYPES))
+    if args.measure and args.shape is not None:
+        raise StoreError(
+            "--measure times a model's precompute: pass --model (or nothing: the default model), not --shape"
+        )
+    if args.shape is not None:
+        shape, source, context = args.shape, "--shape", None
+    else:
+        from kvrag.model.config import kv_shape, load_config
+
+        config, source = load_config(args.model, args.home)
+        shape, context = kv_shape(config), getattr(config, "max_position_embeddings", None)
+    if isinstance(context, int) and args.tokens > context:
+        raise StoreError(
+            f"--tokens {args.tokens}: a chunk cannot be longer than the model's context ({context} tokens)"
+        )
+    limit, limit_from = _plan_limit(args)
+    rec = {
+        "chunks": args.chunks,
+        "tokens": args.tokens,
+        "model": {"source": source, "layers": shape[0], "kv_heads": shape[1], "head_dim": shape[2]},
+        "size_limit": limit,
+        "size_limit_from": limit_from,
+        "formats": plan_corpus(args.chunks, args.tokens, shape, formats, limit),
+        "precompute": measure_precompute(args, args.tokens, formats) if args.measure else {"measured": False},
+    }
+    _emit(args, rec, plan_lines(rec))
+    return 0
+
+
+def plan_lines(rec: dict) -> list[str]:
+    """``kvrag cache plan``'s record as text: the corpus, the model's shape, the limit, a table
+    per format and the precompute time (or why there is none)."""
+    m, pre = rec["model"], rec["precompute"]
+    measured = pre["measured"]
+    lines = [
+        f"corpus      {rec['chunks']:,} chunks x {rec['tokens']:,} tokens ({rec['chunks'] * rec['tokens']:,} tokens)",
+        f"model       {m['source']}: {m['layers']} layers x {m['kv_heads']} KV heads x head dim {m['head_dim']}",
+        f"size limit  {human(rec['size_limit'])} ({rec['size_limit_from']})",
+        "",
+    ]
+    head = ["format", "K/V B/token", "B/chunk", "corpus", "chunks/GB", "fit in limit"]
+    if measured:
+        head += ["precompute/chunk", "corpus precompute"]
+    rows = [head]
+    for f, r in rec["formats"].items():
+        row = [
+            f,
+            f"{r['kv_bytes_per_token']:,.0f}",
+            human(r["bytes_per_chunk"]),
+            human(r["total_bytes"]),
+            f"{r['chunks_per_gb']:,}",
+            f"{r['chunks_fit']:,} ({100 * r['fraction_fit']:.3g}%)",
+        ]
+        if measured:
+            s = pre["compute_s_per_chunk"] + pre["store_s_per_chunk"][f]
+            row += [f"{s * 1e3:,.1f} ms", _duration(s * rec["chunks"])]
+        rows.append(row)
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    for r in rows:
+        lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))))
+    lines += [
+        "",
+        "B/chunk: K/V and token ids; each chunk's header (its text and metadata) and SQLite row come on top.",
+    ]
+    if measured:
+        lines.append(
+            f"precompute  measured on {pre['device']} ({pre['dtype']}): one pack of {pre['pack_chunks']} chunks "
+            f"of random ids, prefill {pre['compute_s_per_chunk'] * 1e3:,.1f} ms/chunk + each format's encode "
+            "and write to a temporary store; one run, no other load accounted for"
+        )
+    else:
+        lines.append("precompute  not measured (--measure loads the model and times one pack of chunks)")
+    return lines
+
+
+def _duration(seconds: float) -> str:
+    """'42 s', '3.5 min', '7.2 h', '3.1 days'."""
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 90 * 60:
+        return f"{seconds / 60:.1f} min"
+    if seconds < 48 * 3600:
+        return f"{seconds / 3600:.1f} h"
+    return f"{seconds / 86400:.1f} days"

@@ -11,7 +11,7 @@ import signal
 import threading
 
 from kvrag.cli._options import MODEL_HELP
-from kvrag.defaults import AUTO_POLICY
+from kvrag.defaults import AUTO_POLICY, COMPILE_CHOICES, DEFAULT_COMPILE
 from kvrag.errors import KVRagError
 
 API_KEY_ENV = "KVRAG_API_KEY"
@@ -59,6 +59,13 @@ def register(sub) -> None:
     )
     p.add_argument("--device", default="cpu", help="torch device (cpu, cuda, cuda:1, ...)")
     p.add_argument("--dtype", default="float32", help="compute dtype (float32, bfloat16, float16)")
+    p.add_argument(
+        "--compile",
+        choices=COMPILE_CHOICES,
+        default=DEFAULT_COMPILE,
+        help="decode through the compiled step (torch.compile; built at start, /ready waits for it): "
+        "auto (default) = on, off = op by op (docs/serve.md)",
+    )
     p.add_argument(
         "--threads",
         type=int,
@@ -137,6 +144,7 @@ def run(args) -> int:
 
     from kvrag.engine import KVRag
     from kvrag.precompute import Precomputer
+    from kvrag.query.compiled import compile_wanted
     from kvrag.serve.app import create_app
     from kvrag.serve.lifecycle import Lifecycle
     from kvrag.serve.scheduler import Scheduler
@@ -160,6 +168,7 @@ def run(args) -> int:
         precompute_via=args.precompute_via,
         device=args.device,
         dtype=args.dtype,
+        compile=compile_wanted(args.compile, torch.device(args.device), serving=True),
         **params,
     )
     name = args.served_model_name or _model_name(args.model)
@@ -215,9 +224,13 @@ def _draining_server_class():
             threading.Thread(target=self._warm_up, name="kvrag-warm-up", daemon=True).start()
 
         def _warm_up(self) -> None:
-            # The grammar engine's view of the vocabulary (built once, a few hundred ms): the
-            # first structured-output request does not pay it. /ready says 503 until done.
+            # The compiled decode step's graphs, and the grammar engine's view of the
+            # vocabulary (built once, a few hundred ms): the first request pays neither.
+            # /ready says 503 until done.
             try:
+                if self.rag.compiled is not None:
+                    took = self.rag.warm_up()
+                    print(f"kvrag serve: compiled the decode step in {took:.1f} s", flush=True)
                 self.rag.json_constraint({"type": "object"})
             except Exception:  # a warm-up is an optimization: the server serves without it
                 logging.getLogger("kvrag.serve").warning("kvrag serve: warm-up failed", exc_info=True)

@@ -22,11 +22,13 @@ Shapes: ``B`` requests in the step, ``H`` query heads, ``Hkv`` KV heads, ``D`` h
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import torch
 
 from kvrag.arch import Arch
+from kvrag.query.compiled import CompiledStep
 from kvrag.query.decode import FusedStepper, HFStepper
 
 #: The fewest spare rows a cache grows by when a request outgrows the rows it was given.
@@ -230,11 +232,14 @@ class DecodeArena:
             self._k, self._v = [], []
 
     def reserve(self) -> None:
-        """A free row past every member's filled ones at every layer (a step writes there)."""
+        """Two free rows past every member's filled ones at every layer: the step writes the
+        first, and the second keeps the keys a step reads a strict prefix of the buffer, so
+        the compiled step (``kvrag.query.compiled``) never meets the one length at which its
+        slice would be the whole buffer (a graph of its own)."""
         if not self.members:
             return
         top = max(n for c in self.members for n in c.n)
-        if top + 1 > self.rows:
+        if top + 2 > self.rows:
             self._resize(len(self.members), top + max(MIN_SPARE_ROWS, top // 4), self._k[0][0])
 
     def _bind(self, slot: int) -> None:
@@ -319,14 +324,19 @@ class DecodeArena:
 
 @torch.no_grad()
 def decode_step(
-    arch: Arch, caches: Sequence[DecodeCache], token_ids: Sequence[int], arena: DecodeArena | None = None
+    arch: Arch,
+    caches: Sequence[DecodeCache],
+    token_ids: Sequence[int],
+    arena: DecodeArena | None = None,
+    compiled: CompiledStep | None = None,
 ) -> torch.Tensor:
     """Feed one token per request -> next-token logits [B, V] (float32).
 
     ``token_ids[i]`` is the token request ``i`` just produced (at ``caches[i].pos``). Token-wise
     work runs on [B, E] rows; attention runs per request over its own cache, windowed by key
     position on sliding-window layers -- or, when ``caches`` are exactly ``arena``'s members in
-    slot order, in one call over the arena. The caches advance only when the whole step
+    slot order, in one call over the arena, through ``compiled`` (the whole step as one graph)
+    when it is given and supports the model. The caches advance only when the whole step
     succeeded."""
     if len(caches) != len(token_ids) or not caches:
         raise ValueError(f"decode_step needs one token per cache, got {len(token_ids)} for {len(caches)}")
@@ -334,13 +344,22 @@ def decode_step(
         arena is not None and len(caches) == len(arena.members) and all(c is m for c, m in zip(caches, arena.members))
     )
     plan = None
+    compiled_step = pooled and compiled is not None and compiled.supports(arch)
     if arena is not None:
         arena.reserve()  # also before a step of some members alone: a member's rows never move out
-        if pooled:
+        if pooled and not compiled_step:
             plan = arena.step_plan()
     dev = arch.device
     toks = torch.tensor(list(token_ids), dtype=torch.long)
     positions = torch.tensor([c.pos for c in caches], dtype=torch.long)
+    if compiled_step and arena is not None and compiled is not None:
+        rows = [c.n for c in caches]
+        top = max(max(n) for n in rows) + 1
+        filled = torch.tensor(rows, dtype=torch.long).T.contiguous()  # [L, B]
+        logits = compiled(toks.to(dev), positions.to(dev), arena._k, arena._v, filled.to(dev), top)
+        for c in caches:
+            c.commit()
+        return logits
     hidden = arch.embed(toks)  # [B, E]
     if arch.length_dependent_rope and len(caches) > 1:
         # LongRoPE / dynamic NTK pick frequencies from the sequence length, inferred from the
@@ -364,3 +383,17 @@ def decode_step(
     for c in caches:
         c.commit()
     return logits
+
+
+def warm_up(arch: Arch, compiled: CompiledStep) -> float:
+    """Build ``compiled``'s graphs (one request, several) now, on dummy arenas of a few rows,
+    so no request waits for a compile -> the seconds it took (~0 when they were built)."""
+    t0 = time.perf_counter()
+    for b in (1, 2):
+        arena = DecodeArena(arch)
+        shape = (arch.n_kv_heads, 4, arch.head_dim)
+        for _ in range(b):
+            zeros = [torch.zeros(shape, dtype=arch.dtype, device=arch.device) for _ in range(arch.n_layers)]
+            arena.add(DecodeCache(arch, zeros, zeros, 4, {}, spare=4))
+        decode_step(arch, list(arena.members), [0] * b, arena, compiled)
+    return time.perf_counter() - t0

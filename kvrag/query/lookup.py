@@ -6,7 +6,10 @@ from the chunks' stored ids and the plain text around them, without tokenizing t
 
 The result is the prompt as ``Piece``\\ s: plain token runs and cached chunks, in order, whose
 token ids concatenated are exactly the tokenizer's ids of the whole prompt (after the BOS ids
-it adds), for every policy alike.
+it adds), for every policy alike. Those ids are decided in one place, ``ChunkLookup._tokens``:
+``pieces`` runs it, and so does ``ChunkLookup.tokens`` for a caller that counts a prompt's
+tokens before its prefill (the server's scheduler) and hands them (``PromptTokens``) to
+``pieces``, which then neither tokenizes nor segments the prompt again.
 """
 
 from __future__ import annotations
@@ -15,8 +18,9 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import NamedTuple
 
 import torch
 
@@ -27,6 +31,24 @@ from kvrag.layout.state import CACHED, PLAIN, FusionStats, Piece
 from kvrag.query.splice import seam_merges, splice_ids
 
 log = logging.getLogger("kvrag")
+
+
+class PromptTokens(NamedTuple):
+    """A prompt string's tokens as its prefill reads them (``ChunkLookup.tokens``; BOS ids not
+    included). ``ids`` [n]: the tokenizer's own ids of the whole prompt; ``offsets`` [n]: each
+    token's character span, ``starts`` [n] the spans' starts (sorted), as
+    ``kvrag.layout.align.prompt_tokens`` gives them, except that each token of a spliced chunk
+    spans the whole chunk. ``spans``: the prompt's chunk spans (``chunk_spans``) as the lookup
+    found them, None where it was not segmented (its prefill segments it); ``spliced``:
+    ``(index in spans, index in ids of its first token)`` per chunk whose stored ids were
+    spliced in. A bare ``(ids, offsets, starts)`` of ``prompt_tokens`` reads as the whole
+    prompt tokenized, nothing segmented or spliced."""
+
+    ids: list[int]
+    offsets: list[tuple[int, int]]
+    starts: list[int]
+    spans: list | None = None
+    spliced: tuple[tuple[int, int], ...] = ()
 
 
 class ChunkLookup:
@@ -83,7 +105,61 @@ class ChunkLookup:
             k: self._readers.submit(self.store.get, k, self.fingerprint, pin_memory=pin) for k in dict.fromkeys(keys)
         }
 
-    def pieces(self, prompt: str, use_cache: bool = True, tokens=None) -> tuple[list[Piece], FusionStats]:
+    def tokens(self, prompt: str, tokenizer=None, use_cache: bool = True) -> PromptTokens:
+        """The prompt's tokens as ``pieces`` reads them, for a caller that counts them before
+        the prefill (the server's scheduler refuses a prompt past the context at submit) and
+        then hands them to ``pieces``, which tokenizes and segments nothing again.
+
+        Made by ``pieces``' own rule (``_tokens``) from the chunks the hot tier holds: their
+        stored ids are spliced in, and the chunks it does not hold are tokenized with the plain
+        text around them. The store is not read here: a read entry (a pinned buffer beside a
+        GPU) would be held for as long as the request waits; ``pieces`` reads them.
+        ``use_cache`` False: the whole prompt tokenized, as ``pieces`` tokenizes it for a policy
+        that reads no cache. ``tokenizer``: this model's (None) or a copy of it, for a thread of
+        the caller's own (a fast tokenizer is not safe to share between threads; the hot tier
+        and the segmenter are)."""
+        tok = self.tokenizer if tokenizer is None else tokenizer
+        if not use_cache:
+            return PromptTokens(*prompt_tokens(tok, prompt))
+
+        def hot(seg):
+            entry = self.hot.get(seg.key)
+            return None if entry is None else (entry.token_ids.tolist(), entry.text, None)
+
+        return self._tokens(prompt, self._spans(prompt), tok, hot)
+
+    def _spans(self, prompt: str) -> list:
+        """The prompt's cached chunk spans, ``(segment, start, end)`` in prompt order."""
+        self.refresh()
+        return list(chunk_spans(self.segmenter.split(prompt)))
+
+    @staticmethod
+    def _tokens(
+        prompt: str, spans: list, tokenizer, read: Callable, fetch: Callable[[list[str]], None] | None = None
+    ) -> PromptTokens:
+        """The prompt's tokens (the one rule, ``pieces``' and ``tokens``'): the chunks of
+        ``spans`` found whole, whose seams may hold and whose stored ids ``read(segment)`` gives
+        (``(ids, text, payload)``, or None), spliced between the plain text tokenized in
+        context (``kvrag.query.splice``), every seam proved; where one does not hold, or with
+        no chunk to splice, the whole prompt tokenized. ``fetch(keys)``: start the reads of the
+        chunks that may be spliced, all at once, before the first is waited for."""
+        whole = [
+            (i, sp)
+            for i, sp in enumerate(spans)
+            if not sp[0].partial and not sp[0].offset and not seam_merges(prompt, sp[1], sp[2])
+        ]
+        if fetch is not None:
+            fetch([sp[0].key for _, sp in whole])
+        good = [(i, sp, g) for i, sp in whole if (g := read(sp[0])) is not None and g[1] == sp[0].text]
+        spliced = splice_ids(tokenizer, prompt, [(a, b, g[0]) for _, (_, a, b), g in good]) if good else None
+        if spliced is None:
+            return PromptTokens(*prompt_tokens(tokenizer, prompt), spans)
+        placed = tuple((i, j) for (i, _, _), j in zip(good, spliced.starts, strict=True))
+        return PromptTokens(spliced.ids, spliced.offsets, [a for a, _ in spliced.offsets], spans, placed)
+
+    def pieces(
+        self, prompt: str, use_cache: bool = True, tokens: PromptTokens | tuple | None = None
+    ) -> tuple[list[Piece], FusionStats]:
         """The prompt's token ids, split into plain pieces and cached chunks: ([Piece], stats
         with hits/misses).
 
@@ -104,12 +180,14 @@ class ChunkLookup:
         if prefix:
             pieces.append(Piece(torch.tensor(prefix, dtype=torch.long)))
         tok = 0  # first token not yet placed in a piece
+        if tokens is not None and not isinstance(tokens, PromptTokens):
+            tokens = PromptTokens(*tokens)  # ``prompt_tokens`` of the whole prompt
         if not use_cache:
-            # ``tokens``: ``prompt_tokens`` of this prompt, when its caller tokenized it already.
-            ids = (tokens if tokens is not None else prompt_tokens(self.tokenizer, prompt))[0]
+            # ``tokens``: this prompt's, when its caller tokenized it already.
+            ids = tokens.ids if tokens is not None else prompt_tokens(self.tokenizer, prompt)[0]
         else:
-            self.refresh()
-            spans = list(chunk_spans(self.segmenter.split(prompt)))
+            # The spans the caller's lookup found (``tokens``): its splice placed chunks of them.
+            spans = tokens.spans if tokens is not None and tokens.spans is not None else self._spans(prompt)
             hot_entries = {seg.key: e for seg, _, _ in spans if (e := self.hot.get(seg.key)) is not None}
             disk: dict[str, Future] = {}
             read_once: dict[str, tuple | None] = {}
@@ -131,8 +209,16 @@ class ChunkLookup:
                         return None
                 return entry.token_ids.tolist(), entry.text, (entry, hot)
 
-            ids, placements = self._place(prompt, spans, hot_entries, disk, read, tokens)
-            for pl in placements:
+            if tokens is None:
+                tokens = self._tokens(
+                    prompt,
+                    spans,
+                    self.tokenizer,
+                    read,
+                    lambda keys: disk.update(self.read_entries([k for k in keys if k not in hot_entries])),
+                )
+            ids = tokens.ids
+            for pl in self._place(spans, tokens, hot_entries, disk, read):
                 if pl.status == "unaligned":
                     stats.chunks_unaligned += 1
                     continue
@@ -164,45 +250,31 @@ class ChunkLookup:
             raise ValueError(f"prompt of {total} tokens exceeds the model context ({self.handle.max_context})")
         return pieces, stats
 
-    def _place(
-        self, prompt: str, spans: list, hot_entries: dict, disk: dict, read, tokens
-    ) -> tuple[list[int], Iterable[Placement]]:
-        """The prompt's ids and its chunks' ``Placement``\\ s, in prompt order; ``disk`` (key ->
-        read future) is filled here, for ``read``.
+    def _place(self, spans: list, tokens: PromptTokens, hot_entries: dict, disk: dict, read) -> Iterator[Placement]:
+        """The ``Placement`` of each chunk of ``spans`` in ``tokens``, in prompt order; ``disk``
+        (key -> read future) is filled here, for ``read``.
 
-        The chunks found whole, readable and with seams that may hold are spliced: their stored
-        ids between the plain text, tokenized in context (``kvrag.query.splice``), each seam
-        proved. The other chunks (cut, unreadable, inside words) are aligned in the tokens of
-        the plain text around them as in the whole prompt's (``place_chunks``): where every
-        seam holds, those tokens are the whole prompt's. Where one does not, or with no chunk
-        to splice, the whole prompt is tokenized (or ``tokens``, its caller's tokenization,
-        read) and every chunk aligned in it."""
-        if tokens is None:
-            whole = [
-                sp for sp in spans if not sp[0].partial and not sp[0].offset and not seam_merges(prompt, sp[1], sp[2])
-            ]
-            # Reads start at once, all of them (the other chunks' once their tokens are known).
-            disk.update(self.read_entries([seg.key for seg, _, _ in whole if seg.key not in hot_entries]))
-            good = [(sp, g) for sp in whole if (g := read(sp[0])) is not None and g[1] == sp[0].text]
-            spliced = splice_ids(self.tokenizer, prompt, [(a, b, g[0]) for (_, a, b), g in good]) if good else None
-            if spliced is not None:
-                ids, offsets = spliced.ids, spliced.offsets
-                # Each spliced chunk placed whole where the splice put it: what ``place_chunks``
-                # finds in the whole prompt's tokenization, equal to the splice.
-                placed = {
-                    id(sp): Placement(sp[0], "placed", g[2], j, 0, len(g[0]))
-                    for (sp, g), j in zip(good, spliced.starts, strict=True)
-                }
-                rest = [sp for sp in spans if id(sp) not in placed]
-                if not rest:
-                    return ids, [placed[id(sp)] for sp in spans]
-                starts = [a for a, _ in offsets]
-                self._read_inside(rest, hot_entries, disk, offsets, starts)
-                aligned = place_chunks(self.tokenizer, self.newline_ids, ids, offsets, starts, rest, read)
-                return ids, (placed[id(sp)] if id(sp) in placed else next(aligned) for sp in spans)
-        ids, offsets, starts = tokens if tokens is not None else prompt_tokens(self.tokenizer, prompt)
-        self._read_inside(spans, hot_entries, disk, offsets, starts)
-        return ids, place_chunks(self.tokenizer, self.newline_ids, ids, offsets, starts, spans, read)
+        A spliced chunk is placed whole where the splice put it: what ``place_chunks`` finds in
+        the whole prompt's tokenization, equal to the splice (missed if its entry is gone
+        since). The others (cut, unreadable, inside words, not read when spliced) are aligned
+        in the tokens of the text around them (``place_chunks``), which are the whole prompt's
+        where every seam holds, and the whole prompt's tokenization otherwise."""
+        ids, offsets, starts = tokens.ids, tokens.offsets, tokens.starts
+        placed = dict(tokens.spliced)
+        # Reads start at once, all of them: the spliced chunks' not read yet (a caller's splice
+        # from the hot tier alone), then those of the others a prompt token lies in.
+        keys = [spans[i][0].key for i in placed]
+        disk.update(self.read_entries([k for k in keys if k not in hot_entries and k not in disk]))
+        rest = [sp for i, sp in enumerate(spans) if i not in placed]
+        self._read_inside(rest, hot_entries, disk, offsets, starts)
+        aligned = place_chunks(self.tokenizer, self.newline_ids, ids, offsets, starts, rest, read)
+        for i, (seg, _, _) in enumerate(spans):
+            if i not in placed:
+                yield next(aligned)
+            elif (got := read(seg)) is None:
+                yield Placement(seg, "missed")
+            else:
+                yield Placement(seg, "placed", got[2], placed[i], 0, len(got[0]))
 
     def _read_inside(self, spans: list, hot_entries: dict, disk: dict, offsets, starts) -> None:
         """Start the reads, all at once, of the chunks of ``spans`` a prompt token lies in."""

@@ -56,7 +56,7 @@ import torch
 
 from kvrag.checks import check_int
 from kvrag.defaults import MAX_TOP_LOGPROBS
-from kvrag.engine import KVRag, Prefill, PromptTokens
+from kvrag.engine import KVRag, Prefill
 from kvrag.errors import KVRagError
 from kvrag.layout.prompt import render_prompt
 from kvrag.layout.state import FusionStats
@@ -64,6 +64,7 @@ from kvrag.policies import Policy, get_policy
 from kvrag.query.batch import DecodeArena, DecodeCache, decode_step
 from kvrag.query.constrain import JsonConstraint
 from kvrag.query.decode import Decoder, FusedStepper, HFStepper, Sampling, draw_batch
+from kvrag.query.lookup import PromptTokens
 from kvrag.serve.logprobs import TokenLogprob, distribution, token_logprob
 from kvrag.serve.ticket import Delta, Finished, Ticket
 
@@ -290,7 +291,7 @@ class Scheduler:
         constraint = None
         if s.json_schema is not None:
             constraint = self.rag.json_constraint(s.json_schema)
-        text, tokens, n_prompt = self._check_prompt(req.prompt)
+        text, tokens, n_prompt = self._check_prompt(req.prompt, pol)
         try:
             budget = s.budget(n_prompt, self.rag.handle.max_context)
         except ValueError as e:
@@ -320,10 +321,12 @@ class Scheduler:
         pol.check_model(self.rag.arch)
         return pol
 
-    def _check_prompt(self, prompt) -> tuple[str, PromptTokens, int]:
-        """The prompt string (chat messages rendered), its tokens (what the prefill reads) and
-        their count with the BOS ids, refused when it is empty or its tokens exceed the model's
-        context (inserted tokens are checked again at the prefill)."""
+    def _check_prompt(self, prompt, pol: Policy) -> tuple[str, PromptTokens, int]:
+        """The prompt string (chat messages rendered), its tokens (what the prefill reads, made
+        as ``pol``'s prefill makes them: the stored ids of the chunks the hot tier holds
+        spliced in, the rest tokenized; ``KVRag.tokenize``) and their count with the BOS ids,
+        refused when it is empty or its tokens exceed the model's context (inserted tokens are
+        checked again at the prefill)."""
         if not isinstance(prompt, (str, list)):
             raise RequestError(f"prompt must be a string or a list of chat messages, got {type(prompt).__name__}")
         with self._tok_lock:
@@ -331,7 +334,7 @@ class Scheduler:
                 text = render_prompt(self._tok, prompt)
             except TypeError as e:  # a malformed message list: the caller's input, not a bug
                 raise RequestError(str(e)) from None
-            tokens = self.rag.tokenize(text, self._tok)
+            tokens = self.rag.tokenize(text, self._tok, pol.uses_cache)
         n = self.rag.count_prompt(text, tokens)
         if n == 0:
             raise RequestError("the prompt is empty")
@@ -506,7 +509,7 @@ class Scheduler:
         try:
             caches = [r.cache for r in batch if r.cache is not None]  # every one: batch holds cached requests
             t0 = time.perf_counter()
-            logits = decode_step(self.rag.arch, caches, [r.tokens[-1] for r in batch], self._arena)
+            logits = decode_step(self.rag.arch, caches, [r.tokens[-1] for r in batch], self._arena, self.rag.compiled)
             took = time.perf_counter() - t0
         except Exception as e:
             if len(batch) == 1:

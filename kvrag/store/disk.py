@@ -8,7 +8,9 @@ Layout under ``directory``::
              tag   = checksum of those bytes, "crc32:<8 hex>" (verified on every load;
                      sha256-hex tags of older stores are still verified as sha256)
              eviction: least-recently-used, enforced by DiskStore itself to ``size_limit``
-                     (``kvrag.store.disk_evict``)
+                     (``kvrag.store.disk_evict``); with ``admission="tinylfu"`` a write into
+                     a full store is kept only if its key is asked for more often than the
+                     entries it would evict (``kvrag.store.admission``)
     index/   a second ``diskcache.Cache`` without eviction: the text index
              key   = the same key
              value = JSON string {"text", "fingerprint", "n_tokens"}
@@ -54,6 +56,7 @@ import torch
 
 from kvrag.checks import check_int
 from kvrag.errors import StoreError
+from kvrag.store.admission import FrequencySketch, check_admission
 from kvrag.store.base import CACHE_FORMAT_VERSION, ChunkEntry, ChunkStore
 from kvrag.store.blob import (
     Corrupt,
@@ -69,7 +72,7 @@ from kvrag.store.blob import (
 )
 from kvrag.store.confined import ConfinedDisk
 from kvrag.store.disk_check import blob_problem, check_files, check_owner, misfit, truncation
-from kvrag.store.disk_evict import EVICTION_POLICY, evict_to_limit
+from kvrag.store.disk_evict import EVICTION_POLICY, evict_to_limit, lru_victims
 from kvrag.store.disk_index import header_metadata, listed, listing_of, own_keys
 from kvrag.store.disk_open import DirLock, environment_error, open_cache
 
@@ -94,11 +97,17 @@ class DiskStore(ChunkStore):
     timeout: seconds a write waits for another process holding the store's database lock
     before it fails with a ``StoreError`` that says so.
 
+    admission: ``"lru"`` (default) keeps every write and evicts the least recently used entries
+    for it; ``"tinylfu"`` keeps a write into a full store only if its key was asked for (read
+    or written) more often lately than each entry it would evict, and otherwise stores nothing
+    (counted ``refused``): chunks retrieved again and again survive one-off writes
+    (``kvrag.store.admission``; docs/cache.md). The counts are this object's, so per process.
+
     A store directory is trusted with nothing (docs/cache.md, "Threat model"): its rows go
     through ``kvrag.store.confined.ConfinedDisk`` (no pickles, no file outside the directory)
     and its blobs through ``kvrag.store.blob``'s checks, so a crafted one gives misses."""
 
-    def __init__(self, directory, *, size_limit: int | None = None, timeout: float = 60.0):
+    def __init__(self, directory, *, size_limit: int | None = None, timeout: float = 60.0, admission: str = "lru"):
         if size_limit is not None:
             size_limit = check_int("size_limit (bytes)", size_limit, 1)
         if not str(directory).strip():
@@ -117,6 +126,7 @@ class DiskStore(ChunkStore):
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
             raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
         self.timeout = float(timeout)
+        self.admission = check_admission(admission)
         # Opened under an exclusive lock: two processes creating a store at once would otherwise
         # race between "is there a store?" and diskcache writing its settings, and one could
         # record diskcache's 1 GB default limit for good.
@@ -159,7 +169,9 @@ class DiskStore(ChunkStore):
             self._index = self._open_index(common)
         self.size_limit = int(self._blobs.size_limit)
         self._lock = threading.Lock()
-        self._counts = {"hits": 0, "misses": 0, "corrupt": 0, "wrong_model": 0, "evictions": 0}
+        self._counts = {"hits": 0, "misses": 0, "corrupt": 0, "wrong_model": 0, "evictions": 0, "refused": 0}
+        # How often each key was asked for lately (under ``_lock``), for admission="tinylfu".
+        self._sketch = FrequencySketch() if self.admission == "tinylfu" else None
 
     def _open_cache(self, name: str, **settings) -> diskcache.Cache:
         return open_cache(self.directory, name, self.timeout, **settings)
@@ -199,7 +211,10 @@ class DiskStore(ChunkStore):
         """Store ``entry`` under ``key`` (replacing any entry there, even one of a newer format:
         keys include the fingerprint, which includes the format version, so two kvrag versions
         only meet on one key if the caller chose it), then evict LRU entries until the store
-        fits its size limit. Raises ValueError for an empty or inconsistent entry."""
+        fits its size limit. With ``admission="tinylfu"``, a new key that does not fit beside
+        the stored entries is written only if the admission rule lets it evict them
+        (``_admits``); otherwise nothing is stored. Raises ValueError for an empty or
+        inconsistent entry."""
         if not isinstance(key, str) or not key:
             raise ValueError(f"key must be a non-empty string, got {key!r}")
         ids = validate_entry(entry)
@@ -211,9 +226,10 @@ class DiskStore(ChunkStore):
                 f"size limit ({self.size_limit} bytes): not stored, nothing evicted; raise size_limit "
                 "or split the document into smaller chunks"
             )
-        tag = checksum(data)
         try:
-            self._write(key, data, tag, index_value(entry.text, entry.fingerprint, ids.numel()))
+            if self._sketch is not None and not self._admits(key, len(data)):
+                return
+            self._write(key, data, checksum(data), index_value(entry.text, entry.fingerprint, ids.numel()))
         except (OSError, sqlite3.Error, diskcache.Timeout) as e:
             if (err := self._environment_error(e, "write to")) is not None:
                 raise err from e
@@ -313,6 +329,8 @@ class DiskStore(ChunkStore):
             return self._miss()
         with self._lock:
             self._counts["hits"] += 1
+            if self._sketch is not None:
+                self._sketch.add(key)
         return entry
 
     def __contains__(self, key) -> bool:
@@ -382,8 +400,9 @@ class DiskStore(ChunkStore):
             self._index.clear(retry=True)
 
     def stats(self) -> dict[str, Any]:
-        """entries, bytes (blob cache on disk, what size_limit bounds), size_limit, and this
-        process's hits, misses, hit_rate, corrupt, wrong_model, evictions."""
+        """entries, bytes (blob cache on disk, what size_limit bounds), size_limit, admission,
+        and this process's hits, misses, hit_rate, corrupt, wrong_model, evictions, refused
+        (writes the admission rule did not keep)."""
         with self._lock:
             c = dict(self._counts)
         lookups = c["hits"] + c["misses"]
@@ -392,6 +411,7 @@ class DiskStore(ChunkStore):
             "entries": len(self._blobs),
             "bytes": self._blobs.volume(),
             "size_limit": self.size_limit,
+            "admission": self.admission,
             **c,
             "hit_rate": c["hits"] / lookups if lookups else 0.0,
         }
@@ -608,6 +628,30 @@ class DiskStore(ChunkStore):
                 self._blobs.delete(key, retry=True)
             if key not in self._blobs:
                 self._index.delete(key, retry=True)
+
+    def _admits(self, key: str, nbytes: int) -> bool:
+        """Whether a write of ``nbytes`` under ``key`` is kept (admission="tinylfu"). The write
+        counts as an access of ``key`` either way. A key already stored is replaced, and a store
+        with room for the entry takes it; otherwise the entries LRU eviction would remove for it
+        must each have been asked for less often than ``key`` (``FrequencySketch.admits``)."""
+        sketch = self._sketch
+        assert sketch is not None
+        entries = len(self._blobs)
+        with self._lock:
+            # Sized by the entries stored: once the store is full, as many as it can hold.
+            sketch.fit(entries)
+            sketch.add(key)
+        if key in self._blobs:
+            return True
+        victims = lru_victims(self._blobs, nbytes, self.size_limit)
+        if not victims:
+            return True
+        with self._lock:
+            if sketch.admits(key, victims):
+                return True
+            self._counts["refused"] += 1
+        log.debug("DiskStore: %s not admitted: asked for no more often than the LRU entries it would evict", key)
+        return False
 
     def _enforce_limit(self) -> int:
         """Evict least-recently-used blobs until the blob cache fits ``size_limit``

@@ -4,7 +4,8 @@ per transaction, until the blob cache fits (with their text-index entries).
 diskcache has no public "evict one LRU item" call (``Cache.cull`` removes ten at a time, and
 its own culling on ``set`` may drop the entry being written when the cache is small), so the
 store turns diskcache's culling off (``cull_limit=0``) and runs diskcache's own policy query
-here, on its connection, inside its transaction.
+here, on its connection, inside its transaction. ``lru_victims`` lists, without evicting, what a
+write would evict: what the admission rule (``kvrag.store.admission``) weighs a new key against.
 """
 
 from __future__ import annotations
@@ -44,3 +45,22 @@ def evict_to_limit(blobs: diskcache.Cache, index: diskcache.Cache, size_limit: i
         evicted += 1
         log.debug("DiskStore: evicted %s (size limit %d)", victim, size_limit)
     return evicted
+
+
+def lru_victims(blobs: diskcache.Cache, nbytes: int, size_limit: int) -> list[str]:
+    """The keys ``evict_to_limit`` would evict, least recently used first, if ``nbytes`` more
+    were written into ``blobs`` (empty when they fit). Rows whose key kvrag never writes are
+    counted towards the room they free but not listed."""
+    excess = blobs.volume() + nbytes - size_limit
+    if excess <= 0:
+        return []
+    # LIMIT -1: SQLite's "no limit"; the rows are read only as far as they are needed.
+    select = diskcache.core.EVICTION_POLICY[EVICTION_POLICY]["cull"].format(fields="key, raw, size", now=0)
+    victims = []
+    for key, raw, size in blobs._sql(select, (-1,)):
+        if raw and isinstance(key, str):
+            victims.append(key)
+        excess -= size or 0
+        if excess <= 0:
+            break
+    return victims

@@ -55,14 +55,16 @@ def open_store(
     shared: str | ChunkStore | None = None,
     shared_prefix: str | None = None,
     size_limit: int | None = None,
+    admission: str = "lru",
 ) -> ChunkStore:
     """The store kvrag uses: a ``DiskStore`` in ``cache_dir`` (None: ``default_store_dir()``),
-    created if missing, with ``size_limit`` recorded in it when given; with ``shared`` (see
-    ``open_shared``) a ``TieredStore`` of that disk store (near) and the shared tier (far)."""
+    created if missing, with ``size_limit`` recorded in it when given and its ``admission``
+    rule (``kvrag.store.admission``); with ``shared`` (see ``open_shared``) a ``TieredStore``
+    of that disk store (near) and the shared tier (far)."""
     check_cache_dir(cache_dir)
     far = None if shared is None else open_shared(shared, prefix=shared_prefix)
     directory = Path(cache_dir).expanduser() if cache_dir is not None else default_store_dir()
-    disk = DiskStore(directory, size_limit=size_limit)
+    disk = DiskStore(directory, size_limit=size_limit, admission=admission)
     if far is None:
         return disk
     from kvrag.store.tiered import TieredStore

@@ -48,13 +48,17 @@ def running(app, timeout: float = 30.0):
 def kvrag_serve(model_dir: str, cache_dir: str, *args: str, env_extra: dict | None = None, timeout: float = 180):
     """A ``python -m kvrag serve`` process on 127.0.0.1 (a free port) over ``model_dir`` and
     ``cache_dir`` (``env_extra``: variables added to its environment): yields (process, URL)
-    once ``/ready`` answers 200; killed on exit if it is still running."""
+    once ``/ready`` answers 200; killed on exit if it is still running. The decode step is not
+    compiled unless ``args`` say ``--compile``: a server's compile at start takes a minute of
+    the suite's two cores, and one test (``test_serve_compiled``) covers that path."""
     from helpers.redis_servers import free_port
 
     port = free_port()
     env = dict(os.environ, PYTHONPATH=_ROOT, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", **(env_extra or {}))
     cmd = [sys.executable, "-m", "kvrag", "serve", "--model", model_dir, "--cache-dir", cache_dir]
     cmd += [*args, "--port", str(port), "--log-level", "warning"]
+    if "--compile" not in args:
+        cmd += ["--compile", "off"]
     p = subprocess.Popen(cmd, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     url = f"http://127.0.0.1:{port}"
     try:

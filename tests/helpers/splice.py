@@ -1,7 +1,8 @@
 """Prompts for the splice rule's equality tests (``kvrag.query.splice``), shared by the unit
 test on SmolLM2's tokenizer and the real test on Gemma 3's: random texts cut into chunks at
 random characters (mid-word, inside whitespace runs, beside newlines, inside multi-byte
-characters), chunks repeated and adjacent, and the house RAG layout."""
+characters), chunks repeated and adjacent, and the house RAG layout; a SentencePiece-style
+tokenizer small enough for the unit tests."""
 
 from __future__ import annotations
 
@@ -52,6 +53,27 @@ def spelled(tokenizer, text: str) -> list[int]:
     if nl and ids[: len(nl)] == nl and len(ids) > len(nl):
         return ids[len(nl) :]
     return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def sentencepiece_style_tokenizer(merge_spaces: bool = False):
+    """A character-level tokenizer that marks the first word of a text as Llama 2 / Mistral's
+    SentencePiece tokenizers do (normalizer: prepend "▁", spaces -> "▁"), and decodes as they
+    do (the tokens fused, then the text's first space dropped). ``merge_spaces``: "▁" merges
+    with the letter or digit after it ("▁T"), as a word's leading space does in their
+    vocabularies."""
+    import string
+
+    from tokenizers import Tokenizer, decoders, models, normalizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = sorted(set(string.ascii_letters + string.digits + ".,:;?!'-\n") | {"▁"})
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{c: i + 3 for i, c in enumerate(chars)}}
+    merges = [("▁", c) for c in string.ascii_letters + string.digits] if merge_spaces else []
+    vocab.update({a + b: len(vocab) + i for i, (a, b) in enumerate(merges)})
+    t = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>"))
+    t.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    t.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    return PreTrainedTokenizerFast(tokenizer_object=t, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
 
 
 def random_text(rng: random.Random, n_words: int) -> str:

@@ -31,9 +31,9 @@ def test_concurrent_chat_requests_equal_generate(tmp_path, monkeypatch):
     sizes = []
     real_step = sched_mod.decode_step
 
-    def spy(arch, caches, tokens, arena=None):
+    def spy(arch, caches, tokens, arena=None, compiled=None):
         sizes.append(len(caches))
-        return real_step(arch, caches, tokens, arena)
+        return real_step(arch, caches, tokens, arena, compiled)
 
     monkeypatch.setattr(sched_mod, "decode_step", spy)
     with Scheduler(rag, max_concurrency=8) as sched:

@@ -8,6 +8,7 @@ prompt and policy; cache hits are read from OpenAI's own usage field
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import os
 import subprocess
@@ -785,6 +786,33 @@ def test_two_server_processes_on_one_redis_prefix_share_chunks(model_dir, tmp_pa
         got = client(url_b).chat.completions.create(model="m", messages=messages(), max_tokens=3, temperature=0)
         assert got.usage.prompt_tokens_details.cached_tokens > 0
         assert got.model_extra["kvrag"]["chunks_hit"] == 3
+
+
+def test_serve_compiled_builds_its_step_before_ready_and_answers_as_eager(model_dir, tmp_path):
+    """``kvrag serve --compile on`` (what ``auto`` means for a server) builds the compiled step
+    at start — /ready waits for it and the time is printed — and answers, concurrently,
+    what the op-by-op server answers."""
+    replies = {}
+    for mode in ("off", "on"):
+        with kvrag_serve(model_dir, str(tmp_path / mode), "--compile", mode, timeout=600) as (p, url):
+            _ingest(url, DOCS)
+            c = client(url)
+            questions = ["Where does the red fox live?", "How tall is Mount Kelvar?", "Who founded Brisk?"]
+            with concurrent.futures.ThreadPoolExecutor(3) as pool:  # several requests: the batched graph too
+                got = pool.map(
+                    lambda q, c=c: c.chat.completions.create(
+                        model="m", messages=messages(q), max_tokens=12, temperature=0
+                    ),
+                    questions,
+                )
+                replies[mode] = [
+                    (g.choices[0].message.content, g.usage.prompt_tokens_details.cached_tokens) for g in got
+                ]
+            p.kill()
+            out = p.communicate(timeout=30)[0]
+        assert ("compiled the decode step in" in out) == (mode == "on"), out
+    assert replies["on"] == replies["off"]
+    assert all(cached > 0 for _, cached in replies["on"])
 
 
 @pytest.mark.real

@@ -7,6 +7,7 @@ import pytest
 import torch
 from helpers.corpus import DOCS as CORPUS
 from helpers.corpus import hf_greedy, prompt_for
+from helpers.splice import sentencepiece_style_tokenizer
 
 from kvrag.engine import KVRag
 from kvrag.errors import ChunkError
@@ -279,22 +280,6 @@ def test_a_cut_chunk_does_not_swallow_the_start_of_the_next_chunk(rag, handle):
     pieces, stats = served(rag, prompt)
     assert [k for k, _, _ in pieces] == [rag.chunk_key(a), rag.chunk_key(b)]
     assert pieces[1][1] == (0, len(rag.chunk_ids(b))) and stats.chunks_partial == 1
-
-
-def sentencepiece_style_tokenizer():
-    """A character-level tokenizer that marks the first word of a text as Llama 2 / Mistral's
-    SentencePiece tokenizers do (normalizer: prepend "▁", spaces -> "▁")."""
-    import string
-
-    from tokenizers import Tokenizer, decoders, models, normalizers
-    from transformers import PreTrainedTokenizerFast
-
-    chars = sorted(set(string.ascii_letters + string.digits + ".,:;?!'-\n") | {"▁"})
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{c: i + 3 for i, c in enumerate(chars)}}
-    t = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
-    t.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
-    t.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.Strip(" ", 1, 0)])
-    return PreTrainedTokenizerFast(tokenizer_object=t, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
 
 
 def test_sentencepiece_style_chunks_are_reused_without_the_first_word_mark(tmp_path):

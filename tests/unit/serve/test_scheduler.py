@@ -106,9 +106,9 @@ def test_concurrent_requests_under_every_policy_equal_generate(tmp_path, model_t
     sizes = []
     real = sched_mod.decode_step
 
-    def spy(arch, caches, tokens, arena=None):
+    def spy(arch, caches, tokens, arena=None, compiled=None):
         sizes.append(len(caches))
-        return real(arch, caches, tokens, arena)
+        return real(arch, caches, tokens, arena, compiled)
 
     monkeypatch.setattr(sched_mod, "decode_step", spy)
     with Scheduler(rag, max_concurrency=8) as sched:
@@ -232,7 +232,7 @@ def test_a_request_failing_in_the_batched_step_fails_alone(rag, monkeypatch):
         made.append(cache)
         return cache
 
-    def step(arch, caches, tokens, arena=None):
+    def step(arch, caches, tokens, arena=None, compiled=None):
         # The second request admitted: every step that holds its cache fails from its 3rd on
         # (in the arena's one call per layer or on the per-request path alike).
         bad = made[1] if len(made) > 1 else None
@@ -240,7 +240,7 @@ def test_a_request_failing_in_the_batched_step_fails_alone(rag, monkeypatch):
             steps.append(len(caches))
             if len(steps) > 2:
                 raise RuntimeError("device fault")
-        return real_step(arch, caches, tokens, arena)
+        return real_step(arch, caches, tokens, arena, compiled)
 
     monkeypatch.setattr(sched_mod.DecodeCache, "from_stepper", staticmethod(from_stepper))
     monkeypatch.setattr(sched_mod, "decode_step", step)

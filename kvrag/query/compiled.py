@@ -1,0 +1,189 @@
+"""The batched decode step compiled with ``torch.compile``: the whole step (embedding, every
+layer, final norm and LM head) as one graph over a ``DecodeArena``'s padded buffers.
+
+Run op by op, a decode step is ~40 small kernels a layer, each paying the host's dispatch
+(tens of microseconds on a CPU, more on a GPU where the kernels themselves take microseconds);
+compiled, inductor fuses the element-wise work (norms, RoPE, residuals, the activation) into a
+few generated kernels around the matrix products, and on a GPU ``mode="reduce-overhead"``
+replays the step as one CUDA graph.
+
+The sizes stay symbolic (marked dynamic): the rows every request has filled grow by one each
+step and the batch changes as requests come and go, and a graph specialised to one length
+would recompile (a minute on a 2-core CPU) at every step. Two graphs are built, for one
+request and for several (dynamo specialises a size of 1), at ``warm_up`` or at first use. On
+a GPU, CUDA graphs are recorded per shape, so there the keys read are padded up to a bucket
+of ``GPU_ROW_BUCKET`` rows (the padding masked out) and a recording serves a whole bucket.
+
+What stays eager (``CompiledStep.supports``): models with sliding-window or soft-capped
+attention (the arena's own limit: Gemma 2/3, windowed Mistral/Qwen2), and rotary tables that
+depend on the sequence length (LongRoPE, dynamic NTK), which the eager step computes per
+request. Requests decoded outside the arena (A2ATS' per-step row selection, thinned caches of
+windowed models) keep their own steppers.
+
+Shapes: ``B`` requests, ``S`` arena slots (>= B), ``Hkv`` KV heads, ``R`` arena rows, ``D``
+head dim, ``L`` layers, ``V`` vocabulary.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import types
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.fx.experimental._config as fx_config
+import torch.nn.functional as F
+
+from kvrag.arch import Arch
+from kvrag.defaults import COMPILE_CHOICES
+
+log = logging.getLogger("kvrag")
+
+#: Keys read per step are padded to a multiple of this many rows on a GPU, so one recorded
+#: CUDA graph serves every length in the bucket.
+GPU_ROW_BUCKET = 256
+
+
+def compile_wanted(choice: str | bool, device: torch.device, serving: bool) -> bool:
+    """Whether ``choice`` (one of ``COMPILE_CHOICES``, or a bool) turns the compiled step on.
+
+    ``"auto"``: on for a long-running server (``serving``), whose warm-up pays the compile
+    once for every request after, and on a GPU, where the host's launches are most of a step;
+    off in a library process on the CPU, where the first answer would wait for the compile
+    (~1 to 2 minutes for a 135M model on 2 cores; docs/bench/host_floor) to save tens of
+    milliseconds a token."""
+    if isinstance(choice, bool):
+        return choice
+    if choice not in COMPILE_CHOICES:
+        raise ValueError(f"compile must be one of {COMPILE_CHOICES} (or a bool), got {choice!r}")
+    if choice == "auto":
+        return serving or device.type == "cuda"
+    return choice == "on"
+
+
+def _arena_step(
+    arch: Arch,
+    token_ids: torch.Tensor,
+    positions: torch.Tensor,
+    keys: list[torch.Tensor],
+    values: list[torch.Tensor],
+    rows: torch.Tensor,
+    key_index: torch.Tensor,
+    grouped: bool,
+) -> torch.Tensor:
+    """One decode step of an arena's first B slots: token_ids, positions long [B]; keys /
+    values per layer [B, Hkv, R, D] (written in place: row ``rows[layer, b]`` of slot ``b``
+    gets the new token's k/v); rows long [L, B], each slot's filled rows per layer;
+    key_index long [T] = arange(T), T <= R the keys read (at least ``rows.max() + 1``: a
+    length carried by a tensor's size, which stays symbolic where a Python int would be
+    specialised); ``grouped``: the model has fewer KV heads than query heads -> logits
+    float32 [B, V].
+
+    The same arithmetic as ``kvrag.query.batch.decode_step`` over the arena, every layer
+    masked by key padding (a slot's rows past its own are hidden)."""
+    b, top = token_ids.shape[0], key_index.shape[0]
+    hidden = arch.embed(token_ids)  # [B, E]
+    cs = arch.cos_sin(positions)
+    slots = torch.arange(b, device=token_ids.device)
+    for layer in range(arch.n_layers):
+        q, k, v, _ = arch.qkv(layer, hidden, cs)  # q [H, B, D], k/v [Hkv, B, D]
+        K, V = keys[layer], values[layer]
+        n = rows[layer]
+        K[slots, :, n] = k.transpose(0, 1).to(K.dtype)
+        V[slots, :, n] = v.transpose(0, 1).to(V.dtype)
+        mask = (key_index[None, :] <= n[:, None]).view(b, 1, 1, top)
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1).unsqueeze(2),  # [B, H, 1, D]
+            K[:, :, :top].to(q.dtype),
+            V[:, :, :top].to(q.dtype),
+            attn_mask=mask,
+            scale=arch.scaling,
+            enable_gqa=grouped,
+        )  # [B, H, 1, D]
+        hidden = arch.finish_layer(layer, hidden, out.reshape(b, -1))
+    return arch.logits(hidden)
+
+
+def _own_code(fn: Callable) -> Callable:
+    """``fn`` with a code object of its own. Dynamo keeps graphs per code object, guarded on
+    the arguments (the model among them): with one shared code object, every model a process
+    compiles for (a test suite, a base model beside its adapted copy) would share one limit of
+    recompiles (eight), and the model past it would silently run eagerly."""
+    code = fn.__code__.replace()
+    return types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+
+
+class CompiledStep:
+    """``torch.compile`` of one model's arena decode step (``kvrag.query.batch.decode_step``
+    calls it for a step of exactly an arena's members). ``compiles`` counts the graphs built
+    (each a compile), ``compile_s`` the seconds the calls that built them took."""
+
+    def __init__(self, arch: Arch):
+        self.arch = arch
+        self.compiles = 0
+        self.compile_s = 0.0
+        gpu = arch.device.type == "cuda"
+        self._bucket = GPU_ROW_BUCKET if gpu else 1
+        options = {"triton.cudagraphs": True} if gpu else {}
+
+        def backend(gm: torch.fx.GraphModule, example_inputs: Sequence[torch.Tensor]):
+            self.compiles += 1
+            return torch._inductor.compile(gm, list(example_inputs), options=options)
+
+        self._fn = torch.compile(_own_code(_arena_step), backend=backend, dynamic=False)
+        self._grouped = arch.n_heads != arch.n_kv_heads
+        # Compiling is not something two threads should do at once; running the built graph is.
+        self._lock = threading.Lock()
+        self._warm: set[bool] = set()  # which graphs (one request, several) are built
+
+    @staticmethod
+    def supports(arch: Arch) -> bool:
+        """Whether ``arch``'s step compiles here, given that its caches fit an arena (no
+        sliding windows, no soft-cap): not where the rotary tables depend on the length."""
+        return not arch.length_dependent_rope
+
+    def __call__(
+        self,
+        token_ids: torch.Tensor,
+        positions: torch.Tensor,
+        keys: list[torch.Tensor],
+        values: list[torch.Tensor],
+        rows: torch.Tensor,
+        top: int,
+    ) -> torch.Tensor:
+        """The step of an arena's first B slots: token_ids, positions long [B] on the model's
+        device; keys / values per layer [S, Hkv, R, D], with two free rows past every slot's
+        filled ones (``DecodeArena.reserve``); rows long [L, B] (filled rows per layer and
+        slot); ``top`` = rows.max() + 1 (known on the host) -> logits float32 [B, V]."""
+        b = int(token_ids.shape[0])
+        top = min(-(-top // self._bucket) * self._bucket, int(keys[0].shape[2]))
+        key_index = torch.arange(top, device=token_ids.device)
+        # The first B slots (a leading slice of a contiguous buffer: contiguous, written in
+        # place), so the graph sees one batch size where the arena may hold spare slots.
+        keys, values = [k[:b] for k in keys], [v[:b] for v in values]
+        args = (self.arch, token_ids, positions, keys, values, rows, key_index, self._grouped)
+        many = b > 1
+        if many in self._warm:
+            return self._fn(*args)
+        # The sizes that change from step to step are marked symbolic, so the graph built
+        # here serves them all (a size of 1 stays specialised: dynamo's rule).
+        for t in (token_ids, positions, key_index):
+            torch._dynamo.maybe_mark_dynamic(t, 0)
+        torch._dynamo.maybe_mark_dynamic(rows, 1)
+        for t in (*keys, *values):
+            torch._dynamo.maybe_mark_dynamic(t, 0)
+            torch._dynamo.maybe_mark_dynamic(t, 2)
+        # Without duck sizing, sizes that happen to be equal in the call that builds the graph
+        # (the rows read and the rows held, say) stay separate symbols instead of one the
+        # graph then guards on.
+        with self._lock, fx_config.patch(use_duck_shape=False):  # type: ignore[attr-defined]
+            before, t0 = self.compiles, time.perf_counter()
+            out = self._fn(*args)
+            if self.compiles > before:
+                took = time.perf_counter() - t0
+                self.compile_s += took
+                log.info("compiled the decode step for %s in %.1f s", "several requests" if many else "one", took)
+            self._warm.add(many)
+        return out
