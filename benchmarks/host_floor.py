@@ -40,6 +40,7 @@ from pathlib import Path
 
 import torch
 import transformers
+from lookup_tokenize import passages  # this folder is the script's first import path
 
 from kvrag import KVRag
 from kvrag.layout.prompt import rag_prompt
@@ -50,25 +51,8 @@ QUESTION = "Which parts of a request does kvrag compute, and which does it read 
 POLICIES = ("full_prefill", "naive_reuse", "auto")
 
 
-def passages(tokenizer, tokens: int = 300) -> list[str]:
-    """Paragraphs of docs/*.md joined in order into passages of about ``tokens`` tokens."""
-    out, cur, n = [], [], 0
-    for md in sorted((ROOT / "docs").glob("*.md")):
-        for para in md.read_text(encoding="utf-8").split("\n\n"):
-            para = para.strip()
-            m = len(tokenizer(para, add_special_tokens=False)["input_ids"])
-            if not para or m > tokens:
-                continue
-            cur.append(para)
-            n += m
-            if n >= tokens:
-                out.append("\n\n".join(cur))
-                cur, n = [], 0
-    return list(dict.fromkeys(out))
-
-
 def build_prompt(rag: KVRag, target: int) -> tuple[str, list[str]]:
-    docs = passages(rag.tokenizer)
+    docs = passages(rag.tokenizer, 300)
     for k in range(1, len(docs) + 1):
         text = rag.render(rag_prompt(rag.tokenizer, docs[:k], QUESTION))
         if rag.count_tokens(text) >= target:
