@@ -5,6 +5,7 @@ request the logits its own decoder gives it alone."""
 import pytest
 import torch
 from helpers.corpus import DOCS, prompt_for
+from helpers.models import LONGROPE
 
 from kvrag.engine import KVRag
 from kvrag.query.batch import DecodeArena, DecodeCache, decode_step
@@ -41,15 +42,7 @@ FAMILIES = {
     # LongRoPE: frequencies depend on the sequence length, so per request in a batch.
     "llama-longrope": (
         "llama",
-        {
-            "rope_parameters": {
-                "rope_type": "longrope",
-                "rope_theta": 10000.0,
-                "original_max_position_embeddings": 64,
-                "short_factor": [1.0] * 8,
-                "long_factor": [1.0 + 0.5 * i for i in range(8)],
-            },
-        },
+        LONGROPE,
     ),
 }
 

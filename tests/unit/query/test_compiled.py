@@ -7,6 +7,7 @@ and options it leaves to the eager step."""
 import pytest
 import torch
 from helpers.corpus import DOCS, prompt_for
+from helpers.models import LONGROPE
 
 from kvrag.engine import KVRag
 from kvrag.query.batch import DecodeArena, DecodeCache, decode_step
@@ -112,18 +113,7 @@ def test_a_compiled_answer_is_the_eager_answer(tmp_path, policy):
     [
         ("gemma3_text", {}),  # sliding windows
         ("gemma2", {}),  # soft-capped attention
-        (
-            "llama",
-            {
-                "rope_parameters": {
-                    "rope_type": "longrope",
-                    "rope_theta": 10000.0,
-                    "original_max_position_embeddings": 64,
-                    "short_factor": [1.0] * 8,
-                    "long_factor": [1.0 + 0.5 * i for i in range(8)],
-                }
-            },
-        ),
+        ("llama", LONGROPE),
     ],
 )
 def test_families_it_does_not_compile_decode_op_by_op(tmp_path, model_type, overrides):
