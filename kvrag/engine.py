@@ -577,6 +577,7 @@ class KVRag:
             logits, stepper, stats, prompt_ids = self._fuse(prep)
             decoder = Decoder(sampling, budget, self.tokenizer, self.eos, constraint)
             step = self._decoding(stepper, budget)
+            del stepper  # decoding through the compiled arena, whose copy of the cache is the one kept
             t_first = None
             while not decoder.done:
                 tok = decoder.draw(logits)

@@ -5,6 +5,7 @@ from types import SimpleNamespace
 import torch
 import transformers
 
+from helpers.models import longrope
 from kvrag.chunk import compute_chunk_kv
 from kvrag.layout.state import CACHED, PLAIN, Piece
 from kvrag.testing import FAMILY_DEFAULTS, _config_class, attn_implementation
@@ -35,18 +36,7 @@ CONFIGS = {
     ),
     # LongRoPE switches every position to its long factors once the sequence outgrows 16 tokens:
     # tables depend on the sequence length, not only on the position.
-    "llama-longrope": (
-        "llama",
-        {
-            "rope_parameters": {
-                "rope_type": "longrope",
-                "rope_theta": 10000.0,
-                "original_max_position_embeddings": 16,
-                "short_factor": [1.0] * 8,
-                "long_factor": [1.0 + 0.5 * i for i in range(8)],
-            }
-        },
-    ),
+    "llama-longrope": ("llama", longrope(16)),
     # Gemma 3: local (sliding, RoPE base 10k) and global (base 1M) layers, q/k norms, sandwich
     # norms, scaled embeddings; "-global-first" puts a global layer at layer 0, where the
     # re-rotation test reads its keys.

@@ -16,14 +16,19 @@ def differing_parts(a: ModelHandle, b: ModelHandle) -> set:
     return {k for k in a.fingerprint_parts if a.fingerprint_parts[k] != b.fingerprint_parts[k]}
 
 
-#: A tiny llama's config overrides for LongRoPE: rotary frequencies that depend on the
-#: sequence length (short factors up to 64 positions, long factors past them).
-LONGROPE = {
-    "rope_parameters": {
-        "rope_type": "longrope",
-        "rope_theta": 10000.0,
-        "original_max_position_embeddings": 64,
-        "short_factor": [1.0] * 8,
-        "long_factor": [1.0 + 0.5 * i for i in range(8)],
-    },
-}
+def longrope(original_max: int) -> dict:
+    """A tiny llama's config overrides for LongRoPE: rotary frequencies that depend on the
+    sequence length (short factors up to ``original_max`` positions, long factors past them)."""
+    return {
+        "rope_parameters": {
+            "rope_type": "longrope",
+            "rope_theta": 10000.0,
+            "original_max_position_embeddings": original_max,
+            "short_factor": [1.0] * 8,
+            "long_factor": [1.0 + 0.5 * i for i in range(8)],
+        },
+    }
+
+
+#: The batching tests' LongRoPE: long factors past 64 positions.
+LONGROPE = longrope(64)
