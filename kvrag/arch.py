@@ -15,12 +15,15 @@ KV heads, ``D`` head dim, ``E`` hidden size.
 
 from __future__ import annotations
 
+import copy
 import threading
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from kvrag.model.gemv import DecodeWeights, half_product
 
 SUPPORTED_MODEL_TYPES = (
     "llama",
@@ -143,6 +146,42 @@ class Arch:
         # GQA_MASKED, or None = "native" on the CPU and the smaller of "fold"/"expand" on CUDA
         # (tests force each on the CPU).
         self.gqa_masked: str | None = None
+        #: Half-precision copies that one-row products read (``with_decode_weights``); None:
+        #: every product reads the model's own weights.
+        self.decode_weights: DecodeWeights | None = None
+
+    def with_decode_weights(self, choice: str) -> Arch:
+        """This arch, or (where ``choice``, one of ``DECODE_WEIGHTS``, gives copies for this
+        model: ``kvrag.model.gemv``) a shallow copy of it whose one-row products read
+        half-precision copies of the projections. A copy: the arch a handle shares (other
+        ``KVRag`` instances over the same model) keeps reading its own weights."""
+        weights = DecodeWeights.build(self.model, choice)
+        if weights is None:
+            return self
+        other = copy.copy(self)
+        other.decode_weights = weights
+        return other
+
+    def _project(self, layer: int, name: str, linear, x: torch.Tensor) -> torch.Tensor:
+        """``linear(x)`` for x [A, E]; one row (A == 1) reads the projection's half-precision
+        copy where there is one (``layer`` -1: the LM head)."""
+        if self.decode_weights is None or x.shape[0] != 1:
+            return linear(x)
+        dw = self.decode_weights
+        half = dw.head if layer < 0 else dw.layers[layer].get(name)
+        return linear(x) if half is None else half_product(half, x, linear.bias)
+
+    def _mlp(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        """The layer's MLP over x [A, E]; one row through the half-precision copies, as
+        transformers' gated (or Phi-3's fused) MLP computes it, where they exist."""
+        mlp = self.layers[layer].mlp
+        if self.decode_weights is None or x.shape[0] != 1 or "down_proj" not in self.decode_weights.layers[layer]:
+            return mlp(x)
+        if hasattr(mlp, "gate_up_proj"):
+            gate, up = self._project(layer, "gate_up_proj", mlp.gate_up_proj, x).chunk(2, dim=-1)
+            return self._project(layer, "down_proj", mlp.down_proj, up * mlp.activation_fn(gate))
+        gate = mlp.act_fn(self._project(layer, "gate_proj", mlp.gate_proj, x))
+        return self._project(layer, "down_proj", mlp.down_proj, gate * self._project(layer, "up_proj", mlp.up_proj, x))
 
     def _check_parts(self) -> None:
         """Refuse a layer with a submodule whose role in the layer step is unknown."""
@@ -425,7 +464,7 @@ class Arch:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """last-layer hidden states [P, E] -> logits [P, V] (final norm + LM head, then
         Granite's logit scaling and Gemma 2's soft-cap, in the model's order and dtype)."""
-        logits = self.model.lm_head(self.body.norm(hidden))
+        logits = self._project(-1, "lm_head", self.model.lm_head, self.body.norm(hidden))
         if self.logits_scaling != 1.0:
             logits = logits / self.logits_scaling
         if self.final_softcap is not None:
@@ -442,9 +481,11 @@ class Arch:
         a = x.shape[0]
         if hasattr(attn, "qkv_proj"):  # Phi-3: one fused projection, q then k then v
             nq, nkv = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
-            q, k, v = attn.qkv_proj(x).split([nq, nkv, nkv], dim=-1)
+            q, k, v = self._project(layer, "qkv_proj", attn.qkv_proj, x).split([nq, nkv, nkv], dim=-1)
         else:
-            q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+            q = self._project(layer, "q_proj", attn.q_proj, x)
+            k = self._project(layer, "k_proj", attn.k_proj, x)
+            v = self._project(layer, "v_proj", attn.v_proj, x)
         has_qk_norm = getattr(attn, "q_norm", None) is not None
         if has_qk_norm and not self.qk_norm_per_head:  # OLMo 2: over all heads, before the split
             q, k = attn.q_norm(q), attn.k_norm(k)
@@ -513,13 +554,13 @@ class Arch:
         output attn [A, H*D] -> new hidden [A, E] (output projection, norms, residuals, MLP;
         rows are independent, so tokens of different requests share the weight reads)."""
         block = self.layers[layer]
-        out = block.self_attn.o_proj(attn)
+        out = self._project(layer, "o_proj", block.self_attn.o_proj, attn)
         if self.norm_style == "pre":  # Llama: post_attention_layernorm is the MLP's input norm
             hidden = hidden + self._residual(out)
-            return hidden + self._residual(block.mlp(block.post_attention_layernorm(hidden)))
+            return hidden + self._residual(self._mlp(layer, block.post_attention_layernorm(hidden)))
         hidden = hidden + self._residual(block.post_attention_layernorm(out))
         x = block.pre_feedforward_layernorm(hidden) if self.norm_style == "sandwich" else hidden
-        return hidden + self._residual(block.post_feedforward_layernorm(block.mlp(x)))
+        return hidden + self._residual(block.post_feedforward_layernorm(self._mlp(layer, x)))
 
     def _residual(self, x: torch.Tensor) -> torch.Tensor:
         """A residual branch's output as added to the stream (Granite scales it)."""

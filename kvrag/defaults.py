@@ -21,6 +21,13 @@ DEFAULT_COMPUTE_DTYPE = "float32"
 #: --compile``; ``kvrag.query.compiled``): "auto" lets the device and the process decide.
 COMPILE_CHOICES = ("auto", "on", "off")
 DEFAULT_COMPILE = "auto"
+#: What a one-row (decode) product reads on a float32 model (``KVRag(decode_weights=...)``,
+#: ``kvrag serve --decode-weights``; ``kvrag.model.gemv``): its float32 weights, half-precision
+#: copies of them, or "auto": the format this machine's one-row products measured fastest.
+DECODE_WEIGHTS = ("float32", "float16", "bfloat16", "auto")
+DEFAULT_DECODE_WEIGHTS = "float32"
+#: ``kvrag serve``'s: a server's answers are decoded for a long time after it starts.
+DEFAULT_SERVE_DECODE_WEIGHTS = "auto"
 #: The key prefix of a shared (Redis) store (``RedisStore(prefix=...)``, ``--prefix``).
 DEFAULT_SHARED_PREFIX = "kvrag:"
 #: What chunks are precomputed behind (``KVRag(chunk_anchor=...)``): the model's own first token.

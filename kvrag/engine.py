@@ -27,6 +27,7 @@ from kvrag.defaults import (
     DEFAULT_CHUNK_ANCHOR,
     DEFAULT_COMPILE,
     DEFAULT_COMPUTE_DTYPE,
+    DEFAULT_DECODE_WEIGHTS,
     DEFAULT_PREFIX_CACHE,
     DEFAULT_STORAGE_DTYPE,
 )
@@ -36,6 +37,7 @@ from kvrag.layout.segment import Segmenter
 from kvrag.layout.state import CACHED, INSERTED, FusionStats, Layout, Piece
 from kvrag.limits import entry_bytes_bound
 from kvrag.model import ModelHandle
+from kvrag.model.gemv import check_choice as check_decode_weights
 from kvrag.paths import default_store_dir
 from kvrag.policies import Policy, get_policy
 from kvrag.policies.kvlink.adapter import KVLinkAdapter, adapt_model
@@ -50,6 +52,7 @@ from kvrag.query.fusion import FusionEngine, FusionResult
 from kvrag.query.lookup import ChunkLookup, PromptTokens
 from kvrag.query.prefix import PrefixCache
 from kvrag.store import ChunkStore, open_shared, open_store
+from kvrag.store.admission import check_admission
 from kvrag.store.factory import check_cache_dir
 from kvrag.store.hot import HotCache, hot_device, resolve_budget
 from kvrag.store.kv_format import check_format, format_fingerprint, storage_itemsize
@@ -144,7 +147,10 @@ class KVRag:
     model's held-out benchmarks chose (``kvrag.policies.model_defaults``; CacheBlend for a
     model without such evidence), recorded with its reason in ``policy_default``. storage_dtype: dtype of stored K/V.
     size_limit: bytes of the store's blob cache, recorded in the store; None keeps the limit
-    the store already has (16 GiB for a new one).
+    the store already has (16 GiB for a new one). admission: what a full store keeps
+    (``kvrag.store.admission``): ``"lru"`` (default) every write, evicting the least recently
+    used entries; ``"tinylfu"`` a write only if its chunk was asked for more often than what it
+    would evict (docs/cache.md: the better hit rate when the corpus is larger than the store).
     ingest_policies: policies whose per-chunk extras are computed at precompute time (the
     default ``policy`` is one when it has extras: ``KVRag(policy="a2ats")`` stores A2ATS codes).
     kvlink_adapter: ``"auto"`` or a directory: load the model with a KVLink adapter (trained
@@ -186,7 +192,12 @@ class KVRag:
     ``"off"`` op by op; ``"auto"`` (default): on a GPU, not in a CPU process, where the first
     answer would wait a minute or two for the compile (``kvrag serve`` turns it on and warms
     up at start). Models with sliding-window or soft-capped attention and length-dependent
-    RoPE decode op by op either way."""
+    RoPE decode op by op either way.
+    decode_weights: what one-row (decode) products of a float32 model read
+    (``kvrag.model.gemv``): ``"float32"`` (default) its own weights; ``"float16"`` /
+    ``"bfloat16"`` half-precision copies of the projections and LM head (half the bytes a step
+    reads, ~half the projections' memory more; prefill and stored chunks unchanged); ``"auto"``
+    the format this machine's one-row products measure fastest (``kvrag serve``'s default)."""
 
     def __init__(
         self,
@@ -196,6 +207,7 @@ class KVRag:
         policy: str | Policy = AUTO_POLICY,
         storage_dtype: str = DEFAULT_STORAGE_DTYPE,
         size_limit: int | None = None,
+        admission: str = "lru",
         dtype: str = DEFAULT_COMPUTE_DTYPE,
         device: str = "cpu",
         ingest_policies: Sequence[str | Policy] = (),
@@ -209,6 +221,7 @@ class KVRag:
         shared: str | ChunkStore | None = None,
         precompute_via: str = "local",
         compile: str | bool = DEFAULT_COMPILE,
+        decode_weights: str = DEFAULT_DECODE_WEIGHTS,
         **policy_params,
     ) -> None:
         # Bad options fail before a model load, and before the store is opened: opening it
@@ -224,11 +237,13 @@ class KVRag:
         pol = None if auto else get_policy(policy, **policy_params)
         check_cache_dir(cache_dir)
         check_format(storage_dtype)
+        check_admission(admission)
         if hot_cache != "auto":
             resolve_budget(hot_cache, torch.device("cpu"))  # a bad value fails before the model load
         hot_device(hot_tier, torch.device("cpu"))  # likewise a bad tier
         check_int("prefix_cache (bytes)", prefix_cache, 0)
         compile_wanted(compile, torch.device(device), serving=False)  # a bad value fails before the model load
+        check_decode_weights(decode_weights)
         if query_tokens is not None:
             query_tokens = check_int("query_tokens (the last k prompt tokens are the question)", query_tokens, 1)
         if precompute_via not in ("local", "queue"):
@@ -252,8 +267,9 @@ class KVRag:
             log.info("policy %s: %s", self.policy_default.label, self.policy_default.why)
         if kvlink_adapter is not None:
             self.handle = adapt_model(self.handle, kvlink_adapter, pol.name)
-        # One Arch per model: the handle builds it, every component shares it.
-        self.arch = self.handle.arch
+        # One Arch per model: the handle builds it, every component shares it (a copy of it
+        # where decode reads half-precision copies of the weights).
+        self.arch = self.handle.arch.with_decode_weights(decode_weights)
         pol.check_model(self.arch)  # e.g. a2ats without a codebook: now, not at the first hit
         # The default policy's per-chunk extras (A2ATS codes) are computed at precompute time,
         # with its own configuration (codebook=...): an ingest policy of the same name is it.
@@ -270,7 +286,7 @@ class KVRag:
         self.storage_dtype = storage_dtype
         #: The local store's directory (also with a shared tier in front of which it sits).
         self.cache_dir = Path(cache_dir) if cache_dir is not None else default_store_dir()
-        self.store: ChunkStore = open_store(self.cache_dir, shared=far, size_limit=size_limit)
+        self.store: ChunkStore = open_store(self.cache_dir, shared=far, size_limit=size_limit, admission=admission)
         if far is not None and hasattr(far, "limit_entry_bytes"):  # fetch nothing larger than this model writes
             itemsize = storage_itemsize(storage_dtype)
             far.limit_entry_bytes(entry_bytes_bound(self.arch, self.handle.max_context, itemsize))
@@ -605,13 +621,15 @@ class KVRag:
         return holder
 
     def _decoding(self, stepper: HFStepper | FusedStepper, budget: int):
-        """What continues a prefill by one token: ``step(token) -> logits [V]`` — the compiled
-        step over a one-request arena where there is one and the cache joins it (as
-        ``kvrag serve`` decodes), else the prefill's own stepper."""
-        if self.compiled is not None:
+        """What continues a prefill by one token: ``step(token) -> logits [V]`` — the batched
+        decode step over this one request (as ``kvrag serve`` decodes: in a one-request arena
+        where the model has one, compiled where there is a compiled step) when the step is
+        compiled or reads half-precision weight copies (a transformers forward would read the
+        model's own weights), else the prefill's own stepper."""
+        if self.compiled is not None or self.arch.decode_weights is not None:
             cache = DecodeCache.from_stepper(self.arch, stepper, spare=budget + 2)
-            arena = DecodeArena(self.arch)
-            if cache is not None and arena.add(cache):
+            arena = DecodeArena(self.arch) if DecodeArena.supports(self.arch) else None
+            if cache is not None and (arena is None or arena.add(cache)):
                 compiled = self.compiled
                 return lambda tok: decode_step(self.arch, [cache], [tok], arena, compiled)[0]
         return lambda tok: stepper.step([tok])[-1]

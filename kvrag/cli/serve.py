@@ -11,7 +11,13 @@ import signal
 import threading
 
 from kvrag.cli._options import MODEL_HELP
-from kvrag.defaults import AUTO_POLICY, COMPILE_CHOICES, DEFAULT_COMPILE
+from kvrag.defaults import (
+    AUTO_POLICY,
+    COMPILE_CHOICES,
+    DECODE_WEIGHTS,
+    DEFAULT_COMPILE,
+    DEFAULT_SERVE_DECODE_WEIGHTS,
+)
 from kvrag.errors import KVRagError
 
 API_KEY_ENV = "KVRAG_API_KEY"
@@ -65,6 +71,13 @@ def register(sub) -> None:
         default=DEFAULT_COMPILE,
         help="decode through the compiled step (torch.compile; built at start, /ready waits for it): "
         "auto (default) = on, off = op by op (docs/serve.md)",
+    )
+    p.add_argument(
+        "--decode-weights",
+        choices=DECODE_WEIGHTS,
+        default=DEFAULT_SERVE_DECODE_WEIGHTS,
+        help="what a float32 model's one-row (decode) products read: its float32 weights or half-precision "
+        "copies; auto (default) = the format this machine measures fastest (docs/serve.md)",
     )
     p.add_argument(
         "--threads",
@@ -169,9 +182,12 @@ def run(args) -> int:
         device=args.device,
         dtype=args.dtype,
         compile=compile_wanted(args.compile, torch.device(args.device), serving=True),
+        decode_weights=args.decode_weights,
         **params,
     )
     name = args.served_model_name or _model_name(args.model)
+    if rag.arch.decode_weights is not None:
+        print(f"kvrag serve: decode reads {rag.arch.decode_weights.name} copies of the weights", flush=True)
     with Scheduler(rag, max_concurrency=args.max_concurrency, max_queue=args.max_queue) as scheduler:
         lifecycle = Lifecycle("starting")
         app = create_app(rag, scheduler, model_name=name, api_key=api_key, lifecycle=lifecycle, embedder=embedder)

@@ -112,8 +112,12 @@ class BodyLimit:
                 release_memory()
 
 
+#: The API's paths (what a drain stops taking): ``/v1/...`` and vLLM's tokenizer endpoints.
+ADMITTED_PATHS = ("/v1/", "/tokenize", "/detokenize")
+
+
 class Admission:
-    """ASGI middleware: the API's requests (``/v1/...``) are admitted while the server is ready
+    """ASGI middleware: the API's requests (``ADMITTED_PATHS``) are admitted while the server is ready
     (``Lifecycle``) and counted while in flight, so a drain knows when every answer is sent;
     starting or draining, they get a 503 with ``Retry-After`` (a load balancer retries them on
     another replica). The probes and ``/metrics`` are always answered."""
@@ -122,7 +126,7 @@ class Admission:
         self.app, self.lifecycle = app, lifecycle
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or not scope.get("path", "").startswith("/v1/"):
+        if scope["type"] != "http" or not scope.get("path", "").startswith(ADMITTED_PATHS):
             return await self.app(scope, receive, send)
         state = self.lifecycle.state
         if state != "ready":

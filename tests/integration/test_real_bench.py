@@ -62,7 +62,8 @@ def test_quick_bench_end_to_end_on_smollm2(tmp_path, isolated_home):  # only shi
     data = tmp_path / "qa.json"
     data.write_text(json.dumps(QA_ITEMS), encoding="utf-8")
     out = tmp_path / "out"
-    policies = "naive_reuse,cacheblend,a3,epic,kvlink,samkv"
+    # The policies' own real-model tests run every other one; here the run's shape is the point.
+    policies = "naive_reuse,cacheblend,kvlink"
     assert (
         main(
             [
@@ -92,10 +93,10 @@ def test_quick_bench_end_to_end_on_smollm2(tmp_path, isolated_home):  # only shi
     qa = [r for r in records if r["scenario"] == "qa"]
     assert {r["policy"] for r in qa} == {"full_prefill", *policies.split(",")}
     # The KVLink adapter shipped for SmolLM2 is picked up: trained kvlink runs on the adapted
-    # model, with its untrained variant beside it (8 runs per example).
+    # model, with its untrained variant beside it (5 runs per example).
     assert {r["label"] for r in qa} == {"full_prefill", *policies.split(","), "kvlink(mode=untrained)"}
-    assert len([r for r in qa if r["dataset"] == "qa"]) == 2 * 8 and not [r for r in qa if r["error"]]
-    assert len([r for r in qa if r["dataset"] == "synthetic"]) == 8
+    assert len([r for r in qa if r["dataset"] == "qa"]) == 2 * 5 and not [r for r in qa if r["error"]]
+    assert len([r for r in qa if r["dataset"] == "synthetic"]) == 5
     assert json.loads((out / "summary.json").read_text())["meta"]["model"]["kvlink_adapter"]["lora"] is True
     for r in qa:
         assert RECORD_KEYS <= set(r), RECORD_KEYS - set(r)

@@ -745,6 +745,7 @@ def test_cli_refuses_bad_options_before_loading_a_model():
         (["--max-concurrency", "0"], "--max-concurrency"),
         (["--precompute-via", "queue"], "needs --shared"),
         (["--threads", "0"], "--threads"),
+        (["--decode-weights", "half"], "--decode-weights"),
     ]:
         out = subprocess.run(
             [sys.executable, "-m", "kvrag", "serve", "--model", "/nonexistent", *args],
@@ -766,13 +767,19 @@ def model_dir(handle, tmp_path_factory):
 
 
 def test_cli_serves_a_model_dir_with_an_api_key_from_the_environment(model_dir, tmp_path):
-    with kvrag_serve(model_dir, str(tmp_path / "kv"), env_extra={"KVRAG_API_KEY": "k1"}) as (_, url):
+    # Decoding from float16 copies of the weights, said at start.
+    args = ("--decode-weights", "float16")
+    with kvrag_serve(model_dir, str(tmp_path / "kv"), *args, env_extra={"KVRAG_API_KEY": "k1"}) as (p, url):
         keys = _ingest(url, DOCS, headers={"Authorization": "Bearer k1"})
         assert len(keys) == 3
-        got = client(url, api_key="k1").chat.completions.create(model="model", messages=messages(), max_tokens=2)
+        got = client(url, api_key="k1").chat.completions.create(model="model", messages=messages(), max_tokens=4)
         assert got.model == os.path.basename(model_dir) and got.usage.prompt_tokens_details.cached_tokens > 0
+        assert got.usage.completion_tokens == 4
         with pytest.raises(openai.AuthenticationError):
             client(url, api_key="k2").chat.completions.create(model="model", messages=messages(), max_tokens=2)
+        p.kill()
+        out = p.communicate(timeout=30)[0]
+    assert "decode reads float16 copies of the weights" in out, out
 
 
 def test_two_server_processes_on_one_redis_prefix_share_chunks(model_dir, tmp_path, redis_url, prefix):
@@ -791,28 +798,26 @@ def test_two_server_processes_on_one_redis_prefix_share_chunks(model_dir, tmp_pa
 def test_serve_compiled_builds_its_step_before_ready_and_answers_as_eager(model_dir, tmp_path):
     """``kvrag serve --compile on`` (what ``auto`` means for a server) builds the compiled step
     at start — /ready waits for it and the time is printed — and answers, concurrently,
-    what the op-by-op server answers."""
-    replies = {}
-    for mode in ("off", "on"):
-        with kvrag_serve(model_dir, str(tmp_path / mode), "--compile", mode, timeout=600) as (p, url):
-            _ingest(url, DOCS)
-            c = client(url)
-            questions = ["Where does the red fox live?", "How tall is Mount Kelvar?", "Who founded Brisk?"]
-            with concurrent.futures.ThreadPoolExecutor(3) as pool:  # several requests: the batched graph too
-                got = pool.map(
-                    lambda q, c=c: c.chat.completions.create(
-                        model="m", messages=messages(q), max_tokens=12, temperature=0
-                    ),
+    what op-by-op decoding answers."""
+    questions = ["Where does the red fox live?", "How tall is Mount Kelvar?", "Who founded Brisk?"]
+    eager = KVRag(model_dir, cache_dir=tmp_path / "eager", compile="off")
+    eager.precompute(DOCS)
+    want = [eager.generate(messages(q), max_new_tokens=12).text for q in questions]
+    with kvrag_serve(model_dir, str(tmp_path / "kv"), "--compile", "on", timeout=600) as (p, url):
+        _ingest(url, DOCS)
+        c = client(url)
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:  # several requests: the batched graph too
+            got = list(
+                pool.map(
+                    lambda q: c.chat.completions.create(model="m", messages=messages(q), max_tokens=12, temperature=0),
                     questions,
                 )
-                replies[mode] = [
-                    (g.choices[0].message.content, g.usage.prompt_tokens_details.cached_tokens) for g in got
-                ]
-            p.kill()
-            out = p.communicate(timeout=30)[0]
-        assert ("compiled the decode step in" in out) == (mode == "on"), out
-    assert replies["on"] == replies["off"]
-    assert all(cached > 0 for _, cached in replies["on"])
+            )
+        p.kill()
+        out = p.communicate(timeout=30)[0]
+    assert "compiled the decode step in" in out, out
+    assert [g.choices[0].message.content for g in got] == want
+    assert all(g.usage.prompt_tokens_details.cached_tokens > 0 for g in got)
 
 
 @pytest.mark.real

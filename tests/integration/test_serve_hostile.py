@@ -245,6 +245,9 @@ def test_ready_follows_the_lifecycle_and_health_stays_live(rag):
         assert httpx.get(url + "/ready").json()["status"] == "draining"
         r = post(url, {"messages": HELLO, "max_tokens": 1})
         assert r.status_code == 503 and "shutting down" in r.json()["error"]["message"]
+        for path, body in (("/tokenize", {"prompt": "Hello"}), ("/detokenize", {"tokens": [1, 2]})):
+            r = httpx.post(url + path, json=body)  # the tokenizer endpoints are API work too
+            assert r.status_code == 503 and "shutting down" in r.json()["error"]["message"], path
         assert httpx.get(url + "/health").status_code == 200
         assert 'endpoint="/ready",status="503"' in httpx.get(url + "/metrics").text
 

@@ -1,6 +1,6 @@
 """Admission (``kvrag.store.admission``): the frequency sketch's bounds and aging, the rule, and
 ``DiskStore(admission="tinylfu")`` keeping a chunk read often through a scan of one-off writes
-that evicts it under LRU."""
+that evicts it under LRU; ``KVRag(admission=...)`` opening its store with the rule."""
 
 import os
 
@@ -10,9 +10,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from helpers.store_entries import FP_A, make_entry, put  # noqa: E402
 
+from kvrag.engine import KVRag  # noqa: E402
 from kvrag.store import DiskStore  # noqa: E402
 from kvrag.store.admission import FrequencySketch  # noqa: E402
 from kvrag.store.factory import open_store  # noqa: E402
+from kvrag.testing import tiny_llama  # noqa: E402
 
 
 # ---- the sketch ------------------------------------------------------------------------------
@@ -150,3 +152,12 @@ def test_open_store_passes_the_rule_on(tmp_path):
         assert s.stats()["admission"] == "tinylfu"
     with open_store(tmp_path / "s") as s:
         assert s.stats()["admission"] == "lru"
+
+
+def test_kvrag_opens_its_store_with_the_rule_it_is_given(tmp_path):
+    h = tiny_llama(seed=0)
+    assert KVRag(h, cache_dir=tmp_path / "a", policy="cacheblend").store.stats()["admission"] == "lru"
+    rag = KVRag(h, cache_dir=tmp_path / "b", policy="cacheblend", admission="tinylfu")
+    assert rag.store.stats()["admission"] == "tinylfu"
+    with pytest.raises(ValueError, match="admission must be one of lru, tinylfu"):
+        KVRag("/nonexistent/model", cache_dir=tmp_path / "c", admission="lfu")  # before the model load
