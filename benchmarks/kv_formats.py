@@ -56,10 +56,11 @@ def synthetic_items(n: int, passages: int, seed: int = 0) -> list[tuple[list[str
     return out
 
 
-def data_items(path: str, limit: int) -> list[tuple[list[str], str, str]]:
+def data_items(path: str, limit: int, passages: int) -> list[tuple[list[str], str, str]]:
+    """The first ``limit`` items of a QA file, each with its first ``passages`` passages."""
     from kvrag.bench.examples import load_examples
 
-    return [(list(e.passages), e.question, e.answers[0]) for e in load_examples(path)[:limit]]
+    return [(list(e.passages), e.question, e.answers[0]) for e in load_examples(path, limit=limit, passages=passages)]
 
 
 def answer_logits(rag: KVRag, prompt, answer_ids: list[int], policy: str) -> torch.Tensor:
@@ -97,7 +98,7 @@ def main() -> None:
     ap.add_argument("--policies", default="naive_reuse,cacheblend")
     ap.add_argument("--data", help="a QA file (else --synthetic)")
     ap.add_argument("--synthetic", type=int, default=4, help="made-up items when no --data")
-    ap.add_argument("--passages", type=int, default=4, help="passages per synthetic item")
+    ap.add_argument("--passages", type=int, default=4, help="passages per item (a --data item: its first ones)")
     ap.add_argument("--limit", type=int, default=20, help="items read from --data")
     ap.add_argument("--repeats", type=int, default=3, help="rounds of the read + expand timing")
     ap.add_argument("--out", help="JSON results")
@@ -116,7 +117,10 @@ def main() -> None:
         model = ModelHandle.load(args.model, dtype=args.dtype, device=args.device)
     else:
         ap.error("--model or --tiny")
-    items = data_items(args.data, args.limit) if args.data else synthetic_items(args.synthetic, args.passages)
+    if args.data:
+        items = data_items(args.data, args.limit, args.passages)
+    else:
+        items = synthetic_items(args.synthetic, args.passages)
     shape = (model.n_layers, model.n_kv_heads, model.head_dim)
     results: dict[str, dict] = {}
     ref: dict[tuple[str, int], torch.Tensor] = {}
