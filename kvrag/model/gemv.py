@@ -61,14 +61,14 @@ class DecodeWeights:
         self.layers: list[dict[str, torch.Tensor]] = []
         for block in model.model.layers:
             halves: dict[str, torch.Tensor] = {}
-            for name in _ATTN:
-                self._copy(halves, name, getattr(block.self_attn, name, None))
+            for part in _ATTN:
+                self._copy(halves, part, getattr(block.self_attn, part, None))
             parts = {n for n, _ in block.mlp.named_children()} | {
                 n for n in ("act_fn", "activation_fn") if hasattr(block.mlp, n)
             }
             if parts in (GATED_MLP, FUSED_MLP):
-                for name in parts & {"gate_proj", "up_proj", "down_proj", "gate_up_proj"}:
-                    self._copy(halves, name, getattr(block.mlp, name))
+                for part in parts & {"gate_proj", "up_proj", "down_proj", "gate_up_proj"}:
+                    self._copy(halves, part, getattr(block.mlp, part))
             self.layers.append(halves)
         head: dict[str, torch.Tensor] = {}
         self._copy(head, "lm_head", model.lm_head)

@@ -47,10 +47,10 @@ def running(app, timeout: float = 30.0):
 @contextlib.contextmanager
 def kvrag_serve(model_dir: str, cache_dir: str, *args: str, env_extra: dict | None = None, timeout: float = 180):
     """A ``python -m kvrag serve`` process on 127.0.0.1 (a free port) over ``model_dir`` and
-        ``cache_dir`` (``env_extra``: variables added to its environment): yields (process, URL)
-        once ``/ready`` answers 200; killed on exit if it is still running. The decode step is not
-        compiled unless ``args`` say ``--compile``: a server's compile at start takes a minute of
-        the suite's two cores, and one test (``test_serve_compiled``) covers that path. Decode reads
+    ``cache_dir`` (``env_extra``: variables added to its environment): yields (process, URL)
+    once ``/ready`` answers 200; killed on exit if it is still running. The decode step is not
+    compiled unless ``args`` say ``--compile``: a server's compile at start takes a minute of
+    the suite's two cores, and one test (``test_serve_compiled``) covers that path. Decode reads
     the float32 weights unless ``args`` say ``--decode-weights``."""
     from helpers.redis_servers import free_port
 
