@@ -302,6 +302,20 @@ async def robustness(server: Server, model: str, prompt: list, n: int, a, deadli
 
 
 # ---- the run ----------------------------------------------------------------------------------
+def start_server(out: Path, name: str, make, timeout: float) -> Server | None:
+    """``make()``'s server, started within ``timeout`` s; None (recorded in ``out``'s journal as
+    a row of the report) if it cannot start."""
+    try:
+        server = make()
+        print(f"starting {name} ...", flush=True)
+        server.start(timeout)
+    except Exception as e:  # noqa: BLE001 - a server that cannot start is a row of the report
+        record(out, {"phase": "unavailable", "server": name, "reason": str(e)[:1000]})
+        print(f"{name}: not run: {str(e)[:300]}", flush=True)
+        return None
+    return server
+
+
 def journal(out: Path) -> list[dict]:
     p = out / "results.jsonl"
     if not p.exists():
@@ -417,13 +431,8 @@ def run(a) -> int:
             record(out, {"phase": "cut", "server": name, "clients": None, "reason": "--time-limit reached"})
             print(f"time limit reached: {name} not run", flush=True)
             continue
-        try:
-            server = makers[name]()
-            print(f"starting {name} ...", flush=True)
-            server.start(a.start_timeout)
-        except Exception as e:  # noqa: BLE001 - a server that cannot start is a row of the report
-            record(out, {"phase": "unavailable", "server": name, "reason": str(e)[:1000]})
-            print(f"{name}: not run: {str(e)[:300]}", flush=True)
+        server = start_server(out, name, makers[name], a.start_timeout)
+        if server is None:
             continue
         try:
             model = "bench" if name == "llama.cpp" else (weights_dir if name == "transformers" else "kvrag")
@@ -589,6 +598,31 @@ def plot(out: Path, load: list[dict], servers: list[str]) -> None:
     plt.close(fig)
 
 
+def add_run_options(p: argparse.ArgumentParser, *, time_limit: float, start_timeout: float, quick_help: str) -> None:
+    """The options a load benchmark's run takes (this one's and ``serve_vs_llamacpp``'s): its
+    time bounds, a quick rehearsal, resuming a journal, and the report alone."""
+    p.add_argument(
+        "--time-limit", type=float, default=time_limit, help=f"seconds for the whole run (default {time_limit:.0f})"
+    )
+    p.add_argument("--request-timeout", type=float, default=300)
+    p.add_argument(
+        "--start-timeout",
+        type=float,
+        default=start_timeout,
+        help=f"seconds a server may take to be ready (default {start_timeout:.0f})",
+    )
+    p.add_argument("--quick", action="store_true", help=quick_help)
+    p.add_argument("--resume", action="store_true", help="keep results.jsonl and skip the cells it has")
+    p.add_argument("--report-only", action="store_true", help="rewrite the report from results.jsonl")
+
+
+def fill_profile(a: argparse.Namespace, profile: dict) -> None:
+    """Every option of ``profile`` (``QUICK`` or ``FULL``) the command line left unset."""
+    for k, v in profile.items():
+        if getattr(a, k) is None:
+            setattr(a, k, v)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="output directory (results.jsonl, report.md/json, serve_load.png)")
@@ -622,20 +656,12 @@ def main(argv=None) -> int:
         help="the interpreter that has llama-cpp-python[server] (default this one)",
     )
     p.add_argument("--robustness", type=int, help="hostile requests in the robustness phase (default 1000; quick 20)")
-    p.add_argument("--time-limit", type=float, default=3600, help="seconds for the whole run (default 3600)")
-    p.add_argument("--request-timeout", type=float, default=300)
-    p.add_argument("--start-timeout", type=float, default=300, help="seconds a server may take to start")
-    p.add_argument("--quick", action="store_true", help="tiny-scale rehearsal")
-    p.add_argument("--resume", action="store_true", help="keep results.jsonl and skip the cells it has")
-    p.add_argument("--report-only", action="store_true", help="rewrite the report from results.jsonl")
+    add_run_options(p, time_limit=3600, start_timeout=300, quick_help="tiny-scale rehearsal")
     a = p.parse_args(argv)
     if a.report_only:
         write_report(Path(a.out))
         return 0
-    base = QUICK if a.quick else FULL
-    for k, v in base.items():
-        if getattr(a, k) is None:
-            setattr(a, k, v)
+    fill_profile(a, QUICK if a.quick else FULL)
     if a.robustness is None:
         a.robustness = 20 if a.quick else 1000
     a.client_counts = [int(x) for x in a.clients.split(",") if x.strip()]

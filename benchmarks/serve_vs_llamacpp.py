@@ -251,13 +251,8 @@ def run(a) -> int:
         if time.monotonic() > deadline:
             sl.record(out, {"phase": "cut", "server": name, "clients": None, "reason": "--time-limit reached"})
             continue
-        try:
-            server = makers[name]()
-            print(f"starting {name} ...", flush=True)
-            server.start(a.start_timeout)
-        except Exception as e:  # noqa: BLE001 - a server that cannot start is a row of the report
-            sl.record(out, {"phase": "unavailable", "server": name, "reason": str(e)[:1000]})
-            print(f"{name}: not run: {str(e)[:300]}", flush=True)
+        server = sl.start_server(out, name, makers[name], a.start_timeout)
+        if server is None:
             continue
         try:
             model = "bench" if name == "llama.cpp" else "kvrag"
@@ -390,21 +385,14 @@ def main(argv=None) -> int:
         "--kvrag-args", default="", help='more options of `kvrag serve`, as one string (e.g. "--compile off")'
     )
     p.add_argument("--build-log", default=str(BUILD_LOG), help="the log of the llama-cpp-python wheel's build")
-    p.add_argument("--time-limit", type=float, default=1800, help="seconds for the whole run (default 1800)")
-    p.add_argument("--request-timeout", type=float, default=300)
-    p.add_argument(
-        "--start-timeout", type=float, default=900, help="seconds a server may take to be ready (default 900)"
+    sl.add_run_options(
+        p, time_limit=1800, start_timeout=900, quick_help="smoke run: 1 and 2 clients, few short prompts"
     )
-    p.add_argument("--quick", action="store_true", help="smoke run: 1 and 2 clients, few short prompts")
-    p.add_argument("--resume", action="store_true", help="keep results.jsonl and skip the cells it has")
-    p.add_argument("--report-only", action="store_true", help="rewrite the report from results.jsonl")
     a = p.parse_args(argv)
     if a.report_only:
         write_report(Path(a.out))
         return 0
-    for k, v in (QUICK if a.quick else FULL).items():
-        if getattr(a, k) is None:
-            setattr(a, k, v)
+    sl.fill_profile(a, QUICK if a.quick else FULL)
     a.ignore_eos = False  # serve_load's body field: llama.cpp's server does not take it
     a.client_counts = [int(x) for x in a.clients.split(",") if x.strip()]
     a.server_names = [s.strip() for s in a.servers.split(",") if s.strip()]
