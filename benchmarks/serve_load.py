@@ -115,7 +115,9 @@ def kvrag_server(out: Path, a, policy: str) -> Server:
     cmd += ["--max-queue", str(4 * max(a.client_counts)), "--log-level", "warning", "--device", a.device]
     if a.threads:
         cmd += ["--threads", str(a.threads)]
-    return Server(f"kvrag-{policy}" if policy == "full_prefill" else "kvrag", cmd, port, out / f"server-{policy}.log")
+    # /ready, not /health: the server takes requests only once its warm-up (the compiled step) is done.
+    name = f"kvrag-{policy}" if policy == "full_prefill" else "kvrag"
+    return Server(name, cmd, port, out / f"server-{policy}.log", ready_path="/ready")
 
 
 def llamacpp_server(out: Path, gguf: str | None, a) -> Server:
