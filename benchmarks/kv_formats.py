@@ -101,6 +101,13 @@ def main() -> None:
     ap.add_argument("--passages", type=int, default=4, help="passages per item (a --data item: its first ones)")
     ap.add_argument("--limit", type=int, default=20, help="items read from --data")
     ap.add_argument("--repeats", type=int, default=3, help="rounds of the read + expand timing")
+    ap.add_argument(
+        "--adapter",
+        choices=("none", "default"),
+        default="none",
+        help="KVLink adapter: none (every policy on the base model) or the model's default one "
+        "(its LoRA makes a model of its own: run --policies kvlink alone with it)",
+    )
     ap.add_argument("--out", help="JSON results")
     args = ap.parse_args()
     formats = args.formats.split(",")
@@ -126,7 +133,8 @@ def main() -> None:
     ref: dict[tuple[str, int], torch.Tensor] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for fmt in formats:
-            rag = KVRag(model, cache_dir=Path(tmp) / fmt, storage_dtype=fmt, kvlink_adapter=None, hot_cache=0)
+            adapter = None if args.adapter == "none" else "default"
+            rag = KVRag(model, cache_dir=Path(tmp) / fmt, storage_dtype=fmt, kvlink_adapter=adapter, hot_cache=0)
             passages = sorted({p for ps, _, _ in items for p in ps})
             keys = rag.precompute(passages)
             tokens = sum(len(rag.chunk_ids(p)) for p in passages)
@@ -172,7 +180,13 @@ def main() -> None:
             f"{rec['blob_bytes_per_token']:>10.0f} {rec['read_expand_ms']:>11.2f}  {pol}"
         )
     if args.out:
-        meta = {"model": args.model or "tiny", "device": args.device, "dtype": args.dtype, "items": len(items)}
+        meta = {
+            "model": args.model or "tiny",
+            "device": args.device,
+            "dtype": args.dtype,
+            "items": len(items),
+            "adapter": args.adapter,
+        }
         Path(args.out).write_text(json.dumps({"setup": meta, "formats": results}, indent=2))
 
 

@@ -543,14 +543,19 @@ def run_plan(args) -> int:
         raise StoreError(
             f"--tokens {args.tokens}: a chunk cannot be longer than the model's context ({context} tokens)"
         )
+    from kvrag.store.kv_format import recommended_format
+
     limit, limit_from = _plan_limit(args)
+    planned = plan_corpus(args.chunks, args.tokens, shape, formats, limit)
+    pick = recommended_format({f: float(r["fraction_fit"]) for f, r in planned.items()})
     rec = {
         "chunks": args.chunks,
         "tokens": args.tokens,
         "model": {"source": source, "layers": shape[0], "kv_heads": shape[1], "head_dim": shape[2]},
         "size_limit": limit,
         "size_limit_from": limit_from,
-        "formats": plan_corpus(args.chunks, args.tokens, shape, formats, limit),
+        "formats": planned,
+        "recommended": None if pick is None else {"format": pick[0], "why": pick[1]},
         "precompute": measure_precompute(args, args.tokens, formats) if args.measure else {"measured": False},
     }
     _emit(args, rec, plan_lines(rec))
@@ -592,6 +597,9 @@ def plan_lines(rec: dict) -> list[str]:
         "",
         "B/chunk: K/V and token ids; each chunk's header (its text and metadata) and SQLite row come on top.",
     ]
+    if rec["recommended"] is not None:
+        pick = rec["recommended"]
+        lines.append(f"recommended {pick['format']}: {pick['why']} (--storage-dtype; docs/cache.md, Which format)")
     if measured:
         lines.append(
             f"precompute  measured on {pre['device']} ({pre['dtype']}): one pack of {pre['pack_chunks']} chunks "

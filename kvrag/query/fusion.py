@@ -50,13 +50,15 @@ def gather_slots(K, V, kv_index, positions):
     return Kout, Vout, torch.stack(pos)
 
 
-def join_rows(parts: list[torch.Tensor], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """Chunk tensors [L, Hkv, T_i, D] -> one [L, Hkv, sum T_i, D] on ``device`` in ``dtype``.
+def on_device(parts: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """Chunk tensors [L, Hkv, T_i, D] moved to ``device`` as stored: one asynchronous copy per
+    chunk from a pinned read, nothing to do for hot-tier entries already there."""
+    return [p.to(device=device, non_blocking=True) for p in parts]
 
-    Each part is moved as stored (async from a pinned read; nothing to do for hot-tier entries
-    already on the device), then joined and converted once: 2 ops on the device however many
-    chunks there are."""
-    return torch.cat([p.to(device=device, non_blocking=True) for p in parts], dim=2).to(dtype)
+
+def layer_rows(parts: list[torch.Tensor], layer: int, dtype: torch.dtype) -> torch.Tensor:
+    """One layer of chunk tensors [L, Hkv, T_i, D] joined in ``dtype``: [Hkv, sum T_i, D]."""
+    return torch.cat([p[layer] for p in parts], dim=1).to(dtype)
 
 
 @dataclass
@@ -172,6 +174,13 @@ class FusionEngine:
 
     def __init__(self, arch: Arch) -> None:
         self.arch = arch
+        #: How ``cached_kv`` places the chunks' rows. Layer by layer (True: ~7 ops a layer):
+        #: a layer's temporaries, a few MB, stay in a CPU's cache, where all layers at once
+        #: push hundreds of MB at 4k tokens through memory three times more, into fresh pages
+        #: (SmolLM2, 4k tokens, 2 cores: ~55 ms of a 440 ms TTFT). All layers at once (False:
+        #: ~2 ops a layer): a GPU, whose bandwidth makes those passes cheap, pays per kernel
+        #: launch instead. None: by the device, as said.
+        self.layerwise: bool | None = None
 
     def apply_insertions(self, pieces: list[Piece], policy: Policy, query_tokens=None) -> Layout:
         layout = Layout.build(pieces, query_tokens)
@@ -192,11 +201,10 @@ class FusionEngine:
         tables of all N positions) and their values; the other rows uninitialised. Returns (K,
         V, {piece index: entry} of the cached chunks).
 
-        A fixed number of ops whatever the number of chunks (each op is a kernel launch on a
-        GPU, where launches, not arithmetic, dominate at RAG sizes): the chunks' entries are
-        joined into one [L, Hkv, C, D] block (C cached tokens), rotated at once, and placed
-        with one ``index_copy_`` per layer -- rather than rotated and copied chunk by chunk,
-        layer by layer (``chunks x L x 5`` ops)."""
+        A fixed number of ops whatever the number of chunks: the chunks' rows are joined,
+        rotated at once and placed with one ``index_copy_`` per layer, rather than rotated and
+        copied chunk by chunk, layer by layer (``chunks x L x 5`` ops). How the layers are
+        walked depends on what bounds the device (``layerwise``)."""
         arch = self.arch
         n, dev, dt = layout.n, arch.device, arch.dtype
         L, hkv, d = arch.n_layers, arch.n_kv_heads, arch.head_dim
@@ -213,12 +221,22 @@ class FusionEngine:
         if not stored:
             return K, V, entries
         rows = layout.stored.nonzero().squeeze(1).to(dev)  # [C], in prompt order like the pieces
-        keys = join_rows([p.entry.keys for p in stored], dev, dt)  # [L, Hkv, C, D]
-        values = join_rows([p.entry.values for p in stored], dev, dt)
-        keys = arch.rotate_layers(keys, (cos[rows], sin[rows]))
+        keys = on_device([p.entry.keys for p in stored], dev)  # each [L, Hkv, T_i, D]
+        values = on_device([p.entry.values for p in stored], dev)
+        cos_sin = (cos[rows], sin[rows])
+        layerwise = self.layerwise if self.layerwise is not None else dev.type == "cpu"
+        if layerwise:
+            rotated = torch.empty(hkv, rows.numel(), d, dtype=dt, device=dev)
+            for layer in range(L):
+                arch.rotate(layer_rows(keys, layer, dt), None, cos_sin, out=rotated, layer=layer)
+                K[layer].index_copy_(1, rows, rotated)
+                V[layer].index_copy_(1, rows, layer_rows(values, layer, dt))
+            return K, V, entries
+        all_keys = arch.rotate_layers(torch.cat(keys, dim=2).to(dt), cos_sin)  # [L, Hkv, C, D]
+        all_values = torch.cat(values, dim=2).to(dt)
         for layer in range(L):
-            K[layer].index_copy_(1, rows, keys[layer])
-            V[layer].index_copy_(1, rows, values[layer])
+            K[layer].index_copy_(1, rows, all_keys[layer])
+            V[layer].index_copy_(1, rows, all_values[layer])
         return K, V, entries
 
     @torch.no_grad()

@@ -198,14 +198,48 @@ def decode(
     the small tensors, never a float copy made on the host."""
     codes = codes.to(device=device, non_blocking=True)
     stats = {k: v.to(device=device, non_blocking=True) for k, v in stats.items()}
-    if name == "int4":
-        q = torch.stack([codes & 0xF, codes >> 4], dim=-1).flatten(-2)[..., :head_dim].float()
+    q = torch.stack([codes & 0xF, codes >> 4], dim=-1).flatten(-2)[..., :head_dim] if name == "int4" else codes
+    if q.dtype == torch.float8_e4m3fn:  # torch promotes no float8 type in arithmetic
+        q = q.float()
+    L, H, T, D = q.shape
+    out = torch.empty((L, H, T, D), dtype=torch.float32, device=q.device)
+    scale = stats["scale"].float()
+    zero = stats["zero"].float() if "zero" in stats else None
+    # Each group's statistic broadcast over a view of its group (one pass writing the output),
+    # not repeated out to [L, Hkv, T, D] first (a float copy per statistic).
+    if kind == "keys":
+        g = min(GROUP, T)
+        whole = T // g  # groups of g tokens; the last group may be shorter
+        if whole:
+            n = whole * g
+            _scaled(out[:, :, :n].view(L, H, whole, g, D), q[:, :, :n].view(L, H, whole, g, D), scale, zero, whole)
+        if whole * g < T:
+            _scaled(
+                out[:, :, whole * g :],
+                q[:, :, whole * g :],
+                scale[:, :, -1:],
+                None if zero is None else zero[:, :, -1:],
+            )
     else:
-        q = codes.float()
-    x = q * _expand_stat(stats["scale"], kind, q.shape)
-    if "zero" in stats:
-        x += _expand_stat(stats["zero"], kind, q.shape)
-    return x.to(dtype)
+        g = value_group(D)
+        s5, z5 = scale.unsqueeze(-1), None if zero is None else zero.unsqueeze(-1)
+        _scaled(out.view(L, H, T, D // g, g), q.view(L, H, T, D // g, g), s5, z5)
+    return out if dtype == torch.float32 else out.to(dtype)
+
+
+def _scaled(
+    out: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, key_groups: int = 0
+) -> None:
+    """``out = q * scale (+ zero)``, in one op; ``key_groups``: ``out``/``q`` are keys viewed as
+    [L, Hkv, groups, G, D], whose first ``key_groups`` scale rows [L, Hkv, groups, D] each
+    group reads."""
+    if key_groups:
+        scale = scale[:, :, :key_groups, None]
+        zero = None if zero is None else zero[:, :, :key_groups, None]
+    if zero is None:
+        torch.mul(q, scale, out=out)
+    else:
+        torch.addcmul(zero, q, scale, out=out)
 
 
 # ---- validation --------------------------------------------------------------------------
@@ -264,3 +298,35 @@ def formats_held(fingerprints: list[str]) -> dict[str, dict[str, float | int]]:
         if name != "float":
             rec["vs_float16"] = bytes_per_token(name, 1, 1, 64) / bytes_per_token("float16", 1, 1, 64)
     return out
+
+
+# ---- which format to store in ----------------------------------------------------------------
+#: The formats a corpus is planned in, most faithful first, as measured against the float16
+#: store (docs/cache.md, "Which format"): ``int8`` kept 97-100% of the answers at 0.52x the
+#: bytes (SmolLM2 held out, Gemma 3's yardstick); ``int4`` (0.28x) kept every answer where the
+#: model's default policy recomputes (KVLink on Gemma 3) but changed ~1 in 4 where nothing is
+#: recomputed (``naive_reuse``). Neither made the TTFT from memory faster on a CPU (their
+#: expansion costs more than the bytes saved there); they pay where bytes bind: capacity,
+#: a cold disk, the network to a shared tier.
+FORMATS_BY_FIDELITY = ("float16", "int8", "int4")
+
+
+def recommended_format(fraction_fit: dict[str, float]) -> tuple[str, str] | None:
+    """(format, why) for a corpus of which each format's store holds ``fraction_fit[format]``
+    (0..1, ``kvrag cache plan``'s figure): the most faithful format of ``FORMATS_BY_FIDELITY``
+    that holds the whole corpus, else the one that holds the most of it (a chunk that does not
+    fit is a miss: a full prefill of its tokens). None if no such format was planned."""
+    planned = [f for f in FORMATS_BY_FIDELITY if f in fraction_fit]
+    if not planned:
+        return None
+    top = planned[0]
+    for f in planned:
+        if fraction_fit[f] >= 1.0:
+            if f == top:
+                return f, "the whole corpus fits in the most faithful format"
+            return f, f"the most faithful format that holds the whole corpus ({top} holds {fraction_fit[top]:.0%})"
+    best = max(planned, key=lambda f: fraction_fit[f])
+    why = f"no format holds the whole corpus; {best} holds the most of it ({fraction_fit[best]:.0%})"
+    if best == "int4":
+        why += ": check your policy's answers, int4 changes some where nothing is recomputed"
+    return best, why

@@ -147,3 +147,52 @@ def test_bad_requests_are_one_line_errors(model_dir, tmp_path, capsys):
         assert main(["cache", "plan", *argv]) == 2, argv
         err = capsys.readouterr().err
         assert err.startswith("kvrag: error: ") and message in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize(
+    "limit,want",
+    [
+        ("1G", "float16"),  # 100 chunks of 66,560 B fit at full fidelity
+        ("5M", "int8"),  # float16's 6.6 MB do not fit; int8's ~3.5 MB do
+        ("2M", "int4"),  # neither does int8's; int4 holds the most
+    ],
+)
+def test_the_plan_recommends_the_most_faithful_format_that_holds_the_corpus(model_dir, tmp_path, capsys, limit, want):
+    rec = _plan(
+        capsys,
+        *("--chunks", "100", "--tokens", str(T), "--model", str(model_dir), "--home", str(tmp_path / "home")),
+        *("--size-limit", limit, "--cache-dir", str(tmp_path / "none")),
+    )
+    assert rec["recommended"]["format"] == want, rec["recommended"]
+    fits = {f: rec["formats"][f]["fraction_fit"] for f in ("float16", "int8", "int4")}
+    if want == "int4":
+        assert fits["int4"] < 1 and "int4 changes some" in rec["recommended"]["why"]
+    else:
+        assert fits[want] == 1 and all(fits[f] < 1 for f in ("float16", "int8")[: ("float16", "int8").index(want)])
+    assert (
+        main(
+            [
+                "cache",
+                "plan",
+                "--chunks",
+                "100",
+                "--tokens",
+                str(T),
+                "--model",
+                str(model_dir),
+                "--home",
+                str(tmp_path / "home"),
+                "--size-limit",
+                limit,
+                "--cache-dir",
+                str(tmp_path / "none"),
+            ]
+        )
+        == 0
+    )
+    assert f"recommended {want}:" in capsys.readouterr().out
+
+
+def test_no_recommendation_without_a_format_it_ranks(tmp_path, capsys):
+    argv = ["--chunks", "10", "--tokens", "64", "--shape", "2,1,16", "--storage-dtype", "bfloat16"]
+    assert _plan(capsys, *argv)["recommended"] is None

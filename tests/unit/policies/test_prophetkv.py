@@ -203,6 +203,9 @@ def fused_ops(arch, n_chunks, total=96, seed=0, **params):
     segs = [(rand_ids(5, g), False)] + [(rand_ids(total // n_chunks, g), True) for _ in range(n_chunks)]
     segs.append((rand_ids(6, g), False))
     engine = FusionEngine(arch)
+    # The op budget is a launch-bound device's (a GPU's): count the placement it runs, all
+    # layers' chunk rows at once (a CPU places them layer by layer, a few ops more a layer).
+    engine.layerwise = False
     layout = Layout.build(pieces_for(arch, segs))
     return count_ops(engine.prefill, layout, get_policy("prophetkv", **params))
 

@@ -254,6 +254,31 @@ def test_the_arena_step_folds_or_expands_grouped_heads_under_its_mask(tmp_path, 
         rag.arch.gqa_masked = None
 
 
+def test_an_empty_arena_takes_its_first_member_without_copying_its_rows(tmp_path):
+    """The first member's buffers become the arena's slot 0 as they are (the one-request
+    decode of ``KVRag.stream`` copies its prompt's K/V once, not twice), its unwritten rows
+    made zeros (NaN there would poison the masked step of a later batch); a second member
+    joining copies both into a larger buffer, and both step as they would alone."""
+    rag = _arena_rag(tmp_path)
+    (a, solo_a), (b, solo_b) = _pair(rag, 0, spare=8), _pair(rag, 1, spare=8)
+    for layer in range(len(a.n)):
+        a._k[layer][:, a.n[layer] :] = float("nan")
+        a._v[layer][:, a.n[layer] :] = float("nan")
+    ptrs = [k.data_ptr() for k in a._k]
+    arena = DecodeArena(rag.arch)
+    assert arena.add(a)
+    assert [k.data_ptr() for k in arena._k] == ptrs and [k.data_ptr() for k in a._k] == ptrs
+    assert all(bool((k[0, :, a.n[i] :] == 0).all()) for i, k in enumerate(arena._k))
+    torch.testing.assert_close(
+        decode_step(rag.arch, [a], [5], arena)[0], decode_step(rag.arch, [solo_a], [5])[0], atol=1e-4, rtol=1e-4
+    )
+    assert arena.add(b) and arena.slots == 2 and arena._k[0].data_ptr() != ptrs[0]
+    got = decode_step(rag.arch, [a, b], [6, 7], arena)
+    for row, solo, tok in ((got[0], solo_a, 6), (got[1], solo_b, 7)):
+        assert bool(torch.isfinite(row).all())
+        torch.testing.assert_close(row, decode_step(rag.arch, [solo], [tok])[0], atol=1e-4, rtol=1e-4)
+
+
 def test_requests_join_and_leave_an_arena_between_steps(tmp_path):
     """A member leaving moves the last one into its slot; a new one joins at the end; a step of
     one member alone (the scheduler's retry after a failed step) stays on its slot's rows; the

@@ -34,6 +34,31 @@ def test_rerotated_key_equals_key_at_position(model_type):
 
 
 @pytest.mark.parametrize("model_type", list(CONFIGS))
+def test_chunk_rows_placed_layer_by_layer_or_all_at_once_are_the_same(model_type):
+    """``cached_kv``'s two placements (a CPU's layer by layer, a GPU's all layers at once) write
+    the same rotated keys and values into the stored rows, bit for bit: RoPE per layer kind
+    (Gemma 3), NoPE layers (SmolLM3) and partial rotary (Phi-4-mini) included."""
+    arch = Arch(tiny(model_type))
+    g = torch.Generator().manual_seed(3)
+    segs = [(rand_ids(4, g), False), (rand_ids(9, g), True), (rand_ids(2, g), False), (rand_ids(7, g), True)]
+    layout = Layout.build(pieces_for(arch, segs + [(rand_ids(3, g), False)]))
+    cos, sin = arch.cos_sin(layout.positions)
+    engine = FusionEngine(arch)
+    placed = []
+    for layerwise in (True, False):
+        engine.layerwise = layerwise
+        K, V, _ = engine.cached_kv(layout, cos, sin)
+        placed.append([t[:, layout.stored] for t in K + V])
+    assert len(placed[0]) == 2 * arch.n_layers and placed[0][0].shape[1] == 16
+    assert all(torch.equal(a, b) for a, b in zip(*placed))
+    # And each layer's keys are the chunk's own, rotated to where the prompt holds them (by the
+    # prompt's tables: a length-dependent RoPE has other frequencies in a shorter sequence).
+    k_pre, _ = compute_chunk_kv(arch, [segs[1][0]])[0]
+    want = arch.rotate(k_pre[-1], None, (cos[4:13], sin[4:13]), layer=arch.n_layers - 1)
+    torch.testing.assert_close(placed[0][arch.n_layers - 1][:, :9], want, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("model_type", list(CONFIGS))
 def test_shifted_query_equals_query_at_the_shifted_position(model_type):
     """``arch.shift`` moves an already rotated query by an offset: the same as computing it
     there (RoPE composition, attention factor once; the identity on NoPE layers), all with
