@@ -216,7 +216,11 @@ def main() -> None:
         lines.append(f"| {fmt} | {rec['bytes_per_token']:.0f} | " + " | ".join(cells) + " |")
     lines += ["", "## TTFT (ms; in brackets: against the float16 store's from the same tier)", ""]
     computed = ", ".join(f"{p} {n}" for p, n in results["setup"]["computed_tokens"].items())
-    lines += [f"default: the model's default policy, here `{default}`. Tokens computed: {computed}.", ""]
+    lines += [
+        f"default: the model's default policy, here `{default}`. Tokens computed: {computed}. redis: a replica "
+        "with an empty local disk reading through (its first query); hot: chunks in the hot tier.",
+        "",
+    ]
     pols = [p or "default" for p in policies]
     lines += ["| format | policy | " + " | ".join(TIERS) + " |", "|---|---|" + "---|" * len(TIERS)]
     for fmt, rec in results["formats"].items():

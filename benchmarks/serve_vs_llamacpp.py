@@ -110,7 +110,8 @@ def llamacpp_server(out: Path, gguf: str, a) -> sl.Server:
     if probe.returncode != 0:
         raise RuntimeError(
             f"llama-cpp-python[server] is not importable by {a.llama_cpp_python} ({probe.stderr.strip()[-300:]}); "
-            "build its wheel once (`pip wheel --no-deps -w .whl/ 'llama-cpp-python[server]'`, ~30 min on 2 cores), "
+            "build its wheel once (docs/benchmarks.md: `pip wheel --no-deps -w .whl/ 'llama-cpp-python[server]'` "
+            "with llama.cpp's tests, examples and tools off, ~11 min on 2 cores), "
             "then `pip install --no-deps .whl/llama_cpp_python-*.whl` and its server's dependencies"
         )
     port = sl.free_port()
