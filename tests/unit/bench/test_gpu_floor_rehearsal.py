@@ -56,3 +56,32 @@ def test_gpu_floor_sets_how_masked_attention_meets_grouped_heads(tmp_path, monke
     assert [h.arch.gqa_masked for h in built] == ["fold"]
     rows = list(csv.DictReader(open(out / "floor.csv")))
     assert [r["label"] for r in rows] == ["full_prefill", "naive_reuse"] and not any(r["error"] for r in rows)
+
+
+def test_gpu_decode_writes_a_record_per_batch_and_path_as_it_measures(tmp_path, monkeypatch):
+    """benchmarks/gpu_decode.py rehearsed with the tiny shape, eagerly (the compiled step's
+    equality to eager is tests/unit/query/test_compiled.py's): a record per batch with its step
+    time and floor, a shape that cannot be built recorded and the next one run, a passed
+    deadline measuring nothing more."""
+    monkeypatch.setenv("KVRAG_HOME", str(tmp_path / "home"))
+    spec = importlib.util.spec_from_file_location("gpu_decode", SCRIPT.parent / "gpu_decode.py")
+    gpu_decode = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_decode)
+    out = tmp_path / "out"
+    args = ["--device", "cpu", "--dtype", "float32", "--context", "48", "--steps", "2", "--compile", "off"]
+    gpu_decode.main([str(out), "--shapes", "nosuch,tiny", "--batches", "1,3", *args])
+    rows = list(csv.DictReader(open(out / "decode.csv")))
+    assert [(r["shape"], r["batch"], r["path"]) for r in rows] == [
+        ("nosuch", "", "build"),
+        ("tiny", "1", "eager"),
+        ("tiny", "3", "eager"),
+    ]
+    assert "KeyError" in rows[0]["error"] and not rows[1]["error"] and not rows[2]["error"]
+    for r, b in zip(rows[1:], (1, 3)):
+        step_s, floor_ms = float(r["step_ms"]) / 1e3, float(r["floor_ms"])
+        assert floor_ms > 0 and abs(float(r["tokens_per_s"]) - b / step_s) <= 0.1 + 0.01 * b / step_s
+    # The floor grows with the batch: each request's K/V is read once more.
+    assert float(rows[2]["floor_ms"]) > float(rows[1]["floor_ms"])
+    assert (out / "decode.md").read_text().count("| tiny |") == 2
+    gpu_decode.main([str(out), "--shapes", "tiny", "--batches", "1", "--deadline-s", "0", *args])
+    assert len(list(csv.DictReader(open(out / "decode.csv")))) == len(rows)
