@@ -303,11 +303,11 @@ def formats_held(fingerprints: list[str]) -> dict[str, dict[str, float | int]]:
 # ---- which format to store in ----------------------------------------------------------------
 #: The formats a corpus is planned in, most faithful first, as measured against the float16
 #: store (docs/cache.md, "Which format"): ``int8`` kept 97-100% of the answers at 0.52x the
-#: bytes (SmolLM2 held out, Gemma 3's yardstick); ``int4`` (0.28x) kept every answer where the
-#: model's default policy recomputes (KVLink on Gemma 3) but changed ~1 in 4 where nothing is
-#: recomputed (``naive_reuse``). Neither made the TTFT from memory faster on a CPU (their
-#: expansion costs more than the bytes saved there); they pay where bytes bind: capacity,
-#: a cold disk, the network to a shared tier.
+#: bytes (SmolLM2 held out under every policy measured, Gemma 3's yardstick); what ``int4``
+#: (0.28x) costs is the model's (Gemma 3's default kept every answer, SmolLM2's moved 3 of 20
+#: first tokens) and it changes answers where nothing is recomputed (``naive_reuse``). From
+#: memory neither is faster than float16 on a CPU (the hot tier pays their expansion at every
+#: hit); they pay where bytes bind: capacity, a cold disk, the network to a shared tier.
 FORMATS_BY_FIDELITY = ("float16", "int8", "int4")
 
 
@@ -328,5 +328,5 @@ def recommended_format(fraction_fit: dict[str, float]) -> tuple[str, str] | None
     best = max(planned, key=lambda f: fraction_fit[f])
     why = f"no format holds the whole corpus; {best} holds the most of it ({fraction_fit[best]:.0%})"
     if best == "int4":
-        why += ": check your policy's answers, int4 changes some where nothing is recomputed"
+        why += "; int4 changes some answers: measure it on your model first (benchmarks/kv_formats.py)"
     return best, why
