@@ -302,10 +302,11 @@ def formats_held(fingerprints: list[str]) -> dict[str, dict[str, float | int]]:
 
 # ---- which format to store in ----------------------------------------------------------------
 #: The formats a corpus is planned in, most faithful first, as measured against the float16
-#: store (docs/cache.md, "Which format"): ``int8`` kept 97-100% of the answers at 0.52x the
-#: bytes (SmolLM2 held out under every policy measured, Gemma 3's yardstick); what ``int4``
-#: (0.28x) costs is the model's (Gemma 3's default kept every answer, SmolLM2's moved 3 of 20
-#: first tokens) and it changes answers where nothing is recomputed (``naive_reuse``). From
+#: store (docs/cache.md, "Which format"): ``int8`` kept 95-100% of the answers at 0.52x the
+#: bytes (SmolLM2 held out under every policy measured; Gemma 3's yardstick, n = 100: 99% under
+#: its default); what ``int4`` (0.28x) costs is the model's (Gemma 3's default kept 98/100
+#: answers, SmolLM2's moved 3 of 20 first tokens) and it changes answers where nothing is
+#: recomputed (``naive_reuse``: 20/100 on Gemma 3). From
 #: memory neither is faster than float16 on a CPU (the hot tier pays their expansion at every
 #: hit); they pay where bytes bind: capacity, a cold disk, the network to a shared tier.
 FORMATS_BY_FIDELITY = ("float16", "int8", "int4")
