@@ -7,8 +7,8 @@ passages of docs/*.md, kvrag's RAG layout, the model's chat template). Then, per
 
 * ``read_expand_ms``: the prompt's chunks read from the tier and expanded to the compute dtype
   on the compute device, all of them, one after the other (median over ``--repeats``):
-  - ``cold_disk``: the store's files dropped from the page cache first (``posix_fadvise
-    DONTNEED`` after an ``fsync``: the next read goes to the device);
+  - ``cold_disk``: the store's files dropped from the page cache first (``gpu_floor.drop_page_cache``:
+    the whole page cache as root, else ``posix_fadvise DONTNEED`` per file);
   - ``page_cache``: the same files, read just before;
   - ``redis``: the Redis tier alone (``RedisStore.get``: a network read, verified);
   - ``hot``: the entry already in memory (the hot tier keeps packed entries packed): the
@@ -37,25 +37,14 @@ import uuid
 from pathlib import Path
 
 import torch
-from host_floor import build_prompt  # this folder is the script's first import path
+from gpu_floor import drop_page_cache  # this folder is the script's first import path
+from host_floor import build_prompt
 
 from kvrag import KVRag
 from kvrag.store.factory import open_shared
 from kvrag.store.kv_format import bytes_per_token
 
 TIERS = ("cold_disk", "page_cache", "redis", "hot")
-
-
-def drop_page_cache(directory: Path) -> None:
-    """Every file under ``directory`` out of the page cache: written back, then dropped."""
-    for path in directory.rglob("*"):
-        if path.is_file():
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
 
 
 class FormatRun:
@@ -97,8 +86,7 @@ class FormatRun:
 
     def ttft_ms(self, tier: str, prompt: str, policy: str | None) -> float:
         if tier == "hot":
-            rag = self.hot_rag
-            rag.generate(prompt, policy=policy, max_new_tokens=1)  # its chunks into the hot tier
+            rag = self.hot_rag  # its chunks stay in the hot tier from the untimed warm-up round
         elif tier == "redis":
             local = Path(tempfile.mkdtemp(dir=self.work))
             rag = KVRag(self.model, cache_dir=local, storage_dtype=self.fmt, hot_cache=0, shared=self.shared)
