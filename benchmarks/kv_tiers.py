@@ -6,7 +6,9 @@ under a prefix of its own) is filled with the prompt's passages (``host_floor.bu
 passages of docs/*.md, kvrag's RAG layout, the model's chat template). Then, per tier:
 
 * ``read_expand_ms``: the prompt's chunks read from the tier and expanded to the compute dtype
-  on the compute device, all of them, one after the other (median over ``--repeats``):
+  on the compute device as the prefill places them (``fusion.StoredRows``: a layer at a time
+  on a CPU, the entries whole on a GPU), every layer's keys and values (median over
+  ``--repeats``):
   - ``cold_disk``: the store's files dropped from the page cache first (``gpu_floor.drop_page_cache``:
     the whole page cache as root, else ``posix_fadvise DONTNEED`` per file);
   - ``page_cache``: the same files, read just before;
@@ -41,6 +43,7 @@ from gpu_floor import drop_page_cache  # this folder is the script's first impor
 from host_floor import build_prompt
 
 from kvrag import KVRag
+from kvrag.query.fusion import StoredRows
 from kvrag.store.factory import open_shared
 from kvrag.store.kv_format import bytes_per_token
 
@@ -70,16 +73,23 @@ class FormatRun:
         if tier == "cold_disk":
             drop_page_cache(self.work / self.fmt)
         entries = [store.get(k, fp) for k in self.keys] if tier == "hot" else None
+        fusion = self.rag.fusion
+        by_layer = fusion.layerwise if fusion.layerwise is not None else dev.type == "cpu"
+        n_layers = self.rag.arch.n_layers
         t = time.perf_counter()
+        read = []
         for i, key in enumerate(self.keys):
             entry = entries[i] if entries is not None else store.get(key, fp)
             if entry is None:
                 raise SystemExit(f"{self.fmt}: chunk {key} missing from the {tier} tier")
-            e = entry.expanded(dev, dt)
-            (
-                e.keys.to(device=dev, dtype=dt),
-                e.values.to(device=dev, dtype=dt),
-            )  # a float entry converts here, as in the prefill
+            read.append(entry)
+        rows = StoredRows(read, dev, dt, by_layer)
+        for kind in ("keys", "values"):
+            if by_layer:
+                for layer in range(n_layers):
+                    rows.layer(kind, layer)
+            else:
+                rows.block(kind)
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
         return (time.perf_counter() - t) * 1e3
@@ -190,7 +200,7 @@ def main() -> None:
         f"medians of {args.repeats} rounds, formats interleaved. Command: `python benchmarks/kv_tiers.py "
         f"--formats {args.formats} --policies {args.policies} --tokens {args.tokens} --repeats {args.repeats}`.",
         "",
-        "## Read + expand of the prompt's chunks (ms, all chunks)",
+        "## Read + expand of the prompt's chunks (ms, all chunks, every layer expanded as the prefill places it)",
         "",
         "| format | bytes/token | " + " | ".join(TIERS) + " |",
         "|---|---|" + "---|" * len(TIERS),

@@ -99,7 +99,7 @@ def floor_parts(rag, prompt, repeats: int, before_run: Callable[[], object] | No
                         e.keys.to(device=dev, dtype=dt, non_blocking=True),
                         e.values.to(device=dev, dtype=dt, non_blocking=True),
                     )
-                    for e in entries  # noqa: B023
+                    for e in (x.expanded(dev, dt) for x in entries)  # noqa: B023 - packed ones expand
                 ],
                 dev,
             )

@@ -85,7 +85,14 @@ def default_policy(handle, kvlink_adapter: Any = "default") -> DefaultPolicy:
     """The default policy of ``handle``'s model, as a ``KVRag(handle, kvlink_adapter=...)``
     would run it (``kvlink_adapter``: the KVRag option; None applies no adapter)."""
     from kvrag.policies.kvlink.adapter import LORA_FILE, find_adapter
+    from kvrag.policies.kvlink.policy import ADAPTER_ATTR
 
+    # A model that carries an adapter already (another KVRag's ``handle``) is judged as the
+    # base model it was adapted from, with its adapter: what that KVRag runs.
+    carried = getattr(handle.model, ADAPTER_ATTR, None)
+    if carried is not None:
+        weights = handle.load_info.get("base_weights", handle.fingerprint_parts["weights"])
+        return default_for_weights(weights, adapter_applied=carried.has_lora)
     weights = handle.fingerprint_parts["weights"]
     applied = False
     if kvlink_adapter is not None and kvlink_adapter != "links":

@@ -13,6 +13,7 @@ Shapes: ``N`` tokens in the fused prompt, ``A`` active tokens, ``L`` layers, ``H
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +21,8 @@ import torch
 from kvrag.arch import Arch, AttentionPlan, visible_keys
 from kvrag.layout.state import CACHED, INSERTED, PREFIX, FusionState, FusionStats, Layout, Piece
 from kvrag.policies.base import Policy
+from kvrag.store.base import ChunkEntry
+from kvrag.store.kv_format import PackedRows, head_dim_of
 
 
 @dataclass
@@ -59,6 +62,53 @@ def on_device(parts: list[torch.Tensor], device: torch.device) -> list[torch.Ten
 def layer_rows(parts: list[torch.Tensor], layer: int, dtype: torch.dtype) -> torch.Tensor:
     """One layer of chunk tensors [L, Hkv, T_i, D] joined in ``dtype``: [Hkv, sum T_i, D]."""
     return torch.cat([p[layer] for p in parts], dim=1).to(dtype)
+
+
+class StoredRows:
+    """The stored entries' K/V joined along their tokens (C = sum T_i), in the compute dtype
+    on the compute device, served one layer at a time (``layer``) or all layers at once
+    (``block``). Served by layer, each run of consecutive packed entries of one format stays
+    packed until its layer is asked for (``PackedRows``: only the packed bytes are held for
+    the whole prompt), beside the float entries (a kept prefix's, say). All layers at once
+    (a GPU's placement), every entry is expanded whole first."""
+
+    def __init__(self, entries: list[ChunkEntry], device: torch.device, dtype: torch.dtype, by_layer: bool) -> None:
+        self.dtype = dtype
+        # Consecutive entries of one storage format, in prompt order: each run is a
+        # PackedRows or the float entries' tensors per kind.
+        self._runs: list[PackedRows | dict[str, list[torch.Tensor]]] = []
+        kinds = ("keys", "values")
+        for _, run in itertools.groupby(entries, key=lambda e: e.kv_format if by_layer else ""):
+            group = list(run)
+            if by_layer and group[0].packed:
+                self._runs.append(
+                    PackedRows(
+                        group[0].kv_format,
+                        head_dim_of(group[0].scales),
+                        {k: [getattr(e, k) for e in group] for k in kinds},
+                        {k: [e.stats_of(k) for e in group] for k in kinds},
+                        device,
+                    )
+                )
+            else:
+                floats = [e.expanded(device, dtype) for e in group]
+                self._runs.append({k: on_device([getattr(e, k) for e in floats], device) for k in kinds})
+
+    def layer(self, kind: str, layer: int) -> torch.Tensor:
+        """``kind`` (``"keys"``, ``"values"``) at ``layer``: [Hkv, C, D]."""
+        parts = [
+            run.layer(kind, layer, self.dtype)
+            if isinstance(run, PackedRows)
+            else layer_rows(run[kind], layer, self.dtype)
+            for run in self._runs
+        ]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+    def block(self, kind: str) -> torch.Tensor:
+        """``kind`` at every layer: [L, Hkv, C, D] (built without ``by_layer``: one float run)."""
+        (run,) = self._runs
+        assert not isinstance(run, PackedRows)
+        return torch.cat(run[kind], dim=2).to(self.dtype)
 
 
 @dataclass
@@ -221,19 +271,18 @@ class FusionEngine:
         if not stored:
             return K, V, entries
         rows = layout.stored.nonzero().squeeze(1).to(dev)  # [C], in prompt order like the pieces
-        keys = on_device([p.entry.keys for p in stored], dev)  # each [L, Hkv, T_i, D]
-        values = on_device([p.entry.values for p in stored], dev)
-        cos_sin = (cos[rows], sin[rows])
         layerwise = self.layerwise if self.layerwise is not None else dev.type == "cpu"
+        source = StoredRows([p.entry for p in stored], dev, dt, by_layer=layerwise)
+        cos_sin = (cos[rows], sin[rows])
         if layerwise:
             rotated = torch.empty(hkv, rows.numel(), d, dtype=dt, device=dev)
             for layer in range(L):
-                arch.rotate(layer_rows(keys, layer, dt), None, cos_sin, out=rotated, layer=layer)
+                arch.rotate(source.layer("keys", layer), None, cos_sin, out=rotated, layer=layer)
                 K[layer].index_copy_(1, rows, rotated)
-                V[layer].index_copy_(1, rows, layer_rows(values, layer, dt))
+                V[layer].index_copy_(1, rows, source.layer("values", layer))
             return K, V, entries
-        all_keys = arch.rotate_layers(torch.cat(keys, dim=2).to(dt), cos_sin)  # [L, Hkv, C, D]
-        all_values = torch.cat(values, dim=2).to(dt)
+        all_keys = arch.rotate_layers(source.block("keys"), cos_sin)  # [L, Hkv, C, D]
+        all_values = source.block("values")
         for layer in range(L):
             K[layer].index_copy_(1, rows, all_keys[layer])
             V[layer].index_copy_(1, rows, all_values[layer])

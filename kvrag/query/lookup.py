@@ -232,10 +232,11 @@ class ChunkLookup:
                     stats.chunks_hot += 1
                 else:
                     entry = self.hot.put(pl.segment.key, entry)
-                # A packed entry (kept packed in every tier) expands on the compute device.
-                entry = entry.expanded(self.handle.device, self.handle.dtype)
+                # A packed entry (kept packed in every tier) reaches the fusion engine packed,
+                # which expands it on the compute device a layer at a time; a part of one is
+                # cut from its expansion (its key groups would not start at the part).
                 if m < entry.token_ids.numel():
-                    entry = entry.span(k, k + m)
+                    entry = entry.expanded(self.handle.device, self.handle.dtype).span(k, k + m)
                 stats.bytes_loaded += entry.nbytes
                 if j > tok:
                     pieces.append(Piece(torch.tensor(ids[tok:j], dtype=torch.long), PLAIN))

@@ -34,7 +34,8 @@ class ChunkEntry:
 
     A packed entry (``kv_format`` names a ``kvrag.store.kv_format`` packed format) holds codes
     in keys/values and their per-group scales (and zero points) in ``scales``; it is read
-    through ``expanded`` (what the query path serves), never as float tensors itself."""
+    through ``expanded``, or a layer at a time as the fusion engine places it
+    (``kvrag.query.fusion.StoredRows``), never as float tensors itself."""
 
     fingerprint: str
     text: str
@@ -56,13 +57,15 @@ class ChunkEntry:
         if not self.packed:
             return self
         d = head_dim_of(self.scales)
-
-        def part(kind: str, codes: torch.Tensor) -> torch.Tensor:
-            stats = {n.partition(".")[2]: t for n, t in self.scales.items() if n.startswith(kind + ".")}
-            return decode(codes, stats, self.kv_format, kind, d, device, dtype)
-
-        keys, values = part("keys", self.keys), part("values", self.values)
+        keys, values = (
+            decode(getattr(self, k), self.stats_of(k), self.kv_format, k, d, device, dtype) for k in ("keys", "values")
+        )
         return ChunkEntry(self.fingerprint, self.text, self.token_ids, keys, values, self.extras)
+
+    def stats_of(self, kind: str) -> dict[str, torch.Tensor]:
+        """A packed entry's statistics of ``kind`` (``"keys"``, ``"values"``) as
+        ``kv_format.decode`` takes them: {"scale": ..., "zero": ...}."""
+        return {n.partition(".")[2]: t for n, t in self.scales.items() if n.startswith(kind + ".")}
 
     def span(self, a: int, b: int) -> ChunkEntry:
         """The entry of the chunk's tokens ``a..b-1`` (views, no copy), for a prompt whose

@@ -34,6 +34,7 @@ or [L, Hkv, T, ceil(D/2)] uint8 (int4).
 from __future__ import annotations
 
 import math
+import sys
 
 import torch
 
@@ -198,9 +199,7 @@ def decode(
     the small tensors, never a float copy made on the host."""
     codes = codes.to(device=device, non_blocking=True)
     stats = {k: v.to(device=device, non_blocking=True) for k, v in stats.items()}
-    q = torch.stack([codes & 0xF, codes >> 4], dim=-1).flatten(-2)[..., :head_dim] if name == "int4" else codes
-    if q.dtype == torch.float8_e4m3fn:  # torch promotes no float8 type in arithmetic
-        q = q.float()
+    q = _codes_as_float(codes, name, head_dim)
     L, H, T, D = q.shape
     out = torch.empty((L, H, T, D), dtype=torch.float32, device=q.device)
     scale = stats["scale"].float()
@@ -227,19 +226,101 @@ def decode(
     return out if dtype == torch.float32 else out.to(dtype)
 
 
+def _codes_as_float(codes: torch.Tensor, name: str, head_dim: int) -> torch.Tensor:
+    """Codes [..., W] as float32 [..., D] (int4: two codes a byte, low nibble first). Made
+    float in one pass of their own: the scaling that follows then runs on one dtype, where
+    mixing integer codes and float scales in it runs ~2x slower on a CPU."""
+    if name == "int4":
+        if sys.byteorder == "little":
+            # Each byte b as the int16 (b & 0xF) | (b >> 4) << 8: its two bytes in memory are
+            # the two codes in order; one vectorised pass, where interleaving two uint8
+            # tensors (torch.stack) writes byte by byte.
+            wide = codes.to(torch.int16)
+            pair = wide & 0xF0
+            pair <<= 4
+            pair |= wide & 0xF
+            codes = pair.view(torch.uint8)
+        else:
+            codes = torch.stack([codes & 0xF, codes >> 4], dim=-1).flatten(-2)
+        codes = codes[..., :head_dim]
+    return codes.float()
+
+
 def _scaled(
     out: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, key_groups: int = 0
 ) -> None:
-    """``out = q * scale (+ zero)``, in one op; ``key_groups``: ``out``/``q`` are keys viewed as
-    [L, Hkv, groups, G, D], whose first ``key_groups`` scale rows [L, Hkv, groups, D] each
-    group reads."""
+    """``out = q * scale (+ zero)`` (``out`` may be ``q``); ``key_groups``: ``out``/``q`` are
+    keys viewed as [L, Hkv, groups, G, D], whose first ``key_groups`` scale rows [L, Hkv,
+    groups, D] each group reads. A product then a sum, not ``addcmul``: with a statistic
+    broadcast along the last dim (a value group's) a CPU's ``addcmul`` runs ~5x slower than
+    the two."""
     if key_groups:
         scale = scale[:, :, :key_groups, None]
         zero = None if zero is None else zero[:, :, :key_groups, None]
-    if zero is None:
-        torch.mul(q, scale, out=out)
-    else:
-        torch.addcmul(zero, q, scale, out=out)
+    torch.mul(q, scale, out=out)
+    if zero is not None:
+        out.add_(zero)
+
+
+class PackedRows:
+    """Packed entries of one format joined along their tokens (C = sum T_i) and expanded one
+    layer at a time, as the fusion engine places them: a layer's float rows (a few MB) stay
+    in a CPU's cache, where expanding whole entries writes every layer's floats to fresh
+    memory first and the placement reads them back. Every element equals what ``decode``
+    gives for its own entry: the key groups stay the entry's (a token reads its group's
+    scale through ``_group_of``), and the arithmetic is ``decode``'s.
+
+    codes: per kind (``"keys"``, ``"values"``), each entry's codes [L, Hkv, T_i, W]; stats:
+    per kind, each entry's {"scale": ..., "zero": ...} (``encode``'s shapes). The packed
+    bytes are moved to ``device`` here, once."""
+
+    def __init__(
+        self,
+        name: str,
+        head_dim: int,
+        codes: dict[str, list[torch.Tensor]],
+        stats: dict[str, list[dict[str, torch.Tensor]]],
+        device: torch.device | str,
+    ) -> None:
+        if not is_packed(name):
+            raise ValueError(f"{name!r} is not a packed format")
+        self.name, self.head_dim = name, head_dim
+        self.codes = {k: [c.to(device=device, non_blocking=True) for c in cs] for k, cs in codes.items()}
+        # The statistics are small (1/32 of the codes' elements): joined for every layer at once.
+        self.stats = {
+            kind: {
+                s: torch.cat([d[s] for d in per_entry], dim=2).to(device=device, non_blocking=True).float()
+                for s in per_entry[0]
+            }
+            for kind, per_entry in stats.items()
+        }
+        # Token -> its key group's row in the joined key statistics: decode's rule per entry
+        # (groups of min(GROUP, T) tokens, the last group taking the remainder).
+        rows, first = [], 0
+        for c, st in zip(self.codes["keys"], stats["keys"]):
+            t = c.shape[2]
+            rows.append(first + torch.arange(t) // min(GROUP, t))
+            first += st["scale"].shape[2]
+        self._group_of = torch.cat(rows).to(device=device, non_blocking=True)  # [C]
+
+    def layer(self, kind: str, layer: int, dtype: torch.dtype) -> torch.Tensor:
+        """One layer of ``kind`` (``"keys"``, ``"values"``), every entry's tokens in order:
+        [Hkv, C, D] in ``dtype`` on the codes' device."""
+        q = _codes_as_float(torch.cat([c[layer] for c in self.codes[kind]], dim=1), self.name, self.head_dim)
+        H, C, D = q.shape  # [Hkv, C, D]
+        stats = self.stats[kind]
+        # In place over the float codes: no other [Hkv, C, D] tensor is written.
+        if kind == "keys":
+            rows = self._group_of
+            zero = stats["zero"][layer].index_select(1, rows) if "zero" in stats else None
+            _scaled(q, q, stats["scale"][layer].index_select(1, rows), zero)
+        else:
+            g = value_group(D)
+            scale = stats["scale"][layer].unsqueeze(-1)  # [Hkv, C, D/g, 1]
+            zero = stats["zero"][layer].unsqueeze(-1) if "zero" in stats else None
+            view = q.view(H, C, D // g, g)
+            _scaled(view, view, scale, zero)
+        return q if dtype == torch.float32 else q.to(dtype)
 
 
 # ---- validation --------------------------------------------------------------------------
@@ -306,9 +387,9 @@ def formats_held(fingerprints: list[str]) -> dict[str, dict[str, float | int]]:
 #: bytes (SmolLM2 held out under every policy measured; Gemma 3's yardstick, n = 100: 99% under
 #: its default); what ``int4`` (0.28x) costs is the model's (Gemma 3's default kept 98/100
 #: answers, SmolLM2's moved 3 of 20 first tokens) and it changes answers where nothing is
-#: recomputed (``naive_reuse``: 20/100 on Gemma 3). From
-#: memory neither is faster than float16 on a CPU (the hot tier pays their expansion at every
-#: hit); they pay where bytes bind: capacity, a cold disk, the network to a shared tier.
+#: recomputed (``naive_reuse``: 20/100 on Gemma 3). From the hot tier neither is faster than
+#: float16 on a CPU (each hit pays the expansion: 1-3% of the TTFT at 4k tokens); they pay
+#: where bytes bind: capacity, a cold disk, the network to a shared tier.
 FORMATS_BY_FIDELITY = ("float16", "int8", "int4")
 
 

@@ -1,13 +1,12 @@
 """Shared helpers for engine-level tests: tiny random-weight models and cached pieces."""
 
-from types import SimpleNamespace
-
 import torch
 import transformers
 
 from helpers.models import longrope
 from kvrag.chunk import compute_chunk_kv
 from kvrag.layout.state import CACHED, PLAIN, Piece
+from kvrag.store.base import ChunkEntry
 from kvrag.testing import FAMILY_DEFAULTS, _config_class, attn_implementation
 
 # name -> (model_type, extra config): every family (config classes from kvrag.testing), plus
@@ -107,7 +106,7 @@ def pieces_for(arch, segs, anchor=()):
         t = torch.tensor(ids)
         if cached:
             k, v = compute_chunk_kv(arch, [ids], anchor)[0]
-            out.append(Piece(t, CACHED, entry=SimpleNamespace(keys=k, values=v, token_ids=t)))
+            out.append(Piece(t, CACHED, entry=ChunkEntry("test", "", t, k, v)))
         else:
             out.append(Piece(t, PLAIN))
     return out

@@ -261,6 +261,8 @@ class A2ATS(Policy):
             and tuple(stored.shape) == (cb.n_layers, cb.n_kv_heads, t)
         ):
             return stored, True
+        if entry.packed:  # coded from the keys the prefill places: the packed ones expanded
+            entry = entry.expanded(cb.device, torch.float32)
         return cb.codes(entry.keys), False
 
     # ---- decode --------------------------------------------------------------------------

@@ -229,7 +229,7 @@ def apply_adapter(handle: ModelHandle, adapter: str | os.PathLike | KVLinkAdapte
         handle.tokenizer,
         weight_digest=weights,
         source=handle.source,
-        load_info={**handle.load_info, "kvlink_adapter": str(ad.path)},
+        load_info={**handle.load_info, "kvlink_adapter": str(ad.path), "base_weights": base_weights},
     )
 
 
@@ -278,6 +278,15 @@ def adapt_model(
     a KVRag whose policy is ``"kvlink"``; ``"links"``: links-only adapters only; ``"auto"``, a
     directory or a loaded ``KVLinkAdapter``: that adapter, whatever it holds. A LoRA adapter may
     change every K/V: the adapted model is a copy with its own fingerprint."""
+    carried = getattr(handle.model, ADAPTER_ATTR, None)
+    if carried is not None and carried.has_lora and policy_name != "kvlink":
+        # Another KVRag's ``handle`` is the model it adapted: the LoRA is merged in.
+        log.warning(
+            "this model carries a KVLink adapter with LoRA weights (another KVRag's handle?): "
+            "policy %s runs on the adapted weights; build the KVRag on the base model "
+            "(ModelHandle.load) to run it on the model's own",
+            policy_name,
+        )
     if isinstance(kvlink_adapter, str) and kvlink_adapter in ("default", "links"):
         found = default_adapter(handle, allow_lora=kvlink_adapter == "default" and policy_name == "kvlink")
         return handle if found is None else apply_adapter(handle, found)

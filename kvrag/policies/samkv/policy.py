@@ -249,7 +249,8 @@ class SamKV(Policy):
         if piece.key is None or piece.entry is None or piece.span is None:
             return None
         freq = n if arch is not None and arch.length_dependent_rope else None
-        return (piece.key, tuple(piece.span), str(piece.entry.keys.dtype), span, tuple(stable), freq)
+        stored_as = piece.entry.kv_format or str(piece.entry.keys.dtype)
+        return (piece.key, tuple(piece.span), stored_as, span, tuple(stable), freq)
 
     # ---- step 2's per-chunk results, stored at ingestion ---------------------------------
     def _stored(self, piece, local: int, stable: list[int], arch) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -17,9 +17,12 @@ from helpers.corpus import DOCS as CORPUS  # noqa: E402
 from helpers.corpus import prompt_for  # noqa: E402
 from helpers.store_entries import blob_files  # noqa: E402
 
+import kvrag.store.base as base_mod  # noqa: E402
 import kvrag.store.blob as blob_mod  # noqa: E402
 from kvrag.defaults import STORAGE_DTYPES  # noqa: E402
 from kvrag.engine import KVRag  # noqa: E402
+from kvrag.layout.state import CACHED, Layout, Piece  # noqa: E402
+from kvrag.policies import get_policy  # noqa: E402
 from kvrag.precompute.ingest import cache_fingerprint  # noqa: E402
 from kvrag.store import ChunkEntry, DiskStore, make_key  # noqa: E402
 from kvrag.store.base import CACHE_FORMAT_VERSION  # noqa: E402
@@ -29,6 +32,7 @@ from kvrag.store.kv_format import (  # noqa: E402
     GROUP,
     PACKED_FORMATS,
     STORAGE_FORMATS,
+    PackedRows,
     bytes_per_token,
     decode,
     encode,
@@ -101,6 +105,30 @@ def test_keys_are_grouped_per_channel_and_values_per_token():
     x[:, :, 9] *= 1000.0  # a token
     _, vs = encode(x, "int8", "values")
     assert float(vs["scale"][:, :, 9].float().max()) > 100 * float(vs["scale"][:, :, :9].float().max())
+
+
+@pytest.mark.parametrize("name", list(PACKED_FORMATS))
+@pytest.mark.parametrize("D", [8, 7])
+def test_packed_rows_expand_each_layer_as_decode_expands_each_entry(name, D):
+    """Entries of 70, 5, 64, 130 and 1 tokens (whole, partial and single key groups) joined:
+    each layer is bit for bit the entries' own expansions side by side, in float32 and
+    rounded to bfloat16."""
+    entries = [_packed_entry(name, T=t, D=D, seed=i)[0] for i, t in enumerate((70, 5, 64, 130, 1))]
+    kinds = ("keys", "values")
+    rows = PackedRows(
+        name,
+        D,
+        {k: [getattr(e, k) for e in entries] for k in kinds},
+        {k: [e.stats_of(k) for e in entries] for k in kinds},
+        "cpu",
+    )
+    for dtype in (torch.float32, torch.bfloat16):
+        whole = [e.expanded(torch.device("cpu"), dtype) for e in entries]
+        for k in kinds:
+            ref = torch.cat([getattr(e, k) for e in whole], dim=2)  # [L, Hkv, C, D]
+            for layer in range(ref.shape[0]):
+                got = rows.layer(k, layer, dtype)
+                assert got.dtype == dtype and torch.equal(got.view(torch.int16), ref[layer].view(torch.int16))
 
 
 def test_bytes_per_token_meet_the_targets_and_match_a_stored_blob():
@@ -310,6 +338,44 @@ def test_the_hot_tier_of_a_packed_store_holds_codes_and_serves_the_same_answer(h
     warm = rag.prefill(prompt, policy="naive_reuse")
     assert warm.stats.chunks_hot == len(DOCS)
     assert torch.equal(warm.logits, cold.logits)
+
+
+@pytest.mark.parametrize("name", ["int8", "int4"])
+@pytest.mark.parametrize("layerwise", [True, False])
+def test_packed_entries_reach_the_prefill_packed_and_place_as_their_expansion(stores, name, layerwise, monkeypatch):
+    """The lookup hands the fusion engine the stored (packed) entries and counts their
+    packed bytes; placed a layer at a time (a CPU's way) or all layers at once (a GPU's),
+    alone or beside a float entry (a kept prefix's, say), the prefill is bit for bit the one
+    from the entries expanded first."""
+    rag = stores[name]
+    pieces, stats = rag.pieces(rag.render(prompt_for(DOCS)))
+    cached = [p for p in pieces if p.kind == CACHED]
+    assert len(cached) == len(DOCS) and all(p.entry.packed for p in cached)
+    assert stats.bytes_loaded == sum(p.entry.nbytes for p in cached)
+    dev, dt = rag.arch.device, rag.arch.dtype
+    floats = [
+        Piece(p.token_ids, p.kind, entry=p.entry.expanded(dev, dt), key=p.key, span=p.span) if p.kind == CACHED else p
+        for p in pieces
+    ]
+    first = next(i for i, p in enumerate(pieces) if p.kind == CACHED)
+    mixed = [floats[first] if i == first else p for i, p in enumerate(pieces)]
+    for policy in ("naive_reuse", "cacheblend"):
+        rag.fusion.layerwise = layerwise
+        try:
+            ref = rag.fusion.prefill(Layout.build(floats), get_policy(policy))
+            if layerwise:  # no packed entry is expanded whole: each layer is, as it is placed
+
+                def whole(*args, **kwargs):
+                    raise AssertionError("a packed entry was expanded whole")
+
+                monkeypatch.setattr(base_mod, "decode", whole)
+            for variant in (pieces, mixed):
+                got = rag.fusion.prefill(Layout.build(variant), get_policy(policy))
+                assert torch.equal(got.logits, ref.logits)
+                assert all(torch.equal(a, b) for a, b in zip(got.K + got.V, ref.K + ref.V))
+        finally:
+            rag.fusion.layerwise = None
+            monkeypatch.undo()
 
 
 def test_model_info_and_cache_stats_show_the_formats(model_dir, tmp_path, capsys):

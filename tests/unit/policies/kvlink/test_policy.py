@@ -23,6 +23,7 @@ from kvrag.policies.kvlink.samples import build_sample, make_sample, pick_passag
 from kvrag.policies.kvlink.train import train_kvlink
 from kvrag.qa.example import QAExample
 from kvrag.query.fusion import FusionEngine
+from kvrag.store.base import ChunkEntry
 from kvrag.testing import tiny_llama
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
@@ -53,10 +54,12 @@ def test_link_tokens_see_every_earlier_document_and_documents_stay_local():
     # Perturb the cached K/V of document 1 only.
     g = torch.Generator().manual_seed(9)
     e1 = base_pieces[1].entry
-    noisy = SimpleNamespace(
-        keys=e1.keys + 0.5 * torch.randn(e1.keys.shape, generator=g),
-        values=e1.values + 0.5 * torch.randn(e1.values.shape, generator=g),
-        token_ids=e1.token_ids,
+    noisy = ChunkEntry(
+        "test",
+        "",
+        e1.token_ids,
+        e1.keys + 0.5 * torch.randn(e1.keys.shape, generator=g),
+        e1.values + 0.5 * torch.randn(e1.values.shape, generator=g),
     )
     pert_pieces = list(base_pieces)
     pert_pieces[1] = type(base_pieces[1])(base_pieces[1].token_ids, CACHED, entry=noisy)
@@ -76,7 +79,7 @@ def test_link_tokens_see_every_earlier_document_and_documents_stay_local():
     pert_pieces[2] = type(base_pieces[2])(
         base_pieces[2].token_ids,
         CACHED,
-        entry=SimpleNamespace(keys=e2.keys + 0.5, values=e2.values - 0.5, token_ids=e2.token_ids),
+        entry=ChunkEntry("test", "", e2.token_ids, e2.keys + 0.5, e2.values - 0.5),
     )
     _, pert2 = _run(arch, segs, pol, pert_pieces)
     for layer in range(arch.n_layers):
