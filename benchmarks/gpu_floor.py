@@ -19,7 +19,9 @@ Each (shape, point, tier) is ``kvrag.bench.floor.measure_floor``: ``full_prefill
 policies interleaved round by round, TTFT beside the floor (chunk reads + move to the device +
 ``transformers``' forward of the non-cached tokens + recompute at ``full_prefill``'s rate), and
 the work-doing ops and host syncs of one fused prefill and one decode step (once per point).
-Every record is appended to ``OUT/floor.csv`` as it is measured and ``OUT/floor.md`` is
+``--storage-dtype`` stores the chunks in another format than the compute dtype (a packed one,
+``int8``/``int4``: read as codes and scales, expanded on the device as placed); the ``storage``
+column says which. Every record is appended to ``OUT/floor.csv`` as it is measured and ``OUT/floor.md`` is
 rewritten, so a run cut off keeps what it measured; ``--deadline-s`` skips what would start
 after it. ``OUT/profile_<shape>.txt``: the device-time profile of a fused prefill per policy.
 
@@ -45,6 +47,7 @@ from kvrag.arch import GQA_MASKED  # noqa: E402
 from kvrag.bench.config import Run  # noqa: E402
 from kvrag.bench.examples import examples_from_items  # noqa: E402
 from kvrag.bench.floor import FLOOR_FIELDS, measure_floor  # noqa: E402
+from kvrag.defaults import STORAGE_DTYPES  # noqa: E402
 from kvrag.layout.prompt import rag_prompt  # noqa: E402
 from kvrag.model import ModelHandle  # noqa: E402
 from kvrag.qa import synthetic  # noqa: E402
@@ -75,7 +78,7 @@ SHAPES = {
 TIERS = ("device", "host", "disk")
 #: cacheblend at the 15% recompute its paper's speed figures use.
 POLICIES = "naive_reuse,cacheblend@0.15,a3,epic,kvlink,samkv,a2ats,prophetkv"
-FIELDS = ["shape", "tier", "page_cache", "params", *FLOOR_FIELDS]
+FIELDS = ["shape", "storage", "tier", "page_cache", "params", *FLOOR_FIELDS]
 
 
 def build(shape: str, device: str, dtype: torch.dtype) -> ModelHandle:
@@ -144,11 +147,11 @@ def table(records: list[dict]) -> str:
     """One markdown table per shape: a row per (point, tier), a column per policy with its
     TTFT, speed-up over full_prefill and TTFT over floor."""
     out = []
-    for shape in dict.fromkeys(r["shape"] for r in records):
-        rows = [r for r in records if r["shape"] == shape]
+    for shape, storage in dict.fromkeys((r["shape"], r.get("storage")) for r in records):
+        rows = [r for r in records if (r["shape"], r.get("storage")) == (shape, storage)]
         labels = list(dict.fromkeys(r["label"] for r in rows))
         out += [
-            f"### {shape}",
+            f"### {shape}" + (f", chunks stored as {storage}" if storage else ""),
             "",
             "| point | prompt tokens | tier | " + " | ".join(labels) + " |",
             "|---" * (3 + len(labels)) + "|",
@@ -248,7 +251,7 @@ class Sweep:
                 policy="full_prefill",
                 kvlink_adapter=None,
                 ingest_policies=policies,
-                storage_dtype=args.dtype,
+                storage_dtype=args.storage_dtype or args.dtype,
                 hot_cache=0 if tier == "disk" else "auto",
                 hot_tier="host" if tier == "host" else "device",
                 size_limit=48 << 30,
@@ -310,7 +313,13 @@ class Sweep:
         )
         for r in recs:
             params = next(run.params for run in runs if run.label == r["label"])
-            r.update(shape=shape, tier=tier, page_cache=cache_state["page_cache"], params=params)
+            r.update(
+                shape=shape,
+                storage=self.args.storage_dtype or self.args.dtype,
+                tier=tier,
+                page_cache=cache_state["page_cache"],
+                params=params,
+            )
             # A run that found fewer chunks than the prompt holds measured something else.
             if r.get("chunks") is not None and r["policy"] != "full_prefill" and int(r["chunks"]) < n:
                 r["error"] = (r.get("error") or "") + f" only {r['chunks']} of {n} chunks served"
@@ -341,6 +350,12 @@ def main(argv=None) -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--device", default=os.environ.get("KVRAG_DEVICE", "cuda"))
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument(
+        "--storage-dtype",
+        default=None,
+        choices=STORAGE_DTYPES,
+        help="the format chunks are stored in (default: the compute dtype)",
+    )
     ap.add_argument(
         "--deadline-s",
         default="inf",

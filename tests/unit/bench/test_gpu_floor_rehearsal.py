@@ -5,6 +5,9 @@ import csv
 import importlib.util
 from pathlib import Path
 
+from kvrag.cli.cache import open_existing_store
+from kvrag.store.kv_format import formats_held
+
 SCRIPT = Path(__file__).resolve().parents[3] / "benchmarks" / "gpu_floor.py"
 
 
@@ -85,3 +88,22 @@ def test_gpu_decode_writes_a_record_per_batch_and_path_as_it_measures(tmp_path, 
     assert (out / "decode.md").read_text().count("| tiny |") == 2
     gpu_decode.main([str(out), "--shapes", "tiny", "--batches", "1", "--deadline-s", "0", *args])
     assert len(list(csv.DictReader(open(out / "decode.csv")))) == len(rows)
+
+
+def test_gpu_floor_stores_the_chunks_in_a_packed_format_when_asked(tmp_path, monkeypatch):
+    """--storage-dtype (gpu_check.sh's formats step): the chunks are stored packed and served
+    from every tier, each record says the format, and the table is headed by it."""
+    monkeypatch.setenv("KVRAG_HOME", str(tmp_path / "home"))
+    gpu_floor = _script()
+    out = tmp_path / "out"
+    args = ["--points", "2x64", "--device", "cpu", "--dtype", "float32", "--repeats", "1", "--tiers", "device,disk"]
+    gpu_floor.main([str(out), "--shapes", "tiny", "--policies", "naive_reuse", "--storage-dtype", "int4", *args])
+    rows = list(csv.DictReader(open(out / "floor.csv")))
+    assert [(r["storage"], r["tier"], r["label"]) for r in rows] == [
+        ("int4", t, label) for t in ("device", "disk") for label in ("full_prefill", "naive_reuse")
+    ]
+    assert not any(r["error"] for r in rows)
+    assert all(int(r["chunks"]) == 2 for r in rows if r["label"] == "naive_reuse")
+    assert "### tiny, chunks stored as int4" in (out / "floor.md").read_text()
+    with open_existing_store(str(out / "kv_tiny")) as store:
+        assert formats_held([fp for _, fp in store.listed().values()]).keys() == {"int4"}
