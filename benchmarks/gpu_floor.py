@@ -19,9 +19,12 @@ Each (shape, point, tier) is ``kvrag.bench.floor.measure_floor``: ``full_prefill
 policies interleaved round by round, TTFT beside the floor (chunk reads + move to the device +
 ``transformers``' forward of the non-cached tokens + recompute at ``full_prefill``'s rate), and
 the work-doing ops and host syncs of one fused prefill and one decode step (once per point).
-``--storage-dtype`` stores the chunks in another format than the compute dtype (a packed one,
-``int8``/``int4``: read as codes and scales, expanded on the device as placed); the ``storage``
-column says which. Every record is appended to ``OUT/floor.csv`` as it is measured and ``OUT/floor.md`` is
+``--compile`` is ``KVRag(compile=...)`` (``auto``: on a GPU, the fused prefill's computed rows
+and the decode step compiled, their graphs built in the untimed first round); the ``compile``
+column says whether the prefill's were. ``--storage-dtype`` stores the chunks in another format
+than the compute dtype (a packed one, ``int8``/``int4``: read as codes and scales, expanded on
+the device as placed); the ``storage`` column says which. Every record is appended to
+``OUT/floor.csv`` as it is measured and ``OUT/floor.md`` is
 rewritten, so a run cut off keeps what it measured; ``--deadline-s`` skips what would start
 after it. ``OUT/profile_<shape>.txt``: the device-time profile of a fused prefill per policy.
 
@@ -47,7 +50,7 @@ from kvrag.arch import GQA_MASKED  # noqa: E402
 from kvrag.bench.config import Run  # noqa: E402
 from kvrag.bench.examples import examples_from_items  # noqa: E402
 from kvrag.bench.floor import FLOOR_FIELDS, measure_floor  # noqa: E402
-from kvrag.defaults import STORAGE_DTYPES  # noqa: E402
+from kvrag.defaults import COMPILE_CHOICES, STORAGE_DTYPES  # noqa: E402
 from kvrag.layout.prompt import rag_prompt  # noqa: E402
 from kvrag.model import ModelHandle  # noqa: E402
 from kvrag.qa import synthetic  # noqa: E402
@@ -78,7 +81,7 @@ SHAPES = {
 TIERS = ("device", "host", "disk")
 #: cacheblend at the 15% recompute its paper's speed figures use.
 POLICIES = "naive_reuse,cacheblend@0.15,a3,epic,kvlink,samkv,a2ats,prophetkv"
-FIELDS = ["shape", "storage", "tier", "page_cache", "params", *FLOOR_FIELDS]
+FIELDS = ["shape", "storage", "compile", "tier", "page_cache", "params", *FLOOR_FIELDS]
 
 
 def build(shape: str, device: str, dtype: torch.dtype) -> ModelHandle:
@@ -125,6 +128,15 @@ def drop_page_cache(store_dir: Path) -> str:
             finally:
                 os.close(fd)
     return "fadvise"
+
+
+def compiled_rows(rag: KVRag) -> str:
+    """Whether ``rag``'s fused prefill compiles the computed rows of the policies that
+    compute fixed rows: "on", "off" or "failed: <why>" (the eager loop then ran)."""
+    rows = rag.fusion.compiled
+    if rows is None:
+        return "off"
+    return "on" if rows.failed is None else f"failed: {rows.failed}"
 
 
 def runs_of(spec: str) -> list[Run]:
@@ -252,6 +264,7 @@ class Sweep:
                 kvlink_adapter=None,
                 ingest_policies=policies,
                 storage_dtype=args.storage_dtype or args.dtype,
+                compile=args.compile,
                 hot_cache=0 if tier == "disk" else "auto",
                 hot_tier="host" if tier == "host" else "device",
                 size_limit=48 << 30,
@@ -316,6 +329,7 @@ class Sweep:
             r.update(
                 shape=shape,
                 storage=self.args.storage_dtype or self.args.dtype,
+                compile=compiled_rows(rag),
                 tier=tier,
                 page_cache=cache_state["page_cache"],
                 params=params,
@@ -350,6 +364,12 @@ def main(argv=None) -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--device", default=os.environ.get("KVRAG_DEVICE", "cuda"))
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument(
+        "--compile",
+        default="auto",
+        choices=COMPILE_CHOICES,
+        help="KVRag(compile=...): the fused prefill's computed rows and the decode step compiled (auto: on a GPU)",
+    )
     ap.add_argument(
         "--storage-dtype",
         default=None,

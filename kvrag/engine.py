@@ -45,7 +45,7 @@ from kvrag.policies.model_defaults import DefaultPolicy, default_policy
 from kvrag.precompute import pending_in_prompt
 from kvrag.precompute.ingest import Ingestor, cache_fingerprint, resolve_anchor
 from kvrag.query.batch import DecodeArena, DecodeCache, decode_step, warm_up
-from kvrag.query.compiled import CompiledStep, compile_wanted
+from kvrag.query.compiled import CompiledRows, CompiledStep, compile_wanted
 from kvrag.query.constrain import JsonConstraint
 from kvrag.query.decode import SAMPLING_OPTIONS, Decoder, FusedStepper, HFStepper, Sampling, eos_ids
 from kvrag.query.fusion import FusionEngine, FusionResult
@@ -334,18 +334,24 @@ class KVRag:
         #: The compiled decode step (None: decoding runs op by op; see ``compile``).
         self.compiled: CompiledStep | None = None
         if compile_wanted(compile, self.arch.device, serving=False):
+            if CompiledRows.supports(self.arch):
+                self.fusion.compiled = CompiledRows(self.arch)
             if DecodeArena.supports(self.arch) and CompiledStep.supports(self.arch):
                 self.compiled = CompiledStep(self.arch)
             else:
                 log.info(
-                    "compile: %s decodes op by op (windowed or soft-capped attention, or length-dependent RoPE)",
+                    "compile: %s prefills and decodes op by op (windowed or soft-capped attention, "
+                    "or length-dependent RoPE)",
                     self.handle.config.model_type,
                 )
 
     def warm_up(self) -> float:
-        """Build the compiled decode step's graphs now rather than at the first answer ->
-        the seconds it took (0 without a compiled step)."""
-        return warm_up(self.arch, self.compiled) if self.compiled is not None else 0.0
+        """Build the compiled graphs (the decode step's, the fused prefill's computed rows')
+        now rather than at the first answer -> the seconds it took (0 without them)."""
+        took = warm_up(self.arch, self.compiled) if self.compiled is not None else 0.0
+        if self.fusion.compiled is not None:
+            took += self.fusion.compiled.warm_up()
+        return took
 
     # ---- chunks ----------------------------------------------------------------------
     def chunk_ids(self, text: str) -> list[int]:

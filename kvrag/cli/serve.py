@@ -240,13 +240,16 @@ def _draining_server_class():
             threading.Thread(target=self._warm_up, name="kvrag-warm-up", daemon=True).start()
 
         def _warm_up(self) -> None:
-            # The compiled decode step's graphs, and the grammar engine's view of the
+            # The compiled graphs (computed rows, decode step), and the grammar engine's view of the
             # vocabulary (built once, a few hundred ms): the first request pays neither.
             # /ready says 503 until done.
             try:
-                if self.rag.compiled is not None:
+                if self.rag.compiled is not None or self.rag.fusion.compiled is not None:
                     took = self.rag.warm_up()
-                    print(f"kvrag serve: compiled the decode step in {took:.1f} s", flush=True)
+                    print(
+                        f"kvrag serve: compiled the prefill's computed rows and the decode step in {took:.1f} s",
+                        flush=True,
+                    )
                 self.rag.json_constraint({"type": "object"})
             except Exception:  # a warm-up is an optimization: the server serves without it
                 logging.getLogger("kvrag.serve").warning("kvrag serve: warm-up failed", exc_info=True)

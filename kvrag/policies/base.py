@@ -137,6 +137,13 @@ class Policy:
     def after_prefill(self, state: FusionState) -> None:
         """Called after the last layer, before the cache is handed to the decoder."""
 
+    def fixed_rows(self) -> bool:
+        """Whether this policy computes the same rows at every layer and masks nothing beyond
+        causality: ``select`` and ``extra_mask`` always None, with no side effect to skip. The
+        fusion engine may then run its layer loop as one compiled graph, without the hooks. A
+        policy that overrides either hook says when they stay inert."""
+        return type(self).select is Policy.select and type(self).extra_mask is Policy.extra_mask
+
     #: Set to a method ``decode_select(layer, q, state) -> LongTensor | None`` (q [H, 1, D];
     #: returns cache slots to attend to: [R] shared by all KV heads, or [Hkv, R] one row set
     #: per KV head) to get a decode loop that calls it at every layer.

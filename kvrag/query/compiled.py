@@ -106,6 +106,33 @@ def _arena_step(
     return arch.logits(hidden)
 
 
+def _rows_forward(
+    arch: Arch,
+    hidden: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    active: torch.Tensor,
+    keys: list[torch.Tensor],
+    values: list[torch.Tensor],
+    mask: torch.Tensor,
+) -> torch.Tensor:
+    """The fused prefill's layer loop for a fixed set of computed rows: hidden [A, E] (the
+    active rows' input embeddings); cos/sin [A, D] their RoPE rows; active long [A], their
+    slots among the prompt's N; keys/values per layer [Hkv, N, D], the stored rows placed
+    (the active rows written here, in place); mask float [A, N], SDPA's additive causal
+    mask -> the last layer's hidden [A, E].
+
+    The arithmetic of ``FusionEngine.prefill``'s eager loop where no hook narrows the rows,
+    each layer's attention one call over every key (the eager loop may split the rows into
+    groups over key prefixes: the same result)."""
+    for layer in range(arch.n_layers):
+        q, k, v, _ = arch.qkv(layer, hidden, (cos, sin))
+        keys[layer].index_copy_(1, active, k)
+        values[layer].index_copy_(1, active, v)
+        hidden = arch.attend(layer, hidden, q, keys[layer], values[layer], mask)
+    return hidden
+
+
 def _own_code(fn: Callable) -> Callable:
     """``fn`` with a code object of its own. Dynamo keeps graphs per code object, guarded on
     the arguments (the model among them): with one shared code object, every model a process
@@ -187,3 +214,98 @@ class CompiledStep:
                 log.info("compiled the decode step for %s in %.1f s", "several requests" if many else "one", took)
             self._warm.add(many)
         return out
+
+
+class CompiledRows:
+    """``torch.compile`` of the fused prefill's layer loop (``_rows_forward``) for policies
+    that compute a fixed set of rows (``Policy.fixed_rows``: ``naive_reuse``, ``epic``,
+    ``kvlink`` without recompute): the question, template and inserted tokens after the
+    placed chunks. Op by op that loop is ~30 small kernels a layer for a few dozen rows, each
+    paying the host's dispatch (most of such a forward on a GPU, docs/gpu.md); compiled,
+    inductor fuses the element-wise work around the matrix products.
+
+    The rows (A) and keys (N) of a prompt stay symbolic, so one graph serves every prompt
+    (dynamo specialises a size of 1: a prompt of one computed row runs eagerly). Supported
+    where the compiled decode step is (``CompiledStep.supports``) and no layer has a sliding
+    window (whose attention the eager loop splits by window). ``compiles`` counts the graphs
+    built, ``compile_s`` the seconds the calls that built them took."""
+
+    def __init__(self, arch: Arch):
+        self.arch = arch
+        self.compiles = 0
+        self.compile_s = 0.0
+
+        def backend(gm: torch.fx.GraphModule, example_inputs: Sequence[torch.Tensor]):
+            self.compiles += 1
+            return torch._inductor.compile(gm, list(example_inputs))
+
+        self._fn = torch.compile(_own_code(_rows_forward), backend=backend, dynamic=False)
+        self._lock = threading.Lock()
+        self._warm = False
+        #: Why the graph could not be built (the engine then runs the loop op by op), or None.
+        self.failed: str | None = None
+
+    @staticmethod
+    def supports(arch: Arch) -> bool:
+        return CompiledStep.supports(arch) and arch.attn_softcap is None and all(w is None for w in arch.windows)
+
+    def __call__(
+        self,
+        hidden: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        active: torch.Tensor,
+        keys: list[torch.Tensor],
+        values: list[torch.Tensor],
+        mask: torch.Tensor,
+    ) -> torch.Tensor | None:
+        """``_rows_forward`` (same arguments, cos/sin as a pair) -> the last layer's hidden
+        [A, E]; None when the graph cannot be built here (``failed`` says why; logged once):
+        the caller runs the loop op by op, which rewrites every active row it reads."""
+        if self.failed is not None:
+            return None
+        args = (self.arch, hidden, *cos_sin, active, keys, values, mask)
+        try:
+            if self._warm:
+                return self._fn(*args)
+            return self._build(args)
+        except Exception as e:  # noqa: BLE001 - a compiler's failure (a recompile's too) leaves the eager loop
+            self.failed = f"{type(e).__name__}: {e}"
+            log.warning("the fused prefill's rows run op by op: compiling them failed (%s)", self.failed)
+            return None
+
+    def _build(self, args: tuple) -> torch.Tensor:
+        """The first call: the sizes that change from prompt to prompt marked symbolic, so the
+        graph built here serves them all."""
+        _, hidden, cos, sin, active, keys, values, mask = args
+        for t in (hidden, cos, sin, active, mask):
+            torch._dynamo.maybe_mark_dynamic(t, 0)
+        torch._dynamo.maybe_mark_dynamic(mask, 1)
+        for t in (*keys, *values):
+            torch._dynamo.maybe_mark_dynamic(t, 1)
+        with self._lock, fx_config.patch(use_duck_shape=False):  # type: ignore[attr-defined]
+            before, t0 = self.compiles, time.perf_counter()
+            out = self._fn(*args)
+            if self.compiles > before:
+                took = time.perf_counter() - t0
+                self.compile_s += took
+                log.info("compiled the fused prefill's computed rows in %.1f s", took)
+            self._warm = True
+        return out
+
+    def warm_up(self) -> float:
+        """Build the graph now, on a dummy prompt of a few rows -> the seconds it took."""
+        arch, t0 = self.arch, time.perf_counter()
+        n, a = 8, 3
+        active = torch.arange(n - a, n, device=arch.device)
+        shape = (arch.n_kv_heads, n, arch.head_dim)
+        keys = [torch.zeros(shape, dtype=arch.dtype, device=arch.device) for _ in range(arch.n_layers)]
+        values = [torch.zeros(shape, dtype=arch.dtype, device=arch.device) for _ in range(arch.n_layers)]
+        pos = torch.arange(n, device=arch.device)
+        mask = torch.zeros(a, n, dtype=arch.dtype, device=arch.device).masked_fill_(
+            active[:, None] < pos[None, :], float("-inf")
+        )
+        cos, sin = arch.cos_sin(active)
+        hidden = arch.embed(torch.zeros(a, dtype=torch.long, device=arch.device))
+        with torch.no_grad():
+            self(hidden, (cos, sin), active, keys, values, mask)
+        return time.perf_counter() - t0

@@ -21,6 +21,7 @@ import torch
 from kvrag.arch import Arch, AttentionPlan, visible_keys
 from kvrag.layout.state import CACHED, INSERTED, PREFIX, FusionState, FusionStats, Layout, Piece
 from kvrag.policies.base import Policy
+from kvrag.query.compiled import CompiledRows
 from kvrag.store.base import ChunkEntry
 from kvrag.store.kv_format import PackedRows, head_dim_of
 
@@ -231,6 +232,9 @@ class FusionEngine:
         #: ~2 ops a layer): a GPU, whose bandwidth makes those passes cheap, pays per kernel
         #: launch instead. None: by the device, as said.
         self.layerwise: bool | None = None
+        #: The layer loop compiled for policies that compute fixed rows (``CompiledRows``;
+        #: set by ``KVRag(compile=...)``); None: every prefill runs op by op.
+        self.compiled: CompiledRows | None = None
 
     def apply_insertions(self, pieces: list[Piece], policy: Policy, query_tokens=None) -> Layout:
         layout = Layout.build(pieces, query_tokens)
@@ -333,7 +337,20 @@ class FusionEngine:
         # What depends only on the active set and on state.keep, rebuilt when either changes.
         rows = _Rows(arch, positions, positions_sorted)
         counted_from = 0  # layer from which the current active set has been computed
-        for layer in range(L):
+        layers = range(L)
+        if (
+            self.compiled is not None
+            and policy.fixed_rows()
+            and 1 < active.numel() < n
+            and rows.keys(state.keep).idx is None
+        ):
+            # No hook to call between layers: the whole loop is one compiled graph (None: it
+            # could not be built here, and the loop runs op by op).
+            cs = rows.cos_sin(active, cos, sin)
+            out = self.compiled(hidden, cs, active, state.K, state.V, rows.additive(active, hidden.dtype))
+            if out is not None:
+                hidden, layers = out, range(0)
+        for layer in layers:
             cs = rows.cos_sin(active, cos, sin)
             q, k, v, _ = arch.qkv(layer, hidden, cs)
             sel = policy.select(layer, state, q, k, v)

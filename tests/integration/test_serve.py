@@ -815,7 +815,7 @@ def test_serve_compiled_builds_its_step_before_ready_and_answers_as_eager(model_
             )
         p.kill()
         out = p.communicate(timeout=30)[0]
-    assert "compiled the decode step in" in out, out
+    assert "compiled the prefill's computed rows and the decode step in" in out, out
     assert [g.choices[0].message.content for g in got] == want
     assert all(g.usage.prompt_tokens_details.cached_tokens > 0 for g in got)
 

@@ -137,6 +137,9 @@ class KVLink(Policy):
     def select(self, layer, state, q, k, v):
         return None if self._recompute is None else self._recompute.select(layer, state, q, k, v)
 
+    def fixed_rows(self) -> bool:
+        return self._recompute is None or self._recompute.fixed_rows()
+
     def adapter(self, arch):
         """The ``KVLinkAdapter`` the model carries, or None."""
         return getattr(arch.model, ADAPTER_ATTR, None)

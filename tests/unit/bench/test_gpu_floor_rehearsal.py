@@ -107,3 +107,16 @@ def test_gpu_floor_stores_the_chunks_in_a_packed_format_when_asked(tmp_path, mon
     assert "### tiny, chunks stored as int4" in (out / "floor.md").read_text()
     with open_existing_store(str(out / "kv_tiny")) as store:
         assert formats_held([fp for _, fp in store.listed().values()]).keys() == {"int4"}
+
+
+def test_gpu_floor_measures_the_compiled_rows_when_asked(tmp_path, monkeypatch):
+    """--compile on (what compile auto is on a GPU): the fused prefill's rows run compiled,
+    built in the untimed first round, and each record says so."""
+    monkeypatch.setenv("KVRAG_HOME", str(tmp_path / "home"))
+    gpu_floor = _script()
+    out = tmp_path / "out"
+    args = ["--points", "2x64", "--device", "cpu", "--dtype", "float32", "--repeats", "1", "--tiers", "device"]
+    gpu_floor.main([str(out), "--shapes", "tiny", "--policies", "naive_reuse", "--compile", "on", *args])
+    rows = list(csv.DictReader(open(out / "floor.csv")))
+    assert [(r["label"], r["compile"]) for r in rows] == [("full_prefill", "on"), ("naive_reuse", "on")]
+    assert not any(r["error"] for r in rows)

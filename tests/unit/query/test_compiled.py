@@ -10,8 +10,9 @@ from helpers.corpus import DOCS, prompt_for
 from helpers.models import LONGROPE
 
 from kvrag.engine import KVRag
+from kvrag.policies import get_policy
 from kvrag.query.batch import DecodeArena, DecodeCache, decode_step
-from kvrag.query.compiled import CompiledStep, compile_wanted
+from kvrag.query.compiled import CompiledRows, CompiledStep, compile_wanted
 from kvrag.testing import tiny_llama
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -143,3 +144,74 @@ def test_the_compile_choice():
 def test_a_bad_compile_value_fails_before_the_model_loads(tmp_path):
     with pytest.raises(ValueError, match="compile must be one of"):
         KVRag("/nonexistent/model", cache_dir=tmp_path / "kv", compile="yes")
+
+
+# ---- the fused prefill's computed rows ------------------------------------------------
+ROW_POLICIES = [("naive_reuse", {}), ("epic", {}), ("kvlink", {"mode": "untrained"})]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "phi3", "smollm3"])
+def test_compiled_rows_equal_the_eager_layer_loop(tmp_path, family):
+    """The fused prefill's loop compiled (``CompiledRows``) gives the eager loop's logits and
+    K/V to float32 rounding, for every policy that computes fixed rows (the question alone,
+    chunk edges beside it, inserted link tokens), over prompts of other lengths from one graph."""
+    h = tiny_llama(seed=0, model_type=family, num_hidden_layers=2, **SMOLLM3_NOPE.get(family, {}))
+    rag = KVRag(h, cache_dir=tmp_path / "kv", compile="off", kvlink_adapter=None)
+    rag.precompute(DOCS)
+    rows = CompiledRows(rag.arch)
+    for i, (policy, params) in enumerate(ROW_POLICIES):
+        prep = rag.prepare(prompt_for(DOCS[: i + 2], QUESTIONS[i]), policy, **params)
+        rag.fusion.compiled = None
+        ref = rag.fusion.prefill(prep.layout, prep.policy)
+        rag.fusion.compiled = rows
+        got = rag.fusion.prefill(prep.layout, prep.policy)
+        assert rows.compiles == 1, policy  # built at the first prompt, serving the others
+        torch.testing.assert_close(got.logits, ref.logits, **TOL, msg=policy)
+        assert got.logits.argmax() == ref.logits.argmax()
+        for a, b in zip(got.K + got.V, ref.K + ref.V):
+            torch.testing.assert_close(a, b, **TOL, msg=policy)
+        assert got.stats.computed_tokens == ref.stats.computed_tokens
+        assert got.stats.recompute_fraction == ref.stats.recompute_fraction
+
+
+def test_policies_that_narrow_the_rows_keep_the_eager_loop(tmp_path):
+    """cacheblend and a3 choose rows between layers: the compiled loop is not used for them
+    (no graph is built) and their answers are the eager ones; warm_up builds the rows' graph,
+    which then serves a naive_reuse answer without another."""
+    h = tiny_llama(seed=2)
+    rag = KVRag(h, cache_dir=tmp_path / "kv", compile="on")
+    rag.precompute(DOCS)
+    assert rag.fusion.compiled is not None and not get_policy("cacheblend").fixed_rows()
+    eager = KVRag(h, cache_dir=tmp_path / "kv", compile="off")
+    prompt = prompt_for(DOCS[:3], "Which river flows east?")
+    for policy in ("cacheblend", "a3"):
+        assert rag.prefill(prompt, policy).logits.equal(eager.prefill(prompt, policy).logits)
+    assert rag.fusion.compiled.compiles == 0
+    assert rag.warm_up() > 0 and rag.fusion.compiled.compiles == 1
+    want = eager.generate(prompt, policy="naive_reuse", max_new_tokens=8, ignore_eos=True)
+    got = rag.generate(prompt, policy="naive_reuse", max_new_tokens=8, ignore_eos=True)
+    assert got.token_ids == want.token_ids and rag.fusion.compiled.compiles == 1
+
+
+def test_rows_that_cannot_be_compiled_run_op_by_op(tmp_path, caplog):
+    """A compiler that fails on this machine leaves the loop to the eager engine: the same
+    prefill, bit for bit, the reason kept and logged once, no second try."""
+    h = tiny_llama(seed=0)
+    rag = KVRag(h, cache_dir=tmp_path / "kv", compile="off")
+    rag.precompute(DOCS)
+    prompt = prompt_for(DOCS[:2], "How tall?")
+    want = rag.prefill(prompt, "naive_reuse").logits
+    rows = CompiledRows(rag.arch)
+    calls = []
+
+    def broken(*args):
+        calls.append(1)
+        raise RuntimeError("no C++ compiler here")
+
+    rows._fn = broken
+    rag.fusion.compiled = rows
+    with caplog.at_level("WARNING", logger="kvrag"):
+        for _ in range(2):
+            assert rag.prefill(prompt, "naive_reuse").logits.equal(want)
+    assert rows.failed == "RuntimeError: no C++ compiler here" and len(calls) == 1
+    assert caplog.text.count("compiling them failed") == 1
