@@ -388,7 +388,7 @@ def formats_held(fingerprints: list[str]) -> dict[str, dict[str, float | int]]:
 #: its default); what ``int4`` (0.28x) costs is the model's (Gemma 3's default kept 98/100
 #: answers, SmolLM2's moved 3 of 20 first tokens) and it changes answers where nothing is
 #: recomputed (``naive_reuse``: 20/100 on Gemma 3). From the hot tier neither is faster than
-#: float16 on a CPU (each hit pays the expansion: 1-3% of the TTFT at 4k tokens); they pay
+#: float16 on a CPU (each hit pays the expansion: 2-6% of the TTFT at 4k tokens); they pay
 #: where bytes bind: capacity, a cold disk, the network to a shared tier.
 FORMATS_BY_FIDELITY = ("float16", "int8", "int4")
 
