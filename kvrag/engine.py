@@ -350,7 +350,12 @@ class KVRag:
         now rather than at the first answer -> the seconds it took (0 without them)."""
         took = warm_up(self.arch, self.compiled) if self.compiled is not None else 0.0
         if self.fusion.compiled is not None:
-            took += self.fusion.compiled.warm_up()
+            # From layer 0 (the fixed-rows policies), and from where this KVRag's own policy
+            # fixes its rows.
+            fixed = self.policy.rows_fixed_after()
+            for start in sorted({0, 0 if fixed is None else fixed + 1}):
+                if start < self.arch.n_layers:
+                    took += self.fusion.compiled.warm_up(start)
         return took
 
     # ---- chunks ----------------------------------------------------------------------

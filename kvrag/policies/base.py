@@ -137,12 +137,14 @@ class Policy:
     def after_prefill(self, state: FusionState) -> None:
         """Called after the last layer, before the cache is handed to the decoder."""
 
-    def fixed_rows(self) -> bool:
-        """Whether this policy computes the same rows at every layer and masks nothing beyond
-        causality: ``select`` and ``extra_mask`` always None, with no side effect to skip. The
-        fusion engine may then run its layer loop as one compiled graph, without the hooks. A
-        policy that overrides either hook says when they stay inert."""
-        return type(self).select is Policy.select and type(self).extra_mask is Policy.extra_mask
+    def rows_fixed_after(self) -> int | None:
+        """The last layer whose ``select`` may narrow the computed rows: -1 if none does, None
+        if any may or ``extra_mask`` masks more than causality. From the layer after it the
+        hooks are inert (None, no side effect to skip) and the fusion engine may run the rest
+        of its loop as one compiled graph. A policy that overrides either hook says when."""
+        if type(self).extra_mask is not Policy.extra_mask:
+            return None
+        return -1 if type(self).select is Policy.select else None
 
     #: Set to a method ``decode_select(layer, q, state) -> LongTensor | None`` (q [H, 1, D];
     #: returns cache slots to attend to: [R] shared by all KV heads, or [Hkv, R] one row set

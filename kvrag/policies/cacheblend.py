@@ -158,6 +158,10 @@ class CacheBlend(Policy):
         required = state.required.to(active.device)[active]
         return torch.cat([chosen, required.nonzero().squeeze(1)]).unique()
 
+    def rows_fixed_after(self) -> int | None:
+        p = self.params
+        return 0 if p.deviation == "attention" else p.check_layers[-1]
+
     def select_by_attention(self, state, q, k, v):
         """Layer 0's selection under ``deviation="attention"``: every token is active (row ==
         token index), so the chosen cached tokens are returned as token indices; the engine

@@ -108,6 +108,7 @@ def _arena_step(
 
 def _rows_forward(
     arch: Arch,
+    start: int,
     hidden: torch.Tensor,
     cos: torch.Tensor,
     sin: torch.Tensor,
@@ -116,16 +117,16 @@ def _rows_forward(
     values: list[torch.Tensor],
     mask: torch.Tensor,
 ) -> torch.Tensor:
-    """The fused prefill's layer loop for a fixed set of computed rows: hidden [A, E] (the
-    active rows' input embeddings); cos/sin [A, D] their RoPE rows; active long [A], their
-    slots among the prompt's N; keys/values per layer [Hkv, N, D], the stored rows placed
-    (the active rows written here, in place); mask float [A, N], SDPA's additive causal
-    mask -> the last layer's hidden [A, E].
+    """The fused prefill's layer loop from layer ``start`` on, for a fixed set of computed
+    rows: hidden [A, E] (the active rows' input to layer ``start``); cos/sin [A, D] their RoPE
+    rows; active long [A], their slots among the prompt's N; keys/values per layer [Hkv, N, D],
+    the stored rows placed (the active rows written here, in place, from layer ``start``
+    on); mask float [A, N], SDPA's additive causal mask -> the last layer's hidden [A, E].
 
     The arithmetic of ``FusionEngine.prefill``'s eager loop where no hook narrows the rows,
     each layer's attention one call over every key (the eager loop may split the rows into
     groups over key prefixes: the same result)."""
-    for layer in range(arch.n_layers):
+    for layer in range(start, arch.n_layers):
         q, k, v, _ = arch.qkv(layer, hidden, (cos, sin))
         keys[layer].index_copy_(1, active, k)
         values[layer].index_copy_(1, active, v)
@@ -142,27 +143,48 @@ def _own_code(fn: Callable) -> Callable:
     return types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
 
 
-class CompiledStep:
-    """``torch.compile`` of one model's arena decode step (``kvrag.query.batch.decode_step``
-    calls it for a step of exactly an arena's members). ``compiles`` counts the graphs built
-    (each a compile), ``compile_s`` the seconds the calls that built them took."""
+class _Compiled:
+    """One function compiled with inductor: ``compiles`` counts the graphs built (each a
+    compile), ``compile_s`` the seconds the calls that built them took."""
 
-    def __init__(self, arch: Arch):
-        self.arch = arch
+    def __init__(self, fn: Callable, options: dict[str, object]):
         self.compiles = 0
         self.compile_s = 0.0
-        gpu = arch.device.type == "cuda"
-        self._bucket = GPU_ROW_BUCKET if gpu else 1
-        options = {"triton.cudagraphs": True} if gpu else {}
 
         def backend(gm: torch.fx.GraphModule, example_inputs: Sequence[torch.Tensor]):
             self.compiles += 1
             return torch._inductor.compile(gm, list(example_inputs), options=options)
 
-        self._fn = torch.compile(_own_code(_arena_step), backend=backend, dynamic=False)
-        self._grouped = arch.n_heads != arch.n_kv_heads
+        self._fn = torch.compile(_own_code(fn), backend=backend, dynamic=False)
         # Compiling is not something two threads should do at once; running the built graph is.
         self._lock = threading.Lock()
+
+    def _build(self, args: tuple, what: str) -> torch.Tensor:
+        """``fn(*args)`` as the call that may build a graph (its sizes marked symbolic by the
+        caller), its compile time counted and logged as ``what``."""
+        # Without duck sizing, sizes that happen to be equal in the call that builds the graph
+        # (the rows read and the rows held, say) stay separate symbols instead of one the
+        # graph then guards on.
+        with self._lock, fx_config.patch(use_duck_shape=False):  # type: ignore[attr-defined]
+            before, t0 = self.compiles, time.perf_counter()
+            out = self._fn(*args)
+            if self.compiles > before:
+                took = time.perf_counter() - t0
+                self.compile_s += took
+                log.info("compiled %s in %.1f s", what, took)
+        return out
+
+
+class CompiledStep(_Compiled):
+    """``torch.compile`` of one model's arena decode step (``kvrag.query.batch.decode_step``
+    calls it for a step of exactly an arena's members)."""
+
+    def __init__(self, arch: Arch):
+        gpu = arch.device.type == "cuda"
+        super().__init__(_arena_step, {"triton.cudagraphs": True} if gpu else {})
+        self.arch = arch
+        self._bucket = GPU_ROW_BUCKET if gpu else 1
+        self._grouped = arch.n_heads != arch.n_kv_heads
         self._warm: set[bool] = set()  # which graphs (one request, several) are built
 
     @staticmethod
@@ -202,46 +224,33 @@ class CompiledStep:
         for t in (*keys, *values):
             torch._dynamo.maybe_mark_dynamic(t, 0)
             torch._dynamo.maybe_mark_dynamic(t, 2)
-        # Without duck sizing, sizes that happen to be equal in the call that builds the graph
-        # (the rows read and the rows held, say) stay separate symbols instead of one the
-        # graph then guards on.
-        with self._lock, fx_config.patch(use_duck_shape=False):  # type: ignore[attr-defined]
-            before, t0 = self.compiles, time.perf_counter()
-            out = self._fn(*args)
-            if self.compiles > before:
-                took = time.perf_counter() - t0
-                self.compile_s += took
-                log.info("compiled the decode step for %s in %.1f s", "several requests" if many else "one", took)
-            self._warm.add(many)
+        out = self._build(args, f"the decode step for {'several requests' if many else 'one'}")
+        self._warm.add(many)
         return out
 
 
-class CompiledRows:
-    """``torch.compile`` of the fused prefill's layer loop (``_rows_forward``) for policies
-    that compute a fixed set of rows (``Policy.fixed_rows``: ``naive_reuse``, ``epic``,
-    ``kvlink`` without recompute): the question, template and inserted tokens after the
-    placed chunks. Op by op that loop is ~30 small kernels a layer for a few dozen rows, each
-    paying the host's dispatch (most of such a forward on a GPU, docs/gpu.md); compiled,
-    inductor fuses the element-wise work around the matrix products.
+class CompiledRows(_Compiled):
+    """``torch.compile`` of the fused prefill's layer loop (``_rows_forward``) from the layer
+    where a policy's computed rows are fixed (``Policy.rows_fixed_after``): from layer 0 for
+    ``naive_reuse``, ``epic`` and ``kvlink`` without recompute (the question, template and
+    inserted tokens after the placed chunks), after the ranking layer for ``cacheblend`` (and
+    ``kvlink`` with its recompute). Op by op that loop is ~30 small kernels a layer for a few
+    dozen rows, each paying the host's dispatch (most of such a forward on a GPU, docs/gpu.md);
+    compiled, inductor fuses the element-wise work around the matrix products.
 
-    The rows (A) and keys (N) of a prompt stay symbolic, so one graph serves every prompt
-    (dynamo specialises a size of 1: a prompt of one computed row runs eagerly). Supported
+    The rows (A) and keys (N) of a prompt stay symbolic, so one graph per start layer serves
+    every prompt (dynamo specialises a size of 1: a prompt of one computed row runs eagerly).
+    The engine calls it only for rows attended in one call (``Arch.attention_plan`` None):
+    many rows spread over a prompt are attended op by op in groups over key prefixes, about
+    half the arithmetic, which one call over the whole mask would not skip.
+    Supported
     where the compiled decode step is (``CompiledStep.supports``) and no layer has a sliding
-    window (whose attention the eager loop splits by window). ``compiles`` counts the graphs
-    built, ``compile_s`` the seconds the calls that built them took."""
+    window (whose attention the eager loop splits by window)."""
 
     def __init__(self, arch: Arch):
+        super().__init__(_rows_forward, {})
         self.arch = arch
-        self.compiles = 0
-        self.compile_s = 0.0
-
-        def backend(gm: torch.fx.GraphModule, example_inputs: Sequence[torch.Tensor]):
-            self.compiles += 1
-            return torch._inductor.compile(gm, list(example_inputs))
-
-        self._fn = torch.compile(_own_code(_rows_forward), backend=backend, dynamic=False)
-        self._lock = threading.Lock()
-        self._warm = False
+        self._warm: set[int] = set()  # the start layers whose graphs are built
         #: Why the graph could not be built (the engine then runs the loop op by op), or None.
         self.failed: str | None = None
 
@@ -251,6 +260,7 @@ class CompiledRows:
 
     def __call__(
         self,
+        start: int,
         hidden: torch.Tensor,
         cos_sin: tuple[torch.Tensor, torch.Tensor],
         active: torch.Tensor,
@@ -263,37 +273,32 @@ class CompiledRows:
         the caller runs the loop op by op, which rewrites every active row it reads."""
         if self.failed is not None:
             return None
-        args = (self.arch, hidden, *cos_sin, active, keys, values, mask)
+        args = (self.arch, start, hidden, *cos_sin, active, keys, values, mask)
         try:
-            if self._warm:
+            if start in self._warm:
                 return self._fn(*args)
-            return self._build(args)
+            out = self._first(args)
         except Exception as e:  # noqa: BLE001 - a compiler's failure (a recompile's too) leaves the eager loop
             self.failed = f"{type(e).__name__}: {e}"
             log.warning("the fused prefill's rows run op by op: compiling them failed (%s)", self.failed)
             return None
+        self._warm.add(start)
+        return out
 
-    def _build(self, args: tuple) -> torch.Tensor:
-        """The first call: the sizes that change from prompt to prompt marked symbolic, so the
-        graph built here serves them all."""
-        _, hidden, cos, sin, active, keys, values, mask = args
+    def _first(self, args: tuple) -> torch.Tensor:
+        """A start layer's first call: the sizes that change from prompt to prompt marked
+        symbolic, so the graph built here serves them all."""
+        _, start, hidden, cos, sin, active, keys, values, mask = args
         for t in (hidden, cos, sin, active, mask):
             torch._dynamo.maybe_mark_dynamic(t, 0)
         torch._dynamo.maybe_mark_dynamic(mask, 1)
         for t in (*keys, *values):
             torch._dynamo.maybe_mark_dynamic(t, 1)
-        with self._lock, fx_config.patch(use_duck_shape=False):  # type: ignore[attr-defined]
-            before, t0 = self.compiles, time.perf_counter()
-            out = self._fn(*args)
-            if self.compiles > before:
-                took = time.perf_counter() - t0
-                self.compile_s += took
-                log.info("compiled the fused prefill's computed rows in %.1f s", took)
-            self._warm = True
-        return out
+        return self._build(args, f"the fused prefill's computed rows from layer {start}")
 
-    def warm_up(self) -> float:
-        """Build the graph now, on a dummy prompt of a few rows -> the seconds it took."""
+    def warm_up(self, start: int = 0) -> float:
+        """Build the graph from layer ``start`` now, on a dummy prompt of a few rows -> the
+        seconds it took (~0 when it was built)."""
         arch, t0 = self.arch, time.perf_counter()
         n, a = 8, 3
         active = torch.arange(n - a, n, device=arch.device)
@@ -307,5 +312,5 @@ class CompiledRows:
         cos, sin = arch.cos_sin(active)
         hidden = arch.embed(torch.zeros(a, dtype=torch.long, device=arch.device))
         with torch.no_grad():
-            self(hidden, (cos, sin), active, keys, values, mask)
+            self(start, hidden, (cos, sin), active, keys, values, mask)
         return time.perf_counter() - t0

@@ -232,7 +232,7 @@ class FusionEngine:
         #: ~2 ops a layer): a GPU, whose bandwidth makes those passes cheap, pays per kernel
         #: launch instead. None: by the device, as said.
         self.layerwise: bool | None = None
-        #: The layer loop compiled for policies that compute fixed rows (``CompiledRows``;
+        #: The layer loop compiled from where a policy's rows are fixed (``CompiledRows``;
         #: set by ``KVRag(compile=...)``); None: every prefill runs op by op.
         self.compiled: CompiledRows | None = None
 
@@ -337,20 +337,29 @@ class FusionEngine:
         # What depends only on the active set and on state.keep, rebuilt when either changes.
         rows = _Rows(arch, positions, positions_sorted)
         counted_from = 0  # layer from which the current active set has been computed
-        layers = range(L)
-        if (
-            self.compiled is not None
-            and policy.fixed_rows()
-            and 1 < active.numel() < n
-            and rows.keys(state.keep).idx is None
-        ):
-            # No hook to call between layers: the whole loop is one compiled graph (None: it
-            # could not be built here, and the loop runs op by op).
-            cs = rows.cos_sin(active, cos, sin)
-            out = self.compiled(hidden, cs, active, state.K, state.V, rows.additive(active, hidden.dtype))
-            if out is not None:
-                hidden, layers = out, range(0)
-        for layer in layers:
+        compiled = self.compiled
+        fixed_after = policy.rows_fixed_after() if compiled is not None else None
+        for layer in range(L):
+            if (
+                compiled is not None
+                and fixed_after is not None
+                and layer > fixed_after
+                and 1 < active.numel() < n
+                and rows.keys(state.keep).idx is None
+                and rows.causal(active)[1] is None
+            ):
+                # No hook to call from here on: the rest of the loop is one compiled graph
+                # (None: it could not be built here, and the loop goes on op by op). Only where
+                # each layer's attention is one call over the whole mask: rows spread over the
+                # prompt (a recompute policy's hundreds) are attended in groups over key
+                # prefixes (``attention_plan``), about half the arithmetic, which the graph
+                # would not skip (cacheblend at 4k tokens on a CPU: 1.16x slower compiled).
+                fixed_after = None
+                cs = rows.cos_sin(active, cos, sin)
+                out = compiled(layer, hidden, cs, active, state.K, state.V, rows.additive(active, hidden.dtype))
+                if out is not None:
+                    hidden = out
+                    break
             cs = rows.cos_sin(active, cos, sin)
             q, k, v, _ = arch.qkv(layer, hidden, cs)
             sel = policy.select(layer, state, q, k, v)

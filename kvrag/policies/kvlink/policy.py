@@ -137,8 +137,8 @@ class KVLink(Policy):
     def select(self, layer, state, q, k, v):
         return None if self._recompute is None else self._recompute.select(layer, state, q, k, v)
 
-    def fixed_rows(self) -> bool:
-        return self._recompute is None or self._recompute.fixed_rows()
+    def rows_fixed_after(self) -> int | None:
+        return -1 if self._recompute is None else self._recompute.rows_fixed_after()
 
     def adapter(self, arch):
         """The ``KVLinkAdapter`` the model carries, or None."""

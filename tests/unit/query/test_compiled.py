@@ -147,25 +147,35 @@ def test_a_bad_compile_value_fails_before_the_model_loads(tmp_path):
 
 
 # ---- the fused prefill's computed rows ------------------------------------------------
-ROW_POLICIES = [("naive_reuse", {}), ("epic", {}), ("kvlink", {"mode": "untrained"})]
+# (policy, params, the layer the compiled loop starts at): rows fixed from the start (the
+# question alone, chunk edges beside it, inserted link tokens), or after a ranking layer.
+ROW_POLICIES = [
+    ("naive_reuse", {}, 0),
+    ("epic", {}, 0),
+    ("kvlink", {"mode": "untrained"}, 0),
+    ("cacheblend", {"deviation": "attention", "recompute_ratio": 0.3}, 1),
+    ("kvlink", {"mode": "untrained", "recompute_ratio": 0.3, "check_layers": (1,)}, 2),
+]
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3", "phi3", "smollm3"])
 def test_compiled_rows_equal_the_eager_layer_loop(tmp_path, family):
-    """The fused prefill's loop compiled (``CompiledRows``) gives the eager loop's logits and
-    K/V to float32 rounding, for every policy that computes fixed rows (the question alone,
-    chunk edges beside it, inserted link tokens), over prompts of other lengths from one graph."""
-    h = tiny_llama(seed=0, model_type=family, num_hidden_layers=2, **SMOLLM3_NOPE.get(family, {}))
+    """The fused prefill's loop compiled (``CompiledRows``) from where a policy's rows are
+    fixed gives the eager loop's logits and K/V to float32 rounding, over prompts of other
+    lengths from one graph per start layer."""
+    h = tiny_llama(seed=0, model_type=family, num_hidden_layers=3, **SMOLLM3_NOPE.get(family, {}))
     rag = KVRag(h, cache_dir=tmp_path / "kv", compile="off", kvlink_adapter=None)
     rag.precompute(DOCS)
     rows = CompiledRows(rag.arch)
-    for i, (policy, params) in enumerate(ROW_POLICIES):
-        prep = rag.prepare(prompt_for(DOCS[: i + 2], QUESTIONS[i]), policy, **params)
+    for i, (policy, params, start) in enumerate(ROW_POLICIES):
+        prep = rag.prepare(prompt_for(DOCS[: i % 3 + 2], QUESTIONS[i % 4]), policy, **params)
+        assert prep.policy.rows_fixed_after() == start - 1
         rag.fusion.compiled = None
         ref = rag.fusion.prefill(prep.layout, prep.policy)
         rag.fusion.compiled = rows
         got = rag.fusion.prefill(prep.layout, prep.policy)
-        assert rows.compiles == 1, policy  # built at the first prompt, serving the others
+        # Built at a start layer's first prompt, serving the others.
+        assert rows.compiles == len({s for _, _, s in ROW_POLICIES[: i + 1]}), policy
         torch.testing.assert_close(got.logits, ref.logits, **TOL, msg=policy)
         assert got.logits.argmax() == ref.logits.argmax()
         for a, b in zip(got.K + got.V, ref.K + ref.V):
@@ -174,23 +184,37 @@ def test_compiled_rows_equal_the_eager_layer_loop(tmp_path, family):
         assert got.stats.recompute_fraction == ref.stats.recompute_fraction
 
 
-def test_policies_that_narrow_the_rows_keep_the_eager_loop(tmp_path):
-    """cacheblend and a3 choose rows between layers: the compiled loop is not used for them
-    (no graph is built) and their answers are the eager ones; warm_up builds the rows' graph,
-    which then serves a naive_reuse answer without another."""
+def test_policies_that_narrow_the_rows_at_any_layer_keep_the_eager_loop(tmp_path):
+    """a3, prophetkv, samkv and a2ats may choose rows (or mask) at any layer: the compiled loop
+    is not used for them (no graph is built) and their prefills are the eager ones; warm_up
+    builds the graphs from layer 0 and from where the KVRag's own policy (cacheblend, ranking
+    at layer 1) fixes its rows, which then serve answers without another."""
     h = tiny_llama(seed=2)
-    rag = KVRag(h, cache_dir=tmp_path / "kv", compile="on")
+    rag = KVRag(h, cache_dir=tmp_path / "kv", compile="on", policy="cacheblend")
     rag.precompute(DOCS)
-    assert rag.fusion.compiled is not None and not get_policy("cacheblend").fixed_rows()
     eager = KVRag(h, cache_dir=tmp_path / "kv", compile="off")
     prompt = prompt_for(DOCS[:3], "Which river flows east?")
-    for policy in ("cacheblend", "a3"):
+    for policy in ("a3", "prophetkv", "samkv", "a2ats"):
+        assert get_policy(policy).rows_fixed_after() is None
+    for policy in ("a3", "prophetkv"):
         assert rag.prefill(prompt, policy).logits.equal(eager.prefill(prompt, policy).logits)
-    assert rag.fusion.compiled.compiles == 0
-    assert rag.warm_up() > 0 and rag.fusion.compiled.compiles == 1
-    want = eager.generate(prompt, policy="naive_reuse", max_new_tokens=8, ignore_eos=True)
-    got = rag.generate(prompt, policy="naive_reuse", max_new_tokens=8, ignore_eos=True)
-    assert got.token_ids == want.token_ids and rag.fusion.compiled.compiles == 1
+    assert rag.fusion.compiled is not None and rag.fusion.compiled.compiles == 0
+    assert rag.warm_up() > 0 and rag.fusion.compiled.compiles == 2
+    for policy in ("naive_reuse", "cacheblend"):
+        want = eager.generate(prompt, policy=policy, max_new_tokens=8, ignore_eos=True)
+        got = rag.generate(prompt, policy=policy, max_new_tokens=8, ignore_eos=True)
+        assert got.token_ids == want.token_ids, policy
+    assert rag.fusion.compiled.compiles == 2
+    # Rows spread over the prompt, attended in groups over key prefixes (an attention plan):
+    # op by op, which skips what the groups cannot see.
+    spread = {"recompute_ratio": 1.0, "deviation": "attention"}
+    long_docs = [" ".join([d] * 4) for d in DOCS]
+    rag.precompute(long_docs)
+    long_prompt = prompt_for(long_docs)
+    got = rag.prefill(long_prompt, "cacheblend", **spread)
+    assert got.stats.computed_tokens + got.stats.recomputed_tokens >= 2 * 64
+    assert got.logits.equal(eager.prefill(long_prompt, "cacheblend", **spread).logits)
+    assert rag.fusion.compiled.compiles == 2
 
 
 def test_rows_that_cannot_be_compiled_run_op_by_op(tmp_path, caplog):
