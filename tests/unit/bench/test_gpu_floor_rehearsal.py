@@ -18,6 +18,11 @@ def _script():
     return mod
 
 
+def _cpu_point(tiers: str) -> list[str]:
+    """The options of a rehearsal: one small point on the CPU in float32, one timed round."""
+    return ["--points", "2x64", "--device", "cpu", "--dtype", "float32", "--repeats", "1", "--tiers", tiers]
+
+
 def test_gpu_floor_writes_a_record_per_tier_and_policy_as_it_measures(tmp_path, monkeypatch):
     """One record per (tier, policy) with its floor, op counts on the point's first tier only,
     the table rewritten from them, and the profile of the first point; a shape that fails is
@@ -25,7 +30,7 @@ def test_gpu_floor_writes_a_record_per_tier_and_policy_as_it_measures(tmp_path, 
     monkeypatch.setenv("KVRAG_HOME", str(tmp_path / "home"))
     gpu_floor = _script()
     out = tmp_path / "out"
-    args = ["--points", "2x64", "--device", "cpu", "--dtype", "float32", "--repeats", "1", "--tiers", "device,host"]
+    args = _cpu_point("device,host")
     gpu_floor.main([str(out), "--shapes", "nosuch,tiny", "--policies", "naive_reuse,cacheblend@0.15", *args])
     rows = list(csv.DictReader(open(out / "floor.csv")))
     labels = ["full_prefill", "naive_reuse", "cacheblend@0.15"]
@@ -53,7 +58,7 @@ def test_gpu_floor_sets_how_masked_attention_meets_grouped_heads(tmp_path, monke
     build = gpu_floor.build
     monkeypatch.setattr(gpu_floor, "build", lambda *a: built.append(build(*a)) or built[-1])
     out = tmp_path / "out"
-    args = ["--points", "2x64", "--device", "cpu", "--dtype", "float32", "--repeats", "1", "--tiers", "device"]
+    args = _cpu_point("device")
     policies = ["--policies", "full_prefill,naive_reuse"]
     gpu_floor.main([str(out), "--shapes", "tiny", *policies, "--gqa-masked", "fold", *args])
     assert [h.arch.gqa_masked for h in built] == ["fold"]
@@ -96,7 +101,7 @@ def test_gpu_floor_stores_the_chunks_in_a_packed_format_when_asked(tmp_path, mon
     monkeypatch.setenv("KVRAG_HOME", str(tmp_path / "home"))
     gpu_floor = _script()
     out = tmp_path / "out"
-    args = ["--points", "2x64", "--device", "cpu", "--dtype", "float32", "--repeats", "1", "--tiers", "device,disk"]
+    args = _cpu_point("device,disk")
     gpu_floor.main([str(out), "--shapes", "tiny", "--policies", "naive_reuse", "--storage-dtype", "int4", *args])
     rows = list(csv.DictReader(open(out / "floor.csv")))
     assert [(r["storage"], r["tier"], r["label"]) for r in rows] == [
@@ -115,7 +120,7 @@ def test_gpu_floor_measures_the_compiled_rows_when_asked(tmp_path, monkeypatch):
     monkeypatch.setenv("KVRAG_HOME", str(tmp_path / "home"))
     gpu_floor = _script()
     out = tmp_path / "out"
-    args = ["--points", "2x64", "--device", "cpu", "--dtype", "float32", "--repeats", "1", "--tiers", "device"]
+    args = _cpu_point("device")
     gpu_floor.main([str(out), "--shapes", "tiny", "--policies", "naive_reuse", "--compile", "on", *args])
     rows = list(csv.DictReader(open(out / "floor.csv")))
     assert [(r["label"], r["compile"]) for r in rows] == [("full_prefill", "on"), ("naive_reuse", "on")]
