@@ -111,11 +111,23 @@ def test_concurrent_requests_under_every_policy_equal_generate(tmp_path, model_t
         return real(arch, caches, tokens, arena, compiled)
 
     monkeypatch.setattr(sched_mod, "decode_step", spy)
+    # Admissions wait until every request is submitted: on a loaded machine the submissions
+    # (each renders and tokenizes its prompt) could otherwise trickle in more slowly than the
+    # first requests decode their 10 tokens, and never all run at once.
+    all_in = threading.Event()
+    admit = Scheduler._admit
+
+    def gated(self, job):
+        all_in.wait(timeout=60)
+        return admit(self, job)
+
+    monkeypatch.setattr(Scheduler, "_admit", gated)
     with Scheduler(rag, max_concurrency=8) as sched:
         tickets = [
             sched.submit(GenerationRequest.of(p, max_new_tokens=10, policy=n, policy_params=kw))
             for p, (n, kw) in zip(prompts, policies)
         ]
+        all_in.set()
         fins = [t.result(timeout=300) for t in tickets]
     assert max(sizes) == 7, sizes  # every request but A2ATS' decoded in one step
     for (name, _), ref, fin in zip(policies, refs, fins):
