@@ -340,21 +340,18 @@ class FusionEngine:
         compiled = self.compiled
         fixed_after = policy.rows_fixed_after() if compiled is not None else None
         for layer in range(L):
-            if (
-                compiled is not None
-                and fixed_after is not None
-                and layer > fixed_after
-                and 1 < active.numel() < n
-                and rows.keys(state.keep).idx is None
-                and rows.causal(active)[1] is None
-            ):
+            if compiled is not None and fixed_after is not None and layer > fixed_after:
+                fixed_after = None  # the rows are fixed from here on: decided once
+                fits = 1 < active.numel() < n and rows.keys(state.keep).idx is None
+            else:
+                fits = False
+            if compiled is not None and fits and rows.causal(active)[1] is None:
                 # No hook to call from here on: the rest of the loop is one compiled graph
                 # (None: it could not be built here, and the loop goes on op by op). Only where
                 # each layer's attention is one call over the whole mask: rows spread over the
                 # prompt (a recompute policy's hundreds) are attended in groups over key
                 # prefixes (``attention_plan``), about half the arithmetic, which the graph
                 # would not skip (cacheblend at 4k tokens on a CPU: 1.16x slower compiled).
-                fixed_after = None
                 cs = rows.cos_sin(active, cos, sin)
                 out = compiled(layer, hidden, cs, active, state.K, state.V, rows.additive(active, hidden.dtype))
                 if out is not None:

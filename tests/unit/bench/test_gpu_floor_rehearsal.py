@@ -23,6 +23,15 @@ def _cpu_point(tiers: str) -> list[str]:
     return ["--points", "2x64", "--device", "cpu", "--dtype", "float32", "--repeats", "1", "--tiers", tiers]
 
 
+def _tiny_run(tmp_path, monkeypatch, tiers: str, *options: str) -> list[dict]:
+    """gpu_floor.py's records of naive_reuse (after full_prefill) on the tiny shape, one CPU
+    point over ``tiers``, with ``options``, written to tmp_path/out."""
+    monkeypatch.setenv("KVRAG_HOME", str(tmp_path / "home"))
+    out = tmp_path / "out"
+    _script().main([str(out), "--shapes", "tiny", "--policies", "naive_reuse", *options, *_cpu_point(tiers)])
+    return list(csv.DictReader(open(out / "floor.csv")))
+
+
 def test_gpu_floor_writes_a_record_per_tier_and_policy_as_it_measures(tmp_path, monkeypatch):
     """One record per (tier, policy) with its floor, op counts on the point's first tier only,
     the table rewritten from them, and the profile of the first point; a shape that fails is
@@ -98,12 +107,8 @@ def test_gpu_decode_writes_a_record_per_batch_and_path_as_it_measures(tmp_path, 
 def test_gpu_floor_stores_the_chunks_in_a_packed_format_when_asked(tmp_path, monkeypatch):
     """--storage-dtype (gpu_check.sh's formats step): the chunks are stored packed and served
     from every tier, each record says the format, and the table is headed by it."""
-    monkeypatch.setenv("KVRAG_HOME", str(tmp_path / "home"))
-    gpu_floor = _script()
     out = tmp_path / "out"
-    args = _cpu_point("device,disk")
-    gpu_floor.main([str(out), "--shapes", "tiny", "--policies", "naive_reuse", "--storage-dtype", "int4", *args])
-    rows = list(csv.DictReader(open(out / "floor.csv")))
+    rows = _tiny_run(tmp_path, monkeypatch, "device,disk", "--storage-dtype", "int4")
     assert [(r["storage"], r["tier"], r["label"]) for r in rows] == [
         ("int4", t, label) for t in ("device", "disk") for label in ("full_prefill", "naive_reuse")
     ]
@@ -117,11 +122,6 @@ def test_gpu_floor_stores_the_chunks_in_a_packed_format_when_asked(tmp_path, mon
 def test_gpu_floor_measures_the_compiled_rows_when_asked(tmp_path, monkeypatch):
     """--compile on (what compile auto is on a GPU): the fused prefill's rows run compiled,
     built in the untimed first round, and each record says so."""
-    monkeypatch.setenv("KVRAG_HOME", str(tmp_path / "home"))
-    gpu_floor = _script()
-    out = tmp_path / "out"
-    args = _cpu_point("device")
-    gpu_floor.main([str(out), "--shapes", "tiny", "--policies", "naive_reuse", "--compile", "on", *args])
-    rows = list(csv.DictReader(open(out / "floor.csv")))
+    rows = _tiny_run(tmp_path, monkeypatch, "device", "--compile", "on")
     assert [(r["label"], r["compile"]) for r in rows] == [("full_prefill", "on"), ("naive_reuse", "on")]
     assert not any(r["error"] for r in rows)
